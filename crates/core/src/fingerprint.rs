@@ -1,0 +1,240 @@
+//! Request fingerprints: what makes two requests "the same request".
+//!
+//! A fingerprint is SHA-256 over the method, the path with its query, and the
+//! body. A JSON body (by `Content-Type`) is canonicalised first, following
+//! RFC 8785 (JCS): object keys sorted, no insignificant whitespace, numbers
+//! and strings in one canonical spelling. The same JSON sent by another client
+//! library therefore gets the same fingerprint. A body that claims to be JSON
+//! but does not parse is fingerprinted as raw bytes.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// A SHA-256 request fingerprint.
+///
+/// ```
+/// use idem_core::Fingerprint;
+///
+/// let a = Fingerprint::of_request("POST", "/payments", Some("application/json"),
+///     br#"{"amount": 100, "currency": "EUR"}"#);
+/// let b = Fingerprint::of_request("POST", "/payments", Some("application/json; charset=utf-8"),
+///     br#"{"currency":"EUR","amount":1e2}"#);
+/// assert_eq!(a, b);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+/// How a body entered the fingerprint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BodyForm {
+    /// Parsed as JSON and canonicalised.
+    CanonicalJson,
+    /// Taken byte for byte.
+    Raw,
+}
+
+/// Canonicalising a JSON document failed.
+#[derive(Debug, thiserror::Error)]
+#[error("not canonicalisable JSON: {0}")]
+pub struct CanonicalJsonError(String);
+
+impl Fingerprint {
+    /// Fingerprints a request from its parts.
+    ///
+    /// `path_and_query` is the request target as received (`/a/b?x=1`);
+    /// `content_type` is the raw `Content-Type` header, if any.
+    pub fn of_request(
+        method: &str,
+        path_and_query: &str,
+        content_type: Option<&str>,
+        body: &[u8],
+    ) -> Self {
+        Self::of_request_with_form(method, path_and_query, content_type, body).0
+    }
+
+    /// Like [`Fingerprint::of_request`], also saying how the body was read.
+    pub fn of_request_with_form(
+        method: &str,
+        path_and_query: &str,
+        content_type: Option<&str>,
+        body: &[u8],
+    ) -> (Self, BodyForm) {
+        let canonical = if content_type.is_some_and(is_json_media_type) {
+            canonical_json(body).ok()
+        } else {
+            None
+        };
+        let (form, body) = match &canonical {
+            Some(c) => (BodyForm::CanonicalJson, c.as_slice()),
+            None => (BodyForm::Raw, body),
+        };
+        let mut h = Sha256::new();
+        h.update(b"idem-fingerprint-v1");
+        // Length-prefix each field so that no two requests share an encoding.
+        for field in [method.as_bytes(), path_and_query.as_bytes()] {
+            h.update((field.len() as u64).to_be_bytes());
+            h.update(field);
+        }
+        h.update([match form {
+            BodyForm::CanonicalJson => b'j',
+            BodyForm::Raw => b'r',
+        }]);
+        h.update((body.len() as u64).to_be_bytes());
+        h.update(body);
+        (Self(h.finalize().into()), form)
+    }
+
+    /// Builds a fingerprint from its 32 bytes (as read back from a store).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// Builds a fingerprint from a slice, which must be 32 bytes long.
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        <[u8; 32]>::try_from(bytes).ok().map(Self)
+    }
+
+    /// The 32 bytes of the digest.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// The digest as 64 lowercase hex digits.
+    pub fn to_hex(&self) -> String {
+        use fmt::Write;
+        self.0.iter().fold(String::with_capacity(64), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// Whether a `Content-Type` value names JSON: `application/json` or any
+/// `+json` structured syntax suffix, parameters ignored, case-insensitive.
+pub fn is_json_media_type(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+/// Canonicalises a JSON document per RFC 8785: sorted keys, no insignificant
+/// whitespace, numbers in their shortest ECMAScript spelling, strings with the
+/// minimal escapes.
+///
+/// ```
+/// let c = idem_core::fingerprint::canonical_json(br#"{ "b": [1.0, "\u0041"], "a": null }"#).unwrap();
+/// assert_eq!(c, br#"{"a":null,"b":[1,"A"]}"#);
+/// ```
+pub fn canonical_json(body: &[u8]) -> Result<Vec<u8>, CanonicalJsonError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| CanonicalJsonError(e.to_string()))?;
+    serde_jcs::to_vec(&value).map_err(|e| CanonicalJsonError(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const JSON: Option<&str> = Some("application/json");
+
+    #[test]
+    fn key_order_and_whitespace_do_not_matter() {
+        let a = Fingerprint::of_request("POST", "/p", JSON, br#"{"a":1,"b":{"y":2,"x":[1,2]}}"#);
+        let b = Fingerprint::of_request(
+            "POST",
+            "/p",
+            JSON,
+            b"{\n  \"b\" : { \"x\" : [ 1 , 2 ], \"y\" : 2 },\n  \"a\" : 1\n}\n",
+        );
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn numbers_and_strings_have_one_spelling() {
+        assert_eq!(canonical_json(b"[1.0, 1e2, 0.5e1, -0]").unwrap(), b"[1,100,5,0]");
+        assert_eq!(
+            canonical_json(br#""\u00e9\/\u0041""#).unwrap(),
+            "\"\u{e9}/A\"".as_bytes()
+        );
+        assert_eq!(canonical_json(br#""\u001f""#).unwrap(), br#""\u001f""#);
+        assert_eq!(canonical_json(b"1e21").unwrap(), b"1e+21");
+    }
+
+    #[test]
+    fn values_matter() {
+        let a = Fingerprint::of_request("POST", "/p", JSON, br#"{"amount":100}"#);
+        let b = Fingerprint::of_request("POST", "/p", JSON, br#"{"amount":101}"#);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn method_path_and_query_matter() {
+        let body = br#"{"a":1}"#;
+        let base = Fingerprint::of_request("POST", "/p", JSON, body);
+        assert_ne!(base, Fingerprint::of_request("PATCH", "/p", JSON, body));
+        assert_ne!(base, Fingerprint::of_request("POST", "/q", JSON, body));
+        assert_ne!(base, Fingerprint::of_request("POST", "/p?x=1", JSON, body));
+    }
+
+    #[test]
+    fn json_media_types() {
+        assert!(is_json_media_type("application/json"));
+        assert!(is_json_media_type("Application/JSON; charset=utf-8"));
+        assert!(is_json_media_type("application/merge-patch+json"));
+        assert!(!is_json_media_type("text/plain"));
+        assert!(!is_json_media_type("application/jsonx"));
+    }
+
+    #[test]
+    fn non_json_bodies_are_raw() {
+        let (a, form) =
+            Fingerprint::of_request_with_form("POST", "/p", Some("text/plain"), b"{\"a\":1}");
+        assert_eq!(form, BodyForm::Raw);
+        let b = Fingerprint::of_request("POST", "/p", Some("text/plain"), b"{ \"a\":1}");
+        assert_ne!(a, b, "raw bodies compare byte for byte");
+    }
+
+    #[test]
+    fn invalid_json_is_fingerprinted_raw() {
+        let (a, form) = Fingerprint::of_request_with_form("POST", "/p", JSON, b"{not json");
+        assert_eq!(form, BodyForm::Raw);
+        let (b, _) = Fingerprint::of_request_with_form("POST", "/p", Some("text/plain"), b"{not json");
+        // same bytes, same form: same fingerprint whatever the label said
+        assert_eq!(a, b);
+        assert_ne!(a, Fingerprint::of_request("POST", "/p", JSON, b"{not  json"));
+    }
+
+    #[test]
+    fn json_and_raw_forms_do_not_collide() {
+        let canonical = br#"{"a":1}"#;
+        let j = Fingerprint::of_request("POST", "/p", JSON, canonical);
+        let r = Fingerprint::of_request("POST", "/p", None, canonical);
+        assert_ne!(j, r);
+    }
+
+    #[test]
+    fn hex_round_trip() {
+        let f = Fingerprint::of_request("POST", "/", None, b"");
+        assert_eq!(f.to_hex().len(), 64);
+        assert_eq!(Fingerprint::from_slice(f.as_bytes()), Some(f));
+        assert_eq!(Fingerprint::from_slice(&[0; 3]), None);
+    }
+}

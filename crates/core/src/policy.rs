@@ -1,0 +1,322 @@
+//! The knobs of idempotency handling, validated in one place.
+
+use std::time::Duration;
+
+/// Headers replayed by default: they describe the response, not the session.
+pub const DEFAULT_REPLAYED_HEADERS: &[&str] = &["location", "content-type", "etag", "retry-after"];
+
+/// Headers that are never stored or replayed, whatever the allow-list says:
+/// they belong to a session or to one connection.
+pub const NEVER_REPLAYED: &[&str] = &[
+    "set-cookie",
+    "set-cookie2",
+    "authorization",
+    "proxy-authenticate",
+    "www-authenticate",
+    "connection",
+    "transfer-encoding",
+    "content-length",
+    "keep-alive",
+    "upgrade",
+    "idempotent-replayed",
+];
+
+/// How idempotent requests are handled. Build one with [`Policy::builder`];
+/// [`Policy::default`] gives the documented defaults.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_core::Policy;
+///
+/// let policy = Policy::builder()
+///     .lease(Duration::from_secs(10))
+///     .wait_for_in_flight(Duration::from_secs(2))
+///     .replay_header("x-request-cost")
+///     .build()
+///     .unwrap();
+/// assert_eq!(policy.retention(), Duration::from_secs(24 * 3600));
+/// assert!(policy.replays_header("X-Request-Cost"));
+/// assert!(policy.replays_header("location"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    retention: Duration,
+    lease: Duration,
+    wait: Option<Duration>,
+    max_body: usize,
+    replayed_headers: Vec<String>,
+    store_client_errors: bool,
+    require_key: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            retention: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            wait: None,
+            max_body: 1024 * 1024,
+            replayed_headers: DEFAULT_REPLAYED_HEADERS.iter().map(|s| (*s).to_owned()).collect(),
+            store_client_errors: true,
+            require_key: true,
+        }
+    }
+}
+
+impl Policy {
+    /// A builder starting from the defaults.
+    pub fn builder() -> PolicyBuilder {
+        PolicyBuilder {
+            policy: Self::default(),
+        }
+    }
+
+    /// How long a record counts after its first claim (default 24 h). After
+    /// it, the key is new again.
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// How long a holder may run before a retry may take its claim over
+    /// (default 30 s).
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// How long a duplicate of an in-flight request waits for the original to
+    /// finish before it gets `409` (default `None`: answer `409` at once).
+    pub fn wait(&self) -> Option<Duration> {
+        self.wait
+    }
+
+    /// The largest request body accepted, in bytes (default 1 MiB).
+    pub fn max_body(&self) -> usize {
+        self.max_body
+    }
+
+    /// The lowercase names of the headers kept for replay.
+    pub fn replayed_headers(&self) -> &[String] {
+        &self.replayed_headers
+    }
+
+    /// Whether a response header is kept for replay (case-insensitive).
+    pub fn replays_header(&self, name: &str) -> bool {
+        let name = name.to_ascii_lowercase();
+        !NEVER_REPLAYED.contains(&name.as_str()) && self.replayed_headers.contains(&name)
+    }
+
+    /// Whether `4xx` answers are stored and replayed (default yes).
+    pub fn store_client_errors(&self) -> bool {
+        self.store_client_errors
+    }
+
+    /// Whether a guarded request without a key is refused with `400`
+    /// (default yes) or passed through unguarded.
+    pub fn require_key(&self) -> bool {
+        self.require_key
+    }
+}
+
+/// Builds a [`Policy`]; see [`Policy::builder`].
+#[derive(Debug, Clone)]
+pub struct PolicyBuilder {
+    policy: Policy,
+}
+
+/// A policy that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// The lease is zero.
+    #[error("the lease must be longer than zero")]
+    ZeroLease,
+    /// The retention is not longer than the lease.
+    #[error("the retention ({retention:?}) must be longer than the lease ({lease:?})")]
+    RetentionNotAboveLease {
+        /// The retention asked for.
+        retention: Duration,
+        /// The lease asked for.
+        lease: Duration,
+    },
+    /// The body limit is zero.
+    #[error("the largest body must be at least one byte")]
+    ZeroBodyLimit,
+    /// A header on the allow-list is not a valid header name.
+    #[error("{0:?} is not a valid header name")]
+    InvalidHeaderName(String),
+    /// A header on the allow-list is one that must never be replayed.
+    #[error("{0:?} is tied to a session or a connection and is never replayed")]
+    ForbiddenHeader(String),
+}
+
+impl PolicyBuilder {
+    /// How long records count (default 24 h).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let p = idem_core::Policy::builder().retention(Duration::from_secs(3600)).build().unwrap();
+    /// assert_eq!(p.retention(), Duration::from_secs(3600));
+    /// ```
+    pub fn retention(mut self, d: Duration) -> Self {
+        self.policy.retention = d;
+        self
+    }
+
+    /// How long a holder's lease lasts (default 30 s).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let p = idem_core::Policy::builder().lease(Duration::from_secs(5)).build().unwrap();
+    /// assert_eq!(p.lease(), Duration::from_secs(5));
+    /// ```
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.policy.lease = d;
+        self
+    }
+
+    /// Let duplicates of an in-flight request wait up to `d` for it, then
+    /// replay its answer (default: don't wait, answer `409`). A zero duration
+    /// turns waiting off.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let p = idem_core::Policy::builder().wait_for_in_flight(Duration::from_millis(500)).build().unwrap();
+    /// assert_eq!(p.wait(), Some(Duration::from_millis(500)));
+    /// ```
+    pub fn wait_for_in_flight(mut self, d: Duration) -> Self {
+        self.policy.wait = (!d.is_zero()).then_some(d);
+        self
+    }
+
+    /// The largest request body accepted, in bytes (default 1 MiB).
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().max_body(64 * 1024).build().unwrap();
+    /// assert_eq!(p.max_body(), 65536);
+    /// ```
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.policy.max_body = bytes;
+        self
+    }
+
+    /// Adds a header to the replay allow-list (besides `Location`,
+    /// `Content-Type`, `ETag` and `Retry-After`).
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().replay_header("X-Trace").build().unwrap();
+    /// assert!(p.replays_header("x-trace"));
+    /// ```
+    pub fn replay_header(mut self, name: impl Into<String>) -> Self {
+        let name = name.into().to_ascii_lowercase();
+        if !self.policy.replayed_headers.contains(&name) {
+            self.policy.replayed_headers.push(name);
+        }
+        self
+    }
+
+    /// Whether `4xx` answers are stored and replayed (default `true`). With
+    /// `false`, a `4xx` releases the claim like a `5xx` does. `5xx` answers
+    /// always release.
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().store_client_errors(false).build().unwrap();
+    /// assert!(!p.store_client_errors());
+    /// ```
+    pub fn store_client_errors(mut self, yes: bool) -> Self {
+        self.policy.store_client_errors = yes;
+        self
+    }
+
+    /// Whether a guarded request must carry a key (default `true`: `400`
+    /// without one). With `false`, requests without a key pass through
+    /// unguarded.
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().require_key(false).build().unwrap();
+    /// assert!(!p.require_key());
+    /// ```
+    pub fn require_key(mut self, yes: bool) -> Self {
+        self.policy.require_key = yes;
+        self
+    }
+
+    /// Checks the settings and returns the policy.
+    pub fn build(self) -> Result<Policy, PolicyError> {
+        let p = self.policy;
+        if p.lease.is_zero() {
+            return Err(PolicyError::ZeroLease);
+        }
+        if p.retention <= p.lease {
+            return Err(PolicyError::RetentionNotAboveLease {
+                retention: p.retention,
+                lease: p.lease,
+            });
+        }
+        if p.max_body == 0 {
+            return Err(PolicyError::ZeroBodyLimit);
+        }
+        for name in &p.replayed_headers {
+            let valid = !name.is_empty()
+                && name.bytes().all(|b| {
+                    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+                });
+            if !valid {
+                return Err(PolicyError::InvalidHeaderName(name.clone()));
+            }
+            if NEVER_REPLAYED.contains(&name.as_str()) {
+                return Err(PolicyError::ForbiddenHeader(name.clone()));
+            }
+        }
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let p = Policy::default();
+        assert_eq!(p.retention(), Duration::from_secs(86_400));
+        assert_eq!(p.lease(), Duration::from_secs(30));
+        assert_eq!(p.wait(), None);
+        assert_eq!(p.max_body(), 1 << 20);
+        assert!(p.store_client_errors());
+        assert!(p.require_key());
+        for h in ["Location", "content-type", "ETag", "retry-after"] {
+            assert!(p.replays_header(h), "{h}");
+        }
+        assert!(!p.replays_header("set-cookie"));
+        assert!(!p.replays_header("x-other"));
+        assert_eq!(Policy::builder().build().unwrap(), p);
+    }
+
+    #[test]
+    fn validation() {
+        assert_eq!(
+            Policy::builder().lease(Duration::ZERO).build(),
+            Err(PolicyError::ZeroLease)
+        );
+        assert!(matches!(
+            Policy::builder()
+                .lease(Duration::from_secs(60))
+                .retention(Duration::from_secs(60))
+                .build(),
+            Err(PolicyError::RetentionNotAboveLease { .. })
+        ));
+        assert_eq!(Policy::builder().max_body(0).build(), Err(PolicyError::ZeroBodyLimit));
+        assert_eq!(
+            Policy::builder().replay_header("Set-Cookie").build(),
+            Err(PolicyError::ForbiddenHeader("set-cookie".into()))
+        );
+        assert_eq!(
+            Policy::builder().replay_header("bad header").build(),
+            Err(PolicyError::InvalidHeaderName("bad header".into()))
+        );
+        assert_eq!(
+            Policy::builder().wait_for_in_flight(Duration::ZERO).build().unwrap().wait(),
+            None
+        );
+    }
+}

@@ -1,0 +1,248 @@
+//! The idempotency record and its states.
+
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use uuid::Uuid;
+
+use crate::fingerprint::Fingerprint;
+
+/// A point in time as milliseconds since the Unix epoch: the unit every store
+/// keeps leases and retention in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct UnixMillis(pub i64);
+
+impl UnixMillis {
+    /// The current wall-clock time.
+    pub fn now() -> Self {
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis())
+            .unwrap_or(0);
+        Self(i64::try_from(ms).unwrap_or(i64::MAX))
+    }
+
+    /// This instant plus a duration, saturating.
+    pub fn plus(self, d: Duration) -> Self {
+        let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        Self(self.0.saturating_add(ms))
+    }
+
+    /// How long from `self` until `later`; zero if `later` is not later.
+    pub fn until(self, later: UnixMillis) -> Duration {
+        Duration::from_millis(u64::try_from(later.0.saturating_sub(self.0)).unwrap_or(0))
+    }
+}
+
+/// A fencing token: issued with every claim and takeover, never reused for
+/// the same record. Completion and release only apply while the record still
+/// carries the caller's token, so a holder whose claim was taken over (a
+/// "zombie") can change nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FencingToken(pub i64);
+
+impl FencingToken {
+    /// A fresh random token (63 random bits, never zero or negative).
+    pub fn generate() -> Self {
+        let v = Uuid::new_v4().as_u64_pair().0 & (i64::MAX as u64);
+        Self(i64::try_from(v.max(1)).unwrap_or(1))
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A stable id for the operation a key stands for: created at the first
+/// claim, kept across takeovers and releases. Pass it to systems outside the
+/// database (a payment provider, an email service) as *their* idempotency key,
+/// so that their effects are deduplicated too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct OperationId(pub Uuid);
+
+impl OperationId {
+    /// A new, time-ordered (UUID v7) operation id.
+    pub fn generate() -> Self {
+        Self(Uuid::now_v7())
+    }
+}
+
+impl fmt::Display for OperationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A response kept for replay: status, the allow-listed headers, and the body
+/// byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The HTTP status code.
+    pub status: u16,
+    /// Header names (lowercase) and raw values, in the order they were sent.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The body.
+    pub body: Bytes,
+}
+
+/// Stored headers could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("stored response headers are corrupt: {0}")]
+pub struct HeaderDecodeError(&'static str);
+
+impl StoredResponse {
+    /// Encodes the headers into a compact, lossless byte string for a store
+    /// column (`u16` name length, name, `u32` value length, value, repeated).
+    pub fn encode_headers(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (name, value) in &self.headers {
+            let name = &name.as_bytes()[..name.len().min(u16::MAX as usize)];
+            let value = &value[..value.len().min(u32::MAX as usize)];
+            out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+            out.extend_from_slice(name);
+            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            out.extend_from_slice(value);
+        }
+        out
+    }
+
+    /// Decodes what [`StoredResponse::encode_headers`] wrote.
+    pub fn decode_headers(mut bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>, HeaderDecodeError> {
+        fn take<'a>(b: &mut &'a [u8], n: usize) -> Result<&'a [u8], HeaderDecodeError> {
+            if b.len() < n {
+                return Err(HeaderDecodeError("truncated"));
+            }
+            let (head, tail) = b.split_at(n);
+            *b = tail;
+            Ok(head)
+        }
+        let mut headers = Vec::new();
+        while !bytes.is_empty() {
+            let n = take(&mut bytes, 2)?;
+            let n = u16::from_be_bytes([n[0], n[1]]) as usize;
+            let name = std::str::from_utf8(take(&mut bytes, n)?)
+                .map_err(|_| HeaderDecodeError("header name is not UTF-8"))?
+                .to_owned();
+            let v = take(&mut bytes, 4)?;
+            let v = u32::from_be_bytes([v[0], v[1], v[2], v[3]]) as usize;
+            headers.push((name, take(&mut bytes, v)?.to_vec()));
+        }
+        Ok(headers)
+    }
+}
+
+/// Where a record stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordState {
+    /// A holder is running the operation.
+    InProgress {
+        /// The current holder's fencing token.
+        token: FencingToken,
+        /// When the holder's lease runs out; after it, a retry may take over.
+        locked_until: UnixMillis,
+    },
+    /// The operation finished; its response is kept for replay.
+    Completed {
+        /// The response to replay.
+        response: StoredResponse,
+        /// When it completed.
+        completed_at: UnixMillis,
+    },
+}
+
+/// An idempotency record, identified by `(scope, key)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// The tenant or client the key belongs to.
+    pub scope: String,
+    /// The idempotency key.
+    pub key: String,
+    /// The fingerprint of the request that first claimed the key.
+    pub fingerprint: Fingerprint,
+    /// The operation id, stable across takeovers.
+    pub operation_id: OperationId,
+    /// When the key was first claimed.
+    pub created_at: UnixMillis,
+    /// When the record stops counting (creation plus retention).
+    pub expires_at: UnixMillis,
+    /// In progress or completed.
+    pub state: RecordState,
+}
+
+impl Record {
+    /// Whether the record is past its retention at `now`. A record still held
+    /// under a live lease never counts as expired, so a slow operation is not
+    /// run twice because its record aged out under it.
+    pub fn is_expired(&self, now: UnixMillis) -> bool {
+        self.expires_at <= now
+            && match &self.state {
+                RecordState::InProgress { locked_until, .. } => *locked_until <= now,
+                RecordState::Completed { .. } => true,
+            }
+    }
+
+    /// Whether the record is in progress under a lease that has run out.
+    pub fn lease_expired(&self, now: UnixMillis) -> bool {
+        matches!(&self.state, RecordState::InProgress { locked_until, .. } if *locked_until <= now)
+    }
+}
+
+/// A won claim: the right to run the operation under `token` until
+/// `locked_until`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The scope of the record.
+    pub scope: String,
+    /// The key of the record.
+    pub key: String,
+    /// This holder's fencing token.
+    pub token: FencingToken,
+    /// The operation id (the same as earlier holders' on a takeover).
+    pub operation_id: OperationId,
+    /// When this holder's lease runs out.
+    pub locked_until: UnixMillis,
+    /// Whether this claim took over an earlier holder's expired or released
+    /// lease (rather than being the first).
+    pub takeover: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_losslessly() {
+        let r = StoredResponse {
+            status: 201,
+            headers: vec![
+                ("location".into(), b"/payments/1".to_vec()),
+                ("x-bin".into(), vec![0xff, 0x00, b'a']),
+                ("empty".into(), vec![]),
+            ],
+            body: Bytes::from_static(b"{}"),
+        };
+        let enc = r.encode_headers();
+        assert_eq!(StoredResponse::decode_headers(&enc).unwrap(), r.headers);
+        assert!(StoredResponse::decode_headers(&enc[..enc.len() - 1]).is_err());
+        assert_eq!(StoredResponse::decode_headers(&[]).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn tokens_are_positive_and_distinct() {
+        let a = FencingToken::generate();
+        let b = FencingToken::generate();
+        assert!(a.0 > 0 && b.0 > 0);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn time_arithmetic_saturates() {
+        let t = UnixMillis(1000);
+        assert_eq!(t.plus(Duration::from_millis(500)), UnixMillis(1500));
+        assert_eq!(t.until(UnixMillis(400)), Duration::ZERO);
+        assert_eq!(UnixMillis(i64::MAX).plus(Duration::from_secs(1)), UnixMillis(i64::MAX));
+    }
+}

@@ -1,0 +1,140 @@
+//! The `Store` trait: where records live.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::fingerprint::Fingerprint;
+use crate::record::{Claim, Record, StoredResponse};
+
+/// A boxed, `Send` future, as returned by [`Store`] methods.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A store failure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The caller's claim is no longer current: its token was replaced by a
+    /// takeover, or the record was completed or removed. The caller must not
+    /// commit its effect.
+    #[error("the claim was lost: another holder took the key over or the record is gone")]
+    ClaimLost,
+    /// The store could not be reached or failed to answer.
+    #[error("the idempotency store is unavailable")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// A stored record could not be decoded.
+    #[error("a stored idempotency record is corrupt: {0}")]
+    Corrupt(String),
+}
+
+/// What [`Store::claim`] is asked to do.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The tenant or client the key belongs to.
+    pub scope: String,
+    /// The idempotency key.
+    pub key: String,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long the claim is held before a retry may take it over.
+    pub lease: Duration,
+    /// How long a new record counts.
+    pub retention: Duration,
+}
+
+/// What [`Store::claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The caller holds the key: it is new (or its old record had expired),
+    /// or the caller took over an expired or released lease
+    /// ([`Claim::takeover`] tells which).
+    Acquired(Claim),
+    /// Someone else's record is there: completed, in flight under a live
+    /// lease, or made by a request with another fingerprint. Pass it to
+    /// [`decide`](crate::decide) to learn what to answer.
+    Existing(Record),
+}
+
+/// Where idempotency records live.
+///
+/// Every operation is atomic on its own: two racing claims on one key never
+/// both acquire it, and completion and release apply only while the record
+/// still carries the caller's fencing token.
+///
+/// # Why boxed futures
+///
+/// The methods return [`BoxFuture`] rather than being `async fn`s so that the
+/// trait is object-safe: applications choose a store at run time (SQLite or
+/// PostgreSQL from a URL, with or without a cache in front) and hold it as
+/// `Arc<dyn Store>`, and tiered stores wrap other stores the same way. One
+/// allocation per call is noise next to a database round trip.
+pub trait Store: Send + Sync + std::fmt::Debug + 'static {
+    /// Claims `(scope, key)` atomically.
+    ///
+    /// - no record, or one past its retention: a fresh claim (new token, new
+    ///   operation id);
+    /// - a record in progress whose lease has run out (or was released), with
+    ///   the same fingerprint: a takeover (new token, same operation id);
+    /// - anything else: the existing record, untouched.
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>>;
+
+    /// Completes the claimed record with its response, if the record still
+    /// carries `claim.token` and is in progress; otherwise
+    /// [`StoreError::ClaimLost`].
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Releases the claim so that the next retry may take it over at once
+    /// (keeping the operation id), if the record still carries `claim.token`
+    /// and is in progress; otherwise [`StoreError::ClaimLost`].
+    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>>;
+
+    /// Reads the record under `(scope, key)`; records past their retention
+    /// read as absent.
+    fn get<'a>(&'a self, scope: &'a str, key: &'a str)
+        -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
+
+    /// Deletes at most `batch` records past their retention, returning how
+    /// many went. Call it until it returns less than `batch` to sweep all.
+    fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>>;
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        (**self).claim(request)
+    }
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        (**self).complete(claim, response)
+    }
+    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+        (**self).release(claim)
+    }
+    fn get<'a>(&'a self, scope: &'a str, key: &'a str)
+        -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        (**self).get(scope, key)
+    }
+    fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+        (**self).sweep(batch)
+    }
+}
+
+/// Sweeps every expired record, `batch` at a time, returning how many went.
+pub async fn sweep_all<S: Store + ?Sized>(store: &S, batch: usize) -> Result<u64, StoreError> {
+    let batch = batch.max(1);
+    let mut total = 0;
+    loop {
+        let n = store.sweep(batch).await?;
+        total += n;
+        if n < batch as u64 {
+            return Ok(total);
+        }
+    }
+}
