@@ -1,0 +1,360 @@
+//! The conformance suite every idem [`Store`] passes, written once.
+//!
+//! A store crate instantiates it in its tests with a closure that makes a
+//! fresh, isolated store (its own file, schema or key prefix):
+//!
+//! ```ignore
+//! idem_store_suite::store_suite!(|| async { MyStore::connect(...).await.unwrap() });
+//! ```
+//!
+//! Each case is a plain `async fn` taking the store, so a store with special
+//! needs can also call them one by one.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    sweep_all, Claim, ClaimOutcome, ClaimRequest, Fingerprint, RecordState, Store, StoreError,
+    StoredResponse,
+};
+
+/// A lease long enough never to run out during a test.
+pub const LONG: Duration = Duration::from_secs(600);
+/// A lease short enough to wait out.
+pub const SHORT: Duration = Duration::from_millis(300);
+
+/// Instantiates every case of the suite as a `#[tokio::test]`, each with a
+/// fresh store from `$make` (a closure returning a future of the store).
+#[macro_export]
+macro_rules! store_suite {
+    ($make:expr) => {
+        $crate::store_suite!(@cases $make;
+            fresh_claim_then_existing,
+            racing_claims_only_one_wins,
+            complete_then_replay,
+            different_fingerprint_is_left_alone,
+            takeover_after_lease_expiry,
+            racing_takeovers_only_one_wins,
+            stale_token_cannot_complete_or_release,
+            release_lets_next_claim_take_over,
+            expired_lease_with_other_fingerprint_is_not_taken_over,
+            retention_makes_key_new_again,
+            sweep_removes_only_expired_in_batches,
+            scopes_are_isolated,
+            responses_round_trip,
+            get_missing_is_none
+        );
+    };
+    (@cases $make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                let make = $make;
+                let store = make().await;
+                $crate::$case(store).await;
+            }
+        )*
+    };
+}
+
+/// A claim request for `key` in scope `scope` with body `body`.
+pub fn request(scope: &str, key: &str, body: &str, lease: Duration, retention: Duration) -> ClaimRequest {
+    ClaimRequest {
+        scope: scope.to_owned(),
+        key: key.to_owned(),
+        fingerprint: Fingerprint::of_request("POST", "/payments", Some("application/json"), body.as_bytes()),
+        lease,
+        retention,
+    }
+}
+
+fn req(key: &str, lease: Duration) -> ClaimRequest {
+    request("scope-a", key, r#"{"amount":100}"#, lease, Duration::from_secs(3600))
+}
+
+fn response(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![
+            ("location".to_owned(), b"/payments/1".to_vec()),
+            ("content-type".to_owned(), b"application/json".to_vec()),
+        ],
+        body: Bytes::from_static(body.as_bytes()),
+    }
+}
+
+fn acquired(o: ClaimOutcome) -> Claim {
+    match o {
+        ClaimOutcome::Acquired(c) => c,
+        ClaimOutcome::Existing(r) => panic!("expected to acquire, found {r:?}"),
+    }
+}
+
+fn existing(o: ClaimOutcome) -> idem_core::Record {
+    match o {
+        ClaimOutcome::Existing(r) => r,
+        ClaimOutcome::Acquired(c) => panic!("expected an existing record, acquired {c:?}"),
+    }
+}
+
+/// A new key is acquired; a second claim finds the record in progress.
+pub async fn fresh_claim_then_existing<S: Store>(store: S) {
+    let r = req("k1", LONG);
+    let claim = acquired(store.claim(&r).await.unwrap());
+    assert!(!claim.takeover);
+    assert_eq!(claim.key, "k1");
+    let rec = existing(store.claim(&r).await.unwrap());
+    assert_eq!(rec.operation_id, claim.operation_id);
+    assert_eq!(rec.fingerprint, r.fingerprint);
+    match rec.state {
+        RecordState::InProgress { token, locked_until } => {
+            assert_eq!(token, claim.token);
+            assert_eq!(locked_until, claim.locked_until);
+        }
+        other => panic!("expected in progress, got {other:?}"),
+    }
+}
+
+/// Many concurrent claims of one key: exactly one acquires it.
+pub async fn racing_claims_only_one_wins<S: Store>(store: S) {
+    let store = Arc::new(store);
+    let r = Arc::new(req("race", LONG));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (store, r) = (store.clone(), r.clone());
+        tasks.push(tokio::spawn(async move { store.claim(&r).await }));
+    }
+    let mut won = 0;
+    let mut op_ids = std::collections::HashSet::new();
+    for t in tasks {
+        match t.await.unwrap().unwrap() {
+            ClaimOutcome::Acquired(c) => {
+                won += 1;
+                op_ids.insert(c.operation_id);
+            }
+            ClaimOutcome::Existing(rec) => {
+                op_ids.insert(rec.operation_id);
+            }
+        }
+    }
+    assert_eq!(won, 1, "exactly one racing claim must win");
+    assert_eq!(op_ids.len(), 1, "every racer must see the same operation");
+}
+
+/// A completed record is returned as existing with its response.
+pub async fn complete_then_replay<S: Store>(store: S) {
+    let r = req("k2", LONG);
+    let claim = acquired(store.claim(&r).await.unwrap());
+    store.complete(&claim, &response(r#"{"id":"p1"}"#)).await.unwrap();
+    let rec = existing(store.claim(&r).await.unwrap());
+    match &rec.state {
+        RecordState::Completed { response: got, .. } => assert_eq!(got, &response(r#"{"id":"p1"}"#)),
+        other => panic!("expected completed, got {other:?}"),
+    }
+    assert_eq!(store.get("scope-a", "k2").await.unwrap(), Some(rec));
+    // completing twice is refused: the claim is spent
+    assert!(matches!(
+        store.complete(&claim, &response("{}")).await,
+        Err(StoreError::ClaimLost)
+    ));
+}
+
+/// A claim with another fingerprint does not touch the record.
+pub async fn different_fingerprint_is_left_alone<S: Store>(store: S) {
+    let r = req("k3", LONG);
+    let claim = acquired(store.claim(&r).await.unwrap());
+    let other = request("scope-a", "k3", r#"{"amount":999}"#, LONG, Duration::from_secs(3600));
+    let rec = existing(store.claim(&other).await.unwrap());
+    assert_eq!(rec.fingerprint, r.fingerprint);
+    assert_ne!(rec.fingerprint, other.fingerprint);
+    // the holder still holds it
+    store.complete(&claim, &response("{}")).await.unwrap();
+}
+
+/// After the lease runs out, a retry takes over: new token, same operation.
+pub async fn takeover_after_lease_expiry<S: Store>(store: S) {
+    let r = req("k4", SHORT);
+    let first = acquired(store.claim(&r).await.unwrap());
+    assert!(matches!(store.claim(&r).await.unwrap(), ClaimOutcome::Existing(_)));
+    tokio::time::sleep(SHORT + Duration::from_millis(100)).await;
+    let second = acquired(store.claim(&r).await.unwrap());
+    assert!(second.takeover);
+    assert_ne!(second.token, first.token);
+    assert_eq!(second.operation_id, first.operation_id);
+    assert!(second.locked_until > first.locked_until);
+}
+
+/// Many retries racing for an expired lease: exactly one takes it over.
+pub async fn racing_takeovers_only_one_wins<S: Store>(store: S) {
+    let store = Arc::new(store);
+    let r = Arc::new(req("k5", SHORT));
+    let first = acquired(store.claim(&r).await.unwrap());
+    tokio::time::sleep(SHORT + Duration::from_millis(100)).await;
+    let long = Arc::new(req("k5", LONG));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (store, r) = (store.clone(), long.clone());
+        tasks.push(tokio::spawn(async move { store.claim(&r).await }));
+    }
+    let mut winners = Vec::new();
+    for t in tasks {
+        if let ClaimOutcome::Acquired(c) = t.await.unwrap().unwrap() {
+            winners.push(c);
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one retry may take over");
+    assert!(winners[0].takeover);
+    assert_eq!(winners[0].operation_id, first.operation_id);
+}
+
+/// A holder whose claim was taken over can neither complete nor release.
+pub async fn stale_token_cannot_complete_or_release<S: Store>(store: S) {
+    let r = req("k6", SHORT);
+    let zombie = acquired(store.claim(&r).await.unwrap());
+    tokio::time::sleep(SHORT + Duration::from_millis(100)).await;
+    let fresh = acquired(store.claim(&req("k6", LONG)).await.unwrap());
+    assert!(matches!(
+        store.complete(&zombie, &response(r#"{"zombie":true}"#)).await,
+        Err(StoreError::ClaimLost)
+    ));
+    assert!(matches!(store.release(&zombie).await, Err(StoreError::ClaimLost)));
+    // the record is still the new holder's
+    match existing(store.claim(&r).await.unwrap()).state {
+        RecordState::InProgress { token, .. } => assert_eq!(token, fresh.token),
+        other => panic!("expected in progress, got {other:?}"),
+    }
+    store.complete(&fresh, &response(r#"{"fresh":true}"#)).await.unwrap();
+    match store.get("scope-a", "k6").await.unwrap().unwrap().state {
+        RecordState::Completed { response: got, .. } => assert_eq!(got.body, r#"{"fresh":true}"#),
+        other => panic!("expected completed, got {other:?}"),
+    }
+    // and the zombie cannot release a completed record either
+    assert!(matches!(store.release(&zombie).await, Err(StoreError::ClaimLost)));
+    assert!(matches!(store.release(&fresh).await, Err(StoreError::ClaimLost)));
+}
+
+/// A released claim is taken over at once by the next retry, which keeps the
+/// operation id (so downstream effects stay deduplicated).
+pub async fn release_lets_next_claim_take_over<S: Store>(store: S) {
+    let r = req("k7", LONG);
+    let first = acquired(store.claim(&r).await.unwrap());
+    store.release(&first).await.unwrap();
+    let second = acquired(store.claim(&r).await.unwrap());
+    assert!(second.takeover);
+    assert_eq!(second.operation_id, first.operation_id);
+    assert_ne!(second.token, first.token);
+    // the first holder's token is spent
+    assert!(matches!(store.release(&first).await, Err(StoreError::ClaimLost)));
+    assert!(matches!(store.claim(&r).await.unwrap(), ClaimOutcome::Existing(_)));
+}
+
+/// An expired lease is not taken over by a request with another fingerprint.
+pub async fn expired_lease_with_other_fingerprint_is_not_taken_over<S: Store>(store: S) {
+    let r = req("k8", SHORT);
+    let first = acquired(store.claim(&r).await.unwrap());
+    tokio::time::sleep(SHORT + Duration::from_millis(100)).await;
+    let other = request("scope-a", "k8", r#"{"amount":1}"#, LONG, Duration::from_secs(3600));
+    let rec = existing(store.claim(&other).await.unwrap());
+    assert_eq!(rec.fingerprint, r.fingerprint);
+    assert_eq!(rec.operation_id, first.operation_id);
+}
+
+/// After its retention a record reads as absent and its key is new again,
+/// whatever the body.
+pub async fn retention_makes_key_new_again<S: Store>(store: S) {
+    let retention = Duration::from_millis(600);
+    let r = request("scope-a", "k9", r#"{"amount":1}"#, SHORT, retention);
+    let first = acquired(store.claim(&r).await.unwrap());
+    store.complete(&first, &response("{}")).await.unwrap();
+    assert!(store.get("scope-a", "k9").await.unwrap().is_some());
+    tokio::time::sleep(retention + Duration::from_millis(150)).await;
+    assert_eq!(store.get("scope-a", "k9").await.unwrap(), None);
+    let other = request("scope-a", "k9", r#"{"amount":2}"#, LONG, Duration::from_secs(3600));
+    let second = acquired(store.claim(&other).await.unwrap());
+    assert!(!second.takeover);
+    assert_ne!(second.operation_id, first.operation_id);
+    let rec = store.get("scope-a", "k9").await.unwrap().unwrap();
+    assert_eq!(rec.fingerprint, other.fingerprint);
+    assert!(matches!(rec.state, RecordState::InProgress { .. }));
+}
+
+/// Sweep deletes expired records in bounded batches and nothing else.
+pub async fn sweep_removes_only_expired_in_batches<S: Store>(store: S) {
+    let short = Duration::from_millis(400);
+    for i in 0..7 {
+        let r = request("scope-s", &format!("old-{i}"), "{}", Duration::from_millis(100), short);
+        let c = acquired(store.claim(&r).await.unwrap());
+        if i % 2 == 0 {
+            store.complete(&c, &response("{}")).await.unwrap();
+        }
+    }
+    // a record past retention but still held under a live lease is kept
+    let held = request("scope-s", "held", "{}", Duration::from_secs(5), Duration::from_millis(450));
+    let held_claim = acquired(store.claim(&held).await.unwrap());
+    for i in 0..3 {
+        let r = request("scope-s", &format!("live-{i}"), "{}", LONG, Duration::from_secs(3600));
+        acquired(store.claim(&r).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let first = store.sweep(3).await.unwrap();
+    assert_eq!(first, 3, "a batch is bounded");
+    let rest = sweep_all(&store, 3).await.unwrap();
+    assert_eq!(first + rest, 7);
+    assert_eq!(store.sweep(3).await.unwrap(), 0);
+    for i in 0..3 {
+        assert!(store.get("scope-s", &format!("live-{i}")).await.unwrap().is_some());
+    }
+    assert!(store.get("scope-s", "held").await.unwrap().is_some());
+    store.complete(&held_claim, &response("{}")).await.unwrap();
+}
+
+/// The same key in two scopes names two records.
+pub async fn scopes_are_isolated<S: Store>(store: S) {
+    let a = request("tenant-a", "same", "{}", LONG, Duration::from_secs(3600));
+    let b = request("tenant-b", "same", "{}", LONG, Duration::from_secs(3600));
+    let ca = acquired(store.claim(&a).await.unwrap());
+    let cb = acquired(store.claim(&b).await.unwrap());
+    assert_ne!(ca.operation_id, cb.operation_id);
+    store.complete(&ca, &response("a")).await.unwrap();
+    assert!(matches!(
+        store.get("tenant-b", "same").await.unwrap().unwrap().state,
+        RecordState::InProgress { .. }
+    ));
+}
+
+/// Statuses, binary header values and bodies come back exactly.
+pub async fn responses_round_trip<S: Store>(store: S) {
+    let big: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let cases = [
+        StoredResponse {
+            status: 422,
+            headers: vec![],
+            body: Bytes::new(),
+        },
+        StoredResponse {
+            status: 200,
+            headers: vec![
+                ("x-bin".to_owned(), vec![0x80, 0xff, 0x00]),
+                ("etag".to_owned(), b"\"v1\"".to_vec()),
+                ("x-empty".to_owned(), vec![]),
+            ],
+            body: Bytes::from(big),
+        },
+    ];
+    for (i, want) in cases.into_iter().enumerate() {
+        let key = format!("rt-{i}");
+        let c = acquired(store.claim(&req(&key, LONG)).await.unwrap());
+        store.complete(&c, &want).await.unwrap();
+        match store.get("scope-a", &key).await.unwrap().unwrap().state {
+            RecordState::Completed { response, .. } => assert_eq!(response, want),
+            other => panic!("expected completed, got {other:?}"),
+        }
+    }
+}
+
+/// Reading an unknown key gives nothing.
+pub async fn get_missing_is_none<S: Store>(store: S) {
+    assert_eq!(store.get("nobody", "nothing").await.unwrap(), None);
+}
