@@ -23,6 +23,10 @@ pub enum StoreError {
     /// The store could not be reached or failed to answer.
     #[error("the idempotency store is unavailable")]
     Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store answered with an error that is not about reaching it (a
+    /// constraint, a missing table, a bad statement).
+    #[error("the idempotency store failed")]
+    Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// A stored record could not be decoded.
     #[error("a stored idempotency record is corrupt: {0}")]
     Corrupt(String),

@@ -193,5 +193,5 @@ impl Store for MemoryStore {
 
 #[cfg(test)]
 mod tests {
-    idem_store_suite::store_suite!(|| async { crate::MemoryStore::new() });
+    idem_store_suite::store_suite!(|| async { (crate::MemoryStore::new(), ()) });
 }

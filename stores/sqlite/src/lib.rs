@@ -1,1 +1,520 @@
-//! x
+//! The embedded SQLite store for idem.
+//!
+//! One process, no server: the database file is created if missing, put in
+//! WAL mode with a busy timeout, and migrated on [`SqliteStore::connect`].
+//! Handlers that write to the same database can complete the idempotency
+//! record **in their own transaction** with [`complete_in_tx`], so that the
+//! business write and the record commit together or not at all.
+//!
+//! ```
+//! use std::time::Duration;
+//! use idem_core::{ClaimOutcome, ClaimRequest, Fingerprint, Store, StoredResponse};
+//! use idem_sqlite::{complete_in_tx, SqliteStore};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = SqliteStore::connect("sqlite::memory:").await?;
+//! let request = ClaimRequest {
+//!     scope: "client-1".into(),
+//!     key: "key-1".into(),
+//!     fingerprint: Fingerprint::of_request("POST", "/payments", None, b"{}"),
+//!     lease: Duration::from_secs(30),
+//!     retention: Duration::from_secs(86_400),
+//! };
+//! let ClaimOutcome::Acquired(claim) = store.claim(&request).await? else { unreachable!() };
+//!
+//! let mut tx = store.pool().begin().await?;
+//! // ... the business write on `tx` ...
+//! let response = StoredResponse { status: 201, headers: vec![], body: "{}".into() };
+//! complete_in_tx(&mut tx, &claim, &response).await?; // fenced by the claim's token
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # How the claim stays atomic
+//!
+//! The claim is one `INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING`
+//! statement: it inserts a new record, replaces one past its retention, or
+//! takes over an expired lease of the same request, and returns no row when
+//! none of these apply. SQLite runs each statement under its database write
+//! lock, so two racing claims cannot both get a row back. Only when the claim
+//! did not win is the existing record read, for the caller to decide on.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, OperationId, Record,
+    RecordState, Store, StoreError, StoredResponse, UnixMillis,
+};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
+};
+use sqlx::Row;
+
+/// The embedded migrations, in order: `(version, SQL)`.
+///
+/// idem keeps its own version table (`idem_schema_migrations`) rather than
+/// sqlx's `_sqlx_migrations`, so that it never collides with the
+/// application's own sqlx migrations in the same database.
+pub const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../migrations/sqlite/0001_records.sql"))];
+
+/// How long a connection waits for SQLite's write lock before failing.
+pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The SQLite store; see the [crate docs](crate).
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+/// Turns a sqlx error into a store error: connection and pool trouble is
+/// [`StoreError::Unavailable`], the rest [`StoreError::Backend`].
+pub fn store_error(e: sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_) => StoreError::Unavailable(Box::new(e)),
+        // SQLITE_BUSY / SQLITE_LOCKED after the busy timeout: the database is
+        // there but could not be had in time.
+        sqlx::Error::Database(ref d) if matches!(d.code().as_deref(), Some("5" | "6" | "517")) => {
+            StoreError::Unavailable(Box::new(e))
+        }
+        other => StoreError::Backend(Box::new(other)),
+    }
+}
+
+/// Connection options idem uses for a SQLite URL: the file created if
+/// missing, WAL journal, `synchronous = FULL` (a committed record survives a
+/// power cut, not only a crash), foreign keys on, and a busy timeout.
+pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
+    Ok(SqliteConnectOptions::from_str(url)?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .foreign_keys(true)
+        .busy_timeout(DEFAULT_BUSY_TIMEOUT))
+}
+
+/// Opens a pool on `url` with [`connect_options`]. An in-memory database gets
+/// a single connection, since each SQLite connection to `:memory:` would
+/// otherwise see a database of its own.
+pub async fn open_pool(url: &str) -> Result<SqlitePool, sqlx::Error> {
+    let options = connect_options(url)?;
+    let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+    let mut pool = SqlitePoolOptions::new().acquire_timeout(DEFAULT_BUSY_TIMEOUT);
+    if in_memory {
+        pool = pool.max_connections(1).idle_timeout(None).max_lifetime(None);
+    }
+    pool.connect_with(options).await
+}
+
+impl SqliteStore {
+    /// Opens (creating if missing) the database at `url` (`sqlite:idem.db`,
+    /// `sqlite::memory:`, …) and applies idem's migrations.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let pool = open_pool(url).await.map_err(store_error)?;
+        let store = Self { pool };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Uses an existing pool. Call [`SqliteStore::migrate`] once before use
+    /// if the tables may be missing.
+    pub fn from_pool(pool: SqlitePool) -> Self {
+        Self { pool }
+    }
+
+    /// The pool, for the application's own queries and transactions.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Applies the embedded migrations that have not run yet. Safe to call
+    /// from several processes at once: each migration runs in an immediate
+    /// transaction that also records its version.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        migrate(&self.pool).await.map_err(store_error)
+    }
+
+    async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        // A claim that loses reads the winner's record; if that record is
+        // swept between the two statements, claim again (bounded).
+        for _ in 0..5 {
+            let now = UnixMillis::now();
+            let token = FencingToken::generate();
+            let operation_id = OperationId::generate();
+            let locked_until = now.plus(req.lease);
+            let won = sqlx::query(CLAIM_SQL)
+                .bind(&req.scope)
+                .bind(&req.key)
+                .bind(req.fingerprint.as_bytes().as_slice())
+                .bind(operation_id.0.to_string())
+                .bind(token.0)
+                .bind(locked_until.0)
+                .bind(now.0)
+                .bind(now.plus(req.retention).0)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(store_error)?;
+            if let Some(row) = won {
+                let stored_op = parse_operation_id(&row.try_get::<String, _>(0).map_err(store_error)?)?;
+                return Ok(ClaimOutcome::Acquired(Claim {
+                    scope: req.scope.clone(),
+                    key: req.key.clone(),
+                    token,
+                    operation_id: stored_op,
+                    locked_until,
+                    takeover: stored_op != operation_id,
+                }));
+            }
+            if let Some(record) = self.fetch(&req.scope, &req.key).await? {
+                return Ok(ClaimOutcome::Existing(record));
+            }
+        }
+        Err(StoreError::Backend(
+            "the record kept vanishing between claim and read".into(),
+        ))
+    }
+
+    async fn fetch(&self, scope: &str, key: &str) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(SELECT_SQL)
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_error)?;
+        row.map(|r| decode_record(&r)).transpose()
+    }
+}
+
+/// Applies idem's [`MIGRATIONS`] on `pool`.
+pub async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS idem_schema_migrations (
+            version INTEGER PRIMARY KEY,
+            applied_at INTEGER NOT NULL
+        )",
+    )
+    .execute(pool)
+    .await?;
+    for (version, sql) in MIGRATIONS {
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+        let done = sqlx::query("SELECT 1 FROM idem_schema_migrations WHERE version = ?1")
+            .bind(version)
+            .fetch_optional(&mut *tx)
+            .await?
+            .is_some();
+        if !done {
+            sqlx::raw_sql(sql).execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO idem_schema_migrations (version, applied_at) VALUES (?1, ?2)")
+                .bind(version)
+                .bind(UnixMillis::now().0)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+/// The claim, in one statement. Parameters: ?1 scope, ?2 key, ?3 fingerprint,
+/// ?4 proposed operation id, ?5 new token, ?6 locked_until, ?7 now,
+/// ?8 expires_at. Returns the record's operation id when the caller won:
+/// the proposed one for a fresh claim, the kept one for a takeover.
+const CLAIM_SQL: &str = "
+INSERT INTO idem_records
+    (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
+VALUES (?1, ?2, ?3, ?4, ?5, 'in_progress', ?6, ?7, ?8)
+ON CONFLICT (scope, key) DO UPDATE SET
+    token        = excluded.token,
+    locked_until = excluded.locked_until,
+    state        = 'in_progress',
+    -- past its retention the record is replaced whole; a takeover keeps it
+    fingerprint  = iif(idem_records.expires_at <= ?7, excluded.fingerprint,  idem_records.fingerprint),
+    operation_id = iif(idem_records.expires_at <= ?7, excluded.operation_id, idem_records.operation_id),
+    created_at   = iif(idem_records.expires_at <= ?7, excluded.created_at,   idem_records.created_at),
+    expires_at   = iif(idem_records.expires_at <= ?7, excluded.expires_at,   idem_records.expires_at),
+    completed_at = NULL,
+    status       = NULL,
+    headers      = NULL,
+    body         = NULL
+WHERE
+    -- past its retention, and not held under a live lease
+    (idem_records.expires_at <= ?7
+        AND (idem_records.state = 'completed' OR idem_records.locked_until <= ?7))
+    -- or an expired or released lease of the same request: take it over
+    OR (idem_records.state = 'in_progress'
+        AND idem_records.locked_until <= ?7
+        AND idem_records.fingerprint = excluded.fingerprint)
+RETURNING operation_id";
+
+const SELECT_SQL: &str = "
+SELECT scope, key, fingerprint, operation_id, token, state, locked_until,
+       created_at, expires_at, completed_at, status, headers, body
+FROM idem_records WHERE scope = ?1 AND key = ?2";
+
+const COMPLETE_SQL: &str = "
+UPDATE idem_records
+SET state = 'completed', locked_until = NULL, completed_at = ?4,
+    status = ?5, headers = ?6, body = ?7
+WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'";
+
+const RELEASE_SQL: &str = "
+UPDATE idem_records SET locked_until = min(locked_until, ?4)
+WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'";
+
+const SWEEP_SQL: &str = "
+DELETE FROM idem_records WHERE rowid IN (
+    SELECT rowid FROM idem_records
+    WHERE expires_at <= ?1 AND (state = 'completed' OR locked_until <= ?1)
+    ORDER BY expires_at
+    LIMIT ?2)";
+
+fn parse_operation_id(s: &str) -> Result<OperationId, StoreError> {
+    uuid::Uuid::parse_str(s)
+        .map(OperationId)
+        .map_err(|e| StoreError::Corrupt(format!("operation id {s:?}: {e}")))
+}
+
+fn decode_record(row: &SqliteRow) -> Result<Record, StoreError> {
+    let corrupt = |what: &str, e: sqlx::Error| StoreError::Corrupt(format!("{what}: {e}"));
+    let get_i64 = |col: &str| row.try_get::<i64, _>(col).map_err(|e| corrupt(col, e));
+    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(|e| corrupt("fingerprint", e))?;
+    let fingerprint = Fingerprint::from_slice(&fingerprint)
+        .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
+    let state: String = row.try_get("state").map_err(|e| corrupt("state", e))?;
+    let state = match state.as_str() {
+        "in_progress" => RecordState::InProgress {
+            token: FencingToken(get_i64("token")?),
+            locked_until: UnixMillis(get_i64("locked_until")?),
+        },
+        "completed" => {
+            let status = get_i64("status")?;
+            let status = u16::try_from(status)
+                .map_err(|_| StoreError::Corrupt(format!("status {status}")))?;
+            let headers: Vec<u8> = row.try_get("headers").map_err(|e| corrupt("headers", e))?;
+            let body: Vec<u8> = row.try_get("body").map_err(|e| corrupt("body", e))?;
+            RecordState::Completed {
+                response: StoredResponse {
+                    status,
+                    headers: StoredResponse::decode_headers(&headers)
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                    body: Bytes::from(body),
+                },
+                completed_at: UnixMillis(get_i64("completed_at")?),
+            }
+        }
+        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+    };
+    Ok(Record {
+        scope: row.try_get("scope").map_err(|e| corrupt("scope", e))?,
+        key: row.try_get("key").map_err(|e| corrupt("key", e))?,
+        fingerprint,
+        operation_id: parse_operation_id(
+            &row.try_get::<String, _>("operation_id").map_err(|e| corrupt("operation_id", e))?,
+        )?,
+        created_at: UnixMillis(get_i64("created_at")?),
+        expires_at: UnixMillis(get_i64("expires_at")?),
+        state,
+    })
+}
+
+/// Completes `claim` with `response` on `conn`, usually the handler's open
+/// transaction, so that the record commits with the business write.
+///
+/// Fenced by the claim's token: if the claim was taken over (or already
+/// completed), nothing is written and [`StoreError::ClaimLost`] is returned.
+/// The caller must then roll its transaction back (dropping it does), so that
+/// its effect does not commit a second time.
+pub async fn complete_in_tx(
+    conn: &mut SqliteConnection,
+    claim: &Claim,
+    response: &StoredResponse,
+) -> Result<(), StoreError> {
+    let done = sqlx::query(COMPLETE_SQL)
+        .bind(&claim.scope)
+        .bind(&claim.key)
+        .bind(claim.token.0)
+        .bind(UnixMillis::now().0)
+        .bind(i64::from(response.status))
+        .bind(response.encode_headers())
+        .bind(response.body.as_ref())
+        .execute(&mut *conn)
+        .await
+        .map_err(store_error)?;
+    if done.rows_affected() == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::ClaimLost)
+    }
+}
+
+impl Store for SqliteStore {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(self.claim_inner(request))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            complete_in_tx(&mut conn, claim, response).await
+        })
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let done = sqlx::query(RELEASE_SQL)
+                .bind(&claim.scope)
+                .bind(&claim.key)
+                .bind(claim.token.0)
+                .bind(UnixMillis::now().0)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            if done.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(StoreError::ClaimLost)
+            }
+        })
+    }
+
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(async move {
+            let now = UnixMillis::now();
+            Ok(self.fetch(scope, key).await?.filter(|r| !r.is_expired(now)))
+        })
+    }
+
+    fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let done = sqlx::query(SWEEP_SQL)
+                .bind(UnixMillis::now().0)
+                .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            Ok(done.rows_affected())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn fresh() -> (SqliteStore, tempfile::TempDir) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite:{}", dir.path().join("idem.db").display());
+        (SqliteStore::connect(&url).await.expect("connect"), dir)
+    }
+
+    mod suite {
+        // Each case gets its own database file, removed when the case ends.
+        idem_store_suite::store_suite!(|| super::fresh());
+    }
+
+    fn request() -> ClaimRequest {
+        idem_store_suite::request("s", "k", "{}", Duration::from_secs(60), Duration::from_secs(3600))
+    }
+
+    #[tokio::test]
+    async fn completion_commits_and_rolls_back_with_the_business_transaction() {
+        let (store, _dir) = fresh().await;
+        sqlx::query("CREATE TABLE effects (id INTEGER PRIMARY KEY)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let ClaimOutcome::Acquired(claim) = store.claim(&request()).await.unwrap() else {
+            panic!("expected to acquire");
+        };
+        let response = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: Bytes::from_static(b"{}"),
+        };
+        // rolled back: neither the effect nor the completion is there
+        {
+            let mut tx = store.pool().begin().await.unwrap();
+            sqlx::query("INSERT INTO effects (id) VALUES (1)").execute(&mut *tx).await.unwrap();
+            complete_in_tx(&mut tx, &claim, &response).await.unwrap();
+            tx.rollback().await.unwrap();
+        }
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects").fetch_one(store.pool()).await.unwrap();
+        assert_eq!(n, 0);
+        assert!(matches!(
+            store.get("s", "k").await.unwrap().unwrap().state,
+            RecordState::InProgress { .. }
+        ));
+        // committed: both are there
+        let mut tx = store.pool().begin().await.unwrap();
+        sqlx::query("INSERT INTO effects (id) VALUES (1)").execute(&mut *tx).await.unwrap();
+        complete_in_tx(&mut tx, &claim, &response).await.unwrap();
+        tx.commit().await.unwrap();
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects").fetch_one(store.pool()).await.unwrap();
+        assert_eq!(n, 1);
+        assert!(matches!(
+            store.get("s", "k").await.unwrap().unwrap().state,
+            RecordState::Completed { .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn zombie_completion_touches_nothing() {
+        let (store, _dir) = fresh().await;
+        let mut r = request();
+        r.lease = Duration::from_millis(100);
+        let ClaimOutcome::Acquired(zombie) = store.claim(&r).await.unwrap() else {
+            panic!("expected to acquire");
+        };
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let ClaimOutcome::Acquired(_fresh) = store.claim(&request()).await.unwrap() else {
+            panic!("expected a takeover");
+        };
+        let mut tx = store.pool().begin().await.unwrap();
+        let err = complete_in_tx(
+            &mut tx,
+            &zombie,
+            &StoredResponse { status: 201, headers: vec![], body: Bytes::new() },
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, StoreError::ClaimLost));
+    }
+
+    #[tokio::test]
+    async fn migrations_are_idempotent_and_the_file_is_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nested.db");
+        let url = format!("sqlite:{}", path.display());
+        let a = SqliteStore::connect(&url).await.unwrap();
+        assert!(path.exists());
+        a.migrate().await.unwrap();
+        let b = SqliteStore::connect(&url).await.unwrap();
+        let v: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_schema_migrations")
+            .fetch_one(b.pool())
+            .await
+            .unwrap();
+        assert_eq!(v, MIGRATIONS.len() as i64);
+        let mode: String = sqlx::query_scalar("PRAGMA journal_mode").fetch_one(b.pool()).await.unwrap();
+        assert_eq!(mode, "wal");
+    }
+
+    #[tokio::test]
+    async fn a_bad_url_is_an_error_not_a_panic() {
+        assert!(SqliteStore::connect("sqlite:/nonexistent-dir/x/y.db").await.is_err());
+        assert!(SqliteStore::connect("postgres://nope").await.is_err());
+    }
+}

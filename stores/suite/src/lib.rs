@@ -1,10 +1,12 @@
 //! The conformance suite every idem [`Store`] passes, written once.
 //!
 //! A store crate instantiates it in its tests with a closure that makes a
-//! fresh, isolated store (its own file, schema or key prefix):
+//! fresh, isolated store (its own file, schema or key prefix) and a guard
+//! that is kept alive for the test and dropped after it (a temporary
+//! directory, a schema to drop; `()` when there is nothing to clean up):
 //!
 //! ```ignore
-//! idem_store_suite::store_suite!(|| async { MyStore::connect(...).await.unwrap() });
+//! idem_store_suite::store_suite!(|| async { (MyStore::connect(...).await.unwrap(), ()) });
 //! ```
 //!
 //! Each case is a plain `async fn` taking the store, so a store with special
@@ -26,7 +28,8 @@ pub const LONG: Duration = Duration::from_secs(600);
 pub const SHORT: Duration = Duration::from_millis(300);
 
 /// Instantiates every case of the suite as a `#[tokio::test]`, each with a
-/// fresh store from `$make` (a closure returning a future of the store).
+/// fresh store from `$make` (a closure returning a future of
+/// `(store, guard)`; the guard lives until the case ends).
 #[macro_export]
 macro_rules! store_suite {
     ($make:expr) => {
@@ -52,8 +55,9 @@ macro_rules! store_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $case() {
                 let make = $make;
-                let store = make().await;
+                let (store, guard) = make().await;
                 $crate::$case(store).await;
+                drop(guard);
             }
         )*
     };
