@@ -1,1 +1,72 @@
-//! x
+//! The HTTP edge of idem: a tower [`IdempotencyLayer`] for axum 0.8 and the
+//! [`Idempotency`] extractor, making `POST` and `PATCH` safe to retry.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use axum::{body::Body, routing::post, Router};
+//! use http::{Request, StatusCode};
+//! use idem_axum::{Idempotency, IdempotencyLayer, SingleScope};
+//! use idem_core::Policy;
+//! use idem_memory::MemoryStore;
+//! use tower::ServiceExt;
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! async fn pay(idem: Idempotency) -> (StatusCode, String) {
+//!     // Give `idem.operation_id()` to the payment provider as its idempotency key.
+//!     (StatusCode::CREATED, format!("charged under {}", idem.operation_id()))
+//! }
+//!
+//! let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new()), Policy::default(), SingleScope("shop".into()));
+//! let app = Router::new().route("/payments", post(pay)).layer(layer);
+//!
+//! let request = || Request::post("/payments")
+//!     .header("idempotency-key", "7b1c7a4e-order-42")
+//!     .header("content-type", "application/json")
+//!     .body(Body::from(r#"{"amount":1000}"#))
+//!     .unwrap();
+//! let first = app.clone().oneshot(request()).await.unwrap();
+//! let again = app.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(again.status(), StatusCode::CREATED);
+//! assert_eq!(again.headers()["idempotent-replayed"], "true");
+//! # }
+//! ```
+//!
+//! # The contract
+//!
+//! | situation | answer |
+//! |---|---|
+//! | new key | run the handler, store status + allow-listed headers + body, return it |
+//! | same key and request, completed | the stored response byte for byte, `Idempotent-Replayed: true`; the handler does not run |
+//! | same key, in flight (lease alive) | `409` with `Retry-After`, or wait (bounded) and replay if the policy says so |
+//! | same key, in flight, lease expired | take the claim over (new token, same operation id) and run |
+//! | same key, different request | `422` |
+//! | key missing (where required) or malformed | `400` |
+//! | body over the limit | `413`, nothing stored |
+//! | handler answered `4xx` | stored and replayed |
+//! | handler answered `5xx`, panicked, or was dropped | claim released: the next retry runs (same operation id) |
+//!
+//! Errors are `application/problem+json` whose `type` ends in
+//! `idempotency-key-missing`, `idempotency-key-invalid`,
+//! `idempotency-key-in-use`, `idempotency-key-reused`, `payload-too-large`
+//! (and `store-unavailable`, `503`, when the store cannot be reached).
+//!
+//! # Committing the record with the business write
+//!
+//! On a SQL store, a handler completes the record inside its own transaction
+//! (feature `sqlite`: [`Idempotency::complete_in_sqlite`]). Completion is
+//! fenced by the claim's token: if a retry took the claim over because this
+//! attempt outlived its lease, completion touches no row, the handler rolls
+//! back, and its effect does not commit.
+
+mod extract;
+mod layer;
+pub mod problem;
+mod scope;
+mod service;
+
+pub use extract::{CompleteError, Idempotency, MissingIdempotency};
+pub use layer::IdempotencyLayer;
+pub use problem::Problem;
+pub use scope::{ScopeExtractor, SingleScope};
+pub use service::{IdempotencyService, ResponseFuture, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};

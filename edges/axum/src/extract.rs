@@ -1,0 +1,238 @@
+//! The [`Idempotency`] extractor: what a guarded handler knows about its claim.
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum::response::{IntoResponse, Response};
+use http::request::Parts;
+use http::StatusCode;
+use http_body_util::BodyExt;
+use idem_core::{Claim, FencingToken, OperationId, Policy, StoreError, StoredResponse};
+
+use crate::problem::Problem;
+
+/// How the handler left the record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Completion {
+    /// The layer completes the record after the handler answers.
+    ByLayer,
+    /// The handler wrote the completion into its own transaction.
+    InTransaction,
+    /// The handler found its claim taken over; nothing may be stored.
+    Lost,
+}
+
+#[derive(Debug)]
+struct Inner {
+    claim: Claim,
+    policy: Policy,
+    completion: Mutex<Completion>,
+}
+
+/// The claim a guarded handler runs under, given to it by
+/// [`IdempotencyLayer`](crate::IdempotencyLayer).
+///
+/// - [`operation_id`](Idempotency::operation_id) is stable across retries and
+///   takeovers: pass it to external systems as *their* idempotency key.
+/// - On a SQL store, complete the record in the handler's own transaction
+///   (with the `sqlite` feature: [`complete_in_sqlite`](Idempotency::complete_in_sqlite)),
+///   so that the business write and the record commit together, fenced by
+///   the claim's token. Handlers that don't are completed by the layer after
+///   they answer.
+///
+/// Extracting it outside the layer is a `500`; use `Option<Idempotency>` on
+/// routes that may run without it.
+#[derive(Debug, Clone)]
+pub struct Idempotency {
+    inner: Arc<Inner>,
+}
+
+/// A transactional completion failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompleteError {
+    /// Another attempt took the claim over; roll the transaction back.
+    #[error("the idempotency claim was taken over by another attempt; roll back")]
+    ClaimLost,
+    /// The store failed; roll the transaction back.
+    #[error("the idempotency store failed")]
+    Store(#[source] StoreError),
+    /// The handler's response body could not be read.
+    #[error("the response body could not be read")]
+    Body(#[source] axum::Error),
+}
+
+impl IntoResponse for CompleteError {
+    fn into_response(self) -> Response {
+        match self {
+            CompleteError::ClaimLost => Problem::new(
+                StatusCode::CONFLICT,
+                "idempotency-key-in-use",
+                "Another attempt took this request over",
+            )
+            .detail("this attempt ran past its lease and was rolled back; retry to get the answer of the attempt that took over")
+            .retry_after(1)
+            .into_response(),
+            CompleteError::Store(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "The idempotency store is unavailable",
+            )
+            .retry_after(1)
+            .into_response(),
+            CompleteError::Body(_) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "response-unreadable",
+                "The response could not be stored",
+            )
+            .into_response(),
+        }
+    }
+}
+
+impl Idempotency {
+    pub(crate) fn new(claim: Claim, policy: Policy) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                claim,
+                policy,
+                completion: Mutex::new(Completion::ByLayer),
+            }),
+        }
+    }
+
+    /// The operation id, stable across retries, takeovers and releases.
+    pub fn operation_id(&self) -> OperationId {
+        self.inner.claim.operation_id
+    }
+
+    /// The idempotency key.
+    pub fn key(&self) -> &str {
+        &self.inner.claim.key
+    }
+
+    /// The scope the key belongs to.
+    pub fn scope(&self) -> &str {
+        &self.inner.claim.scope
+    }
+
+    /// This attempt's fencing token.
+    pub fn token(&self) -> FencingToken {
+        self.inner.claim.token
+    }
+
+    /// Whether this attempt took over an earlier one that crashed, stalled
+    /// past its lease, or failed with `5xx`.
+    pub fn is_takeover(&self) -> bool {
+        self.inner.claim.takeover
+    }
+
+    /// The whole claim.
+    pub fn claim(&self) -> &Claim {
+        &self.inner.claim
+    }
+
+    pub(crate) fn completion(&self) -> Completion {
+        *self.inner.completion.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_completion(&self, c: Completion) {
+        *self.inner.completion.lock().unwrap_or_else(|e| e.into_inner()) = c;
+    }
+
+    /// Buffers `response` and returns what the store keeps of it (status,
+    /// allow-listed headers, body) with the response rebuilt for sending.
+    /// The building block of transactional completion for any SQL store.
+    pub async fn stage(&self, response: Response) -> Result<(StoredResponse, Response), CompleteError> {
+        let (parts, body) = response.into_parts();
+        let bytes = body.collect().await.map_err(CompleteError::Body)?.to_bytes();
+        let stored = stored_response(&self.inner.policy, &parts, bytes.clone());
+        Ok((stored, Response::from_parts(parts, Body::from(bytes))))
+    }
+
+    /// Records the outcome of a completion the handler wrote itself, through
+    /// a store's own transactional API: `Ok` tells the layer not to complete
+    /// the record again; [`StoreError::ClaimLost`] tells it to store nothing.
+    /// Returns the error for the handler to act on (roll back).
+    pub fn record_transactional_completion(
+        &self,
+        result: Result<(), StoreError>,
+    ) -> Result<(), CompleteError> {
+        match result {
+            Ok(()) => {
+                self.set_completion(Completion::InTransaction);
+                Ok(())
+            }
+            Err(StoreError::ClaimLost) => {
+                self.set_completion(Completion::Lost);
+                Err(CompleteError::ClaimLost)
+            }
+            Err(e) => Err(CompleteError::Store(e)),
+        }
+    }
+
+    /// Completes the record inside the handler's SQLite transaction `conn`,
+    /// fenced by this attempt's token, and returns the response to send.
+    ///
+    /// On `Err`, drop (roll back) the transaction and answer with the error
+    /// (it is [`IntoResponse`]): the effect must not commit. If the commit
+    /// itself fails afterwards, answer `5xx` and the layer releases the claim.
+    #[cfg(feature = "sqlite")]
+    pub async fn complete_in_sqlite(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        response: Response,
+    ) -> Result<Response, CompleteError> {
+        let (stored, response) = self.stage(response).await?;
+        let result = idem_sqlite::complete_in_tx(conn, &self.inner.claim, &stored).await;
+        self.record_transactional_completion(result)?;
+        Ok(response)
+    }
+}
+
+/// What the store keeps of a response: status, allow-listed headers, body.
+pub(crate) fn stored_response(policy: &Policy, parts: &http::response::Parts, body: bytes::Bytes) -> StoredResponse {
+    StoredResponse {
+        status: parts.status.as_u16(),
+        headers: parts
+            .headers
+            .iter()
+            .filter(|(name, _)| policy.replays_header(name.as_str()))
+            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+            .collect(),
+        body,
+    }
+}
+
+/// The [`Idempotency`] extractor was used on a route the layer does not guard.
+#[derive(Debug, Clone, Copy)]
+pub struct MissingIdempotency;
+
+impl IntoResponse for MissingIdempotency {
+    fn into_response(self) -> Response {
+        tracing::error!("Idempotency extracted on a route without IdempotencyLayer (or a method it does not guard)");
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "idempotency-layer-missing",
+            "This route is not guarded by IdempotencyLayer",
+        )
+        .into_response()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Idempotency {
+    type Rejection = MissingIdempotency;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Idempotency>().cloned().ok_or(MissingIdempotency)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for Idempotency {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<Idempotency>().cloned())
+    }
+}

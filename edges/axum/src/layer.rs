@@ -1,0 +1,119 @@
+//! [`IdempotencyLayer`]: configuration shared by every service it wraps.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::Method;
+use idem_core::{Policy, Store};
+use tower::Layer;
+
+use crate::scope::ScopeExtractor;
+use crate::service::IdempotencyService;
+
+pub(crate) struct Config {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) policy: Policy,
+    pub(crate) scope: Box<dyn ScopeExtractor>,
+    pub(crate) methods: Vec<Method>,
+}
+
+/// A tower [`Layer`] that makes `POST` and `PATCH` requests idempotent; see
+/// the [crate docs](crate) for the contract it implements.
+///
+/// ```
+/// use std::sync::Arc;
+/// use axum::{routing::post, Router};
+/// use idem_axum::{IdempotencyLayer, SingleScope};
+/// use idem_core::Policy;
+/// use idem_memory::MemoryStore;
+///
+/// let layer = IdempotencyLayer::new(Arc::new(MemoryStore::new()), Policy::default(), SingleScope("app".into()));
+/// let app: Router = Router::new().route("/orders", post(|| async { "created" })).layer(layer);
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store`, applying `policy`, keying records by the scope
+    /// that `scope` finds in each request. Guards `POST` and `PATCH`.
+    pub fn new(store: Arc<dyn Store>, policy: Policy, scope: impl ScopeExtractor) -> Self {
+        Self {
+            config: Arc::new(Config {
+                store,
+                policy,
+                scope: Box::new(scope),
+                methods: vec![Method::POST, Method::PATCH],
+            }),
+        }
+    }
+
+    /// Replaces the set of guarded methods (default `POST` and `PATCH`).
+    /// Other methods pass through untouched. To guard only some routes, put
+    /// the layer on those routes (`route(..).layer(..)`) rather than on the
+    /// whole router.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idem_axum::{IdempotencyLayer, SingleScope};
+    /// use http::Method;
+    /// let layer = IdempotencyLayer::new(Arc::new(idem_memory::MemoryStore::new()),
+    ///     Default::default(), SingleScope("app".into()))
+    ///     .methods([Method::POST, Method::PUT, Method::PATCH, Method::DELETE]);
+    /// ```
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        match Arc::get_mut(&mut self.config) {
+            Some(c) => c.methods = methods,
+            None => {
+                // Only reachable if the layer was cloned before configuring;
+                // rebuild rather than mutate a shared config.
+                let c = &self.config;
+                self.config = Arc::new(Config {
+                    store: c.store.clone(),
+                    policy: c.policy.clone(),
+                    scope: Box::new(SharedScope(self.config.clone())),
+                    methods,
+                });
+            }
+        }
+        self
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> &Policy {
+        &self.config.policy
+    }
+
+    /// The store records go to.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.config.store
+    }
+}
+
+struct SharedScope(Arc<Config>);
+
+impl ScopeExtractor for SharedScope {
+    fn scope(&self, parts: &http::request::Parts) -> Result<String, axum::response::Response> {
+        self.0.scope.scope(parts)
+    }
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &self.config.store)
+            .field("policy", &self.config.policy)
+            .field("methods", &self.config.methods)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, self.config.clone())
+    }
+}

@@ -1,0 +1,438 @@
+//! [`IdempotencyService`]: the middleware itself.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{header, HeaderName, HeaderValue, Request, StatusCode};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use idem_core::{
+    decide, decision::retry_after, BoxFuture, Claim, ClaimOutcome, ClaimRequest, Decision,
+    Fingerprint, IdempotencyKey, KeyError, Record, RecordState, Situation, Store, StoreError,
+    UnixMillis,
+};
+use tower::Service;
+use tracing::{debug, info, warn, Instrument};
+
+use crate::extract::{stored_response, Completion, Idempotency};
+use crate::layer::Config;
+use crate::problem::Problem;
+
+/// The header that marks a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The request header carrying the key.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The response future of [`IdempotencyService`].
+pub type ResponseFuture<E> = BoxFuture<'static, Result<Response, E>>;
+
+/// The middleware made by [`IdempotencyLayer`](crate::IdempotencyLayer).
+pub struct IdempotencyService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S: Clone> Clone for IdempotencyService<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .field("policy", &self.config.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> IdempotencyService<S> {
+    pub(crate) fn new(inner: S, config: Arc<Config>) -> Self {
+        Self { inner, config }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S> Service<Request<Body>> for IdempotencyService<S>
+where
+    S: Service<Request<Body>, Response = Response> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // The clone that was driven to readiness serves this call; a fresh
+        // clone stays behind for the next one.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        if !config.methods.contains(request.method()) {
+            let mut inner = inner;
+            return Box::pin(inner.call(request));
+        }
+        Box::pin(handle(config, inner, request))
+    }
+}
+
+fn rejection(decision: Decision, detail: String) -> Response {
+    match decision {
+        Decision::RejectMissingKey => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "idempotency-key-missing",
+            "An Idempotency-Key header is required",
+        ),
+        Decision::RejectInvalidKey => Problem::new(
+            StatusCode::BAD_REQUEST,
+            "idempotency-key-invalid",
+            "The Idempotency-Key header is invalid",
+        ),
+        _ => Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload-too-large",
+            "The request body is too large",
+        ),
+    }
+    .detail(detail)
+    .into_response()
+}
+
+fn store_unavailable(e: &StoreError) -> Response {
+    warn!(error = %e, source = ?std::error::Error::source(e), "idempotency store unavailable");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store-unavailable",
+        "The idempotency store is unavailable",
+    )
+    .detail("the request was not run; retry it with the same Idempotency-Key")
+    .retry_after(1)
+    .into_response()
+}
+
+fn conflict(retry_after: Duration) -> Response {
+    Problem::new(
+        StatusCode::CONFLICT,
+        "idempotency-key-in-use",
+        "A request with this Idempotency-Key is still being processed",
+    )
+    .detail("retry after the time given in Retry-After to get its answer")
+    .retry_after(retry_after.as_secs().max(1))
+    .into_response()
+}
+
+fn mismatch() -> Response {
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency-key-reused",
+        "This Idempotency-Key was used for a different request",
+    )
+    .detail("the method, path or body differs from the first request sent with this key; use a new key for a new request")
+    .into_response()
+}
+
+fn replay(record: &Record) -> Response {
+    let RecordState::Completed { response: stored, .. } = &record.state else {
+        return conflict(Duration::from_secs(1));
+    };
+    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = Response::new(Body::from(stored.body.clone()));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        match (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
+            (Ok(n), Ok(v)) => {
+                headers.append(n, v);
+            }
+            _ => warn!(header = %name, "skipping a stored header that is no longer valid"),
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+async fn handle<S>(config: Arc<Config>, mut inner: S, request: Request<Body>) -> Result<Response, S::Error>
+where
+    S: Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let policy = &config.policy;
+    let (mut parts, body) = request.into_parts();
+
+    let scope = match config.scope.scope(&parts) {
+        Ok(scope) => scope,
+        Err(refusal) => return Ok(refusal),
+    };
+
+    let key = match IdempotencyKey::from_header_values(
+        parts.headers.get_all(IDEMPOTENCY_KEY).iter().map(HeaderValue::as_bytes),
+    ) {
+        Ok(key) => key,
+        Err(KeyError::Missing) => match decide(policy, Situation::KeyMissing) {
+            Decision::PassThrough => return inner.call(Request::from_parts(parts, body)).await,
+            d => {
+                debug!("rejecting a request without Idempotency-Key");
+                return Ok(rejection(d, "send an Idempotency-Key header, e.g. a fresh UUID, and keep it across retries of this request".into()));
+            }
+        },
+        Err(e) => {
+            debug!(error = %e, "rejecting an invalid Idempotency-Key");
+            return Ok(rejection(decide(policy, Situation::KeyInvalid(&e)), e.to_string()));
+        }
+    };
+
+    let span = tracing::info_span!("idempotency", scope = %scope, key = %key);
+    async {
+        let too_large = || {
+            rejection(
+                decide(policy, Situation::BodyTooLarge),
+                format!("the body must not exceed {} bytes", policy.max_body()),
+            )
+        };
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > policy.max_body() as u64) {
+            return Ok(too_large());
+        }
+        let bytes: Bytes = match Limited::new(body, policy.max_body()).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) if e.is::<LengthLimitError>() => return Ok(too_large()),
+            Err(e) => {
+                return Ok(Problem::new(StatusCode::BAD_REQUEST, "body-unreadable", "The request body could not be read")
+                    .detail(e.to_string())
+                    .into_response())
+            }
+        };
+
+        let target = parts.uri.path_and_query().map_or_else(|| parts.uri.path(), |p| p.as_str());
+        let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+        let fingerprint = Fingerprint::of_request(parts.method.as_str(), target, content_type, &bytes);
+
+        let claim_request = ClaimRequest {
+            scope,
+            key: key.into_string(),
+            fingerprint,
+            lease: policy.lease(),
+            retention: policy.retention(),
+        };
+        let claim = match acquire(&config, &claim_request).await {
+            Ok(claim) => claim,
+            Err(answer) => return Ok(answer),
+        };
+        if claim.takeover {
+            info!(operation_id = %claim.operation_id, "took over an expired or released claim");
+        } else {
+            debug!(operation_id = %claim.operation_id, "claimed");
+        }
+
+        let handle = Idempotency::new(claim.clone(), policy.clone());
+        parts.extensions.insert(handle.clone());
+        let mut guard = ReleaseGuard::new(config.store.clone(), claim);
+        let response = inner.call(Request::from_parts(parts, Body::from(bytes))).await?;
+        Ok(settle(&config, &handle, &mut guard, response).await)
+    }
+    .instrument(span)
+    .await
+}
+
+/// Claims the key, answering duplicates per the decision table. `Ok` means
+/// this request holds the claim and must run.
+async fn acquire(config: &Config, request: &ClaimRequest) -> Result<Claim, Response> {
+    let policy = &config.policy;
+    let deadline = policy.wait().map(|w| tokio::time::Instant::now() + w);
+    let mut pause = Duration::from_millis(10);
+    // Each turn is one atomic claim; turns repeat only while waiting for an
+    // in-flight holder, or if the store raced a record away under us.
+    for _ in 0..10_000 {
+        let record = match config.store.claim(request).await {
+            Ok(ClaimOutcome::Acquired(claim)) => return Ok(claim),
+            Ok(ClaimOutcome::Existing(record)) => record,
+            Err(e) => return Err(store_unavailable(&e)),
+        };
+        let now = UnixMillis::now();
+        let decision = decide(
+            policy,
+            Situation::Arrived {
+                stored: Some(&record),
+                fingerprint: &request.fingerprint,
+                now,
+            },
+        );
+        match decision {
+            Decision::Replay => {
+                debug!(status = ?record_status(&record), "replaying the stored response");
+                return Err(replay(&record));
+            }
+            Decision::Mismatch => {
+                info!("key reused with a different request");
+                return Err(mismatch());
+            }
+            Decision::Conflict { retry_after } => {
+                debug!(?retry_after, "request with this key is in flight");
+                return Err(conflict(retry_after));
+            }
+            Decision::Wait { .. } => {
+                let now_i = tokio::time::Instant::now();
+                match deadline {
+                    Some(deadline) if now_i < deadline => {
+                        tokio::time::sleep(pause.min(deadline - now_i)).await;
+                        pause = (pause * 2).min(Duration::from_millis(200));
+                    }
+                    _ => {
+                        let until = match &record.state {
+                            RecordState::InProgress { locked_until, .. } => *locked_until,
+                            RecordState::Completed { .. } => now,
+                        };
+                        debug!("in flight after waiting; answering 409");
+                        return Err(conflict(retry_after(now, until)));
+                    }
+                }
+            }
+            // The store saw a live record where the clock now sees an
+            // expired one: claim again.
+            _ => {}
+        }
+    }
+    Err(conflict(Duration::from_secs(1)))
+}
+
+fn record_status(record: &Record) -> Option<u16> {
+    match &record.state {
+        RecordState::Completed { response, .. } => Some(response.status),
+        RecordState::InProgress { .. } => None,
+    }
+}
+
+/// After the handler answered: store or release, per the decision table.
+async fn settle(config: &Config, handle: &Idempotency, guard: &mut ReleaseGuard, response: Response) -> Response {
+    let status = response.status().as_u16();
+    match decide(&config.policy, Situation::HandlerAnswered { status }) {
+        Decision::Store => {}
+        _ => {
+            info!(status, "handler failed; releasing the claim");
+            guard.release_now().await;
+            return response;
+        }
+    }
+    match handle.completion() {
+        Completion::InTransaction => {
+            debug!(status, "completed in the handler's transaction");
+            guard.disarm();
+            return response;
+        }
+        Completion::Lost => {
+            warn!("the handler's claim was taken over; nothing stored");
+            guard.disarm();
+            return response;
+        }
+        Completion::ByLayer => {}
+    }
+    let (parts, body) = response.into_parts();
+    let bytes = match body.collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => {
+            warn!(error = %e, "the handler's response body failed; releasing the claim");
+            guard.release_now().await;
+            return Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "response-unreadable", "The response could not be read")
+                .into_response();
+        }
+    };
+    let stored = stored_response(&config.policy, &parts, bytes.clone());
+    match config.store.complete(&guard.claim, &stored).await {
+        Ok(()) => debug!(status, "stored the response"),
+        Err(StoreError::ClaimLost) => {
+            warn!("the claim was taken over while the handler ran; its response is not stored")
+        }
+        // The effect happened but its record did not complete: keep the
+        // claim (do not release), so that only a retry after the lease runs
+        // out can run again, under the same operation id.
+        Err(e) => warn!(error = %e, "could not store the response; the claim stays until its lease runs out"),
+    }
+    guard.disarm();
+    Response::from_parts(parts, Body::from(bytes))
+}
+
+/// Releases the claim if the request ends without settling it: the handler
+/// panicked, or the future was dropped (client gone, timeout).
+struct ReleaseGuard {
+    store: Arc<dyn Store>,
+    claim: Claim,
+    armed: bool,
+}
+
+impl ReleaseGuard {
+    fn new(store: Arc<dyn Store>, claim: Claim) -> Self {
+        Self {
+            store,
+            claim,
+            armed: true,
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    async fn release_now(&mut self) {
+        self.armed = false;
+        release(&*self.store, &self.claim).await;
+    }
+}
+
+async fn release(store: &dyn Store, claim: &Claim) {
+    match store.release(claim).await {
+        Ok(()) => debug!(key = %claim.key, "released the claim"),
+        Err(StoreError::ClaimLost) => debug!(key = %claim.key, "nothing to release: the claim had moved on"),
+        Err(e) => warn!(key = %claim.key, error = %e, "could not release the claim; it frees itself when its lease runs out"),
+    }
+}
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let panicking = std::thread::panicking();
+        warn!(key = %self.claim.key, panicking, "the handler did not finish; releasing the claim");
+        // The decision table's "handler panicked or was dropped" row: release.
+        let store = self.store.clone();
+        let claim = self.claim.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move { release(&*store, &claim).await });
+            }
+            Err(_) => warn!("no tokio runtime to release the claim on; it frees itself when its lease runs out"),
+        }
+    }
+}

@@ -1,0 +1,458 @@
+//! One test (or more) per row of the HTTP contract, driven through the layer
+//! with `oneshot`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use idem_axum::{Idempotency, IdempotencyLayer, ScopeExtractor};
+use idem_core::{Policy, RecordState, Store};
+use idem_memory::MemoryStore;
+use tower::ServiceExt;
+
+#[derive(Clone, Default)]
+struct Runs(Arc<AtomicUsize>);
+
+impl Runs {
+    fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// A handler steered by `x-behave`: `sleep=MS`, `status=N`, `panic`.
+async fn handler(State(runs): State<Runs>, idem: Option<Idempotency>, headers: HeaderMap, body: Bytes) -> Response {
+    let n = runs.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let behave = headers.get("x-behave").and_then(|v| v.to_str().ok()).unwrap_or("");
+    let mut status = StatusCode::CREATED;
+    for part in behave.split(',') {
+        if let Some(ms) = part.strip_prefix("sleep=") {
+            tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+        } else if let Some(code) = part.strip_prefix("status=") {
+            status = StatusCode::from_u16(code.parse().unwrap()).unwrap();
+        } else if part == "panic" {
+            panic!("handler panicked on purpose");
+        }
+    }
+    (
+        status,
+        [
+            ("location", "/things/1".to_owned()),
+            ("content-type", "application/json".to_owned()),
+            ("set-cookie", "session=secret".to_owned()),
+            ("x-run", n.to_string()),
+        ],
+        format!(
+            r#"{{"run":{n},"operation_id":"{}","takeover":{},"echo":{}}}"#,
+            idem.as_ref().map(|i| i.operation_id().to_string()).unwrap_or_default(),
+            idem.as_ref().is_some_and(|i| i.is_takeover()),
+            String::from_utf8_lossy(&body).len()
+        ),
+    )
+        .into_response()
+}
+
+fn by_client_header() -> impl ScopeExtractor {
+    |parts: &http::request::Parts| {
+        parts
+            .headers
+            .get("x-client")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .ok_or_else(|| StatusCode::UNAUTHORIZED.into_response())
+    }
+}
+
+struct Harness {
+    app: Router,
+    runs: Runs,
+    store: Arc<MemoryStore>,
+}
+
+fn harness(policy: Policy) -> Harness {
+    let store = Arc::new(MemoryStore::new());
+    let runs = Runs::default();
+    let layer = IdempotencyLayer::new(store.clone(), policy, by_client_header());
+    let app = Router::new()
+        .route("/things", post(handler).patch(handler).get(|| async { "listing" }))
+        .layer(layer)
+        .with_state(runs.clone());
+    Harness { app, runs, store }
+}
+
+fn short_lease() -> Policy {
+    Policy::builder().lease(Duration::from_millis(300)).build().unwrap()
+}
+
+fn post_req(key: Option<&str>, body: &str) -> http::request::Builder {
+    let mut b = Request::post("/things")
+        .header("x-client", "client-a")
+        .header("content-type", "application/json");
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    let _ = body;
+    b
+}
+
+fn req(key: &str, body: &str) -> Request<Body> {
+    post_req(Some(key), body).body(Body::from(body.to_owned())).unwrap()
+}
+
+fn req_with(key: &str, body: &str, behave: &str) -> Request<Body> {
+    post_req(Some(key), body)
+        .header("x-behave", behave)
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+async fn send(app: &Router, r: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
+    let resp = app.clone().oneshot(r).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    (parts.status, parts.headers, body.collect().await.unwrap().to_bytes())
+}
+
+fn problem_type(headers: &HeaderMap, body: &[u8]) -> String {
+    assert_eq!(headers["content-type"], "application/problem+json");
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    v["type"].as_str().unwrap().to_owned()
+}
+
+fn json(body: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(body).unwrap()
+}
+
+#[tokio::test]
+async fn new_key_runs_the_handler_and_stores_the_answer() {
+    let h = harness(Policy::default());
+    let (status, headers, body) = send(&h.app, req("k-new", r#"{"a":1}"#)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(h.runs.get(), 1);
+    assert!(headers.get("idempotent-replayed").is_none());
+    // the first answer is sent whole, session headers included
+    assert_eq!(headers["set-cookie"], "session=secret");
+    let record = h.store.get("client-a", "k-new").await.unwrap().unwrap();
+    match record.state {
+        RecordState::Completed { response, .. } => {
+            assert_eq!(response.status, 201);
+            assert_eq!(response.body, body);
+        }
+        other => panic!("not completed: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn completed_key_replays_byte_for_byte_without_running() {
+    let h = harness(Policy::default());
+    let (s1, h1, b1) = send(&h.app, req("k-replay", r#"{"a":1,"b":[1,2]}"#)).await;
+    // the same JSON, spelled differently by another client library
+    let (s2, h2, b2) = send(&h.app, req("k-replay", "{ \"b\": [1, 2.0], \"a\": 1 }")).await;
+    assert_eq!(h.runs.get(), 1, "the handler must not run for a replay");
+    assert_eq!(s2, s1);
+    assert_eq!(b2, b1);
+    assert_eq!(h2["idempotent-replayed"], "true");
+    assert_eq!(h2["location"], h1["location"]);
+    assert_eq!(h2["content-type"], "application/json");
+    assert!(h2.get("set-cookie").is_none(), "Set-Cookie is never replayed");
+    assert!(h2.get("x-run").is_none(), "headers off the allow-list are not replayed");
+}
+
+#[tokio::test]
+async fn allow_listed_headers_are_replayed() {
+    let h = harness(Policy::builder().replay_header("x-run").build().unwrap());
+    let (_, h1, _) = send(&h.app, req("k-hdr", "{}")).await;
+    let (_, h2, _) = send(&h.app, req("k-hdr", "{}")).await;
+    assert_eq!(h2["x-run"], h1["x-run"]);
+}
+
+#[tokio::test]
+async fn bare_and_structured_key_spellings_are_the_same_key() {
+    let h = harness(Policy::default());
+    send(&h.app, req("abc-1", "{}")).await;
+    let (_, headers, _) = send(&h.app, req("\"abc-1\"", "{}")).await;
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn in_flight_duplicate_gets_409_with_retry_after() {
+    let h = harness(Policy::default());
+    let app = h.app.clone();
+    let first = tokio::spawn(async move { send(&app, req_with("k-busy", "{}", "sleep=500")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, headers, body) = send(&h.app, req("k-busy", "{}")).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(problem_type(&headers, &body).ends_with("idempotency-key-in-use"));
+    let retry_after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=30).contains(&retry_after), "{retry_after}");
+    assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn in_flight_duplicate_waits_and_replays_when_configured() {
+    let policy = Policy::builder().wait_for_in_flight(Duration::from_secs(3)).build().unwrap();
+    let h = harness(policy);
+    let app = h.app.clone();
+    let first = tokio::spawn(async move { send(&app, req_with("k-wait", "{}", "sleep=400")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, headers, body) = send(&h.app, req("k-wait", "{}")).await;
+    let (s1, _, b1) = first.await.unwrap();
+    assert_eq!(status, s1);
+    assert_eq!(body, b1);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn waiting_is_bounded() {
+    let policy = Policy::builder().wait_for_in_flight(Duration::from_millis(200)).build().unwrap();
+    let h = harness(policy);
+    let app = h.app.clone();
+    let first = tokio::spawn(async move { send(&app, req_with("k-wait2", "{}", "sleep=1500")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    let (status, headers, _) = send(&h.app, req("k-wait2", "{}")).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(headers.contains_key("retry-after"));
+    assert!(started.elapsed() < Duration::from_millis(1200), "waited {:?}", started.elapsed());
+    first.await.unwrap();
+}
+
+#[tokio::test]
+async fn expired_lease_is_taken_over_with_the_same_operation_id() {
+    let h = harness(short_lease());
+    let app = h.app.clone();
+    // the first attempt stalls well past its 300 ms lease
+    let zombie = tokio::spawn(async move { send(&app, req_with("k-take", "{}", "sleep=1200")).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, _, body) = send(&h.app, req("k-take", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let retry = json(&body);
+    assert_eq!(retry["takeover"], true);
+    assert_eq!(h.runs.get(), 2);
+    let (_, _, zbody) = zombie.await.unwrap();
+    let zombie = json(&zbody);
+    assert_eq!(zombie["operation_id"], retry["operation_id"], "the operation id survives the takeover");
+    // the zombie's late answer did not overwrite the stored one
+    let (_, headers, replayed) = send(&h.app, req("k-take", "{}")).await;
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(replayed, body);
+}
+
+#[tokio::test]
+async fn different_request_under_the_same_key_gets_422() {
+    let h = harness(Policy::default());
+    send(&h.app, req("k-reuse", r#"{"amount":1}"#)).await;
+    let (status, headers, body) = send(&h.app, req("k-reuse", r#"{"amount":2}"#)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(problem_type(&headers, &body).ends_with("idempotency-key-reused"));
+    // another method or path is another request too
+    let patch = Request::patch("/things")
+        .header("x-client", "client-a")
+        .header("content-type", "application/json")
+        .header("idempotency-key", "k-reuse")
+        .body(Body::from(r#"{"amount":1}"#))
+        .unwrap();
+    assert_eq!(send(&h.app, patch).await.0, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn missing_key_is_400_where_required() {
+    let h = harness(Policy::default());
+    let r = post_req(None, "{}").body(Body::from("{}")).unwrap();
+    let (status, headers, body) = send(&h.app, r).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(problem_type(&headers, &body).ends_with("idempotency-key-missing"));
+    assert_eq!(h.runs.get(), 0);
+    assert!(h.store.is_empty());
+}
+
+#[tokio::test]
+async fn missing_key_passes_through_where_optional() {
+    let h = harness(Policy::builder().require_key(false).build().unwrap());
+    let r = post_req(None, "{}").body(Body::from("{}")).unwrap();
+    let (status, _, body) = send(&h.app, r).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(json(&body)["operation_id"], "", "no claim without a key");
+    assert_eq!(h.runs.get(), 1);
+    assert!(h.store.is_empty());
+}
+
+#[tokio::test]
+async fn malformed_keys_are_400() {
+    let h = harness(Policy::default());
+    let long = "x".repeat(256);
+    for bad in ["", "   ", "\"\"", "has space", "\"unterminated", long.as_str(), "caf\u{e9}"] {
+        let r = Request::post("/things")
+            .header("x-client", "client-a")
+            .header("idempotency-key", http::HeaderValue::from_bytes(bad.as_bytes()).unwrap())
+            .body(Body::from("{}"))
+            .unwrap();
+        let (status, headers, body) = send(&h.app, r).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad:?}");
+        assert!(problem_type(&headers, &body).ends_with("idempotency-key-invalid"), "{bad:?}");
+    }
+    // the header sent twice
+    let r = Request::post("/things")
+        .header("x-client", "client-a")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "a")
+        .body(Body::from("{}"))
+        .unwrap();
+    let (status, headers, body) = send(&h.app, r).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(problem_type(&headers, &body).ends_with("idempotency-key-invalid"));
+    assert_eq!(h.runs.get(), 0);
+    assert!(h.store.is_empty());
+}
+
+#[tokio::test]
+async fn body_over_the_limit_is_413_and_nothing_is_stored() {
+    let h = harness(Policy::builder().max_body(1024).build().unwrap());
+    let big = "x".repeat(2000);
+    let (status, headers, body) = send(&h.app, req("k-big", &big)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(problem_type(&headers, &body).ends_with("payload-too-large"));
+    // a streamed body without Content-Length is cut off too
+    let chunks = futures_chunks(vec![vec![b'x'; 700], vec![b'x'; 700]]);
+    let r = post_req(Some("k-big2"), "").body(chunks).unwrap();
+    assert_eq!(send(&h.app, r).await.0, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(h.runs.get(), 0);
+    assert!(h.store.is_empty(), "nothing is stored for a rejected body");
+    // exactly at the limit is fine
+    assert_eq!(send(&h.app, req("k-fits", &"y".repeat(1024))).await.0, StatusCode::CREATED);
+}
+
+/// A body that arrives in chunks, with no length known up front.
+struct Chunked(std::collections::VecDeque<Bytes>);
+
+impl http_body::Body for Chunked {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.pop_front().map(|b| Ok(http_body::Frame::data(b))))
+    }
+}
+
+fn futures_chunks(chunks: Vec<Vec<u8>>) -> Body {
+    Body::new(Chunked(chunks.into_iter().map(Bytes::from).collect()))
+}
+
+#[tokio::test]
+async fn client_errors_are_stored_and_replayed() {
+    let h = harness(Policy::default());
+    let (s1, _, b1) = send(&h.app, req_with("k-4xx", "{}", "status=404")).await;
+    let (s2, h2, b2) = send(&h.app, req_with("k-4xx", "{}", "status=404")).await;
+    assert_eq!((s1, s2), (StatusCode::NOT_FOUND, StatusCode::NOT_FOUND));
+    assert_eq!(b1, b2);
+    assert_eq!(h2["idempotent-replayed"], "true");
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn server_errors_release_the_claim_and_keep_the_operation_id() {
+    let h = harness(Policy::default());
+    let (s1, _, b1) = send(&h.app, req_with("k-5xx", "{}", "status=503")).await;
+    assert_eq!(s1, StatusCode::SERVICE_UNAVAILABLE);
+    let (s2, h2, b2) = send(&h.app, req("k-5xx", "{}")).await;
+    assert_eq!(s2, StatusCode::CREATED);
+    assert!(h2.get("idempotent-replayed").is_none());
+    assert_eq!(h.runs.get(), 2, "the retry runs afresh");
+    assert_eq!(json(&b1)["operation_id"], json(&b2)["operation_id"]);
+    assert_eq!(json(&b2)["takeover"], true);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_releases_the_claim() {
+    let h = harness(Policy::default());
+    let app = h.app.clone();
+    let crashed = tokio::spawn(async move { send(&app, req_with("k-panic", "{}", "panic")).await }).await;
+    assert!(crashed.unwrap_err().is_panic());
+    // the release runs on a spawned task
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (status, _, _) = send(&h.app, req("k-panic", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(h.runs.get(), 2);
+}
+
+#[tokio::test]
+async fn a_dropped_request_releases_the_claim() {
+    let h = harness(Policy::default());
+    let app = h.app.clone();
+    let task = tokio::spawn(async move { send(&app, req_with("k-drop", "{}", "sleep=5000")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(send(&h.app, req("k-drop", "{}")).await.0, StatusCode::CONFLICT);
+    task.abort(); // the client went away: the future is dropped
+    let _ = task.await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (status, _, body) = send(&h.app, req("k-drop", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(json(&body)["takeover"], true);
+}
+
+#[tokio::test]
+async fn records_past_retention_are_gone() {
+    let policy = Policy::builder()
+        .lease(Duration::from_millis(100))
+        .retention(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let h = harness(policy);
+    send(&h.app, req("k-ttl", r#"{"a":1}"#)).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // a new request under the old key runs, even with another body
+    let (status, headers, _) = send(&h.app, req("k-ttl", r#"{"a":2}"#)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert_eq!(h.runs.get(), 2);
+}
+
+#[tokio::test]
+async fn safe_methods_pass_through_untouched() {
+    let h = harness(Policy::default());
+    let r = Request::get("/things").body(Body::empty()).unwrap();
+    let (status, _, body) = send(&h.app, r).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, "listing");
+    assert!(h.store.is_empty());
+}
+
+#[tokio::test]
+async fn keys_are_scoped_per_client() {
+    let h = harness(Policy::default());
+    send(&h.app, req("shared-key", "{}")).await;
+    let other = Request::post("/things")
+        .header("x-client", "client-b")
+        .header("content-type", "application/json")
+        .header("idempotency-key", "shared-key")
+        .body(Body::from("{}"))
+        .unwrap();
+    let (status, headers, _) = send(&h.app, other).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert_eq!(h.runs.get(), 2);
+}
+
+#[tokio::test]
+async fn requests_without_a_scope_are_refused_by_the_scope_extractor() {
+    let h = harness(Policy::default());
+    let r = Request::post("/things")
+        .header("idempotency-key", "k")
+        .body(Body::from("{}"))
+        .unwrap();
+    assert_eq!(send(&h.app, r).await.0, StatusCode::UNAUTHORIZED);
+    assert!(h.store.is_empty());
+}
