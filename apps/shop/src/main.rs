@@ -1,1 +1,110 @@
-fn main(){}
+//! `shop`: a demo payments service that cannot charge twice.
+//!
+//! `POST /payments` is guarded by idem's layer; the handler charges a fake
+//! bank under the claim's operation id, then writes the payment and completes
+//! the idempotency record in one transaction. See the README for a tour.
+
+mod api;
+mod bank;
+mod config;
+mod db;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use idem_core::{sweep_all, Store};
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SHOP_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn")),
+        )
+        .init();
+    let config = Config::parse();
+    match run(config).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e:#}");
+            eprintln!("shop: {e}");
+            let mut source = std::error::Error::source(&*e);
+            while let Some(s) = source {
+                eprintln!("  caused by: {s}");
+                source = s.source();
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
+    let policy = config.policy()?;
+    let database = db::Database::open(&config.database_url).await?;
+    let store: Arc<dyn Store> = database.idem_store();
+
+    let sweeper = tokio::spawn(sweep_forever(store.clone(), policy.retention()));
+
+    let app = api::router(api::AppState::new(database), store, policy);
+    let listener = tokio::net::TcpListener::bind(&config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let addr = listener.local_addr()?;
+    info!(%addr, database = %config.database_url, "shop is ready");
+    // Tests and scripts read this line to learn the port (with --listen …:0).
+    println!("shop listening on http://{addr}");
+
+    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    sweeper.abort();
+    info!("shop stopped");
+    Ok(())
+}
+
+/// Removes records past their retention, in bounded batches, forever.
+async fn sweep_forever(store: Arc<dyn Store>, retention: Duration) {
+    let every = (retention / 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        match sweep_all(&*store, 500).await {
+            Ok(0) => {}
+            Ok(n) => info!(swept = n, "removed expired idempotency records"),
+            Err(e) => warn!(error = %e, "sweep failed; will try again"),
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            warn!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    info!("shutting down gracefully");
+}

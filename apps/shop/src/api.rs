@@ -1,0 +1,332 @@
+//! The HTTP API.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use axum::body::Bytes as Body;
+use idem_axum::{Idempotency, IdempotencyLayer, Problem};
+use idem_core::{Policy, Store, UnixMillis};
+use serde::Serialize;
+use serde_json::Value;
+use tracing::{error, warn};
+
+use crate::bank::{self, BankError, ChargeRequest};
+use crate::db::Database;
+
+
+/// Shared state of the handlers.
+#[derive(Debug, Clone)]
+pub(crate) struct AppState {
+    db: Database,
+}
+
+impl AppState {
+    pub(crate) fn new(db: Database) -> Self {
+        Self { db }
+    }
+}
+
+/// The routes. Only `POST /payments` is guarded by the idempotency layer.
+pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> Router {
+    let idempotency = IdempotencyLayer::new(store, policy, bearer_client_id);
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/payments", post(create_payment).route_layer(idempotency))
+        .route("/payments/{id}", get(get_payment))
+        .route("/accounts/{account_id}", get(get_account))
+        .with_state(state)
+}
+
+/// Demo authentication: `Authorization: Bearer <client-id>`. The client id
+/// is the idempotency scope, so clients never see each other's keys.
+fn bearer_client_id(parts: &axum::http::request::Parts) -> Result<String, Response> {
+    let token = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty() && t.len() <= 255 && t.bytes().all(|b| b.is_ascii_graphic()));
+    match token {
+        Some(t) => Ok(t.to_owned()),
+        None => {
+            let mut response = Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "Authentication required")
+                .detail("send Authorization: Bearer <client-id>")
+                .into_response();
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            Err(response)
+        }
+    }
+}
+
+async fn healthz(State(state): State<AppState>) -> Response {
+    match sqlx::query("SELECT 1").execute(state.db.pool()).await {
+        Ok(_) => (StatusCode::OK, "ok").into_response(),
+        Err(e) => {
+            warn!(error = %e, "health check failed");
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "The database is unavailable")
+                .into_response()
+        }
+    }
+}
+
+/// A validated payment request.
+#[derive(Debug)]
+struct NewPayment {
+    account_id: String,
+    amount: i64,
+    currency: String,
+}
+
+fn validation(detail: impl Into<String>) -> Response {
+    Problem::new(StatusCode::BAD_REQUEST, "validation", "The request body is invalid")
+        .detail(detail)
+        .into_response()
+}
+
+fn parse_payment(body: &[u8]) -> Result<NewPayment, Response> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| validation(format!("the body is not JSON: {e}")))?;
+    let Value::Object(map) = value else {
+        return Err(validation("the body must be a JSON object"));
+    };
+    if let Some(extra) = map.keys().find(|k| !matches!(k.as_str(), "account_id" | "amount" | "currency")) {
+        return Err(validation(format!("unknown field {extra:?}; expected account_id, amount, currency")));
+    }
+    let account_id = match map.get("account_id") {
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= 128 => s.clone(),
+        Some(Value::String(_)) => return Err(validation("account_id must be 1 to 128 characters")),
+        _ => return Err(validation("account_id is required and must be a string")),
+    };
+    let amount = match map.get("amount") {
+        Some(Value::Number(n)) => match n.as_i64() {
+            Some(a) if a > 0 => a,
+            _ => return Err(validation("amount must be a positive integer in minor units")),
+        },
+        _ => return Err(validation("amount is required and must be a positive integer in minor units")),
+    };
+    let currency = match map.get("currency") {
+        Some(Value::String(c)) if c.len() == 3 && c.bytes().all(|b| b.is_ascii_alphabetic()) => c.clone(),
+        _ => return Err(validation("currency is required and must be three letters, e.g. \"EUR\"")),
+    };
+    Ok(NewPayment {
+        account_id,
+        amount,
+        currency,
+    })
+}
+
+/// Demo-only fault injection from the `X-Simulate` header.
+#[derive(Debug, Default)]
+struct Simulate {
+    bank_delay: Option<Duration>,
+    bank_error: bool,
+    crash_before_bank: bool,
+    crash_after_bank: bool,
+}
+
+fn parse_simulate(headers: &HeaderMap) -> Result<Simulate, Response> {
+    let mut sim = Simulate::default();
+    for value in headers.get_all("x-simulate") {
+        let value = value.to_str().map_err(|_| validation("X-Simulate must be ASCII"))?;
+        for directive in value.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+            match directive {
+                "bank-error" => sim.bank_error = true,
+                "crash-before-bank" => sim.crash_before_bank = true,
+                "crash-after-bank" => sim.crash_after_bank = true,
+                d => match d.strip_prefix("bank-delay=").map(str::parse::<u64>) {
+                    Some(Ok(ms)) => sim.bank_delay = Some(Duration::from_millis(ms)),
+                    _ => {
+                        return Err(validation(format!(
+                            "unknown X-Simulate directive {d:?}; expected bank-delay=MS, bank-error, crash-before-bank, crash-after-bank"
+                        )))
+                    }
+                },
+            }
+        }
+    }
+    Ok(sim)
+}
+
+/// A payment as the API shows it.
+#[derive(Debug, Serialize)]
+struct Payment {
+    id: String,
+    account_id: String,
+    amount: i64,
+    currency: String,
+    status: String,
+    bank_charge_id: String,
+}
+
+/// Aborts the process at once, as a killed pod would: no unwinding, no
+/// response, no cleanup.
+fn crash(at: &str) -> ! {
+    eprintln!("shop: simulated crash {at}");
+    std::process::abort()
+}
+
+async fn create_payment(State(state): State<AppState>, idem: Idempotency, headers: HeaderMap, body: Body) -> Response {
+    let simulate = match parse_simulate(&headers) {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let new = match parse_payment(&body) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let client_id = idem.scope().to_owned();
+
+    if simulate.crash_before_bank {
+        crash("before the bank call");
+    }
+    if let Some(d) = simulate.bank_delay {
+        tokio::time::sleep(d).await;
+    }
+    if simulate.bank_error {
+        return bank_failed(&BankError::Simulated);
+    }
+    let charge = ChargeRequest {
+        operation_id: idem.operation_id(),
+        account_id: &new.account_id,
+        amount: new.amount,
+        currency: &new.currency,
+    };
+    let bank_charge_id = match bank::charge(state.db.pool(), &charge).await {
+        Ok(id) => id,
+        Err(e) => return bank_failed(&e),
+    };
+    if simulate.crash_after_bank {
+        crash("after the bank call");
+    }
+
+    let payment = Payment {
+        id: format!("pay_{}", uuid::Uuid::now_v7().simple()),
+        account_id: new.account_id,
+        amount: new.amount,
+        currency: new.currency,
+        status: "authorized".to_owned(),
+        bank_charge_id,
+    };
+    match record_payment(&state, &idem, &client_id, &payment).await {
+        Ok(response) => response,
+        Err(response) => response,
+    }
+}
+
+/// Writes the payment and completes the idempotency record in one
+/// transaction: both commit, or neither.
+async fn record_payment(state: &AppState, idem: &Idempotency, client_id: &str, payment: &Payment) -> Result<Response, Response> {
+    let db_error = |e: sqlx::Error| {
+        error!(error = %e, "could not record the payment");
+        Problem::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "The payment could not be recorded")
+            .detail("retry with the same Idempotency-Key; the bank will not charge twice")
+            .retry_after(1)
+            .into_response()
+    };
+    let mut tx = state.db.pool().begin().await.map_err(db_error)?;
+    sqlx::query(
+        "INSERT INTO shop_payments
+            (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+    )
+    .bind(&payment.id)
+    .bind(client_id)
+    .bind(&payment.account_id)
+    .bind(payment.amount)
+    .bind(&payment.currency)
+    .bind(&payment.status)
+    .bind(&payment.bank_charge_id)
+    .bind(idem.operation_id().to_string())
+    .bind(UnixMillis::now().0)
+    .execute(&mut *tx)
+    .await
+    .map_err(db_error)?;
+    let response = (
+        StatusCode::CREATED,
+        [(header::LOCATION, format!("/payments/{}", payment.id))],
+        Json(payment),
+    )
+        .into_response();
+    // Fenced by the claim's token: if a retry took this request over, this
+    // fails, `tx` is dropped (rolled back), and the payment is not written.
+    let response = idem.complete_in_sqlite(&mut tx, response).await.map_err(IntoResponse::into_response)?;
+    tx.commit().await.map_err(db_error)?;
+    Ok(response)
+}
+
+fn bank_failed(e: &BankError) -> Response {
+    warn!(error = %e, "bank call failed");
+    Problem::new(StatusCode::BAD_GATEWAY, "bank-unavailable", "The bank could not be reached")
+        .detail("nothing was charged; retry with the same Idempotency-Key")
+        .into_response()
+}
+
+async fn get_payment(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let found = sqlx::query_as::<_, (String, String, i64, String, String, String)>(
+        "SELECT id, account_id, amount, currency, status, bank_charge_id FROM shop_payments WHERE id = ?1",
+    )
+    .bind(&id)
+    .fetch_optional(state.db.pool())
+    .await;
+    match found {
+        Ok(Some((id, account_id, amount, currency, status, bank_charge_id))) => Json(Payment {
+            id,
+            account_id,
+            amount,
+            currency,
+            status,
+            bank_charge_id,
+        })
+        .into_response(),
+        Ok(None) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such payment")
+            .detail(format!("no payment {id:?}"))
+            .into_response(),
+        Err(e) => {
+            error!(error = %e, "payment lookup failed");
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "The database is unavailable").into_response()
+        }
+    }
+}
+
+/// What an account has been charged.
+#[derive(Debug, Serialize)]
+struct Account {
+    account_id: String,
+    payments: i64,
+    charged_total: i64,
+    bank_charges: i64,
+}
+
+async fn get_account(State(state): State<AppState>, Path(account_id): Path<String>) -> Response {
+    let pool = state.db.pool();
+    let payments: Result<(i64, i64), _> = sqlx::query_as(
+        "SELECT count(*), coalesce(sum(amount), 0) FROM shop_payments WHERE account_id = ?1",
+    )
+    .bind(&account_id)
+    .fetch_one(pool)
+    .await;
+    let charges: Result<i64, _> = sqlx::query_scalar("SELECT count(DISTINCT id) FROM bank_charges WHERE account_id = ?1")
+        .bind(&account_id)
+        .fetch_one(pool)
+        .await;
+    match (payments, charges) {
+        (Ok((payments, charged_total)), Ok(bank_charges)) => Json(Account {
+            account_id,
+            payments,
+            charged_total,
+            bank_charges,
+        })
+        .into_response(),
+        (Err(e), _) | (_, Err(e)) => {
+            error!(error = %e, "account lookup failed");
+            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "The database is unavailable").into_response()
+        }
+    }
+}

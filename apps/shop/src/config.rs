@@ -1,0 +1,41 @@
+//! Command-line flags and their environment variables.
+
+use std::time::Duration;
+
+use clap::Parser;
+use idem_core::{Policy, PolicyError};
+
+/// A demo payments service that cannot charge twice.
+#[derive(Debug, Parser)]
+#[command(name = "shop", version)]
+pub(crate) struct Config {
+    /// Address to listen on (port 0 picks a free one).
+    #[arg(long, env = "SHOP_LISTEN", default_value = "127.0.0.1:8080")]
+    pub(crate) listen: String,
+
+    /// Database URL; a SQLite file is created if missing.
+    #[arg(long, env = "DATABASE_URL", default_value = "sqlite:shop.db")]
+    pub(crate) database_url: String,
+
+    /// How long a request holds its idempotency key before a retry may take over, in milliseconds.
+    #[arg(long, env = "IDEM_LEASE_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) lease_ms: u64,
+
+    /// How long idempotency records are kept, in seconds.
+    #[arg(long, env = "IDEM_TTL_SECS", default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) ttl_secs: u64,
+
+    /// How long a duplicate of an in-flight request waits for its answer before getting 409, in milliseconds (0: don't wait).
+    #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0)]
+    pub(crate) wait_ms: u64,
+}
+
+impl Config {
+    pub(crate) fn policy(&self) -> Result<Policy, PolicyError> {
+        Policy::builder()
+            .lease(Duration::from_millis(self.lease_ms))
+            .retention(Duration::from_secs(self.ttl_secs))
+            .wait_for_in_flight(Duration::from_millis(self.wait_ms))
+            .build()
+    }
+}

@@ -1,0 +1,153 @@
+//! Starting and stopping the real `shop` binary for end-to-end tests.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A running `shop` process, killed when dropped.
+pub struct Shop {
+    child: Child,
+    pub base: String,
+}
+
+impl Shop {
+    /// Starts `shop` on a free port with `db` and extra flags, and waits
+    /// until `/healthz` answers.
+    pub async fn start(db: &Path, extra: &[&str]) -> Shop {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_shop"))
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--database-url")
+            .arg(format!("sqlite:{}", db.display()))
+            .args(extra)
+            .env("SHOP_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start shop");
+        let stdout = child.stdout.take().expect("shop stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.strip_prefix("shop listening on ") {
+                    let _ = tx.send(addr.to_owned());
+                }
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("shop did not print its address within 30 s");
+        let shop = Shop { child, base };
+        let client = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(r) = client.get(format!("{}/healthz", shop.base)).send().await {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "shop never became healthy");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        shop
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// Waits for the process to exit by itself (for crash tests).
+    pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "shop did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Shop {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A temporary directory with a database path inside.
+pub fn temp_db() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let db = dir.path().join("shop.db");
+    (dir, db)
+}
+
+pub const BODY: &str = r#"{"account_id":"acc_1","amount":1000,"currency":"EUR"}"#;
+
+/// A `POST /payments` request with a client, key and body.
+pub fn pay(client: &reqwest::Client, shop: &Shop, key: Option<&str>, body: &str) -> reqwest::RequestBuilder {
+    let mut r = client
+        .post(shop.url("/payments"))
+        .header("authorization", "Bearer client-1")
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    if let Some(k) = key {
+        r = r.header("idempotency-key", k);
+    }
+    r
+}
+
+/// An answer, read whole.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub replayed: bool,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+
+impl Answer {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    pub fn problem_type(&self) -> String {
+        assert_eq!(self.headers["content-type"], "application/problem+json", "{self:?}");
+        self.json()["type"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+pub async fn read(r: reqwest::RequestBuilder) -> Answer {
+    let resp = r.send().await.expect("request failed");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let replayed = headers.get("idempotent-replayed").is_some_and(|v| v == "true");
+    let body = resp.bytes().await.expect("body").to_vec();
+    Answer {
+        status,
+        replayed,
+        headers,
+        body,
+    }
+}
+
+pub async fn account(client: &reqwest::Client, shop: &Shop, id: &str) -> Value {
+    client
+        .get(shop.url(&format!("/accounts/{id}")))
+        .send()
+        .await
+        .expect("account")
+        .json()
+        .await
+        .expect("account json")
+}

@@ -1,0 +1,284 @@
+//! The real `shop` binary over TCP: races, crashes, and the contract.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::{account, pay, read, temp_db, Shop, BODY};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn forty_racing_identical_requests_make_one_payment_and_one_charge() {
+    let (_dir, db) = temp_db();
+    let shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for _ in 0..40 {
+        // the bank call is slow, so most duplicates arrive while it runs
+        let r = pay(&client, &shop, Some("race-key-1"), BODY).header("x-simulate", "bank-delay=300");
+        tasks.push(tokio::spawn(read(r)));
+    }
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    let fresh: Vec<_> = answers.iter().filter(|a| a.status == 201 && !a.replayed).collect();
+    assert_eq!(fresh.len(), 1, "exactly one request ran: {answers:?}");
+    for a in &answers {
+        assert!(a.status == 201 || a.status == 409, "unexpected answer {a:?}");
+        if a.status == 201 {
+            assert_eq!(a.body, fresh[0].body, "every replay is byte-identical");
+        } else {
+            assert!(a.problem_type().ends_with("idempotency-key-in-use"));
+            assert!(a.headers.contains_key("retry-after"));
+        }
+    }
+    // after the storm, the key replays
+    let again = read(pay(&client, &shop, Some("race-key-1"), BODY)).await;
+    assert!(again.replayed);
+    assert_eq!(again.body, fresh[0].body);
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(acc["payments"], 1, "{acc}");
+    assert_eq!(acc["bank_charges"], 1, "{acc}");
+    assert_eq!(acc["charged_total"], 1000, "{acc}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_waiting_every_racing_duplicate_gets_the_same_answer() {
+    let (_dir, db) = temp_db();
+    let shop = Shop::start(&db, &["--wait-ms", "10000"]).await;
+    let client = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for _ in 0..40 {
+        let r = pay(&client, &shop, Some("race-key-2"), BODY).header("x-simulate", "bank-delay=300");
+        tasks.push(tokio::spawn(read(r)));
+    }
+    let mut bodies = HashSet::new();
+    let mut fresh = 0;
+    for t in tasks {
+        let a = t.await.unwrap();
+        assert_eq!(a.status, 201, "{a:?}");
+        fresh += usize::from(!a.replayed);
+        bodies.insert(a.body);
+    }
+    assert_eq!(fresh, 1);
+    assert_eq!(bodies.len(), 1);
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!((acc["payments"].as_i64(), acc["bank_charges"].as_i64()), (Some(1), Some(1)), "{acc}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_bank_call_is_taken_over_after_the_lease_and_charges_once() {
+    let (_dir, db) = temp_db();
+    let lease = ["--lease-ms", "3000"];
+    let client = reqwest::Client::new();
+
+    let mut first = Shop::start(&db, &lease).await;
+    let lost = pay(&client, &first, Some("crash-key"), BODY)
+        .header("x-simulate", "crash-after-bank")
+        .send()
+        .await;
+    assert!(lost.is_err(), "the process died before answering: {lost:?}");
+    let status = first.wait_exit(Duration::from_secs(10));
+    assert!(!status.success(), "shop aborted: {status:?}");
+    let claimed_at = std::time::Instant::now();
+    drop(first);
+
+    // The bank charged, the payment was not written, the claim is held.
+    let second = Shop::start(&db, &lease).await;
+    let busy = read(pay(&client, &second, Some("crash-key"), BODY)).await;
+    assert!(claimed_at.elapsed() < Duration::from_millis(2500), "the restart took too long for this test");
+    assert_eq!(busy.status, 409, "the lease still lives: {busy:?}");
+    assert!(busy.problem_type().ends_with("idempotency-key-in-use"));
+    let acc = account(&client, &second, "acc_1").await;
+    assert_eq!((acc["payments"].as_i64(), acc["bank_charges"].as_i64()), (Some(0), Some(1)), "{acc}");
+
+    // After the lease, the retry takes over under the same operation id: the
+    // bank recognises it and does not charge again.
+    tokio::time::sleep(Duration::from_millis(3200).saturating_sub(claimed_at.elapsed())).await;
+    let retry = read(pay(&client, &second, Some("crash-key"), BODY)).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed);
+    let acc = account(&client, &second, "acc_1").await;
+    assert_eq!(acc["payments"], 1, "{acc}");
+    assert_eq!(acc["bank_charges"], 1, "charged exactly once: {acc}");
+    let replay = read(pay(&client, &second, Some("crash-key"), BODY)).await;
+    assert!(replay.replayed);
+    assert_eq!(replay.body, retry.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_the_bank_call_leaves_nothing_charged() {
+    let (_dir, db) = temp_db();
+    let client = reqwest::Client::new();
+    let mut first = Shop::start(&db, &["--lease-ms", "500"]).await;
+    let lost = pay(&client, &first, Some("k-before"), BODY)
+        .header("x-simulate", "crash-before-bank")
+        .send()
+        .await;
+    assert!(lost.is_err());
+    first.wait_exit(Duration::from_secs(10));
+    drop(first);
+    let second = Shop::start(&db, &["--lease-ms", "500"]).await;
+    let acc = account(&client, &second, "acc_1").await;
+    assert_eq!(acc["bank_charges"], 0, "{acc}");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let retry = read(pay(&client, &second, Some("k-before"), BODY)).await;
+    assert_eq!(retry.status, 201);
+    let acc = account(&client, &second, "acc_1").await;
+    assert_eq!((acc["payments"].as_i64(), acc["bank_charges"].as_i64()), (Some(1), Some(1)), "{acc}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_row_of_the_contract_over_tcp() {
+    let (_dir, db) = temp_db();
+    let shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+
+    // no credentials: 401, before anything else
+    let a = read(client.post(shop.url("/payments")).header("idempotency-key", "x").body(BODY)).await;
+    assert_eq!(a.status, 401);
+    // key missing: 400
+    let a = read(pay(&client, &shop, None, BODY)).await;
+    assert_eq!(a.status, 400);
+    assert!(a.problem_type().ends_with("idempotency-key-missing"));
+    // key malformed: 400 (empty, too long, repeated)
+    for bad in ["", &"k".repeat(256)] {
+        let a = read(pay(&client, &shop, Some(bad), BODY)).await;
+        assert_eq!(a.status, 400, "{bad:?}");
+        assert!(a.problem_type().ends_with("idempotency-key-invalid"));
+    }
+    let a = read(pay(&client, &shop, Some("a"), BODY).header("idempotency-key", "b")).await;
+    assert!(a.problem_type().ends_with("idempotency-key-invalid"));
+
+    // new key: 201 with Location; the payment is readable there
+    let created = read(pay(&client, &shop, Some("k-1"), BODY)).await;
+    assert_eq!(created.status, 201);
+    let payment = created.json();
+    assert_eq!(payment["status"], "authorized");
+    assert_eq!(payment["amount"], 1000);
+    assert_eq!(payment["currency"], "EUR");
+    assert_eq!(payment["account_id"], "acc_1");
+    assert!(payment["bank_charge_id"].as_str().is_some_and(|s| !s.is_empty()));
+    let location = created.headers["location"].to_str().unwrap().to_owned();
+    assert_eq!(location, format!("/payments/{}", payment["id"].as_str().unwrap()));
+    let fetched: serde_json::Value = client.get(shop.url(&location)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(fetched, payment);
+
+    // same key, same JSON spelled differently: replayed byte for byte
+    let again = read(pay(&client, &shop, Some("\"k-1\""), r#"{ "currency": "EUR", "amount": 1000, "account_id": "acc_1" }"#)).await;
+    assert!(again.replayed);
+    assert_eq!(again.body, created.body);
+    assert_eq!(again.headers["location"], location.as_str());
+
+    // same key, other body: 422
+    let a = read(pay(&client, &shop, Some("k-1"), r#"{"account_id":"acc_1","amount":5,"currency":"EUR"}"#)).await;
+    assert_eq!(a.status, 422);
+    assert!(a.problem_type().ends_with("idempotency-key-reused"));
+
+    // another client may use the same key: scopes are separate
+    let other = read(
+        client
+            .post(shop.url("/payments"))
+            .header("authorization", "Bearer client-2")
+            .header("idempotency-key", "k-1")
+            .header("content-type", "application/json")
+            .body(BODY),
+    )
+    .await;
+    assert_eq!(other.status, 201);
+    assert!(!other.replayed);
+
+    // invalid body: 400 validation, stored and replayed like any 4xx
+    let bad_bodies = [
+        r#"{"account_id":"acc_1","amount":-5,"currency":"EUR"}"#,
+        r#"{"account_id":"acc_1","amount":1,"currency":"EURO"}"#,
+        r#"{"account_id":"acc_1","amount":1.5,"currency":"EUR"}"#,
+        r#"{"account_id":"acc_1","amount":"1","currency":"EUR"}"#,
+        r#"{"account_id":"acc_1","amount":1,"currency":"EUR","x":1}"#,
+        r#"{"amount":1,"currency":"EUR"}"#,
+        r#"[]"#,
+        "nope",
+    ];
+    for (i, bad) in bad_bodies.into_iter().enumerate() {
+        let key = format!("bad-{i}");
+        let a = read(pay(&client, &shop, Some(&key), bad)).await;
+        assert_eq!(a.status, 400, "{bad}");
+        assert!(a.problem_type().ends_with("validation"), "{bad}");
+        let b = read(pay(&client, &shop, Some(&key), bad)).await;
+        assert!(b.replayed, "{bad}");
+        assert_eq!(b.body, a.body);
+    }
+
+    // body over the limit: 413, nothing stored (the same key then works)
+    let huge = format!(r#"{{"account_id":"acc_1","amount":1,"currency":"EUR","pad":"{}"}}"#, "x".repeat(1 << 20));
+    let a = read(pay(&client, &shop, Some("k-huge"), &huge)).await;
+    assert_eq!(a.status, 413);
+    assert!(a.problem_type().ends_with("payload-too-large"));
+    let a = read(pay(&client, &shop, Some("k-huge"), BODY)).await;
+    assert_eq!(a.status, 201);
+    assert!(!a.replayed);
+
+    // the bank fails: 502, the claim is released, the retry runs afresh
+    let a = read(pay(&client, &shop, Some("k-bank"), BODY).header("x-simulate", "bank-error")).await;
+    assert_eq!(a.status, 502);
+    let b = read(pay(&client, &shop, Some("k-bank"), BODY)).await;
+    assert_eq!(b.status, 201);
+    assert!(!b.replayed);
+
+    // in flight: 409 with Retry-After
+    let slow = tokio::spawn(read(pay(&client, &shop, Some("k-slow"), BODY).header("x-simulate", "bank-delay=800")));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let a = read(pay(&client, &shop, Some("k-slow"), BODY)).await;
+    assert_eq!(a.status, 409);
+    assert!(a.headers.contains_key("retry-after"));
+    assert_eq!(slow.await.unwrap().status, 201);
+
+    // GET passes through untouched; unknown accounts are zeros
+    let acc = account(&client, &shop, "nobody").await;
+    assert_eq!(acc, serde_json::json!({"account_id":"nobody","payments":0,"charged_total":0,"bank_charges":0}));
+    let a = read(client.get(shop.url("/payments/pay_missing"))).await;
+    assert_eq!(a.status, 404);
+
+    // totals: k-1, client-2's k-1, k-huge, k-bank, k-slow
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(acc["payments"], 5, "{acc}");
+    assert_eq!(acc["bank_charges"], 5, "{acc}");
+    assert_eq!(acc["charged_total"], 5000, "{acc}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_shuts_down_gracefully() {
+    let (_dir, db) = temp_db();
+    let mut shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    // a request in flight when SIGTERM arrives still gets its answer
+    let slow = tokio::spawn(read(pay(&client, &shop, Some("k-term"), BODY).header("x-simulate", "bank-delay=500")));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let killed = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(shop.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    assert_eq!(slow.await.unwrap().status, 201);
+    let status = shop.wait_exit(Duration::from_secs(10));
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
+async fn bad_flags_fail_with_a_clear_message() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args(["--lease-ms", "60000", "--ttl-secs", "30", "--listen", "127.0.0.1:0", "--database-url", "sqlite::memory:"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("retention"), "{err}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args(["--database-url", "mysql://x", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
+}
