@@ -1,1 +1,87 @@
-//! x
+//! idem makes retried requests safe: a `POST` that arrives twice produces
+//! its effect once, and every repeat gets the answer the first got.
+//!
+//! Put [`IdempotencyLayer`](axum::IdempotencyLayer) in front of a handler,
+//! and let the handler commit the idempotency record in the same transaction
+//! as its business write:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use ::axum::{body::Body, extract::State, http::StatusCode, response::{IntoResponse, Response}, routing::post, Router};
+//! use idem::axum::{Idempotency, IdempotencyLayer, SingleScope};
+//! use idem::sqlite::SqliteStore;
+//! use idem::Policy;
+//! use tower::ServiceExt;
+//!
+//! async fn create_order(State(store): State<SqliteStore>, idem: Idempotency, body: String) -> Response {
+//!     let Ok(mut tx) = store.pool().begin().await else { return StatusCode::SERVICE_UNAVAILABLE.into_response() };
+//!     let inserted = sqlx::query("INSERT INTO orders (operation_id, body) VALUES (?1, ?2)")
+//!         .bind(idem.operation_id().to_string())
+//!         .bind(&body)
+//!         .execute(&mut *tx)
+//!         .await;
+//!     if inserted.is_err() {
+//!         return StatusCode::SERVICE_UNAVAILABLE.into_response();
+//!     }
+//!     let response = (StatusCode::CREATED, "order created").into_response();
+//!     // Fenced by this attempt's token: if a retry took over, nothing commits.
+//!     let response = match idem.complete_in_sqlite(&mut tx, response).await {
+//!         Ok(response) => response,
+//!         Err(e) => return e.into_response(), // dropping `tx` rolls the order back
+//!     };
+//!     match tx.commit().await {
+//!         Ok(()) => response,
+//!         Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(), // 5xx: the claim is released
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = SqliteStore::connect("sqlite::memory:").await?;
+//! sqlx::query("CREATE TABLE orders (operation_id TEXT UNIQUE, body TEXT)").execute(store.pool()).await?;
+//!
+//! let layer = IdempotencyLayer::new(Arc::new(store.clone()), Policy::default(), SingleScope("shop".into()));
+//! let app = Router::new()
+//!     .route("/orders", post(create_order).route_layer(layer))
+//!     .with_state(store.clone());
+//!
+//! let order = || ::axum::http::Request::post("/orders")
+//!     .header("idempotency-key", "c0ffee-1")
+//!     .body(Body::from("2 espressos"))
+//!     .unwrap();
+//! let first = app.clone().oneshot(order()).await?;
+//! let retry = app.clone().oneshot(order()).await?; // the network timed out; the client retries
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders").fetch_one(store.pool()).await?;
+//! assert_eq!(orders, 1);
+//! # Ok(()) }
+//! ```
+//!
+//! # Crates
+//!
+//! | module | crate | what |
+//! |---|---|---|
+//! | (root) | `idem-core` | keys, fingerprints, records, the decision table, [`Policy`], the [`Store`] trait; no I/O |
+//! | [`memory`] | `idem-memory` | an in-memory store for tests |
+//! | [`sqlite`] | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
+//! | [`axum`] | `idem-axum` | the tower layer and axum extractor (feature `axum`) |
+
+pub use idem_core::*;
+
+/// The in-memory store, for tests and examples.
+pub mod memory {
+    pub use idem_memory::*;
+}
+
+/// The embedded SQLite store.
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    pub use idem_sqlite::*;
+}
+
+/// The tower layer and axum extractor.
+#[cfg(feature = "axum")]
+pub mod axum {
+    pub use idem_axum::*;
+}

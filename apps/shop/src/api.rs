@@ -3,12 +3,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Bytes as Body;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use axum::body::Bytes as Body;
 use idem_axum::{Idempotency, IdempotencyLayer, Problem};
 use idem_core::{Policy, Store, UnixMillis};
 use serde::Serialize;
@@ -17,7 +17,6 @@ use tracing::{error, warn};
 
 use crate::bank::{self, BankError, ChargeRequest};
 use crate::db::Database;
-
 
 /// Shared state of the handlers.
 #[derive(Debug, Clone)]
@@ -55,12 +54,17 @@ fn bearer_client_id(parts: &axum::http::request::Parts) -> Result<String, Respon
     match token {
         Some(t) => Ok(t.to_owned()),
         None => {
-            let mut response = Problem::new(StatusCode::UNAUTHORIZED, "unauthorized", "Authentication required")
-                .detail("send Authorization: Bearer <client-id>")
-                .into_response();
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            let mut response = Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "Authentication required",
+            )
+            .detail("send Authorization: Bearer <client-id>")
+            .into_response();
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
             Err(response)
         }
     }
@@ -71,8 +75,12 @@ async fn healthz(State(state): State<AppState>) -> Response {
         Ok(_) => (StatusCode::OK, "ok").into_response(),
         Err(e) => {
             warn!(error = %e, "health check failed");
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "The database is unavailable")
-                .into_response()
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database-unavailable",
+                "The database is unavailable",
+            )
+            .into_response()
         }
     }
 }
@@ -86,18 +94,28 @@ struct NewPayment {
 }
 
 fn validation(detail: impl Into<String>) -> Response {
-    Problem::new(StatusCode::BAD_REQUEST, "validation", "The request body is invalid")
-        .detail(detail)
-        .into_response()
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "validation",
+        "The request body is invalid",
+    )
+    .detail(detail)
+    .into_response()
 }
 
 fn parse_payment(body: &[u8]) -> Result<NewPayment, Response> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| validation(format!("the body is not JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| validation(format!("the body is not JSON: {e}")))?;
     let Value::Object(map) = value else {
         return Err(validation("the body must be a JSON object"));
     };
-    if let Some(extra) = map.keys().find(|k| !matches!(k.as_str(), "account_id" | "amount" | "currency")) {
-        return Err(validation(format!("unknown field {extra:?}; expected account_id, amount, currency")));
+    if let Some(extra) = map
+        .keys()
+        .find(|k| !matches!(k.as_str(), "account_id" | "amount" | "currency"))
+    {
+        return Err(validation(format!(
+            "unknown field {extra:?}; expected account_id, amount, currency"
+        )));
     }
     let account_id = match map.get("account_id") {
         Some(Value::String(s)) if !s.is_empty() && s.len() <= 128 => s.clone(),
@@ -107,13 +125,27 @@ fn parse_payment(body: &[u8]) -> Result<NewPayment, Response> {
     let amount = match map.get("amount") {
         Some(Value::Number(n)) => match n.as_i64() {
             Some(a) if a > 0 => a,
-            _ => return Err(validation("amount must be a positive integer in minor units")),
+            _ => {
+                return Err(validation(
+                    "amount must be a positive integer in minor units",
+                ))
+            }
         },
-        _ => return Err(validation("amount is required and must be a positive integer in minor units")),
+        _ => {
+            return Err(validation(
+                "amount is required and must be a positive integer in minor units",
+            ))
+        }
     };
     let currency = match map.get("currency") {
-        Some(Value::String(c)) if c.len() == 3 && c.bytes().all(|b| b.is_ascii_alphabetic()) => c.clone(),
-        _ => return Err(validation("currency is required and must be three letters, e.g. \"EUR\"")),
+        Some(Value::String(c)) if c.len() == 3 && c.bytes().all(|b| b.is_ascii_alphabetic()) => {
+            c.clone()
+        }
+        _ => {
+            return Err(validation(
+                "currency is required and must be three letters, e.g. \"EUR\"",
+            ))
+        }
     };
     Ok(NewPayment {
         account_id,
@@ -134,7 +166,9 @@ struct Simulate {
 fn parse_simulate(headers: &HeaderMap) -> Result<Simulate, Response> {
     let mut sim = Simulate::default();
     for value in headers.get_all("x-simulate") {
-        let value = value.to_str().map_err(|_| validation("X-Simulate must be ASCII"))?;
+        let value = value
+            .to_str()
+            .map_err(|_| validation("X-Simulate must be ASCII"))?;
         for directive in value.split(',').map(str::trim).filter(|d| !d.is_empty()) {
             match directive {
                 "bank-error" => sim.bank_error = true,
@@ -172,7 +206,12 @@ fn crash(at: &str) -> ! {
     std::process::abort()
 }
 
-async fn create_payment(State(state): State<AppState>, idem: Idempotency, headers: HeaderMap, body: Body) -> Response {
+async fn create_payment(
+    State(state): State<AppState>,
+    idem: Idempotency,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     let simulate = match parse_simulate(&headers) {
         Ok(s) => s,
         Err(r) => return r,
@@ -222,13 +261,22 @@ async fn create_payment(State(state): State<AppState>, idem: Idempotency, header
 
 /// Writes the payment and completes the idempotency record in one
 /// transaction: both commit, or neither.
-async fn record_payment(state: &AppState, idem: &Idempotency, client_id: &str, payment: &Payment) -> Result<Response, Response> {
+async fn record_payment(
+    state: &AppState,
+    idem: &Idempotency,
+    client_id: &str,
+    payment: &Payment,
+) -> Result<Response, Response> {
     let db_error = |e: sqlx::Error| {
         error!(error = %e, "could not record the payment");
-        Problem::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "The payment could not be recorded")
-            .detail("retry with the same Idempotency-Key; the bank will not charge twice")
-            .retry_after(1)
-            .into_response()
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database-unavailable",
+            "The payment could not be recorded",
+        )
+        .detail("retry with the same Idempotency-Key; the bank will not charge twice")
+        .retry_after(1)
+        .into_response()
     };
     let mut tx = state.db.pool().begin().await.map_err(db_error)?;
     sqlx::query(
@@ -256,16 +304,23 @@ async fn record_payment(state: &AppState, idem: &Idempotency, client_id: &str, p
         .into_response();
     // Fenced by the claim's token: if a retry took this request over, this
     // fails, `tx` is dropped (rolled back), and the payment is not written.
-    let response = idem.complete_in_sqlite(&mut tx, response).await.map_err(IntoResponse::into_response)?;
+    let response = idem
+        .complete_in_sqlite(&mut tx, response)
+        .await
+        .map_err(IntoResponse::into_response)?;
     tx.commit().await.map_err(db_error)?;
     Ok(response)
 }
 
 fn bank_failed(e: &BankError) -> Response {
     warn!(error = %e, "bank call failed");
-    Problem::new(StatusCode::BAD_GATEWAY, "bank-unavailable", "The bank could not be reached")
-        .detail("nothing was charged; retry with the same Idempotency-Key")
-        .into_response()
+    Problem::new(
+        StatusCode::BAD_GATEWAY,
+        "bank-unavailable",
+        "The bank could not be reached",
+    )
+    .detail("nothing was charged; retry with the same Idempotency-Key")
+    .into_response()
 }
 
 async fn get_payment(State(state): State<AppState>, Path(id): Path<String>) -> Response {
@@ -290,7 +345,12 @@ async fn get_payment(State(state): State<AppState>, Path(id): Path<String>) -> R
             .into_response(),
         Err(e) => {
             error!(error = %e, "payment lookup failed");
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "The database is unavailable").into_response()
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database-unavailable",
+                "The database is unavailable",
+            )
+            .into_response()
         }
     }
 }
@@ -312,10 +372,11 @@ async fn get_account(State(state): State<AppState>, Path(account_id): Path<Strin
     .bind(&account_id)
     .fetch_one(pool)
     .await;
-    let charges: Result<i64, _> = sqlx::query_scalar("SELECT count(DISTINCT id) FROM bank_charges WHERE account_id = ?1")
-        .bind(&account_id)
-        .fetch_one(pool)
-        .await;
+    let charges: Result<i64, _> =
+        sqlx::query_scalar("SELECT count(DISTINCT id) FROM bank_charges WHERE account_id = ?1")
+            .bind(&account_id)
+            .fetch_one(pool)
+            .await;
     match (payments, charges) {
         (Ok((payments, charged_total)), Ok(bank_charges)) => Json(Account {
             account_id,
@@ -326,7 +387,12 @@ async fn get_account(State(state): State<AppState>, Path(account_id): Path<Strin
         .into_response(),
         (Err(e), _) | (_, Err(e)) => {
             error!(error = %e, "account lookup failed");
-            Problem::new(StatusCode::SERVICE_UNAVAILABLE, "database-unavailable", "The database is unavailable").into_response()
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database-unavailable",
+                "The database is unavailable",
+            )
+            .into_response()
         }
     }
 }

@@ -26,7 +26,10 @@ pub(crate) struct ChargeRequest<'a> {
 }
 
 /// Charges once per operation id; returns the charge id.
-pub(crate) async fn charge(pool: &SqlitePool, req: &ChargeRequest<'_>) -> Result<String, BankError> {
+pub(crate) async fn charge(
+    pool: &SqlitePool,
+    req: &ChargeRequest<'_>,
+) -> Result<String, BankError> {
     let id = format!("ch_{}", uuid::Uuid::now_v7().simple());
     let op = req.operation_id.to_string();
     sqlx::query(

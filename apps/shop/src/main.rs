@@ -61,7 +61,9 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     // Tests and scripts read this line to learn the port (with --listen …:0).
     println!("shop listening on http://{addr}");
 
-    axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
     sweeper.abort();
     info!("shop stopped");
     Ok(())

@@ -1,4 +1,5 @@
 //! The real `shop` binary over TCP: races, crashes, and the contract.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
@@ -15,17 +16,24 @@ async fn forty_racing_identical_requests_make_one_payment_and_one_charge() {
     let mut tasks = Vec::new();
     for _ in 0..40 {
         // the bank call is slow, so most duplicates arrive while it runs
-        let r = pay(&client, &shop, Some("race-key-1"), BODY).header("x-simulate", "bank-delay=300");
+        let r =
+            pay(&client, &shop, Some("race-key-1"), BODY).header("x-simulate", "bank-delay=300");
         tasks.push(tokio::spawn(read(r)));
     }
     let mut answers = Vec::new();
     for t in tasks {
         answers.push(t.await.unwrap());
     }
-    let fresh: Vec<_> = answers.iter().filter(|a| a.status == 201 && !a.replayed).collect();
+    let fresh: Vec<_> = answers
+        .iter()
+        .filter(|a| a.status == 201 && !a.replayed)
+        .collect();
     assert_eq!(fresh.len(), 1, "exactly one request ran: {answers:?}");
     for a in &answers {
-        assert!(a.status == 201 || a.status == 409, "unexpected answer {a:?}");
+        assert!(
+            a.status == 201 || a.status == 409,
+            "unexpected answer {a:?}"
+        );
         if a.status == 201 {
             assert_eq!(a.body, fresh[0].body, "every replay is byte-identical");
         } else {
@@ -50,7 +58,8 @@ async fn with_waiting_every_racing_duplicate_gets_the_same_answer() {
     let client = reqwest::Client::new();
     let mut tasks = Vec::new();
     for _ in 0..40 {
-        let r = pay(&client, &shop, Some("race-key-2"), BODY).header("x-simulate", "bank-delay=300");
+        let r =
+            pay(&client, &shop, Some("race-key-2"), BODY).header("x-simulate", "bank-delay=300");
         tasks.push(tokio::spawn(read(r)));
     }
     let mut bodies = HashSet::new();
@@ -64,7 +73,11 @@ async fn with_waiting_every_racing_duplicate_gets_the_same_answer() {
     assert_eq!(fresh, 1);
     assert_eq!(bodies.len(), 1);
     let acc = account(&client, &shop, "acc_1").await;
-    assert_eq!((acc["payments"].as_i64(), acc["bank_charges"].as_i64()), (Some(1), Some(1)), "{acc}");
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(1), Some(1)),
+        "{acc}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -87,11 +100,18 @@ async fn a_crash_after_the_bank_call_is_taken_over_after_the_lease_and_charges_o
     // The bank charged, the payment was not written, the claim is held.
     let second = Shop::start(&db, &lease).await;
     let busy = read(pay(&client, &second, Some("crash-key"), BODY)).await;
-    assert!(claimed_at.elapsed() < Duration::from_millis(2500), "the restart took too long for this test");
+    assert!(
+        claimed_at.elapsed() < Duration::from_millis(2500),
+        "the restart took too long for this test"
+    );
     assert_eq!(busy.status, 409, "the lease still lives: {busy:?}");
     assert!(busy.problem_type().ends_with("idempotency-key-in-use"));
     let acc = account(&client, &second, "acc_1").await;
-    assert_eq!((acc["payments"].as_i64(), acc["bank_charges"].as_i64()), (Some(0), Some(1)), "{acc}");
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(0), Some(1)),
+        "{acc}"
+    );
 
     // After the lease, the retry takes over under the same operation id: the
     // bank recognises it and does not charge again.
@@ -126,7 +146,11 @@ async fn a_crash_before_the_bank_call_leaves_nothing_charged() {
     let retry = read(pay(&client, &second, Some("k-before"), BODY)).await;
     assert_eq!(retry.status, 201);
     let acc = account(&client, &second, "acc_1").await;
-    assert_eq!((acc["payments"].as_i64(), acc["bank_charges"].as_i64()), (Some(1), Some(1)), "{acc}");
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(1), Some(1)),
+        "{acc}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,7 +160,13 @@ async fn every_row_of_the_contract_over_tcp() {
     let client = reqwest::Client::new();
 
     // no credentials: 401, before anything else
-    let a = read(client.post(shop.url("/payments")).header("idempotency-key", "x").body(BODY)).await;
+    let a = read(
+        client
+            .post(shop.url("/payments"))
+            .header("idempotency-key", "x")
+            .body(BODY),
+    )
+    .await;
     assert_eq!(a.status, 401);
     // key missing: 400
     let a = read(pay(&client, &shop, None, BODY)).await;
@@ -159,20 +189,44 @@ async fn every_row_of_the_contract_over_tcp() {
     assert_eq!(payment["amount"], 1000);
     assert_eq!(payment["currency"], "EUR");
     assert_eq!(payment["account_id"], "acc_1");
-    assert!(payment["bank_charge_id"].as_str().is_some_and(|s| !s.is_empty()));
+    assert!(payment["bank_charge_id"]
+        .as_str()
+        .is_some_and(|s| !s.is_empty()));
     let location = created.headers["location"].to_str().unwrap().to_owned();
-    assert_eq!(location, format!("/payments/{}", payment["id"].as_str().unwrap()));
-    let fetched: serde_json::Value = client.get(shop.url(&location)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(
+        location,
+        format!("/payments/{}", payment["id"].as_str().unwrap())
+    );
+    let fetched: serde_json::Value = client
+        .get(shop.url(&location))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(fetched, payment);
 
     // same key, same JSON spelled differently: replayed byte for byte
-    let again = read(pay(&client, &shop, Some("\"k-1\""), r#"{ "currency": "EUR", "amount": 1000, "account_id": "acc_1" }"#)).await;
+    let again = read(pay(
+        &client,
+        &shop,
+        Some("\"k-1\""),
+        r#"{ "currency": "EUR", "amount": 1000, "account_id": "acc_1" }"#,
+    ))
+    .await;
     assert!(again.replayed);
     assert_eq!(again.body, created.body);
     assert_eq!(again.headers["location"], location.as_str());
 
     // same key, other body: 422
-    let a = read(pay(&client, &shop, Some("k-1"), r#"{"account_id":"acc_1","amount":5,"currency":"EUR"}"#)).await;
+    let a = read(pay(
+        &client,
+        &shop,
+        Some("k-1"),
+        r#"{"account_id":"acc_1","amount":5,"currency":"EUR"}"#,
+    ))
+    .await;
     assert_eq!(a.status, 422);
     assert!(a.problem_type().ends_with("idempotency-key-reused"));
 
@@ -211,7 +265,10 @@ async fn every_row_of_the_contract_over_tcp() {
     }
 
     // body over the limit: 413, nothing stored (the same key then works)
-    let huge = format!(r#"{{"account_id":"acc_1","amount":1,"currency":"EUR","pad":"{}"}}"#, "x".repeat(1 << 20));
+    let huge = format!(
+        r#"{{"account_id":"acc_1","amount":1,"currency":"EUR","pad":"{}"}}"#,
+        "x".repeat(1 << 20)
+    );
     let a = read(pay(&client, &shop, Some("k-huge"), &huge)).await;
     assert_eq!(a.status, 413);
     assert!(a.problem_type().ends_with("payload-too-large"));
@@ -220,14 +277,17 @@ async fn every_row_of_the_contract_over_tcp() {
     assert!(!a.replayed);
 
     // the bank fails: 502, the claim is released, the retry runs afresh
-    let a = read(pay(&client, &shop, Some("k-bank"), BODY).header("x-simulate", "bank-error")).await;
+    let a =
+        read(pay(&client, &shop, Some("k-bank"), BODY).header("x-simulate", "bank-error")).await;
     assert_eq!(a.status, 502);
     let b = read(pay(&client, &shop, Some("k-bank"), BODY)).await;
     assert_eq!(b.status, 201);
     assert!(!b.replayed);
 
     // in flight: 409 with Retry-After
-    let slow = tokio::spawn(read(pay(&client, &shop, Some("k-slow"), BODY).header("x-simulate", "bank-delay=800")));
+    let slow = tokio::spawn(read(
+        pay(&client, &shop, Some("k-slow"), BODY).header("x-simulate", "bank-delay=800"),
+    ));
     tokio::time::sleep(Duration::from_millis(200)).await;
     let a = read(pay(&client, &shop, Some("k-slow"), BODY)).await;
     assert_eq!(a.status, 409);
@@ -236,7 +296,10 @@ async fn every_row_of_the_contract_over_tcp() {
 
     // GET passes through untouched; unknown accounts are zeros
     let acc = account(&client, &shop, "nobody").await;
-    assert_eq!(acc, serde_json::json!({"account_id":"nobody","payments":0,"charged_total":0,"bank_charges":0}));
+    assert_eq!(
+        acc,
+        serde_json::json!({"account_id":"nobody","payments":0,"charged_total":0,"bank_charges":0})
+    );
     let a = read(client.get(shop.url("/payments/pay_missing"))).await;
     assert_eq!(a.status, 404);
 
@@ -253,7 +316,9 @@ async fn sigterm_shuts_down_gracefully() {
     let mut shop = Shop::start(&db, &[]).await;
     let client = reqwest::Client::new();
     // a request in flight when SIGTERM arrives still gets its answer
-    let slow = tokio::spawn(read(pay(&client, &shop, Some("k-term"), BODY).header("x-simulate", "bank-delay=500")));
+    let slow = tokio::spawn(read(
+        pay(&client, &shop, Some("k-term"), BODY).header("x-simulate", "bank-delay=500"),
+    ));
     tokio::time::sleep(Duration::from_millis(150)).await;
     let killed = std::process::Command::new("kill")
         .arg("-TERM")
@@ -269,7 +334,16 @@ async fn sigterm_shuts_down_gracefully() {
 #[tokio::test]
 async fn bad_flags_fail_with_a_clear_message() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
-        .args(["--lease-ms", "60000", "--ttl-secs", "30", "--listen", "127.0.0.1:0", "--database-url", "sqlite::memory:"])
+        .args([
+            "--lease-ms",
+            "60000",
+            "--ttl-secs",
+            "30",
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            "sqlite::memory:",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());

@@ -197,7 +197,10 @@ mod tests {
     #[test]
     fn row_completed_same_fingerprint_replays() {
         let r = record(r#"{"a":1}"#, completed(), LATER);
-        assert_eq!(arrived(&Policy::default(), Some(&r), r#"{ "a" : 1 }"#), Decision::Replay);
+        assert_eq!(
+            arrived(&Policy::default(), Some(&r), r#"{ "a" : 1 }"#),
+            Decision::Replay
+        );
     }
 
     #[test]
@@ -236,7 +239,10 @@ mod tests {
     #[test]
     fn row_in_progress_lease_expired_takes_over() {
         let r = record("{}", in_progress(NOW.0), LATER);
-        assert_eq!(arrived(&Policy::default(), Some(&r), "{}"), Decision::TakeOver);
+        assert_eq!(
+            arrived(&Policy::default(), Some(&r), "{}"),
+            Decision::TakeOver
+        );
     }
 
     #[test]
@@ -253,9 +259,15 @@ mod tests {
 
     #[test]
     fn row_key_missing_where_required() {
-        assert_eq!(decide(&Policy::default(), Situation::KeyMissing), Decision::RejectMissingKey);
+        assert_eq!(
+            decide(&Policy::default(), Situation::KeyMissing),
+            Decision::RejectMissingKey
+        );
         let optional = Policy::builder().require_key(false).build().unwrap();
-        assert_eq!(decide(&optional, Situation::KeyMissing), Decision::PassThrough);
+        assert_eq!(
+            decide(&optional, Situation::KeyMissing),
+            Decision::PassThrough
+        );
     }
 
     #[test]
@@ -268,7 +280,10 @@ mod tests {
 
     #[test]
     fn row_body_too_large() {
-        assert_eq!(decide(&Policy::default(), Situation::BodyTooLarge), Decision::RejectTooLarge);
+        assert_eq!(
+            decide(&Policy::default(), Situation::BodyTooLarge),
+            Decision::RejectTooLarge
+        );
     }
 
     #[test]
@@ -285,16 +300,32 @@ mod tests {
             (502, Decision::Release),
             (503, Decision::Release),
         ] {
-            assert_eq!(decide(&p, Situation::HandlerAnswered { status }), want, "{status}");
+            assert_eq!(
+                decide(&p, Situation::HandlerAnswered { status }),
+                want,
+                "{status}"
+            );
         }
-        let no4xx = Policy::builder().store_client_errors(false).build().unwrap();
-        assert_eq!(decide(&no4xx, Situation::HandlerAnswered { status: 409 }), Decision::Release);
-        assert_eq!(decide(&no4xx, Situation::HandlerAnswered { status: 201 }), Decision::Store);
+        let no4xx = Policy::builder()
+            .store_client_errors(false)
+            .build()
+            .unwrap();
+        assert_eq!(
+            decide(&no4xx, Situation::HandlerAnswered { status: 409 }),
+            Decision::Release
+        );
+        assert_eq!(
+            decide(&no4xx, Situation::HandlerAnswered { status: 201 }),
+            Decision::Store
+        );
     }
 
     #[test]
     fn row_handler_panicked_or_dropped_releases() {
-        assert_eq!(decide(&Policy::default(), Situation::HandlerAbandoned), Decision::Release);
+        assert_eq!(
+            decide(&Policy::default(), Situation::HandlerAbandoned),
+            Decision::Release
+        );
     }
 
     #[test]
@@ -306,6 +337,9 @@ mod tests {
         assert_eq!(arrived(&p, Some(&old), r#"{"a":2}"#), Decision::Run);
         // but a live holder is never evicted by retention
         let held = record("{}", in_progress(NOW.0 + 1_000), NOW);
-        assert!(matches!(arrived(&p, Some(&held), "{}"), Decision::Conflict { .. }));
+        assert!(matches!(
+            arrived(&p, Some(&held), "{}"),
+            Decision::Conflict { .. }
+        ));
     }
 }

@@ -132,7 +132,8 @@ pub fn is_json_media_type(content_type: &str) -> bool {
         .unwrap_or("")
         .trim()
         .to_ascii_lowercase();
-    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 /// Canonicalises a JSON document per RFC 8785: sorted keys, no insignificant
@@ -169,7 +170,10 @@ mod tests {
 
     #[test]
     fn numbers_and_strings_have_one_spelling() {
-        assert_eq!(canonical_json(b"[1.0, 1e2, 0.5e1, -0]").unwrap(), b"[1,100,5,0]");
+        assert_eq!(
+            canonical_json(b"[1.0, 1e2, 0.5e1, -0]").unwrap(),
+            b"[1,100,5,0]"
+        );
         assert_eq!(
             canonical_json(br#""\u00e9\/\u0041""#).unwrap(),
             "\"\u{e9}/A\"".as_bytes()
@@ -216,10 +220,14 @@ mod tests {
     fn invalid_json_is_fingerprinted_raw() {
         let (a, form) = Fingerprint::of_request_with_form("POST", "/p", JSON, b"{not json");
         assert_eq!(form, BodyForm::Raw);
-        let (b, _) = Fingerprint::of_request_with_form("POST", "/p", Some("text/plain"), b"{not json");
+        let (b, _) =
+            Fingerprint::of_request_with_form("POST", "/p", Some("text/plain"), b"{not json");
         // same bytes, same form: same fingerprint whatever the label said
         assert_eq!(a, b);
-        assert_ne!(a, Fingerprint::of_request("POST", "/p", JSON, b"{not  json"));
+        assert_ne!(
+            a,
+            Fingerprint::of_request("POST", "/p", JSON, b"{not  json")
+        );
     }
 
     #[test]

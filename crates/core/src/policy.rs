@@ -56,7 +56,10 @@ impl Default for Policy {
             lease: Duration::from_secs(30),
             wait: None,
             max_body: 1024 * 1024,
-            replayed_headers: DEFAULT_REPLAYED_HEADERS.iter().map(|s| (*s).to_owned()).collect(),
+            replayed_headers: DEFAULT_REPLAYED_HEADERS
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect(),
             store_client_errors: true,
             require_key: true,
         }
@@ -257,9 +260,9 @@ impl PolicyBuilder {
         }
         for name in &p.replayed_headers {
             let valid = !name.is_empty()
-                && name.bytes().all(|b| {
-                    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
-                });
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
             if !valid {
                 return Err(PolicyError::InvalidHeaderName(name.clone()));
             }
@@ -305,7 +308,10 @@ mod tests {
                 .build(),
             Err(PolicyError::RetentionNotAboveLease { .. })
         ));
-        assert_eq!(Policy::builder().max_body(0).build(), Err(PolicyError::ZeroBodyLimit));
+        assert_eq!(
+            Policy::builder().max_body(0).build(),
+            Err(PolicyError::ZeroBodyLimit)
+        );
         assert_eq!(
             Policy::builder().replay_header("Set-Cookie").build(),
             Err(PolicyError::ForbiddenHeader("set-cookie".into()))
@@ -315,7 +321,11 @@ mod tests {
             Err(PolicyError::InvalidHeaderName("bad header".into()))
         );
         assert_eq!(
-            Policy::builder().wait_for_in_flight(Duration::ZERO).build().unwrap().wait(),
+            Policy::builder()
+                .wait_for_in_flight(Duration::ZERO)
+                .build()
+                .unwrap()
+                .wait(),
             None
         );
     }

@@ -243,6 +243,9 @@ mod tests {
         let t = UnixMillis(1000);
         assert_eq!(t.plus(Duration::from_millis(500)), UnixMillis(1500));
         assert_eq!(t.until(UnixMillis(400)), Duration::ZERO);
-        assert_eq!(UnixMillis(i64::MAX).plus(Duration::from_secs(1)), UnixMillis(i64::MAX));
+        assert_eq!(
+            UnixMillis(i64::MAX).plus(Duration::from_secs(1)),
+            UnixMillis(i64::MAX)
+        );
     }
 }

@@ -81,7 +81,10 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// - a record in progress whose lease has run out (or was released), with
     ///   the same fingerprint: a takeover (new token, same operation id);
     /// - anything else: the existing record, untouched.
-    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>>;
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>>;
 
     /// Completes the claimed record with its response, if the record still
     /// carries `claim.token` and is in progress; otherwise
@@ -99,8 +102,11 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
 
     /// Reads the record under `(scope, key)`; records past their retention
     /// read as absent.
-    fn get<'a>(&'a self, scope: &'a str, key: &'a str)
-        -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>>;
 
     /// Deletes at most `batch` records past their retention, returning how
     /// many went. Call it until it returns less than `batch` to sweep all.
@@ -108,7 +114,10 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
-    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         (**self).claim(request)
     }
     fn complete<'a>(
@@ -121,8 +130,11 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
         (**self).release(claim)
     }
-    fn get<'a>(&'a self, scope: &'a str, key: &'a str)
-        -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
         (**self).get(scope, key)
     }
     fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {

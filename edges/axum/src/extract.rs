@@ -134,19 +134,34 @@ impl Idempotency {
     }
 
     pub(crate) fn completion(&self) -> Completion {
-        *self.inner.completion.lock().unwrap_or_else(|e| e.into_inner())
+        *self
+            .inner
+            .completion
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     fn set_completion(&self, c: Completion) {
-        *self.inner.completion.lock().unwrap_or_else(|e| e.into_inner()) = c;
+        *self
+            .inner
+            .completion
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = c;
     }
 
     /// Buffers `response` and returns what the store keeps of it (status,
     /// allow-listed headers, body) with the response rebuilt for sending.
     /// The building block of transactional completion for any SQL store.
-    pub async fn stage(&self, response: Response) -> Result<(StoredResponse, Response), CompleteError> {
+    pub async fn stage(
+        &self,
+        response: Response,
+    ) -> Result<(StoredResponse, Response), CompleteError> {
         let (parts, body) = response.into_parts();
-        let bytes = body.collect().await.map_err(CompleteError::Body)?.to_bytes();
+        let bytes = body
+            .collect()
+            .await
+            .map_err(CompleteError::Body)?
+            .to_bytes();
         let stored = stored_response(&self.inner.policy, &parts, bytes.clone());
         Ok((stored, Response::from_parts(parts, Body::from(bytes))))
     }
@@ -192,7 +207,11 @@ impl Idempotency {
 }
 
 /// What the store keeps of a response: status, allow-listed headers, body.
-pub(crate) fn stored_response(policy: &Policy, parts: &http::response::Parts, body: bytes::Bytes) -> StoredResponse {
+pub(crate) fn stored_response(
+    policy: &Policy,
+    parts: &http::response::Parts,
+    body: bytes::Bytes,
+) -> StoredResponse {
     StoredResponse {
         status: parts.status.as_u16(),
         headers: parts
@@ -225,7 +244,11 @@ impl<S: Send + Sync> FromRequestParts<S> for Idempotency {
     type Rejection = MissingIdempotency;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        parts.extensions.get::<Idempotency>().cloned().ok_or(MissingIdempotency)
+        parts
+            .extensions
+            .get::<Idempotency>()
+            .cloned()
+            .ok_or(MissingIdempotency)
     }
 }
 

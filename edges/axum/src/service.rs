@@ -160,7 +160,10 @@ fn mismatch() -> Response {
 }
 
 fn replay(record: &Record) -> Response {
-    let RecordState::Completed { response: stored, .. } = &record.state else {
+    let RecordState::Completed {
+        response: stored, ..
+    } = &record.state
+    else {
         return conflict(Duration::from_secs(1));
     };
     let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -168,7 +171,10 @@ fn replay(record: &Record) -> Response {
     *response.status_mut() = status;
     let headers = response.headers_mut();
     for (name, value) in &stored.headers {
-        match (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(value),
+        ) {
             (Ok(n), Ok(v)) => {
                 headers.append(n, v);
             }
@@ -179,7 +185,11 @@ fn replay(record: &Record) -> Response {
     response
 }
 
-async fn handle<S>(config: Arc<Config>, mut inner: S, request: Request<Body>) -> Result<Response, S::Error>
+async fn handle<S>(
+    config: Arc<Config>,
+    mut inner: S,
+    request: Request<Body>,
+) -> Result<Response, S::Error>
 where
     S: Service<Request<Body>, Response = Response> + Send + 'static,
     S::Future: Send + 'static,
@@ -193,7 +203,11 @@ where
     };
 
     let key = match IdempotencyKey::from_header_values(
-        parts.headers.get_all(IDEMPOTENCY_KEY).iter().map(HeaderValue::as_bytes),
+        parts
+            .headers
+            .get_all(IDEMPOTENCY_KEY)
+            .iter()
+            .map(HeaderValue::as_bytes),
     ) {
         Ok(key) => key,
         Err(KeyError::Missing) => match decide(policy, Situation::KeyMissing) {
@@ -205,7 +219,10 @@ where
         },
         Err(e) => {
             debug!(error = %e, "rejecting an invalid Idempotency-Key");
-            return Ok(rejection(decide(policy, Situation::KeyInvalid(&e)), e.to_string()));
+            return Ok(rejection(
+                decide(policy, Situation::KeyInvalid(&e)),
+                e.to_string(),
+            ));
         }
     };
 
@@ -229,15 +246,26 @@ where
             Ok(collected) => collected.to_bytes(),
             Err(e) if e.is::<LengthLimitError>() => return Ok(too_large()),
             Err(e) => {
-                return Ok(Problem::new(StatusCode::BAD_REQUEST, "body-unreadable", "The request body could not be read")
-                    .detail(e.to_string())
-                    .into_response())
+                return Ok(Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "body-unreadable",
+                    "The request body could not be read",
+                )
+                .detail(e.to_string())
+                .into_response())
             }
         };
 
-        let target = parts.uri.path_and_query().map_or_else(|| parts.uri.path(), |p| p.as_str());
-        let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
-        let fingerprint = Fingerprint::of_request(parts.method.as_str(), target, content_type, &bytes);
+        let target = parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path(), |p| p.as_str());
+        let content_type = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok());
+        let fingerprint =
+            Fingerprint::of_request(parts.method.as_str(), target, content_type, &bytes);
 
         let claim_request = ClaimRequest {
             scope,
@@ -259,7 +287,9 @@ where
         let handle = Idempotency::new(claim.clone(), policy.clone());
         parts.extensions.insert(handle.clone());
         let mut guard = ReleaseGuard::new(config.store.clone(), claim);
-        let response = inner.call(Request::from_parts(parts, Body::from(bytes))).await?;
+        let response = inner
+            .call(Request::from_parts(parts, Body::from(bytes)))
+            .await?;
         Ok(settle(&config, &handle, &mut guard, response).await)
     }
     .instrument(span)
@@ -335,7 +365,12 @@ fn record_status(record: &Record) -> Option<u16> {
 }
 
 /// After the handler answered: store or release, per the decision table.
-async fn settle(config: &Config, handle: &Idempotency, guard: &mut ReleaseGuard, response: Response) -> Response {
+async fn settle(
+    config: &Config,
+    handle: &Idempotency,
+    guard: &mut ReleaseGuard,
+    response: Response,
+) -> Response {
     let status = response.status().as_u16();
     match decide(&config.policy, Situation::HandlerAnswered { status }) {
         Decision::Store => {}
@@ -364,8 +399,12 @@ async fn settle(config: &Config, handle: &Idempotency, guard: &mut ReleaseGuard,
         Err(e) => {
             warn!(error = %e, "the handler's response body failed; releasing the claim");
             guard.release_now().await;
-            return Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "response-unreadable", "The response could not be read")
-                .into_response();
+            return Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "response-unreadable",
+                "The response could not be read",
+            )
+            .into_response();
         }
     };
     let stored = stored_response(&config.policy, &parts, bytes.clone());
@@ -377,7 +416,9 @@ async fn settle(config: &Config, handle: &Idempotency, guard: &mut ReleaseGuard,
         // The effect happened but its record did not complete: keep the
         // claim (do not release), so that only a retry after the lease runs
         // out can run again, under the same operation id.
-        Err(e) => warn!(error = %e, "could not store the response; the claim stays until its lease runs out"),
+        Err(e) => {
+            warn!(error = %e, "could not store the response; the claim stays until its lease runs out")
+        }
     }
     guard.disarm();
     Response::from_parts(parts, Body::from(bytes))
@@ -413,8 +454,12 @@ impl ReleaseGuard {
 async fn release(store: &dyn Store, claim: &Claim) {
     match store.release(claim).await {
         Ok(()) => debug!(key = %claim.key, "released the claim"),
-        Err(StoreError::ClaimLost) => debug!(key = %claim.key, "nothing to release: the claim had moved on"),
-        Err(e) => warn!(key = %claim.key, error = %e, "could not release the claim; it frees itself when its lease runs out"),
+        Err(StoreError::ClaimLost) => {
+            debug!(key = %claim.key, "nothing to release: the claim had moved on")
+        }
+        Err(e) => {
+            warn!(key = %claim.key, error = %e, "could not release the claim; it frees itself when its lease runs out")
+        }
     }
 }
 
@@ -432,7 +477,9 @@ impl Drop for ReleaseGuard {
             Ok(rt) => {
                 rt.spawn(async move { release(&*store, &claim).await });
             }
-            Err(_) => warn!("no tokio runtime to release the claim on; it frees itself when its lease runs out"),
+            Err(_) => warn!(
+                "no tokio runtime to release the claim on; it frees itself when its lease runs out"
+            ),
         }
     }
 }

@@ -1,4 +1,5 @@
 //! One test (or more) per row of the HTTP contract, driven through the layer
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 //! with `oneshot`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,9 +29,17 @@ impl Runs {
 }
 
 /// A handler steered by `x-behave`: `sleep=MS`, `status=N`, `panic`.
-async fn handler(State(runs): State<Runs>, idem: Option<Idempotency>, headers: HeaderMap, body: Bytes) -> Response {
+async fn handler(
+    State(runs): State<Runs>,
+    idem: Option<Idempotency>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let n = runs.0.fetch_add(1, Ordering::SeqCst) + 1;
-    let behave = headers.get("x-behave").and_then(|v| v.to_str().ok()).unwrap_or("");
+    let behave = headers
+        .get("x-behave")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     let mut status = StatusCode::CREATED;
     for part in behave.split(',') {
         if let Some(ms) = part.strip_prefix("sleep=") {
@@ -51,7 +60,9 @@ async fn handler(State(runs): State<Runs>, idem: Option<Idempotency>, headers: H
         ],
         format!(
             r#"{{"run":{n},"operation_id":"{}","takeover":{},"echo":{}}}"#,
-            idem.as_ref().map(|i| i.operation_id().to_string()).unwrap_or_default(),
+            idem.as_ref()
+                .map(|i| i.operation_id().to_string())
+                .unwrap_or_default(),
             idem.as_ref().is_some_and(|i| i.is_takeover()),
             String::from_utf8_lossy(&body).len()
         ),
@@ -81,14 +92,20 @@ fn harness(policy: Policy) -> Harness {
     let runs = Runs::default();
     let layer = IdempotencyLayer::new(store.clone(), policy, by_client_header());
     let app = Router::new()
-        .route("/things", post(handler).patch(handler).get(|| async { "listing" }))
+        .route(
+            "/things",
+            post(handler).patch(handler).get(|| async { "listing" }),
+        )
         .layer(layer)
         .with_state(runs.clone());
     Harness { app, runs, store }
 }
 
 fn short_lease() -> Policy {
-    Policy::builder().lease(Duration::from_millis(300)).build().unwrap()
+    Policy::builder()
+        .lease(Duration::from_millis(300))
+        .build()
+        .unwrap()
 }
 
 fn post_req(key: Option<&str>, body: &str) -> http::request::Builder {
@@ -103,7 +120,9 @@ fn post_req(key: Option<&str>, body: &str) -> http::request::Builder {
 }
 
 fn req(key: &str, body: &str) -> Request<Body> {
-    post_req(Some(key), body).body(Body::from(body.to_owned())).unwrap()
+    post_req(Some(key), body)
+        .body(Body::from(body.to_owned()))
+        .unwrap()
 }
 
 fn req_with(key: &str, body: &str, behave: &str) -> Request<Body> {
@@ -116,7 +135,11 @@ fn req_with(key: &str, body: &str, behave: &str) -> Request<Body> {
 async fn send(app: &Router, r: Request<Body>) -> (StatusCode, HeaderMap, Bytes) {
     let resp = app.clone().oneshot(r).await.unwrap();
     let (parts, body) = resp.into_parts();
-    (parts.status, parts.headers, body.collect().await.unwrap().to_bytes())
+    (
+        parts.status,
+        parts.headers,
+        body.collect().await.unwrap().to_bytes(),
+    )
 }
 
 fn problem_type(headers: &HeaderMap, body: &[u8]) -> String {
@@ -160,8 +183,14 @@ async fn completed_key_replays_byte_for_byte_without_running() {
     assert_eq!(h2["idempotent-replayed"], "true");
     assert_eq!(h2["location"], h1["location"]);
     assert_eq!(h2["content-type"], "application/json");
-    assert!(h2.get("set-cookie").is_none(), "Set-Cookie is never replayed");
-    assert!(h2.get("x-run").is_none(), "headers off the allow-list are not replayed");
+    assert!(
+        h2.get("set-cookie").is_none(),
+        "Set-Cookie is never replayed"
+    );
+    assert!(
+        h2.get("x-run").is_none(),
+        "headers off the allow-list are not replayed"
+    );
 }
 
 #[tokio::test]
@@ -185,7 +214,8 @@ async fn bare_and_structured_key_spellings_are_the_same_key() {
 async fn in_flight_duplicate_gets_409_with_retry_after() {
     let h = harness(Policy::default());
     let app = h.app.clone();
-    let first = tokio::spawn(async move { send(&app, req_with("k-busy", "{}", "sleep=500")).await });
+    let first =
+        tokio::spawn(async move { send(&app, req_with("k-busy", "{}", "sleep=500")).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let (status, headers, body) = send(&h.app, req("k-busy", "{}")).await;
     assert_eq!(status, StatusCode::CONFLICT);
@@ -198,10 +228,14 @@ async fn in_flight_duplicate_gets_409_with_retry_after() {
 
 #[tokio::test]
 async fn in_flight_duplicate_waits_and_replays_when_configured() {
-    let policy = Policy::builder().wait_for_in_flight(Duration::from_secs(3)).build().unwrap();
+    let policy = Policy::builder()
+        .wait_for_in_flight(Duration::from_secs(3))
+        .build()
+        .unwrap();
     let h = harness(policy);
     let app = h.app.clone();
-    let first = tokio::spawn(async move { send(&app, req_with("k-wait", "{}", "sleep=400")).await });
+    let first =
+        tokio::spawn(async move { send(&app, req_with("k-wait", "{}", "sleep=400")).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let (status, headers, body) = send(&h.app, req("k-wait", "{}")).await;
     let (s1, _, b1) = first.await.unwrap();
@@ -213,16 +247,24 @@ async fn in_flight_duplicate_waits_and_replays_when_configured() {
 
 #[tokio::test]
 async fn waiting_is_bounded() {
-    let policy = Policy::builder().wait_for_in_flight(Duration::from_millis(200)).build().unwrap();
+    let policy = Policy::builder()
+        .wait_for_in_flight(Duration::from_millis(200))
+        .build()
+        .unwrap();
     let h = harness(policy);
     let app = h.app.clone();
-    let first = tokio::spawn(async move { send(&app, req_with("k-wait2", "{}", "sleep=1500")).await });
+    let first =
+        tokio::spawn(async move { send(&app, req_with("k-wait2", "{}", "sleep=1500")).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = std::time::Instant::now();
     let (status, headers, _) = send(&h.app, req("k-wait2", "{}")).await;
     assert_eq!(status, StatusCode::CONFLICT);
     assert!(headers.contains_key("retry-after"));
-    assert!(started.elapsed() < Duration::from_millis(1200), "waited {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_millis(1200),
+        "waited {:?}",
+        started.elapsed()
+    );
     first.await.unwrap();
 }
 
@@ -231,7 +273,8 @@ async fn expired_lease_is_taken_over_with_the_same_operation_id() {
     let h = harness(short_lease());
     let app = h.app.clone();
     // the first attempt stalls well past its 300 ms lease
-    let zombie = tokio::spawn(async move { send(&app, req_with("k-take", "{}", "sleep=1200")).await });
+    let zombie =
+        tokio::spawn(async move { send(&app, req_with("k-take", "{}", "sleep=1200")).await });
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (status, _, body) = send(&h.app, req("k-take", "{}")).await;
     assert_eq!(status, StatusCode::CREATED);
@@ -240,7 +283,10 @@ async fn expired_lease_is_taken_over_with_the_same_operation_id() {
     assert_eq!(h.runs.get(), 2);
     let (_, _, zbody) = zombie.await.unwrap();
     let zombie = json(&zbody);
-    assert_eq!(zombie["operation_id"], retry["operation_id"], "the operation id survives the takeover");
+    assert_eq!(
+        zombie["operation_id"], retry["operation_id"],
+        "the operation id survives the takeover"
+    );
     // the zombie's late answer did not overwrite the stored one
     let (_, headers, replayed) = send(&h.app, req("k-take", "{}")).await;
     assert_eq!(headers["idempotent-replayed"], "true");
@@ -261,7 +307,10 @@ async fn different_request_under_the_same_key_gets_422() {
         .header("idempotency-key", "k-reuse")
         .body(Body::from(r#"{"amount":1}"#))
         .unwrap();
-    assert_eq!(send(&h.app, patch).await.0, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        send(&h.app, patch).await.0,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
     assert_eq!(h.runs.get(), 1);
 }
 
@@ -291,15 +340,29 @@ async fn missing_key_passes_through_where_optional() {
 async fn malformed_keys_are_400() {
     let h = harness(Policy::default());
     let long = "x".repeat(256);
-    for bad in ["", "   ", "\"\"", "has space", "\"unterminated", long.as_str(), "caf\u{e9}"] {
+    for bad in [
+        "",
+        "   ",
+        "\"\"",
+        "has space",
+        "\"unterminated",
+        long.as_str(),
+        "caf\u{e9}",
+    ] {
         let r = Request::post("/things")
             .header("x-client", "client-a")
-            .header("idempotency-key", http::HeaderValue::from_bytes(bad.as_bytes()).unwrap())
+            .header(
+                "idempotency-key",
+                http::HeaderValue::from_bytes(bad.as_bytes()).unwrap(),
+            )
             .body(Body::from("{}"))
             .unwrap();
         let (status, headers, body) = send(&h.app, r).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{bad:?}");
-        assert!(problem_type(&headers, &body).ends_with("idempotency-key-invalid"), "{bad:?}");
+        assert!(
+            problem_type(&headers, &body).ends_with("idempotency-key-invalid"),
+            "{bad:?}"
+        );
     }
     // the header sent twice
     let r = Request::post("/things")
@@ -329,7 +392,10 @@ async fn body_over_the_limit_is_413_and_nothing_is_stored() {
     assert_eq!(h.runs.get(), 0);
     assert!(h.store.is_empty(), "nothing is stored for a rejected body");
     // exactly at the limit is fine
-    assert_eq!(send(&h.app, req("k-fits", &"y".repeat(1024))).await.0, StatusCode::CREATED);
+    assert_eq!(
+        send(&h.app, req("k-fits", &"y".repeat(1024))).await.0,
+        StatusCode::CREATED
+    );
 }
 
 /// A body that arrives in chunks, with no length known up front.
@@ -379,7 +445,8 @@ async fn server_errors_release_the_claim_and_keep_the_operation_id() {
 async fn a_panicking_handler_releases_the_claim() {
     let h = harness(Policy::default());
     let app = h.app.clone();
-    let crashed = tokio::spawn(async move { send(&app, req_with("k-panic", "{}", "panic")).await }).await;
+    let crashed =
+        tokio::spawn(async move { send(&app, req_with("k-panic", "{}", "panic")).await }).await;
     assert!(crashed.unwrap_err().is_panic());
     // the release runs on a spawned task
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -392,9 +459,13 @@ async fn a_panicking_handler_releases_the_claim() {
 async fn a_dropped_request_releases_the_claim() {
     let h = harness(Policy::default());
     let app = h.app.clone();
-    let task = tokio::spawn(async move { send(&app, req_with("k-drop", "{}", "sleep=5000")).await });
+    let task =
+        tokio::spawn(async move { send(&app, req_with("k-drop", "{}", "sleep=5000")).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(send(&h.app, req("k-drop", "{}")).await.0, StatusCode::CONFLICT);
+    assert_eq!(
+        send(&h.app, req("k-drop", "{}")).await.0,
+        StatusCode::CONFLICT
+    );
     task.abort(); // the client went away: the future is dropped
     let _ = task.await;
     tokio::time::sleep(Duration::from_millis(50)).await;

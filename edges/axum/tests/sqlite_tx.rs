@@ -1,4 +1,5 @@
 //! Handlers that commit the record in their own SQLite transaction.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +18,11 @@ use tower::ServiceExt;
 
 /// Stalls for `x-delay-ms` (a slow call to another system, say), then writes
 /// its effect and completes the record in one transaction.
-async fn create(State(store): State<SqliteStore>, idem: Idempotency, headers: http::HeaderMap) -> Response {
+async fn create(
+    State(store): State<SqliteStore>,
+    idem: Idempotency,
+    headers: http::HeaderMap,
+) -> Response {
     let delay: u64 = headers
         .get("x-delay-ms")
         .and_then(|v| v.to_str().ok())
@@ -52,7 +57,10 @@ async fn setup(lease: Duration) -> (Router, SqliteStore, tempfile::TempDir) {
         .unwrap();
     let policy = Policy::builder().lease(lease).build().unwrap();
     let layer = IdempotencyLayer::new(Arc::new(store.clone()), policy, SingleScope("t".into()));
-    let app = Router::new().route("/effects", post(create)).layer(layer).with_state(store.clone());
+    let app = Router::new()
+        .route("/effects", post(create))
+        .layer(layer)
+        .with_state(store.clone());
     (app, store, dir)
 }
 
@@ -79,7 +87,10 @@ async fn the_record_commits_with_the_effect_and_replays() {
     let first_body = first.into_body().collect().await.unwrap().to_bytes();
     let again = app.clone().oneshot(req("k1", 0)).await.unwrap();
     assert_eq!(again.headers()["idempotent-replayed"], "true");
-    assert_eq!(again.into_body().collect().await.unwrap().to_bytes(), first_body);
+    assert_eq!(
+        again.into_body().collect().await.unwrap().to_bytes(),
+        first_body
+    );
     assert_eq!(effects(&store).await.len(), 1);
     assert!(matches!(
         store.get("t", "k1").await.unwrap().unwrap().state,
@@ -97,7 +108,11 @@ async fn a_zombie_past_its_lease_rolls_back_and_its_effect_is_not_committed() {
     let retry = app.clone().oneshot(req("z", 0)).await.unwrap();
     assert_eq!(retry.status(), StatusCode::CREATED);
     let zombie = zombie.await.unwrap().unwrap();
-    assert_eq!(zombie.status(), StatusCode::CONFLICT, "the zombie learns it lost its claim");
+    assert_eq!(
+        zombie.status(),
+        StatusCode::CONFLICT,
+        "the zombie learns it lost its claim"
+    );
     let rows = effects(&store).await;
     assert_eq!(rows.len(), 1, "only the retry's effect committed: {rows:?}");
     match store.get("t", "z").await.unwrap().unwrap().state {

@@ -122,7 +122,8 @@ impl MemoryStore {
         let mut records = self.lock();
         let now = UnixMillis::now();
         match records.get_mut(&(claim.scope.clone(), claim.key.clone())) {
-            Some(r) if matches!(r.state, RecordState::InProgress { token, .. } if token == claim.token) => {
+            Some(r) if matches!(r.state, RecordState::InProgress { token, .. } if token == claim.token) =>
+            {
                 f(r, now);
                 Ok(())
             }
@@ -132,7 +133,10 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
-    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         let outcome = self.claim_now(request, UnixMillis::now());
         Box::pin(async move { Ok(outcome) })
     }

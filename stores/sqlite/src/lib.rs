@@ -58,7 +58,8 @@ use sqlx::Row;
 /// idem keeps its own version table (`idem_schema_migrations`) rather than
 /// sqlx's `_sqlx_migrations`, so that it never collides with the
 /// application's own sqlx migrations in the same database.
-pub const MIGRATIONS: &[(i64, &str)] = &[(1, include_str!("../migrations/sqlite/0001_records.sql"))];
+pub const MIGRATIONS: &[(i64, &str)] =
+    &[(1, include_str!("../migrations/sqlite/0001_records.sql"))];
 
 /// How long a connection waits for SQLite's write lock before failing.
 pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -107,7 +108,10 @@ pub async fn open_pool(url: &str) -> Result<SqlitePool, sqlx::Error> {
     let in_memory = url.contains(":memory:") || url.contains("mode=memory");
     let mut pool = SqlitePoolOptions::new().acquire_timeout(DEFAULT_BUSY_TIMEOUT);
     if in_memory {
-        pool = pool.max_connections(1).idle_timeout(None).max_lifetime(None);
+        pool = pool
+            .max_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None);
     }
     pool.connect_with(options).await
 }
@@ -161,7 +165,8 @@ impl SqliteStore {
                 .await
                 .map_err(store_error)?;
             if let Some(row) = won {
-                let stored_op = parse_operation_id(&row.try_get::<String, _>(0).map_err(store_error)?)?;
+                let stored_op =
+                    parse_operation_id(&row.try_get::<String, _>(0).map_err(store_error)?)?;
                 return Ok(ClaimOutcome::Acquired(Claim {
                     scope: req.scope.clone(),
                     key: req.key.clone(),
@@ -283,7 +288,9 @@ fn parse_operation_id(s: &str) -> Result<OperationId, StoreError> {
 fn decode_record(row: &SqliteRow) -> Result<Record, StoreError> {
     let corrupt = |what: &str, e: sqlx::Error| StoreError::Corrupt(format!("{what}: {e}"));
     let get_i64 = |col: &str| row.try_get::<i64, _>(col).map_err(|e| corrupt(col, e));
-    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(|e| corrupt("fingerprint", e))?;
+    let fingerprint: Vec<u8> = row
+        .try_get("fingerprint")
+        .map_err(|e| corrupt("fingerprint", e))?;
     let fingerprint = Fingerprint::from_slice(&fingerprint)
         .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
     let state: String = row.try_get("state").map_err(|e| corrupt("state", e))?;
@@ -315,7 +322,8 @@ fn decode_record(row: &SqliteRow) -> Result<Record, StoreError> {
         key: row.try_get("key").map_err(|e| corrupt("key", e))?,
         fingerprint,
         operation_id: parse_operation_id(
-            &row.try_get::<String, _>("operation_id").map_err(|e| corrupt("operation_id", e))?,
+            &row.try_get::<String, _>("operation_id")
+                .map_err(|e| corrupt("operation_id", e))?,
         )?,
         created_at: UnixMillis(get_i64("created_at")?),
         expires_at: UnixMillis(get_i64("expires_at")?),
@@ -354,7 +362,10 @@ pub async fn complete_in_tx(
 }
 
 impl Store for SqliteStore {
-    fn claim<'a>(&'a self, request: &'a ClaimRequest) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         Box::pin(self.claim_inner(request))
     }
 
@@ -427,7 +438,13 @@ mod tests {
     }
 
     fn request() -> ClaimRequest {
-        idem_store_suite::request("s", "k", "{}", Duration::from_secs(60), Duration::from_secs(3600))
+        idem_store_suite::request(
+            "s",
+            "k",
+            "{}",
+            Duration::from_secs(60),
+            Duration::from_secs(3600),
+        )
     }
 
     #[tokio::test]
@@ -448,11 +465,17 @@ mod tests {
         // rolled back: neither the effect nor the completion is there
         {
             let mut tx = store.pool().begin().await.unwrap();
-            sqlx::query("INSERT INTO effects (id) VALUES (1)").execute(&mut *tx).await.unwrap();
+            sqlx::query("INSERT INTO effects (id) VALUES (1)")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
             complete_in_tx(&mut tx, &claim, &response).await.unwrap();
             tx.rollback().await.unwrap();
         }
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects").fetch_one(store.pool()).await.unwrap();
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
         assert_eq!(n, 0);
         assert!(matches!(
             store.get("s", "k").await.unwrap().unwrap().state,
@@ -460,10 +483,16 @@ mod tests {
         ));
         // committed: both are there
         let mut tx = store.pool().begin().await.unwrap();
-        sqlx::query("INSERT INTO effects (id) VALUES (1)").execute(&mut *tx).await.unwrap();
+        sqlx::query("INSERT INTO effects (id) VALUES (1)")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
         complete_in_tx(&mut tx, &claim, &response).await.unwrap();
         tx.commit().await.unwrap();
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects").fetch_one(store.pool()).await.unwrap();
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
         assert_eq!(n, 1);
         assert!(matches!(
             store.get("s", "k").await.unwrap().unwrap().state,
@@ -487,7 +516,11 @@ mod tests {
         let err = complete_in_tx(
             &mut tx,
             &zombie,
-            &StoredResponse { status: 201, headers: vec![], body: Bytes::new() },
+            &StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: Bytes::new(),
+            },
         )
         .await
         .unwrap_err();
@@ -508,13 +541,18 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(v, MIGRATIONS.len() as i64);
-        let mode: String = sqlx::query_scalar("PRAGMA journal_mode").fetch_one(b.pool()).await.unwrap();
+        let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+            .fetch_one(b.pool())
+            .await
+            .unwrap();
         assert_eq!(mode, "wal");
     }
 
     #[tokio::test]
     async fn a_bad_url_is_an_error_not_a_panic() {
-        assert!(SqliteStore::connect("sqlite:/nonexistent-dir/x/y.db").await.is_err());
+        assert!(SqliteStore::connect("sqlite:/nonexistent-dir/x/y.db")
+            .await
+            .is_err());
         assert!(SqliteStore::connect("postgres://nope").await.is_err());
     }
 }

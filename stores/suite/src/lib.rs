@@ -64,18 +64,35 @@ macro_rules! store_suite {
 }
 
 /// A claim request for `key` in scope `scope` with body `body`.
-pub fn request(scope: &str, key: &str, body: &str, lease: Duration, retention: Duration) -> ClaimRequest {
+pub fn request(
+    scope: &str,
+    key: &str,
+    body: &str,
+    lease: Duration,
+    retention: Duration,
+) -> ClaimRequest {
     ClaimRequest {
         scope: scope.to_owned(),
         key: key.to_owned(),
-        fingerprint: Fingerprint::of_request("POST", "/payments", Some("application/json"), body.as_bytes()),
+        fingerprint: Fingerprint::of_request(
+            "POST",
+            "/payments",
+            Some("application/json"),
+            body.as_bytes(),
+        ),
         lease,
         retention,
     }
 }
 
 fn req(key: &str, lease: Duration) -> ClaimRequest {
-    request("scope-a", key, r#"{"amount":100}"#, lease, Duration::from_secs(3600))
+    request(
+        "scope-a",
+        key,
+        r#"{"amount":100}"#,
+        lease,
+        Duration::from_secs(3600),
+    )
 }
 
 fn response(body: &'static str) -> StoredResponse {
@@ -113,7 +130,10 @@ pub async fn fresh_claim_then_existing<S: Store>(store: S) {
     assert_eq!(rec.operation_id, claim.operation_id);
     assert_eq!(rec.fingerprint, r.fingerprint);
     match rec.state {
-        RecordState::InProgress { token, locked_until } => {
+        RecordState::InProgress {
+            token,
+            locked_until,
+        } => {
             assert_eq!(token, claim.token);
             assert_eq!(locked_until, claim.locked_until);
         }
@@ -151,10 +171,15 @@ pub async fn racing_claims_only_one_wins<S: Store>(store: S) {
 pub async fn complete_then_replay<S: Store>(store: S) {
     let r = req("k2", LONG);
     let claim = acquired(store.claim(&r).await.unwrap());
-    store.complete(&claim, &response(r#"{"id":"p1"}"#)).await.unwrap();
+    store
+        .complete(&claim, &response(r#"{"id":"p1"}"#))
+        .await
+        .unwrap();
     let rec = existing(store.claim(&r).await.unwrap());
     match &rec.state {
-        RecordState::Completed { response: got, .. } => assert_eq!(got, &response(r#"{"id":"p1"}"#)),
+        RecordState::Completed { response: got, .. } => {
+            assert_eq!(got, &response(r#"{"id":"p1"}"#))
+        }
         other => panic!("expected completed, got {other:?}"),
     }
     assert_eq!(store.get("scope-a", "k2").await.unwrap(), Some(rec));
@@ -169,7 +194,13 @@ pub async fn complete_then_replay<S: Store>(store: S) {
 pub async fn different_fingerprint_is_left_alone<S: Store>(store: S) {
     let r = req("k3", LONG);
     let claim = acquired(store.claim(&r).await.unwrap());
-    let other = request("scope-a", "k3", r#"{"amount":999}"#, LONG, Duration::from_secs(3600));
+    let other = request(
+        "scope-a",
+        "k3",
+        r#"{"amount":999}"#,
+        LONG,
+        Duration::from_secs(3600),
+    );
     let rec = existing(store.claim(&other).await.unwrap());
     assert_eq!(rec.fingerprint, r.fingerprint);
     assert_ne!(rec.fingerprint, other.fingerprint);
@@ -181,7 +212,10 @@ pub async fn different_fingerprint_is_left_alone<S: Store>(store: S) {
 pub async fn takeover_after_lease_expiry<S: Store>(store: S) {
     let r = req("k4", SHORT);
     let first = acquired(store.claim(&r).await.unwrap());
-    assert!(matches!(store.claim(&r).await.unwrap(), ClaimOutcome::Existing(_)));
+    assert!(matches!(
+        store.claim(&r).await.unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
     tokio::time::sleep(SHORT + Duration::from_millis(100)).await;
     let second = acquired(store.claim(&r).await.unwrap());
     assert!(second.takeover);
@@ -220,23 +254,37 @@ pub async fn stale_token_cannot_complete_or_release<S: Store>(store: S) {
     tokio::time::sleep(SHORT + Duration::from_millis(100)).await;
     let fresh = acquired(store.claim(&req("k6", LONG)).await.unwrap());
     assert!(matches!(
-        store.complete(&zombie, &response(r#"{"zombie":true}"#)).await,
+        store
+            .complete(&zombie, &response(r#"{"zombie":true}"#))
+            .await,
         Err(StoreError::ClaimLost)
     ));
-    assert!(matches!(store.release(&zombie).await, Err(StoreError::ClaimLost)));
+    assert!(matches!(
+        store.release(&zombie).await,
+        Err(StoreError::ClaimLost)
+    ));
     // the record is still the new holder's
     match existing(store.claim(&r).await.unwrap()).state {
         RecordState::InProgress { token, .. } => assert_eq!(token, fresh.token),
         other => panic!("expected in progress, got {other:?}"),
     }
-    store.complete(&fresh, &response(r#"{"fresh":true}"#)).await.unwrap();
+    store
+        .complete(&fresh, &response(r#"{"fresh":true}"#))
+        .await
+        .unwrap();
     match store.get("scope-a", "k6").await.unwrap().unwrap().state {
         RecordState::Completed { response: got, .. } => assert_eq!(got.body, r#"{"fresh":true}"#),
         other => panic!("expected completed, got {other:?}"),
     }
     // and the zombie cannot release a completed record either
-    assert!(matches!(store.release(&zombie).await, Err(StoreError::ClaimLost)));
-    assert!(matches!(store.release(&fresh).await, Err(StoreError::ClaimLost)));
+    assert!(matches!(
+        store.release(&zombie).await,
+        Err(StoreError::ClaimLost)
+    ));
+    assert!(matches!(
+        store.release(&fresh).await,
+        Err(StoreError::ClaimLost)
+    ));
 }
 
 /// A released claim is taken over at once by the next retry, which keeps the
@@ -250,8 +298,14 @@ pub async fn release_lets_next_claim_take_over<S: Store>(store: S) {
     assert_eq!(second.operation_id, first.operation_id);
     assert_ne!(second.token, first.token);
     // the first holder's token is spent
-    assert!(matches!(store.release(&first).await, Err(StoreError::ClaimLost)));
-    assert!(matches!(store.claim(&r).await.unwrap(), ClaimOutcome::Existing(_)));
+    assert!(matches!(
+        store.release(&first).await,
+        Err(StoreError::ClaimLost)
+    ));
+    assert!(matches!(
+        store.claim(&r).await.unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
 }
 
 /// An expired lease is not taken over by a request with another fingerprint.
@@ -259,7 +313,13 @@ pub async fn expired_lease_with_other_fingerprint_is_not_taken_over<S: Store>(st
     let r = req("k8", SHORT);
     let first = acquired(store.claim(&r).await.unwrap());
     tokio::time::sleep(SHORT + Duration::from_millis(100)).await;
-    let other = request("scope-a", "k8", r#"{"amount":1}"#, LONG, Duration::from_secs(3600));
+    let other = request(
+        "scope-a",
+        "k8",
+        r#"{"amount":1}"#,
+        LONG,
+        Duration::from_secs(3600),
+    );
     let rec = existing(store.claim(&other).await.unwrap());
     assert_eq!(rec.fingerprint, r.fingerprint);
     assert_eq!(rec.operation_id, first.operation_id);
@@ -275,7 +335,13 @@ pub async fn retention_makes_key_new_again<S: Store>(store: S) {
     assert!(store.get("scope-a", "k9").await.unwrap().is_some());
     tokio::time::sleep(retention + Duration::from_millis(150)).await;
     assert_eq!(store.get("scope-a", "k9").await.unwrap(), None);
-    let other = request("scope-a", "k9", r#"{"amount":2}"#, LONG, Duration::from_secs(3600));
+    let other = request(
+        "scope-a",
+        "k9",
+        r#"{"amount":2}"#,
+        LONG,
+        Duration::from_secs(3600),
+    );
     let second = acquired(store.claim(&other).await.unwrap());
     assert!(!second.takeover);
     assert_ne!(second.operation_id, first.operation_id);
@@ -288,17 +354,35 @@ pub async fn retention_makes_key_new_again<S: Store>(store: S) {
 pub async fn sweep_removes_only_expired_in_batches<S: Store>(store: S) {
     let short = Duration::from_millis(400);
     for i in 0..7 {
-        let r = request("scope-s", &format!("old-{i}"), "{}", Duration::from_millis(100), short);
+        let r = request(
+            "scope-s",
+            &format!("old-{i}"),
+            "{}",
+            Duration::from_millis(100),
+            short,
+        );
         let c = acquired(store.claim(&r).await.unwrap());
         if i % 2 == 0 {
             store.complete(&c, &response("{}")).await.unwrap();
         }
     }
     // a record past retention but still held under a live lease is kept
-    let held = request("scope-s", "held", "{}", Duration::from_secs(5), Duration::from_millis(450));
+    let held = request(
+        "scope-s",
+        "held",
+        "{}",
+        Duration::from_secs(5),
+        Duration::from_millis(450),
+    );
     let held_claim = acquired(store.claim(&held).await.unwrap());
     for i in 0..3 {
-        let r = request("scope-s", &format!("live-{i}"), "{}", LONG, Duration::from_secs(3600));
+        let r = request(
+            "scope-s",
+            &format!("live-{i}"),
+            "{}",
+            LONG,
+            Duration::from_secs(3600),
+        );
         acquired(store.claim(&r).await.unwrap());
     }
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -308,7 +392,11 @@ pub async fn sweep_removes_only_expired_in_batches<S: Store>(store: S) {
     assert_eq!(first + rest, 7);
     assert_eq!(store.sweep(3).await.unwrap(), 0);
     for i in 0..3 {
-        assert!(store.get("scope-s", &format!("live-{i}")).await.unwrap().is_some());
+        assert!(store
+            .get("scope-s", &format!("live-{i}"))
+            .await
+            .unwrap()
+            .is_some());
     }
     assert!(store.get("scope-s", "held").await.unwrap().is_some());
     store.complete(&held_claim, &response("{}")).await.unwrap();

@@ -1,5 +1,11 @@
 //! Starting and stopping the real `shop` binary for end-to-end tests.
-#![allow(dead_code, unreachable_pub, missing_docs)]
+#![allow(
+    dead_code,
+    unreachable_pub,
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::expect_used
+)]
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -94,7 +100,12 @@ pub fn temp_db() -> (tempfile::TempDir, PathBuf) {
 pub const BODY: &str = r#"{"account_id":"acc_1","amount":1000,"currency":"EUR"}"#;
 
 /// A `POST /payments` request with a client, key and body.
-pub fn pay(client: &reqwest::Client, shop: &Shop, key: Option<&str>, body: &str) -> reqwest::RequestBuilder {
+pub fn pay(
+    client: &reqwest::Client,
+    shop: &Shop,
+    key: Option<&str>,
+    body: &str,
+) -> reqwest::RequestBuilder {
     let mut r = client
         .post(shop.url("/payments"))
         .header("authorization", "Bearer client-1")
@@ -115,14 +126,16 @@ pub struct Answer {
     pub body: Vec<u8>,
 }
 
-
 impl Answer {
     pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or(Value::Null)
     }
 
     pub fn problem_type(&self) -> String {
-        assert_eq!(self.headers["content-type"], "application/problem+json", "{self:?}");
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "{self:?}"
+        );
         self.json()["type"].as_str().unwrap_or_default().to_owned()
     }
 }
@@ -131,7 +144,9 @@ pub async fn read(r: reqwest::RequestBuilder) -> Answer {
     let resp = r.send().await.expect("request failed");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
-    let replayed = headers.get("idempotent-replayed").is_some_and(|v| v == "true");
+    let replayed = headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true");
     let body = resp.bytes().await.expect("body").to_vec();
     Answer {
         status,
