@@ -5,7 +5,7 @@
 //! that is kept alive for the test and dropped after it (a temporary
 //! directory, a schema to drop; `()` when there is nothing to clean up):
 //!
-//! ```ignore
+//! ```text
 //! idem_store_suite::store_suite!(|| async { (MyStore::connect(...).await.unwrap(), ()) });
 //! ```
 //!
