@@ -13,7 +13,7 @@ use crate::service::IdempotencyService;
 pub(crate) struct Config {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) policy: Policy,
-    pub(crate) scope: Box<dyn ScopeExtractor>,
+    pub(crate) scope: Arc<dyn ScopeExtractor>,
     pub(crate) methods: Vec<Method>,
 }
 
@@ -43,7 +43,7 @@ impl IdempotencyLayer {
             config: Arc::new(Config {
                 store,
                 policy,
-                scope: Box::new(scope),
+                scope: Arc::new(scope),
                 methods: vec![Method::POST, Method::PATCH],
             }),
         }
@@ -63,21 +63,13 @@ impl IdempotencyLayer {
     ///     .methods([Method::POST, Method::PUT, Method::PATCH, Method::DELETE]);
     /// ```
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        let methods = methods.into_iter().collect();
-        match Arc::get_mut(&mut self.config) {
-            Some(c) => c.methods = methods,
-            None => {
-                // Only reachable if the layer was cloned before configuring;
-                // rebuild rather than mutate a shared config.
-                let c = &self.config;
-                self.config = Arc::new(Config {
-                    store: c.store.clone(),
-                    policy: c.policy.clone(),
-                    scope: Box::new(SharedScope(self.config.clone())),
-                    methods,
-                });
-            }
-        }
+        let c = &self.config;
+        self.config = Arc::new(Config {
+            store: c.store.clone(),
+            policy: c.policy.clone(),
+            scope: c.scope.clone(),
+            methods: methods.into_iter().collect(),
+        });
         self
     }
 
@@ -89,14 +81,6 @@ impl IdempotencyLayer {
     /// The store records go to.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.config.store
-    }
-}
-
-struct SharedScope(Arc<Config>);
-
-impl ScopeExtractor for SharedScope {
-    fn scope(&self, parts: &http::request::Parts) -> Result<String, axum::response::Response> {
-        self.0.scope.scope(parts)
     }
 }
 

@@ -303,8 +303,10 @@ async fn acquire(config: &Config, request: &ClaimRequest) -> Result<Claim, Respo
     let deadline = policy.wait().map(|w| tokio::time::Instant::now() + w);
     let mut pause = Duration::from_millis(10);
     // Each turn is one atomic claim; turns repeat only while waiting for an
-    // in-flight holder, or if the store raced a record away under us.
-    for _ in 0..10_000 {
+    // in-flight holder, or while this process's clock and the store's
+    // disagree about a lease (the store's view wins: it decides claims).
+    let mut disagreements = 0;
+    loop {
         let record = match config.store.claim(request).await {
             Ok(ClaimOutcome::Acquired(claim)) => return Ok(claim),
             Ok(ClaimOutcome::Existing(record)) => record,
@@ -349,12 +351,18 @@ async fn acquire(config: &Config, request: &ClaimRequest) -> Result<Claim, Respo
                     }
                 }
             }
-            // The store saw a live record where the clock now sees an
-            // expired one: claim again.
-            _ => {}
+            // The store saw a live record where this clock sees an expired
+            // one (the lease ran out in between, or the clocks differ):
+            // claim again, a bounded number of times.
+            _ => {
+                disagreements += 1;
+                if disagreements > 5 {
+                    return Err(conflict(Duration::from_secs(1)));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     }
-    Err(conflict(Duration::from_secs(1)))
 }
 
 fn record_status(record: &Record) -> Option<u16> {
