@@ -27,6 +27,7 @@
 pub mod decision;
 pub mod fingerprint;
 pub mod key;
+pub mod ops;
 pub mod policy;
 pub mod record;
 pub mod store;
@@ -34,6 +35,7 @@ pub mod store;
 pub use decision::{decide, Decision, Situation};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use ops::{Inspection, StoreStats};
 pub use policy::{Policy, PolicyBuilder, PolicyError};
 pub use record::{
     Claim, FencingToken, OperationId, Record, RecordState, StoredResponse, UnixMillis,

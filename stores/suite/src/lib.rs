@@ -13,6 +13,8 @@
 //! needs can also call them one by one.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod postgres;
+
 use std::sync::Arc;
 use std::time::Duration;
 

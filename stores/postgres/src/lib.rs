@@ -1,0 +1,662 @@
+//! The PostgreSQL store for idem: durable, shared by every instance of a
+//! service, with the record committed in the same transaction as the
+//! business write.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use idem_core::{ClaimOutcome, ClaimRequest, Fingerprint, Store, StoredResponse};
+//! use idem_postgres::{complete_in_tx, PostgresStore, TableName};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let table = TableName::new(Some("billing"), "idem_records")?;
+//! let store = PostgresStore::connect_with("postgres://postgres@127.0.0.1/test", table).await?;
+//! let request = ClaimRequest {
+//!     scope: "client-1".into(),
+//!     key: "key-1".into(),
+//!     fingerprint: Fingerprint::of_request("POST", "/payments", None, b"{}"),
+//!     lease: Duration::from_secs(30),
+//!     retention: Duration::from_secs(86_400),
+//! };
+//! if let ClaimOutcome::Acquired(claim) = store.claim(&request).await? {
+//!     let mut tx = store.pool().begin().await?;
+//!     // ... the business write on `tx` ...
+//!     let response = StoredResponse { status: 201, headers: vec![], body: "{}".into() };
+//!     complete_in_tx(&mut tx, store.table(), &claim, &response).await?; // fenced by the token
+//!     tx.commit().await?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Time
+//!
+//! Leases and retention are read against the **database's** clock (`now()`),
+//! so instances whose clocks drift apart still agree on when a lease ends.
+//!
+//! # Why the claim is correct under READ COMMITTED
+//!
+//! The claim is one statement: `INSERT … ON CONFLICT (scope, key) DO UPDATE
+//! … WHERE <claimable> RETURNING …`, with a fallback `SELECT` of the
+//! existing row in the same statement.
+//!
+//! - Two callers inserting the same new key meet at the primary key: the
+//!   second waits for the first to commit, then takes the conflict path.
+//! - On conflict, PostgreSQL locks the row and evaluates the `WHERE` against
+//!   its latest committed version, not the statement's snapshot. So two
+//!   callers cannot both see an expired lease: the second waits for the
+//!   first's row lock and then sees the new lease, and its `WHERE` is false.
+//! - The fallback `SELECT` reads the statement's snapshot. If the row it lost
+//!   to was committed after that snapshot was taken, the statement returns no
+//!   row at all; the store then runs it again (a second round trip, only in
+//!   that race).
+//!
+//! Completion and release are `UPDATE … WHERE token = $mine AND state =
+//! 'in_progress'`, which READ COMMITTED re-checks against the latest row
+//! version after any wait: a token replaced by a takeover matches nothing.
+
+mod unique;
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, Inspection,
+    OperationId, Record, RecordState, Store, StoreError, StoreStats, StoredResponse, UnixMillis,
+};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::Row;
+
+pub use unique::{insert_unique, DuplicateKey, Inserted};
+
+/// The embedded migrations, in order: `(version, SQL)`. The SQL names the
+/// table `{table}` and its index `{index}`; see [`TableName`].
+pub const MIGRATIONS: &[(i64, &str)] =
+    &[(1, include_str!("../migrations/postgres/0001_records.sql"))];
+
+/// How long a request waits for a pooled connection before the store
+/// answers [`StoreError::Unavailable`]: an outage becomes a prompt `503`,
+/// never a hang.
+pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A (possibly schema-qualified) table name, validated and quoted, so that
+/// two services can keep their records apart in one database.
+///
+/// ```
+/// let t = idem_postgres::TableName::new(Some("billing"), "idem_records").unwrap();
+/// assert_eq!(t.qualified(), r#""billing"."idem_records""#);
+/// assert!(idem_postgres::TableName::new(None, "bad name; DROP TABLE x").is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    schema: Option<String>,
+    table: String,
+}
+
+/// A schema or table name that is not a plain SQL identifier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a valid identifier: use 1 to 63 letters, digits or underscores, not starting with a digit")]
+pub struct InvalidIdentifier(String);
+
+fn valid_identifier(s: &str) -> Result<(), InvalidIdentifier> {
+    let ok = !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && !s.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(())
+    } else {
+        Err(InvalidIdentifier(s.to_owned()))
+    }
+}
+
+impl TableName {
+    /// A table in `schema` (or, with `None`, wherever `search_path` finds it).
+    pub fn new(schema: Option<&str>, table: &str) -> Result<Self, InvalidIdentifier> {
+        if let Some(s) = schema {
+            valid_identifier(s)?;
+        }
+        valid_identifier(table)?;
+        Ok(Self {
+            schema: schema.map(str::to_owned),
+            table: table.to_owned(),
+        })
+    }
+
+    /// The quoted, qualified name for SQL.
+    pub fn qualified(&self) -> String {
+        match &self.schema {
+            Some(s) => format!("\"{s}\".\"{}\"", self.table),
+            None => format!("\"{}\"", self.table),
+        }
+    }
+
+    fn sibling(&self, name: &str) -> String {
+        match &self.schema {
+            Some(s) => format!("\"{s}\".\"{name}\""),
+            None => format!("\"{name}\""),
+        }
+    }
+
+    /// The schema, if one was given.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// The bare table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+}
+
+impl Default for TableName {
+    /// `idem_records`, found through `search_path`.
+    fn default() -> Self {
+        Self {
+            schema: None,
+            table: "idem_records".to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.qualified())
+    }
+}
+
+/// The statements, with the table name filled in once.
+#[derive(Debug)]
+struct Sql {
+    claim: String,
+    select: String,
+    get: String,
+    complete: String,
+    release: String,
+    sweep: String,
+    stats: String,
+}
+
+const COLUMNS: &str = "scope, key, fingerprint, operation_id::text AS operation_id, token, state,
+    (extract(epoch FROM locked_until) * 1000)::bigint AS locked_until,
+    (extract(epoch FROM created_at) * 1000)::bigint AS created_at,
+    (extract(epoch FROM expires_at) * 1000)::bigint AS expires_at,
+    (extract(epoch FROM completed_at) * 1000)::bigint AS completed_at,
+    status, headers, body";
+
+/// A record past its retention and not held under a live lease.
+const EXPIRED: &str = "(expires_at <= now() AND (state = 'completed' OR locked_until <= now()))";
+
+impl Sql {
+    fn new(t: &TableName) -> Self {
+        let table = t.qualified();
+        Self {
+            // $1 scope, $2 key, $3 fingerprint, $4 proposed operation id,
+            // $5 new token, $6 lease (ms), $7 retention (ms).
+            claim: format!(
+                "WITH claimed AS (
+    INSERT INTO {table} AS r
+        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
+    VALUES ($1, $2, $3, $4::uuid, $5, 'in_progress',
+            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond')
+    ON CONFLICT (scope, key) DO UPDATE SET
+        token        = excluded.token,
+        locked_until = excluded.locked_until,
+        state        = 'in_progress',
+        -- past its retention the record is replaced whole; a takeover keeps it
+        fingerprint  = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint  ELSE r.fingerprint  END,
+        operation_id = CASE WHEN r.expires_at <= now() THEN excluded.operation_id ELSE r.operation_id END,
+        created_at   = CASE WHEN r.expires_at <= now() THEN excluded.created_at   ELSE r.created_at   END,
+        expires_at   = CASE WHEN r.expires_at <= now() THEN excluded.expires_at   ELSE r.expires_at   END,
+        completed_at = NULL,
+        status       = NULL,
+        headers      = NULL,
+        body         = NULL
+    WHERE
+        -- past its retention, and not held under a live lease
+        (r.expires_at <= now() AND (r.state = 'completed' OR r.locked_until <= now()))
+        -- or an expired or released lease of the same request: take it over
+        OR (r.state = 'in_progress' AND r.locked_until <= now() AND r.fingerprint = excluded.fingerprint)
+    RETURNING {COLUMNS}
+)
+SELECT true AS won, * FROM claimed
+UNION ALL
+SELECT false AS won, {COLUMNS} FROM {table}
+WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+            ),
+            select: format!("SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2"),
+            get: format!("SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2 AND NOT {EXPIRED}"),
+            complete: complete_sql(t),
+            release: format!(
+                "UPDATE {table} SET locked_until = least(locked_until, now())
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'"
+            ),
+            // Bounded: at most $1 rows, skipping rows another sweeper holds.
+            sweep: format!(
+                "DELETE FROM {table} WHERE (scope, key) IN (
+    SELECT scope, key FROM {table} WHERE {EXPIRED}
+    ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            ),
+            stats: format!(
+                "SELECT
+    count(*) FILTER (WHERE state = 'in_progress'),
+    count(*) FILTER (WHERE state = 'in_progress' AND locked_until <= now()),
+    count(*) FILTER (WHERE state = 'completed'),
+    count(*) FILTER (WHERE {EXPIRED}),
+    (extract(epoch FROM min(created_at)) * 1000)::bigint,
+    (extract(epoch FROM now()) * 1000)::bigint
+FROM {table}"
+            ),
+        }
+    }
+}
+
+fn complete_sql(t: &TableName) -> String {
+    format!(
+        "UPDATE {}
+SET state = 'completed', locked_until = NULL, completed_at = now(),
+    status = $4, headers = $5, body = $6
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'",
+        t.qualified()
+    )
+}
+
+/// The PostgreSQL store; see the [crate docs](crate).
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    table: TableName,
+    sql: std::sync::Arc<Sql>,
+}
+
+/// Turns a sqlx error into a store error: connection trouble (I/O, pool
+/// time-outs, PostgreSQL shutting down or refusing connections) is
+/// [`StoreError::Unavailable`], the rest [`StoreError::Backend`].
+pub fn store_error(e: sqlx::Error) -> StoreError {
+    if is_unavailable(&e) {
+        StoreError::Unavailable(Box::new(e))
+    } else {
+        StoreError::Backend(Box::new(e))
+    }
+}
+
+/// Whether an error means the database could not be reached or is going
+/// away (as opposed to rejecting a statement).
+pub fn is_unavailable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Database(d) => d.code().is_some_and(|c| {
+            // 08: connection exception; 57P01-03: shutdown, crash, cannot
+            // connect now; 53300: too many connections.
+            c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03" | "53300")
+        }),
+        _ => false,
+    }
+}
+
+/// Opens a pool with idem's defaults: a bounded acquire time-out, and every
+/// connection checked before use (so a restarted server is picked up).
+pub async fn open_pool(url: &str) -> Result<PgPool, sqlx::Error> {
+    PgPoolOptions::new()
+        .max_connections(16)
+        .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
+        .test_before_acquire(true)
+        .connect(url)
+        .await
+}
+
+impl PostgresStore {
+    /// Connects to `url` and applies the migrations, with the default table
+    /// (`idem_records` on the `search_path`).
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with(url, TableName::default()).await
+    }
+
+    /// Connects to `url` and applies the migrations to `table` (creating its
+    /// schema if needed).
+    pub async fn connect_with(url: &str, table: TableName) -> Result<Self, StoreError> {
+        let pool = open_pool(url).await.map_err(store_error)?;
+        let store = Self::new(pool, table);
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Uses an existing pool. Call [`PostgresStore::migrate`] once if the
+    /// table may be missing.
+    pub fn new(pool: PgPool, table: TableName) -> Self {
+        let sql = std::sync::Arc::new(Sql::new(&table));
+        Self { pool, table, sql }
+    }
+
+    /// The pool, for the application's own queries and transactions.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table records live in.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// Applies the embedded migrations that have not run yet. Several
+    /// instances starting at once serialise on an advisory lock.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        migrate(&self.pool, &self.table).await.map_err(store_error)
+    }
+
+    async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
+        let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
+        // Normally one turn. A second only when the row we lost to was
+        // committed after the statement's snapshot (see the crate docs), or
+        // was swept in between.
+        for _ in 0..5 {
+            let token = FencingToken::generate();
+            let proposed = OperationId::generate();
+            let row = sqlx::query(&self.sql.claim)
+                .bind(&req.scope)
+                .bind(&req.key)
+                .bind(req.fingerprint.as_bytes().as_slice())
+                .bind(proposed.0.to_string())
+                .bind(token.0)
+                .bind(lease)
+                .bind(retention)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(store_error)?;
+            let Some(row) = row else { continue };
+            let won: bool = row.try_get("won").map_err(|e| corrupt("won", e))?;
+            let record = decode_record(&row)?;
+            if !won {
+                return Ok(ClaimOutcome::Existing(record));
+            }
+            let locked_until = match record.state {
+                RecordState::InProgress { locked_until, .. } => locked_until,
+                RecordState::Completed { .. } => {
+                    return Err(StoreError::Corrupt(
+                        "a won claim returned a completed record".into(),
+                    ))
+                }
+            };
+            return Ok(ClaimOutcome::Acquired(Claim {
+                scope: record.scope,
+                key: record.key,
+                token,
+                operation_id: record.operation_id,
+                locked_until,
+                takeover: record.operation_id != proposed,
+            }));
+        }
+        Err(StoreError::Backend(
+            "the claim kept racing; giving up after 5 tries".into(),
+        ))
+    }
+
+    /// Reads a record as an operator sees it: past its retention or not,
+    /// with the database's clock.
+    pub async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
+        let row = sqlx::query(&self.sql.select)
+            .bind(scope)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let record = decode_record(&row)?;
+        let now = db_now(&self.pool).await?;
+        Ok(Some(Inspection { record, now }))
+    }
+
+    /// Counts records by state, for operators.
+    pub async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let row = sqlx::query(&self.sql.stats)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
+        let count = |i: usize| -> Result<u64, StoreError> {
+            let n: i64 = row.try_get(i).map_err(|e| corrupt("stats", e))?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        Ok(StoreStats {
+            in_progress: count(0)?,
+            leases_expired: count(1)?,
+            completed: count(2)?,
+            past_retention: count(3)?,
+            oldest_created_at: row
+                .try_get::<Option<i64>, _>(4)
+                .map_err(|e| corrupt("stats", e))?
+                .map(UnixMillis),
+            now: UnixMillis(row.try_get(5).map_err(|e| corrupt("stats", e))?),
+        })
+    }
+}
+
+async fn db_now(pool: &PgPool) -> Result<UnixMillis, StoreError> {
+    let ms: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint")
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?;
+    Ok(UnixMillis(ms))
+}
+
+/// Applies idem's [`MIGRATIONS`] to `table`, under an advisory lock.
+pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
+    let qualified = table.qualified();
+    let versions = table.sibling("idem_schema_migrations");
+    let lock_name = format!("idem-migrate:{qualified}");
+    let create_schema = table
+        .schema()
+        .map(|s| format!("CREATE SCHEMA IF NOT EXISTS \"{s}\""));
+    let create_versions = format!(
+        "CREATE TABLE IF NOT EXISTS {versions} (
+            table_name text        NOT NULL,
+            version    bigint      NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (table_name, version)
+        )"
+    );
+    let applied = format!("SELECT 1 FROM {versions} WHERE table_name = $1 AND version = $2");
+    let record = format!("INSERT INTO {versions} (table_name, version) VALUES ($1, $2)");
+    let index = format!("\"{}_expires_at\"", table.table());
+
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(lock_name)
+        .execute(&mut *tx)
+        .await?;
+    if let Some(sql) = create_schema {
+        sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
+    }
+    sqlx::Executor::execute(&mut *tx, create_versions.as_str()).await?;
+    for (version, sql) in MIGRATIONS {
+        let done = sqlx::query(&applied)
+            .bind(table.table().to_owned())
+            .bind(*version)
+            .fetch_optional(&mut *tx)
+            .await?
+            .is_some();
+        if done {
+            continue;
+        }
+        let sql = sql
+            .replace("{table}", &qualified)
+            .replace("{index}", &index);
+        sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
+        sqlx::query(&record)
+            .bind(table.table().to_owned())
+            .bind(*version)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await
+}
+
+fn corrupt(what: &str, e: sqlx::Error) -> StoreError {
+    StoreError::Corrupt(format!("{what}: {e}"))
+}
+
+fn decode_record(row: &PgRow) -> Result<Record, StoreError> {
+    let get_i64 = |col: &str| row.try_get::<i64, _>(col).map_err(|e| corrupt(col, e));
+    let fingerprint: Vec<u8> = row
+        .try_get("fingerprint")
+        .map_err(|e| corrupt("fingerprint", e))?;
+    let fingerprint = Fingerprint::from_slice(&fingerprint)
+        .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
+    let state: String = row.try_get("state").map_err(|e| corrupt("state", e))?;
+    let state = match state.as_str() {
+        "in_progress" => RecordState::InProgress {
+            token: FencingToken(get_i64("token")?),
+            locked_until: UnixMillis(get_i64("locked_until")?),
+        },
+        "completed" => {
+            let status: i32 = row.try_get("status").map_err(|e| corrupt("status", e))?;
+            let status = u16::try_from(status)
+                .map_err(|_| StoreError::Corrupt(format!("status {status}")))?;
+            let headers: Vec<u8> = row.try_get("headers").map_err(|e| corrupt("headers", e))?;
+            let body: Vec<u8> = row.try_get("body").map_err(|e| corrupt("body", e))?;
+            RecordState::Completed {
+                response: StoredResponse {
+                    status,
+                    headers: StoredResponse::decode_headers(&headers)
+                        .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                    body: Bytes::from(body),
+                },
+                completed_at: UnixMillis(get_i64("completed_at")?),
+            }
+        }
+        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+    };
+    let operation_id: String = row
+        .try_get("operation_id")
+        .map_err(|e| corrupt("operation_id", e))?;
+    Ok(Record {
+        scope: row.try_get("scope").map_err(|e| corrupt("scope", e))?,
+        key: row.try_get("key").map_err(|e| corrupt("key", e))?,
+        fingerprint,
+        operation_id: uuid::Uuid::parse_str(&operation_id)
+            .map(OperationId)
+            .map_err(|e| StoreError::Corrupt(format!("operation id {operation_id:?}: {e}")))?,
+        created_at: UnixMillis(get_i64("created_at")?),
+        expires_at: UnixMillis(get_i64("expires_at")?),
+        state,
+    })
+}
+
+/// Completes `claim` with `response` on `conn`, usually the handler's open
+/// transaction, so that the record commits with the business write.
+///
+/// Fenced by the claim's token: if the claim was taken over (or completed
+/// already), nothing is written and [`StoreError::ClaimLost`] is returned.
+/// The caller must then roll its transaction back (dropping it does): its
+/// effect must not commit.
+pub async fn complete_in_tx(
+    conn: &mut PgConnection,
+    table: &TableName,
+    claim: &Claim,
+    response: &StoredResponse,
+) -> Result<(), StoreError> {
+    complete_with(conn, &complete_sql(table), claim, response).await
+}
+
+async fn complete_with(
+    conn: &mut PgConnection,
+    sql: &str,
+    claim: &Claim,
+    response: &StoredResponse,
+) -> Result<(), StoreError> {
+    let done = sqlx::query(sql)
+        .bind(&claim.scope)
+        .bind(&claim.key)
+        .bind(claim.token.0)
+        .bind(i32::from(response.status))
+        .bind(response.encode_headers())
+        .bind(response.body.as_ref())
+        .execute(&mut *conn)
+        .await
+        .map_err(store_error)?;
+    if done.rows_affected() == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::ClaimLost)
+    }
+}
+
+impl PostgresStore {
+    /// Completes `claim` inside the caller's transaction; see
+    /// [`complete_in_tx`].
+    pub async fn complete_in(
+        &self,
+        conn: &mut PgConnection,
+        claim: &Claim,
+        response: &StoredResponse,
+    ) -> Result<(), StoreError> {
+        complete_with(conn, &self.sql.complete, claim, response).await
+    }
+}
+
+impl Store for PostgresStore {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(self.claim_inner(request))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            complete_with(&mut conn, &self.sql.complete, claim, response).await
+        })
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let done = sqlx::query(&self.sql.release)
+                .bind(&claim.scope)
+                .bind(&claim.key)
+                .bind(claim.token.0)
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            if done.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(StoreError::ClaimLost)
+            }
+        })
+    }
+
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(async move {
+            let row = sqlx::query(&self.sql.get)
+                .bind(scope)
+                .bind(key)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(store_error)?;
+            row.map(|r| decode_record(&r)).transpose()
+        })
+    }
+
+    fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let done = sqlx::query(&self.sql.sweep)
+                .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+                .execute(&self.pool)
+                .await
+                .map_err(store_error)?;
+            Ok(done.rows_affected())
+        })
+    }
+}
