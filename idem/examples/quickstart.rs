@@ -33,7 +33,7 @@ async fn create_order(
     }
     let response = (StatusCode::CREATED, "created").into_response();
     // The record commits with the order, fenced by this attempt's token.
-    let response = match idem.complete_in_sqlite(&mut tx, response).await {
+    let response = match idem.complete_in(&store, &mut *tx, response).await {
         Ok(r) => r,
         Err(e) => return e.into_response(), // a retry took over: drop tx, nothing commits
     };

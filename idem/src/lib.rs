@@ -25,7 +25,7 @@
 //!     }
 //!     let response = (StatusCode::CREATED, "order created").into_response();
 //!     // Fenced by this attempt's token: if a retry took over, nothing commits.
-//!     let response = match idem.complete_in_sqlite(&mut tx, response).await {
+//!     let response = match idem.complete_in(&store, &mut *tx, response).await {
 //!         Ok(response) => response,
 //!         Err(e) => return e.into_response(), // dropping `tx` rolls the order back
 //!     };
@@ -65,6 +65,7 @@
 //! | (root) | `idem-core` | keys, fingerprints, records, the decision table, [`Policy`], the [`Store`] trait; no I/O |
 //! | [`memory`] | `idem-memory` | an in-memory store for tests |
 //! | [`sqlite`] | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
+//! | [`postgres`] | `idem-postgres` | the PostgreSQL store (feature `postgres`) |
 //! | [`axum`] | `idem-axum` | the tower layer and axum extractor (feature `axum`) |
 
 pub use idem_core::*;
@@ -78,6 +79,12 @@ pub mod memory {
 #[cfg(feature = "sqlite")]
 pub mod sqlite {
     pub use idem_sqlite::*;
+}
+
+/// The PostgreSQL store.
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    pub use idem_postgres::*;
 }
 
 /// The tower layer and axum extractor.

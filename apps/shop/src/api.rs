@@ -9,14 +9,13 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idem_axum::{Idempotency, IdempotencyLayer, Problem};
+use idem_axum::{CompleteError, Idempotency, IdempotencyLayer, Problem};
 use idem_core::{Policy, Store, UnixMillis};
-use serde::Serialize;
 use serde_json::Value;
 use tracing::{error, warn};
 
 use crate::bank::{self, BankError, ChargeRequest};
-use crate::db::Database;
+use crate::db::{is_duplicate_payment, on_backend, Database, Payment, INSERT_PAYMENT};
 
 /// Shared state of the handlers.
 #[derive(Debug, Clone)]
@@ -71,7 +70,7 @@ fn bearer_client_id(parts: &axum::http::request::Parts) -> Result<String, Respon
 }
 
 async fn healthz(State(state): State<AppState>) -> Response {
-    match sqlx::query("SELECT 1").execute(state.db.pool()).await {
+    match state.db.ping().await {
         Ok(_) => (StatusCode::OK, "ok").into_response(),
         Err(e) => {
             warn!(error = %e, "health check failed");
@@ -188,17 +187,6 @@ fn parse_simulate(headers: &HeaderMap) -> Result<Simulate, Response> {
     Ok(sim)
 }
 
-/// A payment as the API shows it.
-#[derive(Debug, Serialize)]
-struct Payment {
-    id: String,
-    account_id: String,
-    amount: i64,
-    currency: String,
-    status: String,
-    bank_charge_id: String,
-}
-
 /// Aborts the process at once, as a killed pod would: no unwinding, no
 /// response, no cleanup.
 fn crash(at: &str) -> ! {
@@ -237,7 +225,7 @@ async fn create_payment(
         amount: new.amount,
         currency: &new.currency,
     };
-    let bank_charge_id = match bank::charge(state.db.pool(), &charge).await {
+    let bank_charge_id = match bank::charge(&state.db, &charge).await {
         Ok(id) => id,
         Err(e) => return bank_failed(&e),
     };
@@ -267,49 +255,60 @@ async fn record_payment(
     client_id: &str,
     payment: &Payment,
 ) -> Result<Response, Response> {
-    let db_error = |e: sqlx::Error| {
-        error!(error = %e, "could not record the payment");
-        Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "database-unavailable",
-            "The payment could not be recorded",
-        )
-        .detail("retry with the same Idempotency-Key; the bank will not charge twice")
-        .retry_after(1)
-        .into_response()
-    };
-    let mut tx = state.db.pool().begin().await.map_err(db_error)?;
-    sqlx::query(
-        "INSERT INTO shop_payments
-            (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-    )
-    .bind(&payment.id)
-    .bind(client_id)
-    .bind(&payment.account_id)
-    .bind(payment.amount)
-    .bind(&payment.currency)
-    .bind(&payment.status)
-    .bind(&payment.bank_charge_id)
-    .bind(idem.operation_id().to_string())
-    .bind(UnixMillis::now().0)
-    .execute(&mut *tx)
-    .await
-    .map_err(db_error)?;
     let response = (
         StatusCode::CREATED,
         [(header::LOCATION, format!("/payments/{}", payment.id))],
         Json(payment),
     )
         .into_response();
-    // Fenced by the claim's token: if a retry took this request over, this
-    // fails, `tx` is dropped (rolled back), and the payment is not written.
-    let response = idem
-        .complete_in_sqlite(&mut tx, response)
-        .await
-        .map_err(IntoResponse::into_response)?;
-    tx.commit().await.map_err(db_error)?;
-    Ok(response)
+    let operation_id = idem.operation_id().to_string();
+    let now = UnixMillis::now().0;
+    on_backend!(&state.db, store => {
+        let mut tx = store.pool().begin().await.map_err(db_error)?;
+        let inserted = sqlx::query(INSERT_PAYMENT)
+            .bind(&payment.id)
+            .bind(client_id)
+            .bind(&payment.account_id)
+            .bind(payment.amount)
+            .bind(&payment.currency)
+            .bind(&payment.status)
+            .bind(&payment.bank_charge_id)
+            .bind(&operation_id)
+            .bind(now)
+            .execute(&mut *tx)
+            .await;
+        match inserted {
+            Ok(_) => {}
+            // The safety net: another attempt of this operation recorded the
+            // payment already, so this one is a zombie. Roll back.
+            Err(e) if is_duplicate_payment(&e) => {
+                warn!(operation_id = %operation_id, "payment already recorded by another attempt; rolling back");
+                return Err(CompleteError::ClaimLost.into_response());
+            }
+            Err(e) => return Err(db_error(e)),
+        }
+        // Fenced by the claim's token: if a retry took this request over,
+        // this fails, `tx` is dropped (rolled back), and the payment is not
+        // written.
+        let response = idem
+            .complete_in(store, &mut *tx, response)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        tx.commit().await.map_err(db_error)?;
+        Ok(response)
+    })
+}
+
+fn db_error(e: sqlx::Error) -> Response {
+    error!(error = %e, "could not record the payment");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "database-unavailable",
+        "The payment could not be recorded",
+    )
+    .detail("retry with the same Idempotency-Key; the bank will not charge twice")
+    .retry_after(1)
+    .into_response()
 }
 
 fn bank_failed(e: &BankError) -> Response {
@@ -323,76 +322,30 @@ fn bank_failed(e: &BankError) -> Response {
     .into_response()
 }
 
-async fn get_payment(State(state): State<AppState>, Path(id): Path<String>) -> Response {
-    let found = sqlx::query_as::<_, (String, String, i64, String, String, String)>(
-        "SELECT id, account_id, amount, currency, status, bank_charge_id FROM shop_payments WHERE id = ?1",
+fn database_unavailable(e: &sqlx::Error) -> Response {
+    error!(error = %e, "database query failed");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "database-unavailable",
+        "The database is unavailable",
     )
-    .bind(&id)
-    .fetch_optional(state.db.pool())
-    .await;
-    match found {
-        Ok(Some((id, account_id, amount, currency, status, bank_charge_id))) => Json(Payment {
-            id,
-            account_id,
-            amount,
-            currency,
-            status,
-            bank_charge_id,
-        })
-        .into_response(),
+    .retry_after(1)
+    .into_response()
+}
+
+async fn get_payment(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    match state.db.payment(&id).await {
+        Ok(Some(p)) => Json(p).into_response(),
         Ok(None) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such payment")
             .detail(format!("no payment {id:?}"))
             .into_response(),
-        Err(e) => {
-            error!(error = %e, "payment lookup failed");
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "database-unavailable",
-                "The database is unavailable",
-            )
-            .into_response()
-        }
+        Err(e) => database_unavailable(&e),
     }
 }
 
-/// What an account has been charged.
-#[derive(Debug, Serialize)]
-struct Account {
-    account_id: String,
-    payments: i64,
-    charged_total: i64,
-    bank_charges: i64,
-}
-
 async fn get_account(State(state): State<AppState>, Path(account_id): Path<String>) -> Response {
-    let pool = state.db.pool();
-    let payments: Result<(i64, i64), _> = sqlx::query_as(
-        "SELECT count(*), coalesce(sum(amount), 0) FROM shop_payments WHERE account_id = ?1",
-    )
-    .bind(&account_id)
-    .fetch_one(pool)
-    .await;
-    let charges: Result<i64, _> =
-        sqlx::query_scalar("SELECT count(DISTINCT id) FROM bank_charges WHERE account_id = ?1")
-            .bind(&account_id)
-            .fetch_one(pool)
-            .await;
-    match (payments, charges) {
-        (Ok((payments, charged_total)), Ok(bank_charges)) => Json(Account {
-            account_id,
-            payments,
-            charged_total,
-            bank_charges,
-        })
-        .into_response(),
-        (Err(e), _) | (_, Err(e)) => {
-            error!(error = %e, "account lookup failed");
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "database-unavailable",
-                "The database is unavailable",
-            )
-            .into_response()
-        }
+    match state.db.account(&account_id).await {
+        Ok(account) => Json(account).into_response(),
+        Err(e) => database_unavailable(&e),
     }
 }

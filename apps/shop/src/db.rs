@@ -1,50 +1,72 @@
-//! The shop's database: its own tables, the fake bank's, and idem's records.
+//! The shop's database: its own tables, the fake bank's, and idem's records,
+//! on SQLite or PostgreSQL. Every statement is written once, with `$n`
+//! parameters that both drivers understand, and runs on whichever backend
+//! the URL names.
 
 use std::sync::Arc;
 
-use idem_core::Store;
+use idem_core::{Store, UnixMillis};
+use idem_postgres::PostgresStore;
 use idem_sqlite::SqliteStore;
-use sqlx::SqlitePool;
+use serde::Serialize;
 
-/// The shop's own schema, applied at start (idempotently).
+/// The shop's own schema, applied at start (idempotently), valid SQL for
+/// both SQLite and PostgreSQL.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS shop_payments (
-    id             TEXT    PRIMARY KEY,
-    client_id      TEXT    NOT NULL,
-    account_id     TEXT    NOT NULL,
-    amount         INTEGER NOT NULL CHECK (amount > 0),
-    currency       TEXT    NOT NULL,
-    status         TEXT    NOT NULL,
-    bank_charge_id TEXT    NOT NULL,
+    id             TEXT   PRIMARY KEY,
+    client_id      TEXT   NOT NULL,
+    account_id     TEXT   NOT NULL,
+    amount         BIGINT NOT NULL CHECK (amount > 0),
+    currency       TEXT   NOT NULL,
+    status         TEXT   NOT NULL,
+    bank_charge_id TEXT   NOT NULL,
     -- the last safety net: one payment per operation, whatever the layers above do
-    operation_id   TEXT    NOT NULL UNIQUE,
-    created_at     INTEGER NOT NULL
+    operation_id   TEXT   NOT NULL,
+    created_at     BIGINT NOT NULL,
+    CONSTRAINT shop_payments_operation_id_key UNIQUE (operation_id)
 );
 CREATE INDEX IF NOT EXISTS shop_payments_account ON shop_payments (account_id);
 
 -- The fake bank's ledger. It stands for an external system: it commits on
 -- its own and deduplicates on the operation id it is given.
 CREATE TABLE IF NOT EXISTS bank_charges (
-    id           TEXT    PRIMARY KEY,
-    operation_id TEXT    NOT NULL UNIQUE,
-    account_id   TEXT    NOT NULL,
-    amount       INTEGER NOT NULL,
-    currency     TEXT    NOT NULL,
-    created_at   INTEGER NOT NULL
+    id           TEXT   PRIMARY KEY,
+    operation_id TEXT   NOT NULL UNIQUE,
+    account_id   TEXT   NOT NULL,
+    amount       BIGINT NOT NULL,
+    currency     TEXT   NOT NULL,
+    created_at   BIGINT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS bank_charges_account ON bank_charges (account_id);
 ";
 
-/// An open, migrated database.
+/// The name of the constraint that keeps one payment per operation.
+pub(crate) const PAYMENT_OPERATION_KEY: &str = "shop_payments_operation_id_key";
+
+/// An open, migrated database on one of the two backends.
 #[derive(Debug, Clone)]
-pub(crate) struct Database {
-    store: SqliteStore,
+pub(crate) enum Database {
+    Sqlite(SqliteStore),
+    Postgres(PostgresStore),
 }
+
+/// Runs `$body` with `$store` bound to the backend's idem store (which also
+/// hands out its pool). Each arm type-checks against its own driver.
+macro_rules! on_backend {
+    ($db:expr, $store:ident => $body:expr) => {
+        match $db {
+            $crate::db::Database::Sqlite($store) => $body,
+            $crate::db::Database::Postgres($store) => $body,
+        }
+    };
+}
+pub(crate) use on_backend;
 
 /// Opening the database failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum OpenError {
-    #[error("unsupported database URL {0:?}: shop runs on SQLite (sqlite:FILE)")]
+    #[error("unsupported database URL {0:?}: use sqlite:FILE or postgres://…")]
     Unsupported(String),
     #[error("cannot open the idempotency store")]
     Store(#[from] idem_core::StoreError),
@@ -52,21 +74,133 @@ pub(crate) enum OpenError {
     Schema(#[from] sqlx::Error),
 }
 
+/// A payment as the API shows it.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Payment {
+    pub(crate) id: String,
+    pub(crate) account_id: String,
+    pub(crate) amount: i64,
+    pub(crate) currency: String,
+    pub(crate) status: String,
+    pub(crate) bank_charge_id: String,
+}
+
+/// What an account has been charged.
+#[derive(Debug, Serialize)]
+pub(crate) struct Account {
+    pub(crate) account_id: String,
+    pub(crate) payments: i64,
+    pub(crate) charged_total: i64,
+    pub(crate) bank_charges: i64,
+}
+
+type PaymentRow = (String, String, i64, String, String, String);
+
 impl Database {
     pub(crate) async fn open(url: &str) -> Result<Self, OpenError> {
-        if !url.starts_with("sqlite:") {
-            return Err(OpenError::Unsupported(url.to_owned()));
+        if url.starts_with("sqlite:") {
+            let store = SqliteStore::connect(url).await?;
+            sqlx::raw_sql(SCHEMA).execute(store.pool()).await?;
+            Ok(Self::Sqlite(store))
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let store = PostgresStore::connect(url).await?;
+            // Several instances may start at once: serialise the DDL.
+            let mut tx = store.pool().begin().await?;
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtext('shop-schema'))")
+                .execute(&mut *tx)
+                .await?;
+            sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
+            tx.commit().await?;
+            Ok(Self::Postgres(store))
+        } else {
+            Err(OpenError::Unsupported(url.to_owned()))
         }
-        let store = SqliteStore::connect(url).await?;
-        sqlx::raw_sql(SCHEMA).execute(store.pool()).await?;
-        Ok(Self { store })
-    }
-
-    pub(crate) fn pool(&self) -> &SqlitePool {
-        self.store.pool()
     }
 
     pub(crate) fn idem_store(&self) -> Arc<dyn Store> {
-        Arc::new(self.store.clone())
+        on_backend!(self, store => Arc::new(store.clone()))
     }
+
+    pub(crate) async fn ping(&self) -> Result<(), sqlx::Error> {
+        on_backend!(self, store => sqlx::query("SELECT 1").execute(store.pool()).await.map(drop))
+    }
+
+    pub(crate) async fn payment(&self, id: &str) -> Result<Option<Payment>, sqlx::Error> {
+        const SQL: &str = "SELECT id, account_id, amount, currency, status, bank_charge_id
+                           FROM shop_payments WHERE id = $1";
+        let row: Option<PaymentRow> = on_backend!(self, store =>
+            sqlx::query_as(SQL).bind(id).fetch_optional(store.pool()).await?);
+        Ok(row.map(
+            |(id, account_id, amount, currency, status, bank_charge_id)| Payment {
+                id,
+                account_id,
+                amount,
+                currency,
+                status,
+                bank_charge_id,
+            },
+        ))
+    }
+
+    pub(crate) async fn account(&self, account_id: &str) -> Result<Account, sqlx::Error> {
+        const PAYMENTS: &str = "SELECT count(*), CAST(coalesce(sum(amount), 0) AS BIGINT)
+                                FROM shop_payments WHERE account_id = $1";
+        const CHARGES: &str = "SELECT count(DISTINCT id) FROM bank_charges WHERE account_id = $1";
+        let ((payments, charged_total), bank_charges): ((i64, i64), i64) = on_backend!(self, store => (
+            sqlx::query_as(PAYMENTS).bind(account_id).fetch_one(store.pool()).await?,
+            sqlx::query_scalar(CHARGES).bind(account_id).fetch_one(store.pool()).await?,
+        ));
+        Ok(Account {
+            account_id: account_id.to_owned(),
+            payments,
+            charged_total,
+            bank_charges,
+        })
+    }
+
+    /// The fake bank: charges once per operation id, committing on its own,
+    /// and returns the charge id.
+    pub(crate) async fn bank_charge(
+        &self,
+        operation_id: &str,
+        account_id: &str,
+        amount: i64,
+        currency: &str,
+    ) -> Result<String, sqlx::Error> {
+        const CHARGE: &str =
+            "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at)
+                              VALUES ($1, $2, $3, $4, $5, $6)
+                              ON CONFLICT (operation_id) DO NOTHING";
+        const FIND: &str = "SELECT id FROM bank_charges WHERE operation_id = $1";
+        let id = format!("ch_{}", uuid::Uuid::now_v7().simple());
+        let now = UnixMillis::now().0;
+        on_backend!(self, store => {
+            sqlx::query(CHARGE)
+                .bind(&id)
+                .bind(operation_id)
+                .bind(account_id)
+                .bind(amount)
+                .bind(currency)
+                .bind(now)
+                .execute(store.pool())
+                .await?;
+            sqlx::query_scalar(FIND).bind(operation_id).fetch_one(store.pool()).await
+        })
+    }
+}
+
+/// The statement that records a payment, for both backends.
+pub(crate) const INSERT_PAYMENT: &str = "INSERT INTO shop_payments
+    (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+
+/// Whether `e` is the unique violation of [`PAYMENT_OPERATION_KEY`]: a
+/// payment for this operation exists already.
+pub(crate) fn is_duplicate_payment(e: &sqlx::Error) -> bool {
+    if let Some(d) = idem_postgres::DuplicateKey::of(e) {
+        return d.constraint == PAYMENT_OPERATION_KEY;
+    }
+    // SQLite names the columns, not the constraint.
+    matches!(e, sqlx::Error::Database(d)
+        if d.is_unique_violation() && d.message().contains("shop_payments.operation_id"))
 }

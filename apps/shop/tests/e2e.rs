@@ -6,11 +6,18 @@ mod common;
 use std::collections::HashSet;
 use std::time::Duration;
 
-use common::{account, pay, read, temp_db, Shop, BODY};
+use common::{account, pay, read, Db, Shop, BODY};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn forty_racing_identical_requests_make_one_payment_and_one_charge() {
-    let (_dir, db) = temp_db();
+on_both_backends!(
+    forty_racing_identical_requests_make_one_payment_and_one_charge,
+    with_waiting_every_racing_duplicate_gets_the_same_answer,
+    a_crash_after_the_bank_call_is_taken_over_after_the_lease_and_charges_once,
+    a_crash_before_the_bank_call_leaves_nothing_charged,
+    every_row_of_the_contract_over_tcp,
+    sigterm_shuts_down_gracefully,
+);
+
+async fn forty_racing_identical_requests_make_one_payment_and_one_charge(db: Db) {
     let shop = Shop::start(&db, &[]).await;
     let client = reqwest::Client::new();
     let mut tasks = Vec::new();
@@ -51,9 +58,7 @@ async fn forty_racing_identical_requests_make_one_payment_and_one_charge() {
     assert_eq!(acc["charged_total"], 1000, "{acc}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn with_waiting_every_racing_duplicate_gets_the_same_answer() {
-    let (_dir, db) = temp_db();
+async fn with_waiting_every_racing_duplicate_gets_the_same_answer(db: Db) {
     let shop = Shop::start(&db, &["--wait-ms", "10000"]).await;
     let client = reqwest::Client::new();
     let mut tasks = Vec::new();
@@ -80,9 +85,7 @@ async fn with_waiting_every_racing_duplicate_gets_the_same_answer() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crash_after_the_bank_call_is_taken_over_after_the_lease_and_charges_once() {
-    let (_dir, db) = temp_db();
+async fn a_crash_after_the_bank_call_is_taken_over_after_the_lease_and_charges_once(db: Db) {
     let lease = ["--lease-ms", "3000"];
     let client = reqwest::Client::new();
 
@@ -127,9 +130,7 @@ async fn a_crash_after_the_bank_call_is_taken_over_after_the_lease_and_charges_o
     assert_eq!(replay.body, retry.body);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crash_before_the_bank_call_leaves_nothing_charged() {
-    let (_dir, db) = temp_db();
+async fn a_crash_before_the_bank_call_leaves_nothing_charged(db: Db) {
     let client = reqwest::Client::new();
     let mut first = Shop::start(&db, &["--lease-ms", "500"]).await;
     let lost = pay(&client, &first, Some("k-before"), BODY)
@@ -153,9 +154,7 @@ async fn a_crash_before_the_bank_call_leaves_nothing_charged() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_row_of_the_contract_over_tcp() {
-    let (_dir, db) = temp_db();
+async fn every_row_of_the_contract_over_tcp(db: Db) {
     let shop = Shop::start(&db, &[]).await;
     let client = reqwest::Client::new();
 
@@ -310,9 +309,7 @@ async fn every_row_of_the_contract_over_tcp() {
     assert_eq!(acc["charged_total"], 5000, "{acc}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_shuts_down_gracefully() {
-    let (_dir, db) = temp_db();
+async fn sigterm_shuts_down_gracefully(db: Db) {
     let mut shop = Shop::start(&db, &[]).await;
     let client = reqwest::Client::new();
     // a request in flight when SIGTERM arrives still gets its answer

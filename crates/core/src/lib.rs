@@ -40,4 +40,6 @@ pub use policy::{Policy, PolicyBuilder, PolicyError};
 pub use record::{
     Claim, FencingToken, OperationId, Record, RecordState, StoredResponse, UnixMillis,
 };
-pub use store::{sweep_all, BoxFuture, ClaimOutcome, ClaimRequest, Store, StoreError};
+pub use store::{
+    sweep_all, BoxFuture, ClaimOutcome, ClaimRequest, Store, StoreError, TransactionalStore,
+};

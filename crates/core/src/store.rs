@@ -154,3 +154,21 @@ pub async fn sweep_all<S: Store + ?Sized>(store: &S, batch: usize) -> Result<u64
         }
     }
 }
+
+/// A store whose records live in the same database as the application's
+/// data, so that a handler can complete its record **inside its own
+/// transaction** on connection type `C`: the business write and the record
+/// commit together, or neither does.
+///
+/// Completion is fenced like [`Store::complete`]: if the record no longer
+/// carries `claim.token`, nothing is written and [`StoreError::ClaimLost`]
+/// is returned; the caller must then roll its transaction back.
+pub trait TransactionalStore<C: ?Sized>: Store {
+    /// Completes `claim` with `response` on `conn` (an open transaction).
+    fn complete_in_tx<'a>(
+        &'a self,
+        conn: &'a mut C,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+}

@@ -8,7 +8,9 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::StatusCode;
 use http_body_util::BodyExt;
-use idem_core::{Claim, FencingToken, OperationId, Policy, StoreError, StoredResponse};
+use idem_core::{
+    Claim, FencingToken, OperationId, Policy, StoreError, StoredResponse, TransactionalStore,
+};
 
 use crate::problem::Problem;
 
@@ -36,7 +38,7 @@ struct Inner {
 /// - [`operation_id`](Idempotency::operation_id) is stable across retries and
 ///   takeovers: pass it to external systems as *their* idempotency key.
 /// - On a SQL store, complete the record in the handler's own transaction
-///   (with the `sqlite` feature: [`complete_in_sqlite`](Idempotency::complete_in_sqlite)),
+///   with [`complete_in`](Idempotency::complete_in),
 ///   so that the business write and the record commit together, fenced by
 ///   the claim's token. Handlers that don't are completed by the layer after
 ///   they answer.
@@ -187,20 +189,26 @@ impl Idempotency {
         }
     }
 
-    /// Completes the record inside the handler's SQLite transaction `conn`,
-    /// fenced by this attempt's token, and returns the response to send.
+    /// Completes the record inside the handler's own transaction `conn` on
+    /// `store` (the store the layer uses, e.g. a `SqliteStore` with a
+    /// `SqliteConnection`, a `PostgresStore` with a `PgConnection`), fenced
+    /// by this attempt's token, and returns the response to send.
     ///
     /// On `Err`, drop (roll back) the transaction and answer with the error
     /// (it is [`IntoResponse`]): the effect must not commit. If the commit
     /// itself fails afterwards, answer `5xx` and the layer releases the claim.
-    #[cfg(feature = "sqlite")]
-    pub async fn complete_in_sqlite(
+    pub async fn complete_in<S, C>(
         &self,
-        conn: &mut sqlx::SqliteConnection,
+        store: &S,
+        conn: &mut C,
         response: Response,
-    ) -> Result<Response, CompleteError> {
+    ) -> Result<Response, CompleteError>
+    where
+        S: TransactionalStore<C>,
+        C: ?Sized,
+    {
         let (stored, response) = self.stage(response).await?;
-        let result = idem_sqlite::complete_in_tx(conn, &self.inner.claim, &stored).await;
+        let result = store.complete_in_tx(conn, &self.inner.claim, &stored).await;
         self.record_transactional_completion(result)?;
         Ok(response)
     }

@@ -54,7 +54,7 @@
 //! # Committing the record with the business write
 //!
 //! On a SQL store, a handler completes the record inside its own transaction
-//! (feature `sqlite`: [`Idempotency::complete_in_sqlite`]). Completion is
+//! with [`Idempotency::complete_in`]. Completion is
 //! fenced by the claim's token: if a retry took the claim over because this
 //! attempt outlived its lease, completion touches no row, the handler rolls
 //! back, and its effect does not commit.

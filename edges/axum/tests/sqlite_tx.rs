@@ -37,7 +37,7 @@ async fn create(
         .await
         .unwrap();
     let response = (StatusCode::CREATED, format!("token {}", idem.token())).into_response();
-    match idem.complete_in_sqlite(&mut tx, response).await {
+    match idem.complete_in(&store, &mut *tx, response).await {
         Ok(response) => {
             tx.commit().await.unwrap();
             response

@@ -61,7 +61,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, Inspection,
-    OperationId, Record, RecordState, Store, StoreError, StoreStats, StoredResponse, UnixMillis,
+    OperationId, Record, RecordState, Store, StoreError, StoreStats, StoredResponse,
+    TransactionalStore, UnixMillis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
@@ -584,16 +585,14 @@ async fn complete_with(
     }
 }
 
-impl PostgresStore {
-    /// Completes `claim` inside the caller's transaction; see
-    /// [`complete_in_tx`].
-    pub async fn complete_in(
-        &self,
-        conn: &mut PgConnection,
-        claim: &Claim,
-        response: &StoredResponse,
-    ) -> Result<(), StoreError> {
-        complete_with(conn, &self.sql.complete, claim, response).await
+impl TransactionalStore<PgConnection> for PostgresStore {
+    fn complete_in_tx<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(complete_with(conn, &self.sql.complete, claim, response))
     }
 }
 

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{ClaimOutcome, RecordState, Store, StoreError, StoredResponse};
+use idem_core::{ClaimOutcome, RecordState, Store, StoreError, StoredResponse, TransactionalStore};
 use idem_postgres::{complete_in_tx, insert_unique, Inserted, PostgresStore, TableName};
 use idem_store_suite::postgres::{database_url, TestSchema};
 
@@ -76,7 +76,7 @@ async fn completion_commits_and_rolls_back_with_the_business_transaction() {
         .await
         .unwrap();
     store
-        .complete_in(&mut tx, &claim, &response())
+        .complete_in_tx(&mut tx, &claim, &response())
         .await
         .unwrap();
     tx.commit().await.unwrap();
@@ -106,7 +106,7 @@ async fn a_zombie_completion_in_its_transaction_is_refused() {
     assert!(fresh_claim.takeover);
     let mut tx = store.pool().begin().await.unwrap();
     let err = store
-        .complete_in(&mut tx, &zombie, &response())
+        .complete_in_tx(&mut tx, &zombie, &response())
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::ClaimLost));

@@ -44,8 +44,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, OperationId, Record,
-    RecordState, Store, StoreError, StoredResponse, UnixMillis,
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, Inspection,
+    OperationId, Record, RecordState, Store, StoreError, StoreStats, StoredResponse,
+    TransactionalStore, UnixMillis,
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
@@ -73,18 +74,26 @@ pub struct SqliteStore {
 /// Turns a sqlx error into a store error: connection and pool trouble is
 /// [`StoreError::Unavailable`], the rest [`StoreError::Backend`].
 pub fn store_error(e: sqlx::Error) -> StoreError {
+    if is_unavailable(&e) {
+        StoreError::Unavailable(Box::new(e))
+    } else {
+        StoreError::Backend(Box::new(e))
+    }
+}
+
+/// Whether an error means the database could not be had (I/O, pool
+/// trouble, or SQLite still busy or locked after the busy timeout), as
+/// opposed to rejecting a statement.
+pub fn is_unavailable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Tls(_) => StoreError::Unavailable(Box::new(e)),
-        // SQLITE_BUSY / SQLITE_LOCKED after the busy timeout: the database is
-        // there but could not be had in time.
-        sqlx::Error::Database(ref d) if matches!(d.code().as_deref(), Some("5" | "6" | "517")) => {
-            StoreError::Unavailable(Box::new(e))
-        }
-        other => StoreError::Backend(Box::new(other)),
+        | sqlx::Error::Tls(_) => true,
+        // SQLITE_BUSY, SQLITE_LOCKED, SQLITE_BUSY_SNAPSHOT
+        sqlx::Error::Database(d) => matches!(d.code().as_deref(), Some("5" | "6" | "517")),
+        _ => false,
     }
 }
 
@@ -142,6 +151,50 @@ impl SqliteStore {
     /// transaction that also records its version.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         migrate(&self.pool).await.map_err(store_error)
+    }
+
+    /// Reads a record as an operator sees it, past its retention or not.
+    pub async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
+        let now = UnixMillis::now();
+        Ok(self
+            .fetch(scope, key)
+            .await?
+            .map(|record| Inspection { record, now }))
+    }
+
+    /// Counts records by state, for operators.
+    pub async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let now = UnixMillis::now();
+        let row = sqlx::query(
+            "SELECT
+                count(*) FILTER (WHERE state = 'in_progress'),
+                count(*) FILTER (WHERE state = 'in_progress' AND locked_until <= ?1),
+                count(*) FILTER (WHERE state = 'completed'),
+                count(*) FILTER (WHERE expires_at <= ?1 AND (state = 'completed' OR locked_until <= ?1)),
+                min(created_at)
+             FROM idem_records",
+        )
+        .bind(now.0)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(store_error)?;
+        let count = |i: usize| -> Result<u64, StoreError> {
+            let n: i64 = row
+                .try_get(i)
+                .map_err(|e| StoreError::Corrupt(format!("stats: {e}")))?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        Ok(StoreStats {
+            in_progress: count(0)?,
+            leases_expired: count(1)?,
+            completed: count(2)?,
+            past_retention: count(3)?,
+            oldest_created_at: row
+                .try_get::<Option<i64>, _>(4)
+                .map_err(|e| StoreError::Corrupt(format!("stats: {e}")))?
+                .map(UnixMillis),
+            now,
+        })
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
@@ -358,6 +411,17 @@ pub async fn complete_in_tx(
         Ok(())
     } else {
         Err(StoreError::ClaimLost)
+    }
+}
+
+impl TransactionalStore<SqliteConnection> for SqliteStore {
+    fn complete_in_tx<'a>(
+        &'a self,
+        conn: &'a mut SqliteConnection,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(complete_in_tx(conn, claim, response))
     }
 }
 

@@ -8,10 +8,11 @@
 )]
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use idem_store_suite::postgres::TestSchema;
 use serde_json::Value;
 
 /// A running `shop` process, killed when dropped.
@@ -21,14 +22,14 @@ pub struct Shop {
 }
 
 impl Shop {
-    /// Starts `shop` on a free port with `db` and extra flags, and waits
-    /// until `/healthz` answers.
-    pub async fn start(db: &Path, extra: &[&str]) -> Shop {
+    /// Starts `shop` on a free port with the database at `db` and extra
+    /// flags, and waits until `/healthz` answers.
+    pub async fn start(db: &Db, extra: &[&str]) -> Shop {
         let mut child = Command::new(env!("CARGO_BIN_EXE_shop"))
             .arg("--listen")
             .arg("127.0.0.1:0")
             .arg("--database-url")
-            .arg(format!("sqlite:{}", db.display()))
+            .arg(db.url())
             .args(extra)
             .env("SHOP_LOG", "warn")
             .stdout(Stdio::piped())
@@ -90,11 +91,50 @@ impl Drop for Shop {
     }
 }
 
-/// A temporary directory with a database path inside.
-pub fn temp_db() -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let db = dir.path().join("shop.db");
-    (dir, db)
+/// A database of the test's own: a SQLite file in a temporary directory, or
+/// a PostgreSQL schema; removed when dropped.
+pub enum Db {
+    Sqlite(tempfile::TempDir, PathBuf),
+    Postgres(TestSchema),
+}
+
+impl Db {
+    pub fn sqlite() -> Db {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = dir.path().join("shop.db");
+        Db::Sqlite(dir, db)
+    }
+
+    pub async fn postgres() -> Db {
+        Db::Postgres(TestSchema::create("shop_test").await)
+    }
+
+    pub fn url(&self) -> String {
+        match self {
+            Db::Sqlite(_, path) => format!("sqlite:{}", path.display()),
+            Db::Postgres(schema) => schema.url(),
+        }
+    }
+}
+
+/// Runs a test body once on SQLite and once on PostgreSQL: each named
+/// `$name` gets a `sqlite` and a `postgres` test in a module of its name.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn sqlite() {
+                    super::$name($crate::common::Db::sqlite()).await;
+                }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn postgres() {
+                    super::$name($crate::common::Db::postgres().await).await;
+                }
+            }
+        )*
+    };
 }
 
 pub const BODY: &str = r#"{"account_id":"acc_1","amount":1000,"currency":"EUR"}"#;
