@@ -312,14 +312,23 @@ fn db_error(e: sqlx::Error) -> Response {
 }
 
 fn bank_failed(e: &BankError) -> Response {
-    warn!(error = %e, "bank call failed");
-    Problem::new(
-        StatusCode::BAD_GATEWAY,
-        "bank-unavailable",
-        "The bank could not be reached",
-    )
-    .detail("nothing was charged; retry with the same Idempotency-Key")
-    .into_response()
+    warn!(error = ?e, "bank call failed");
+    match e {
+        // The fake bank keeps its ledger in our database: when that is down,
+        // say so, as every other path does.
+        BankError::Ledger(e)
+            if idem_postgres::is_unavailable(e) || idem_sqlite::is_unavailable(e) =>
+        {
+            database_unavailable(e)
+        }
+        _ => Problem::new(
+            StatusCode::BAD_GATEWAY,
+            "bank-unavailable",
+            "The bank could not be reached",
+        )
+        .detail("retry with the same Idempotency-Key; the bank will not charge twice")
+        .into_response(),
+    }
 }
 
 fn database_unavailable(e: &sqlx::Error) -> Response {
