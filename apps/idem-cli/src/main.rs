@@ -1,0 +1,394 @@
+//! `idem`: the ops CLI for idem's stores.
+//!
+//! ```text
+//! idem migrate --database-url URL
+//! idem sweep   --database-url URL [--batch N]
+//! idem inspect --database-url URL --scope S --key K [--show-body]
+//! idem stats   --database-url URL
+//! ```
+//!
+//! `URL` is `sqlite:FILE` or `postgres://…` (also read from `DATABASE_URL`);
+//! on PostgreSQL, `--schema` and `--table` name the records table.
+
+mod time;
+
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use idem_core::{sweep_all, Inspection, RecordState, Store, StoreError, StoreStats};
+use idem_postgres::{PostgresStore, TableName};
+use idem_sqlite::SqliteStore;
+use serde_json::json;
+
+/// Operate idem's idempotency records on SQLite or PostgreSQL.
+#[derive(Debug, Parser)]
+#[command(name = "idem", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create or upgrade the records table.
+    Migrate(Target),
+    /// Delete records past their retention, in bounded batches; prints how many went.
+    Sweep {
+        #[command(flatten)]
+        target: Target,
+        /// Records deleted per statement.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+        batch: u64,
+    },
+    /// Show one record: state, lease, token, operation id, age, stored status.
+    Inspect {
+        #[command(flatten)]
+        target: Target,
+        /// The scope (tenant, client) the key belongs to.
+        #[arg(long)]
+        scope: String,
+        /// The idempotency key.
+        #[arg(long)]
+        key: String,
+        /// Also print the stored headers and body.
+        #[arg(long)]
+        show_body: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Count records by state: in progress, completed, past retention, oldest.
+    Stats {
+        #[command(flatten)]
+        target: Target,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+struct Target {
+    /// `sqlite:FILE` or `postgres://…`.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: String,
+    /// PostgreSQL only: the schema of the records table (default: the search_path).
+    #[arg(long)]
+    schema: Option<String>,
+    /// PostgreSQL only: the records table.
+    #[arg(long, default_value = "idem_records")]
+    table: String,
+}
+
+/// A store opened for operations.
+enum Opened {
+    Sqlite(SqliteStore),
+    Postgres(PostgresStore),
+}
+
+type Failure = Box<dyn std::error::Error>;
+
+impl Target {
+    /// Opens the store without migrating (and, for SQLite, without creating
+    /// a missing file) unless `create` is set.
+    async fn open(&self, create: bool) -> Result<Opened, Failure> {
+        let url = &self.database_url;
+        if url.starts_with("sqlite:") {
+            if self.schema.is_some() || self.table != "idem_records" {
+                return Err("--schema and --table apply to PostgreSQL only".into());
+            }
+            let options = idem_sqlite::connect_options(url)?.create_if_missing(create);
+            let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_with(options)
+                .await
+                .map_err(|e| format!("cannot open {url}: {e}"))?;
+            Ok(Opened::Sqlite(SqliteStore::from_pool(pool)))
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let table = TableName::new(self.schema.as_deref(), &self.table)?;
+            let options = sqlx::postgres::PgConnectOptions::from_str(url)?;
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_with(options)
+                .await
+                .map_err(|e| format!("cannot connect to {}: {e}", redact(url)))?;
+            Ok(Opened::Postgres(PostgresStore::new(pool, table)))
+        } else {
+            Err(format!(
+                "unsupported database URL {:?}: use sqlite:FILE or postgres://…",
+                redact(url)
+            )
+            .into())
+        }
+    }
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.find(':') {
+                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+impl Opened {
+    fn store(&self) -> &dyn Store {
+        match self {
+            Opened::Sqlite(s) => s,
+            Opened::Postgres(s) => s,
+        }
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        match self {
+            Opened::Sqlite(s) => s.migrate().await,
+            Opened::Postgres(s) => s.migrate().await,
+        }
+    }
+
+    async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
+        match self {
+            Opened::Sqlite(s) => s.inspect(scope, key).await,
+            Opened::Postgres(s) => s.inspect(scope, key).await,
+        }
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        match self {
+            Opened::Sqlite(s) => s.stats().await,
+            Opened::Postgres(s) => s.stats().await,
+        }
+    }
+}
+
+/// A store error with its causes, and a hint when the table is missing.
+fn explain(e: StoreError) -> Failure {
+    let mut msg = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        msg.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    if msg.contains("no such table") || msg.contains("does not exist") {
+        msg.push_str(" (run `idem migrate` first)");
+    }
+    msg.into()
+}
+
+async fn run(cli: Cli) -> Result<ExitCode, Failure> {
+    match cli.command {
+        Command::Migrate(target) => {
+            let store = target.open(true).await?;
+            store.migrate().await.map_err(explain)?;
+            println!("migrated: the records table is up to date");
+        }
+        Command::Sweep { target, batch } => {
+            let store = target.open(false).await?;
+            let batch = usize::try_from(batch).unwrap_or(1000);
+            let n = sweep_all(store.store(), batch).await.map_err(explain)?;
+            println!("swept {n} expired record{}", if n == 1 { "" } else { "s" });
+        }
+        Command::Inspect {
+            target,
+            scope,
+            key,
+            show_body,
+            json,
+        } => {
+            let store = target.open(false).await?;
+            let Some(seen) = store.inspect(&scope, &key).await.map_err(explain)? else {
+                eprintln!("no record for scope {scope:?} and key {key:?}");
+                return Ok(ExitCode::from(1));
+            };
+            if json {
+                println!("{}", inspection_json(&seen, show_body));
+            } else {
+                print!("{}", inspection_text(&seen, show_body));
+            }
+        }
+        Command::Stats { target, json } => {
+            let store = target.open(false).await?;
+            let stats = store.stats().await.map_err(explain)?;
+            if json {
+                println!("{}", stats_json(&stats));
+            } else {
+                print!("{}", stats_text(&stats));
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn inspection_text(seen: &Inspection, show_body: bool) -> String {
+    let r = &seen.record;
+    let now = seen.now;
+    let mut out = String::new();
+    let mut line = |k: &str, v: String| out.push_str(&format!("{k:<14}{v}\n"));
+    line("scope:", r.scope.clone());
+    line("key:", r.key.clone());
+    match &r.state {
+        RecordState::InProgress {
+            token,
+            locked_until,
+        } => {
+            line("state:", "in progress".into());
+            let lease = if *locked_until > now {
+                format!(
+                    "{} (held, ends in {})",
+                    time::rfc3339(*locked_until),
+                    time::human(now.until(*locked_until))
+                )
+            } else {
+                format!(
+                    "{} (ended {} ago: the next retry takes over)",
+                    time::rfc3339(*locked_until),
+                    time::human(locked_until.until(now))
+                )
+            };
+            line("lease:", lease);
+            line("token:", token.to_string());
+        }
+        RecordState::Completed { completed_at, .. } => {
+            line("state:", "completed".into());
+            line("lease:", "-".into());
+            line("token:", "-".into());
+            line("completed:", time::rfc3339(*completed_at));
+        }
+    }
+    line("operation id:", r.operation_id.to_string());
+    line("fingerprint:", r.fingerprint.to_hex());
+    line(
+        "created:",
+        format!(
+            "{} (age {})",
+            time::rfc3339(r.created_at),
+            time::human(r.created_at.until(now))
+        ),
+    );
+    let expiry = if r.is_expired(now) {
+        format!(
+            "{} (past retention: the key is new again; the sweep removes it)",
+            time::rfc3339(r.expires_at)
+        )
+    } else {
+        format!(
+            "{} (in {})",
+            time::rfc3339(r.expires_at),
+            time::human(now.until(r.expires_at))
+        )
+    };
+    line("expires:", expiry);
+    if let RecordState::Completed { response, .. } = &r.state {
+        line(
+            "status:",
+            format!(
+                "{} ({} header{}, {} byte body)",
+                response.status,
+                response.headers.len(),
+                if response.headers.len() == 1 { "" } else { "s" },
+                response.body.len()
+            ),
+        );
+        if show_body {
+            for (name, value) in &response.headers {
+                line(
+                    "header:",
+                    format!("{name}: {}", String::from_utf8_lossy(value)),
+                );
+            }
+            out.push_str("body:\n");
+            out.push_str(&String::from_utf8_lossy(&response.body));
+            out.push('\n');
+        }
+    } else {
+        line("status:", "- (no response yet)".into());
+    }
+    out
+}
+
+fn inspection_json(seen: &Inspection, show_body: bool) -> serde_json::Value {
+    let r = &seen.record;
+    let mut v = json!({
+        "scope": r.scope,
+        "key": r.key,
+        "operation_id": r.operation_id.to_string(),
+        "fingerprint": r.fingerprint.to_hex(),
+        "created_at": time::rfc3339(r.created_at),
+        "age_ms": r.created_at.until(seen.now).as_millis() as u64,
+        "expires_at": time::rfc3339(r.expires_at),
+        "past_retention": r.is_expired(seen.now),
+    });
+    match &r.state {
+        RecordState::InProgress {
+            token,
+            locked_until,
+        } => {
+            v["state"] = json!("in_progress");
+            v["token"] = json!(token.0);
+            v["locked_until"] = json!(time::rfc3339(*locked_until));
+            v["lease_expired"] = json!(*locked_until <= seen.now);
+        }
+        RecordState::Completed {
+            response,
+            completed_at,
+        } => {
+            v["state"] = json!("completed");
+            v["completed_at"] = json!(time::rfc3339(*completed_at));
+            v["status"] = json!(response.status);
+            v["body_bytes"] = json!(response.body.len());
+            if show_body {
+                v["headers"] = response
+                    .headers
+                    .iter()
+                    .map(|(n, val)| json!([n, String::from_utf8_lossy(val)]))
+                    .collect();
+                v["body"] = json!(String::from_utf8_lossy(&response.body));
+            }
+        }
+    }
+    v
+}
+
+fn stats_text(s: &StoreStats) -> String {
+    let oldest = match s.oldest_created_at {
+        Some(t) => format!("{} (age {})", time::rfc3339(t), time::human(t.until(s.now))),
+        None => "- (no records)".into(),
+    };
+    format!(
+        "in progress:    {} ({} with an expired lease)\ncompleted:      {}\npast retention: {} (waiting for the sweep)\noldest record:  {}\n",
+        s.in_progress, s.leases_expired, s.completed, s.past_retention, oldest
+    )
+}
+
+fn stats_json(s: &StoreStats) -> serde_json::Value {
+    json!({
+        "in_progress": s.in_progress,
+        "leases_expired": s.leases_expired,
+        "completed": s.completed,
+        "past_retention": s.past_retention,
+        "oldest_created_at": s.oldest_created_at.map(time::rfc3339),
+        "now": time::rfc3339(s.now),
+    })
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("idem: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

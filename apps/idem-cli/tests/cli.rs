@@ -1,0 +1,261 @@
+//! The `idem` binary against real SQLite files and PostgreSQL schemas.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::process::{Command, Output};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{ClaimOutcome, Store, StoredResponse};
+use idem_store_suite::postgres::TestSchema;
+use idem_store_suite::request;
+
+fn idem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run idem")
+}
+
+fn stdout(o: &Output) -> String {
+    assert!(
+        o.status.success(),
+        "idem failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Fills a store with one completed record, one held, and one past its
+/// retention.
+async fn fill(store: Arc<dyn Store>) -> String {
+    let long = Duration::from_secs(600);
+    let ClaimOutcome::Acquired(done) = store
+        .claim(&request("c1", "done", "{}", long, long * 10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![("location".into(), b"/payments/1".to_vec())],
+        body: Bytes::from_static(b"{\"secret\":\"card-4242\"}"),
+    };
+    store.complete(&done, &response).await.unwrap();
+    let ClaimOutcome::Acquired(_) = store
+        .claim(&request("c1", "held", "{}", long, long * 10))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let short = request(
+        "c1",
+        "old",
+        "{}",
+        Duration::from_millis(100),
+        Duration::from_millis(300),
+    );
+    let ClaimOutcome::Acquired(old) = store.claim(&short).await.unwrap() else {
+        panic!()
+    };
+    store.complete(&old, &response).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    done.operation_id.to_string()
+}
+
+async fn exercise(url: &str, store: Arc<dyn Store>) {
+    let operation_id = fill(store).await;
+
+    let stats = stdout(&idem(&["stats", "--database-url", url]));
+    assert!(
+        stats.contains("in progress:    1 (0 with an expired lease)"),
+        "{stats}"
+    );
+    assert!(stats.contains("completed:      2"), "{stats}");
+    assert!(stats.contains("past retention: 1"), "{stats}");
+    assert!(stats.contains("oldest record:  20"), "{stats}");
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&idem(&["stats", "--json", "--database-url", url]))).unwrap();
+    assert_eq!(json["completed"], 2);
+
+    let seen = stdout(&idem(&[
+        "inspect",
+        "--database-url",
+        url,
+        "--scope",
+        "c1",
+        "--key",
+        "done",
+    ]));
+    assert!(seen.contains("state:        completed"), "{seen}");
+    assert!(seen.contains(&operation_id), "{seen}");
+    assert!(
+        seen.contains("status:       201 (1 header, 22 byte body)"),
+        "{seen}"
+    );
+    assert!(seen.contains("age "), "{seen}");
+    assert!(
+        !seen.contains("card-4242"),
+        "the body is never shown unless asked: {seen}"
+    );
+    let shown = stdout(&idem(&[
+        "inspect",
+        "--database-url",
+        url,
+        "--scope",
+        "c1",
+        "--key",
+        "done",
+        "--show-body",
+    ]));
+    assert!(shown.contains("card-4242"), "{shown}");
+    assert!(shown.contains("location: /payments/1"), "{shown}");
+
+    let held = stdout(&idem(&[
+        "inspect",
+        "--database-url",
+        url,
+        "--scope",
+        "c1",
+        "--key",
+        "held",
+    ]));
+    assert!(held.contains("state:        in progress"), "{held}");
+    assert!(held.contains("(held, ends in"), "{held}");
+    assert!(
+        held.lines()
+            .any(|l| l.starts_with("token:") && l.trim_end().len() > 14),
+        "{held}"
+    );
+    let held_json: serde_json::Value = serde_json::from_str(&stdout(&idem(&[
+        "inspect",
+        "--json",
+        "--database-url",
+        url,
+        "--scope",
+        "c1",
+        "--key",
+        "held",
+    ])))
+    .unwrap();
+    assert_eq!(held_json["state"], "in_progress");
+    assert!(held_json["token"].as_i64().is_some());
+
+    let old = stdout(&idem(&[
+        "inspect",
+        "--database-url",
+        url,
+        "--scope",
+        "c1",
+        "--key",
+        "old",
+    ]));
+    assert!(old.contains("past retention"), "{old}");
+
+    let missing = idem(&[
+        "inspect",
+        "--database-url",
+        url,
+        "--scope",
+        "c1",
+        "--key",
+        "nope",
+    ]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no record"));
+
+    assert_eq!(
+        stdout(&idem(&["sweep", "--database-url", url, "--batch", "1"])).trim(),
+        "swept 1 expired record"
+    );
+    assert_eq!(
+        stdout(&idem(&["sweep", "--database-url", url])).trim(),
+        "swept 0 expired records"
+    );
+    let after = stdout(&idem(&["stats", "--database-url", url]));
+    assert!(after.contains("past retention: 0"), "{after}");
+    assert!(after.contains("completed:      1"), "{after}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operates_a_sqlite_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ops.db");
+    let url = format!("sqlite:{}", path.display());
+    // reading a database that is not there does not create it
+    let absent = idem(&["stats", "--database-url", &url]);
+    assert_eq!(absent.status.code(), Some(2));
+    assert!(!path.exists());
+    assert!(stdout(&idem(&["migrate", "--database-url", &url])).contains("migrated"));
+    assert!(stdout(&idem(&["migrate", "--database-url", &url])).contains("migrated"));
+    let store = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
+    exercise(&url, Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operates_a_postgres_database() {
+    let schema = TestSchema::create("idem_cli").await;
+    let url = schema.url();
+    let before = idem(&["stats", "--database-url", &url]);
+    assert_eq!(before.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&before.stderr).contains("idem migrate"),
+        "a hint to migrate"
+    );
+    assert!(stdout(&idem(&["migrate", "--database-url", &url])).contains("migrated"));
+    let store = idem_postgres::PostgresStore::connect(&url).await.unwrap();
+    exercise(&url, Arc::new(store)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_schema_and_table_flags_name_the_table() {
+    let schema = TestSchema::create("idem_cli_named").await;
+    let base = idem_store_suite::postgres::database_url();
+    let args = [
+        "--database-url",
+        &base,
+        "--schema",
+        schema.name(),
+        "--table",
+        "billing_keys",
+    ];
+    let mut migrate = vec!["migrate"];
+    migrate.extend(args);
+    stdout(&idem(&migrate));
+    let table = idem_postgres::TableName::new(Some(schema.name()), "billing_keys").unwrap();
+    let store = idem_postgres::PostgresStore::connect_with(&base, table)
+        .await
+        .unwrap();
+    fill(Arc::new(store)).await;
+    let mut stats = vec!["stats"];
+    stats.extend(args);
+    assert!(stdout(&idem(&stats)).contains("completed:      2"));
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let o = idem(&["stats", "--database-url", "mysql://x"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unsupported database URL"));
+    let o = idem(&["stats", "--database-url", "sqlite:x.db", "--schema", "s"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("PostgreSQL only"));
+    let o = idem(&[
+        "stats",
+        "--database-url",
+        "postgres://u:hunter2@127.0.0.1:1/x",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("hunter2"), "passwords are not printed: {err}");
+    let o = idem(&[
+        "stats",
+        "--database-url",
+        "postgres://x",
+        "--table",
+        "bad name",
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a valid identifier"));
+}
