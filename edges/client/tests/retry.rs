@@ -12,11 +12,14 @@ use axum::Router;
 use idem_client::{IdempotencyKey, IdempotentRetry, RetryOutcomeExt};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 
+/// One scripted answer: a status and extra headers.
+type Answer = (u16, Vec<(&'static str, &'static str)>);
+
 /// Answers with the scripted statuses in turn (201 once they run out), each
 /// with optional extra headers, and records the keys it saw.
 #[derive(Clone, Default)]
 struct Script {
-    answers: Arc<Mutex<VecDeque<(u16, Vec<(&'static str, &'static str)>)>>>,
+    answers: Arc<Mutex<VecDeque<Answer>>>,
     keys: Arc<Mutex<Vec<Option<String>>>>,
 }
 
@@ -64,7 +67,7 @@ fn fast() -> IdempotentRetry {
         .build()
 }
 
-fn script(answers: Vec<(u16, Vec<(&'static str, &'static str)>)>) -> Script {
+fn script(answers: Vec<Answer>) -> Script {
     Script {
         answers: Arc::new(Mutex::new(answers.into())),
         keys: Arc::default(),
