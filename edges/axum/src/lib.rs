@@ -44,7 +44,8 @@
 //! | key missing (where required) or malformed | `400` |
 //! | body over the limit | `413`, nothing stored |
 //! | handler answered `4xx` | stored and replayed |
-//! | handler answered `5xx`, panicked, or was dropped | claim released: the next retry runs (same operation id) |
+//! | handler answered `5xx` or panicked (`500`) | claim released: the next retry runs (same operation id) |
+//! | client disconnected mid-request | the handler runs to the end on its own task; its answer is stored for the retry |
 //!
 //! Errors are `application/problem+json` whose `type` ends in
 //! `idempotency-key-missing`, `idempotency-key-invalid`,

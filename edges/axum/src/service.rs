@@ -193,6 +193,7 @@ async fn handle<S>(
 where
     S: Service<Request<Body>, Response = Response> + Send + 'static,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
 {
     let policy = &config.policy;
     let (mut parts, body) = request.into_parts();
@@ -286,11 +287,40 @@ where
 
         let handle = Idempotency::new(claim.clone(), policy.clone());
         parts.extensions.insert(handle.clone());
-        let mut guard = ReleaseGuard::new(config.store.clone(), claim);
-        let response = inner
-            .call(Request::from_parts(parts, Body::from(bytes)))
-            .await?;
-        Ok(settle(&config, &handle, &mut guard, response).await)
+        // The handler runs on a task of its own: a client that disconnects
+        // (or times out) does not cancel it half-way, so its answer is
+        // stored and the client's retry gets the replay. If the task itself
+        // is dropped or panics, the guard releases the claim.
+        let config = config.clone();
+        let run = async move {
+            let mut guard = ReleaseGuard::new(config.store.clone(), claim);
+            match inner
+                .call(Request::from_parts(parts, Body::from(bytes)))
+                .await
+            {
+                Ok(response) => Ok(settle(&config, &handle, &mut guard, response).await),
+                Err(e) => {
+                    guard.release_now().await;
+                    Err(e)
+                }
+            }
+        };
+        match tokio::spawn(run.in_current_span()).await {
+            Ok(result) => result,
+            Err(e) => {
+                warn!(
+                    panicked = e.is_panic(),
+                    "the handler did not finish; its claim was released"
+                );
+                Ok(Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "handler-failed",
+                    "The request failed",
+                )
+                .detail("retry with the same Idempotency-Key")
+                .into_response())
+            }
+        }
     }
     .instrument(span)
     .await
@@ -489,5 +519,44 @@ impl Drop for ReleaseGuard {
                 "no tokio runtime to release the claim on; it frees itself when its lease runs out"
             ),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idem_core::{Fingerprint, RecordState};
+    use idem_memory::MemoryStore;
+
+    #[tokio::test]
+    async fn dropping_an_unsettled_guard_releases_the_claim() {
+        let store = Arc::new(MemoryStore::new());
+        let request = ClaimRequest {
+            scope: "s".into(),
+            key: "k".into(),
+            fingerprint: Fingerprint::of_request("POST", "/", None, b""),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(600),
+        };
+        let ClaimOutcome::Acquired(claim) = store.claim(&request).await.unwrap() else {
+            panic!("expected to acquire")
+        };
+        drop(ReleaseGuard::new(store.clone(), claim.clone()));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let ClaimOutcome::Acquired(again) = store.claim(&request).await.unwrap() else {
+            panic!("the released claim is taken over at once")
+        };
+        assert!(again.takeover);
+        assert_eq!(again.operation_id, claim.operation_id);
+
+        // a disarmed guard leaves the claim alone
+        let mut kept = ReleaseGuard::new(store.clone(), again.clone());
+        kept.disarm();
+        drop(kept);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let record = store.get("s", "k").await.unwrap().unwrap();
+        assert!(
+            matches!(record.state, RecordState::InProgress { token, .. } if token == again.token)
+        );
     }
 }
