@@ -60,6 +60,7 @@
 //! attempt outlived its lease, completion touches no row, the handler rolls
 //! back, and its effect does not commit.
 
+pub mod conditional;
 mod extract;
 mod layer;
 pub mod problem;
