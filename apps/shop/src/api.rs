@@ -15,12 +15,16 @@ use serde_json::Value;
 use tracing::{error, warn};
 
 use crate::bank::{self, BankError, ChargeRequest};
-use crate::db::{is_duplicate_payment, on_backend, Database, Payment, INSERT_PAYMENT};
+use crate::db::{
+    is_duplicate_payment, on_backend, BeginWrite, Database, Payment, PaymentRow, INSERT_PAYMENT,
+    PAYMENT_COLUMNS,
+};
+use idem_sql::{transition, Transition};
 
 /// Shared state of the handlers.
 #[derive(Debug, Clone)]
 pub(crate) struct AppState {
-    db: Database,
+    pub(crate) db: Database,
 }
 
 impl AppState {
@@ -31,20 +35,46 @@ impl AppState {
 
 /// The routes. Only `POST /payments` is guarded by the idempotency layer.
 pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> Router {
-    let idempotency = IdempotencyLayer::new(store, policy, bearer_client_id);
+    // Payments need a key; orders are deduplicated by their natural key
+    // anyway, so a key there is optional (but honoured when sent).
+    let key_required = IdempotencyLayer::new(store.clone(), policy.clone(), bearer_client_id);
+    let key_optional = match policy.to_builder().require_key(false).build() {
+        Ok(p) => IdempotencyLayer::new(store, p, bearer_client_id),
+        // unreachable: the settings came from a valid policy
+        Err(_) => key_required.clone(),
+    };
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/payments", post(create_payment).route_layer(idempotency))
+        .route("/payments", post(create_payment).route_layer(key_required))
         .route("/payments/{id}", get(get_payment))
+        .route("/payments/{id}/capture", post(capture_payment))
+        .route(
+            "/payments/{id}/events",
+            get(crate::webhooks::payment_events),
+        )
         .route("/accounts/{account_id}", get(get_account))
+        .route(
+            "/orders",
+            post(crate::orders::create_order).route_layer(key_optional),
+        )
+        .route("/orders/{id}", get(crate::orders::get_order))
+        .route(
+            "/products/{sku}",
+            get(crate::catalog::get_product).put(crate::catalog::put_product),
+        )
+        .route("/webhooks/bank", post(crate::webhooks::bank_event))
         .with_state(state)
 }
 
 /// Demo authentication: `Authorization: Bearer <client-id>`. The client id
 /// is the idempotency scope, so clients never see each other's keys.
 fn bearer_client_id(parts: &axum::http::request::Parts) -> Result<String, Response> {
-    let token = parts
-        .headers
+    bearer_client_id_of(&parts.headers)
+}
+
+/// The client id in `Authorization: Bearer <client-id>`, or a `401`.
+pub(crate) fn bearer_client_id_of(headers: &HeaderMap) -> Result<String, Response> {
+    let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
@@ -92,7 +122,7 @@ struct NewPayment {
     currency: String,
 }
 
-fn validation(detail: impl Into<String>) -> Response {
+pub(crate) fn validation(detail: impl Into<String>) -> Response {
     Problem::new(
         StatusCode::BAD_REQUEST,
         "validation",
@@ -213,9 +243,6 @@ async fn create_payment(
     if simulate.crash_before_bank {
         crash("before the bank call");
     }
-    if let Some(d) = simulate.bank_delay {
-        tokio::time::sleep(d).await;
-    }
     if simulate.bank_error {
         return bank_failed(&BankError::Simulated);
     }
@@ -229,6 +256,10 @@ async fn create_payment(
         Ok(id) => id,
         Err(e) => return bank_failed(&e),
     };
+    // The bank charged; its answer is slow to come back.
+    if let Some(d) = simulate.bank_delay {
+        tokio::time::sleep(d).await;
+    }
     if simulate.crash_after_bank {
         crash("after the bank call");
     }
@@ -264,7 +295,7 @@ async fn record_payment(
     let operation_id = idem.operation_id().to_string();
     let now = UnixMillis::now().0;
     on_backend!(&state.db, store => {
-        let mut tx = store.pool().begin().await.map_err(db_error)?;
+        let mut tx = store.pool().begin_write().await.map_err(db_error)?;
         let inserted = sqlx::query(INSERT_PAYMENT)
             .bind(&payment.id)
             .bind(client_id)
@@ -331,7 +362,7 @@ fn bank_failed(e: &BankError) -> Response {
     }
 }
 
-fn database_unavailable(e: &sqlx::Error) -> Response {
+pub(crate) fn database_unavailable(e: &sqlx::Error) -> Response {
     error!(error = %e, "database query failed");
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -348,6 +379,47 @@ async fn get_payment(State(state): State<AppState>, Path(id): Path<String>) -> R
         Ok(None) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such payment")
             .detail(format!("no payment {id:?}"))
             .into_response(),
+        Err(e) => database_unavailable(&e),
+    }
+}
+
+/// `POST /payments/{id}/capture`: authorized → captured, once. A repeat
+/// answers `200` with the captured payment; another state is `409`.
+async fn capture_payment(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+    let update = format!(
+        "UPDATE shop_payments SET status = 'captured' WHERE id = $1 AND status = 'authorized' RETURNING {PAYMENT_COLUMNS}"
+    );
+    let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1");
+    let moved: Result<Transition<PaymentRow>, sqlx::Error> = on_backend!(&state.db, store => async {
+        let mut conn = store.pool().acquire().await?;
+        transition(
+            &mut *conn,
+            "captured",
+            |p: &PaymentRow| p.4.clone(),
+            || sqlx::query_as(&update).bind(&id),
+            || sqlx::query_as(&fetch).bind(&id),
+        )
+        .await
+    }
+    .await);
+    match moved {
+        Ok(Transition::Applied(p) | Transition::AlreadyDone(p)) => {
+            Json(Payment::from(p)).into_response()
+        }
+        Ok(Transition::NotFound) => {
+            Problem::new(StatusCode::NOT_FOUND, "not-found", "No such payment")
+                .detail(format!("no payment {id:?}"))
+                .into_response()
+        }
+        Ok(Transition::Conflict { current, .. }) => Problem::new(
+            StatusCode::CONFLICT,
+            "payment-state-conflict",
+            "The payment cannot be captured in its current state",
+        )
+        .detail(format!(
+            "payment {id} is {current}; only an authorized payment can be captured"
+        ))
+        .into_response(),
         Err(e) => database_unavailable(&e),
     }
 }

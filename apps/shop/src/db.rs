@@ -39,6 +39,35 @@ CREATE TABLE IF NOT EXISTS bank_charges (
     created_at   BIGINT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS bank_charges_account ON bank_charges (account_id);
+
+-- Orders are created once per natural key, with or without an Idempotency-Key.
+CREATE TABLE IF NOT EXISTS shop_orders (
+    id               TEXT   PRIMARY KEY,
+    client_id        TEXT   NOT NULL,
+    customer_id      TEXT   NOT NULL,
+    client_reference TEXT   NOT NULL,
+    items            TEXT   NOT NULL,
+    status           TEXT   NOT NULL,
+    created_at       BIGINT NOT NULL,
+    CONSTRAINT shop_orders_natural_key UNIQUE (customer_id, client_reference)
+);
+
+-- Products are written with optimistic concurrency (ETag / If-Match).
+CREATE TABLE IF NOT EXISTS shop_products (
+    sku     TEXT   PRIMARY KEY,
+    name    TEXT   NOT NULL,
+    price   BIGINT NOT NULL,
+    version BIGINT NOT NULL
+);
+
+-- The bank's webhook events, processed once per event id.
+CREATE TABLE IF NOT EXISTS shop_bank_events (
+    event_id    TEXT   PRIMARY KEY,
+    type        TEXT   NOT NULL,
+    payment_id  TEXT   NOT NULL,
+    received_at BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS shop_bank_events_payment ON shop_bank_events (payment_id);
 ";
 
 /// The name of the constraint that keeps one payment per operation.
@@ -63,6 +92,41 @@ macro_rules! on_backend {
 }
 pub(crate) use on_backend;
 
+/// Starting a transaction that will write.
+///
+/// On SQLite it is `BEGIN IMMEDIATE`: a deferred transaction that reads
+/// before it writes fails at once with `SQLITE_BUSY` when another writer got
+/// in between, instead of waiting for the busy timeout.
+pub(crate) trait BeginWrite {
+    type Db: sqlx::Database;
+
+    fn begin_write(
+        &self,
+    ) -> idem_core::BoxFuture<'_, Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error>>;
+}
+
+impl BeginWrite for sqlx::SqlitePool {
+    type Db = sqlx::Sqlite;
+
+    fn begin_write(
+        &self,
+    ) -> idem_core::BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error>>
+    {
+        Box::pin(self.begin_with("BEGIN IMMEDIATE"))
+    }
+}
+
+impl BeginWrite for sqlx::PgPool {
+    type Db = sqlx::Postgres;
+
+    fn begin_write(
+        &self,
+    ) -> idem_core::BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error>>
+    {
+        Box::pin(self.begin())
+    }
+}
+
 /// Opening the database failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum OpenError {
@@ -85,6 +149,25 @@ pub(crate) struct Payment {
     pub(crate) bank_charge_id: String,
 }
 
+/// The columns a [`Payment`] is read from, in [`PaymentRow`] order.
+pub(crate) const PAYMENT_COLUMNS: &str = "id, account_id, amount, currency, status, bank_charge_id";
+
+/// A payment row: id, account, amount, currency, status, bank charge.
+pub(crate) type PaymentRow = (String, String, i64, String, String, String);
+
+impl From<PaymentRow> for Payment {
+    fn from((id, account_id, amount, currency, status, bank_charge_id): PaymentRow) -> Self {
+        Payment {
+            id,
+            account_id,
+            amount,
+            currency,
+            status,
+            bank_charge_id,
+        }
+    }
+}
+
 /// What an account has been charged.
 #[derive(Debug, Serialize)]
 pub(crate) struct Account {
@@ -93,8 +176,6 @@ pub(crate) struct Account {
     pub(crate) charged_total: i64,
     pub(crate) bank_charges: i64,
 }
-
-type PaymentRow = (String, String, i64, String, String, String);
 
 impl Database {
     pub(crate) async fn open(url: &str) -> Result<Self, OpenError> {
@@ -126,20 +207,19 @@ impl Database {
     }
 
     pub(crate) async fn payment(&self, id: &str) -> Result<Option<Payment>, sqlx::Error> {
-        const SQL: &str = "SELECT id, account_id, amount, currency, status, bank_charge_id
-                           FROM shop_payments WHERE id = $1";
-        let row: Option<PaymentRow> = on_backend!(self, store =>
-            sqlx::query_as(SQL).bind(id).fetch_optional(store.pool()).await?);
-        Ok(row.map(
-            |(id, account_id, amount, currency, status, bank_charge_id)| Payment {
-                id,
-                account_id,
-                amount,
-                currency,
-                status,
-                bank_charge_id,
-            },
-        ))
+        let sql = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1");
+        let row: Option<PaymentRow> = on_backend!(self, store => sqlx::query_as(&sql).bind(id).fetch_optional(store.pool()).await?);
+        Ok(row.map(Payment::from))
+    }
+
+    /// The bank events processed for a payment, oldest first: (event id, type).
+    pub(crate) async fn bank_events(
+        &self,
+        payment_id: &str,
+    ) -> Result<Vec<(String, String)>, sqlx::Error> {
+        const SQL: &str = "SELECT event_id, type FROM shop_bank_events WHERE payment_id = $1
+                           ORDER BY received_at, event_id";
+        on_backend!(self, store => sqlx::query_as(SQL).bind(payment_id).fetch_all(store.pool()).await)
     }
 
     pub(crate) async fn account(&self, account_id: &str) -> Result<Account, sqlx::Error> {

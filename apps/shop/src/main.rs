@@ -6,8 +6,11 @@
 
 mod api;
 mod bank;
+mod catalog;
 mod config;
 mod db;
+mod orders;
+mod webhooks;
 
 use std::process::ExitCode;
 use std::sync::Arc;

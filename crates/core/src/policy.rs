@@ -74,6 +74,20 @@ impl Policy {
         }
     }
 
+    /// A builder starting from this policy's settings.
+    ///
+    /// ```
+    /// let strict = idem_core::Policy::default();
+    /// let lenient = strict.to_builder().require_key(false).build().unwrap();
+    /// assert_eq!(lenient.lease(), strict.lease());
+    /// assert!(!lenient.require_key());
+    /// ```
+    pub fn to_builder(&self) -> PolicyBuilder {
+        PolicyBuilder {
+            policy: self.clone(),
+        }
+    }
+
     /// How long a record counts after its first claim (default 24 h). After
     /// it, the key is new again.
     pub fn retention(&self) -> Duration {
