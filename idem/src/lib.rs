@@ -66,7 +66,9 @@
 //! | [`memory`] | `idem-memory` | an in-memory store for tests |
 //! | [`sqlite`] | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
 //! | [`postgres`] | `idem-postgres` | the PostgreSQL store (feature `postgres`) |
-//! | [`axum`] | `idem-axum` | the tower layer and axum extractor (feature `axum`) |
+//! | [`axum`] | `idem-axum` | the tower layer, axum extractor, `ETag` / `If-Match` (feature `axum`) |
+//! | [`sql`] | `idem-sql` | `create_once`, guarded `transition` (feature `sql`) |
+//! | [`client`] | `idem-client` | the reqwest retry middleware (feature `client`) |
 
 pub use idem_core::*;
 
@@ -85,6 +87,18 @@ pub mod sqlite {
 #[cfg(feature = "postgres")]
 pub mod postgres {
     pub use idem_postgres::*;
+}
+
+/// Idempotent by construction: natural keys and guarded transitions.
+#[cfg(feature = "sql")]
+pub mod sql {
+    pub use idem_sql::*;
+}
+
+/// The client middleware: one key per intent, safe retries.
+#[cfg(feature = "client")]
+pub mod client {
+    pub use idem_client::*;
 }
 
 /// The tower layer and axum extractor.
