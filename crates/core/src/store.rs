@@ -111,6 +111,15 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// Deletes at most `batch` records past their retention, returning how
     /// many went. Call it until it returns less than `batch` to sweep all.
     fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>>;
+
+    /// Told by the edge that `claim` was settled outside this store's own
+    /// methods (completed inside the handler's transaction, or found lost),
+    /// so that caches in front of the source of truth drop what they hold
+    /// about it. The default does nothing.
+    fn settled<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, ()> {
+        let _ = claim;
+        Box::pin(async {})
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -139,6 +148,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
         (**self).sweep(batch)
+    }
+    fn settled<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, ()> {
+        (**self).settled(claim)
     }
 }
 

@@ -422,11 +422,13 @@ async fn settle(
         Completion::InTransaction => {
             debug!(status, "completed in the handler's transaction");
             guard.disarm();
+            config.store.settled(&guard.claim).await;
             return response;
         }
         Completion::Lost => {
             warn!("the handler's claim was taken over; nothing stored");
             guard.disarm();
+            config.store.settled(&guard.claim).await;
             return response;
         }
         Completion::ByLayer => {}

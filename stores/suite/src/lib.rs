@@ -34,6 +34,26 @@ pub const SHORT: Duration = Duration::from_millis(300);
 /// `(store, guard)`; the guard lives until the case ends).
 #[macro_export]
 macro_rules! store_suite {
+    // Stores whose records expire by themselves (Redis): the sweep has
+    // nothing to do, and expired records must vanish on their own.
+    ($make:expr, native_expiry) => {
+        $crate::store_suite!(@cases $make;
+            fresh_claim_then_existing,
+            racing_claims_only_one_wins,
+            complete_then_replay,
+            different_fingerprint_is_left_alone,
+            takeover_after_lease_expiry,
+            racing_takeovers_only_one_wins,
+            stale_token_cannot_complete_or_release,
+            release_lets_next_claim_take_over,
+            expired_lease_with_other_fingerprint_is_not_taken_over,
+            retention_makes_key_new_again,
+            expired_records_vanish_by_themselves,
+            scopes_are_isolated,
+            responses_round_trip,
+            get_missing_is_none
+        );
+    };
     ($make:expr) => {
         $crate::store_suite!(@cases $make;
             fresh_claim_then_existing,
@@ -400,6 +420,45 @@ pub async fn sweep_removes_only_expired_in_batches<S: Store>(store: S) {
             .unwrap()
             .is_some());
     }
+    assert!(store.get("scope-s", "held").await.unwrap().is_some());
+    store.complete(&held_claim, &response("{}")).await.unwrap();
+}
+
+/// For stores that expire records natively: expired records are gone
+/// without a sweep, live ones (and one past retention under a live lease)
+/// stay, and the sweep never removes anything live.
+pub async fn expired_records_vanish_by_themselves<S: Store>(store: S) {
+    let short = Duration::from_millis(400);
+    for i in 0..3 {
+        let r = request(
+            "scope-s",
+            &format!("old-{i}"),
+            "{}",
+            Duration::from_millis(100),
+            short,
+        );
+        let c = acquired(store.claim(&r).await.unwrap());
+        store.complete(&c, &response("{}")).await.unwrap();
+    }
+    let held = request(
+        "scope-s",
+        "held",
+        "{}",
+        Duration::from_secs(5),
+        Duration::from_millis(450),
+    );
+    let held_claim = acquired(store.claim(&held).await.unwrap());
+    let live = request("scope-s", "live", "{}", LONG, Duration::from_secs(3600));
+    acquired(store.claim(&live).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    sweep_all(&store, 3).await.unwrap();
+    for i in 0..3 {
+        assert_eq!(
+            store.get("scope-s", &format!("old-{i}")).await.unwrap(),
+            None
+        );
+    }
+    assert!(store.get("scope-s", "live").await.unwrap().is_some());
     assert!(store.get("scope-s", "held").await.unwrap().is_some());
     store.complete(&held_claim, &response("{}")).await.unwrap();
 }

@@ -1,0 +1,498 @@
+//! Redis for idem, two ways:
+//!
+//! - [`RedisStore`]: a store of its own, for services without a SQL database.
+//!   Claim, complete and release are each **one round trip** (a Lua script,
+//!   loaded once and called by SHA), fenced by token; leases and retention
+//!   are Redis's clock and expirations.
+//! - [`TieredStore`]: Redis **in front of** a SQL store. Completed records
+//!   are cached for replay and in-flight collisions are answered from Redis;
+//!   the SQL store stays the source of truth and the only place a claim is
+//!   decided. A miss, an eviction, a `FLUSHALL` or a Redis outage falls
+//!   through to SQL: slower, never a duplicate effect, never an error.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use idem_redis::{RedisConfig, RedisStore, TieredStore};
+//!
+//! # async fn f() -> Result<(), idem_core::StoreError> {
+//! // Redis alone
+//! let redis = RedisStore::connect(RedisConfig::new("redis://127.0.0.1:6379").prefix("billing")).await?;
+//! // Redis in front of SQLite (or PostgreSQL)
+//! let sql = idem_sqlite::SqliteStore::connect("sqlite:app.db").await?;
+//! let tiered = TieredStore::new(sql, redis);
+//! # let _ = tiered; Ok(()) }
+//! ```
+//!
+//! # Keys
+//!
+//! A record lives in one hash, `{prefix}:{<digest>}`, where the digest
+//! (SHA-256 of scope and key, hex) is a hash tag: every key of one record
+//! maps to one slot of a Redis Cluster. The scope and key are kept inside the
+//! hash for operators.
+//!
+//! # What Redis alone does not guarantee
+//!
+//! See the README: the record cannot commit with a SQL business write; a
+//! crash between the effect and the completion lets a retry run again after
+//! the lease; and what a Redis restart forgets depends on its persistence
+//! settings (`appendonly yes`, `appendfsync everysec` or `always`).
+
+mod scripts;
+mod tier;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, OperationId, Record,
+    RecordState, Store, StoreError, StoredResponse, UnixMillis,
+};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Script, Value};
+use sha2::{Digest, Sha256};
+
+pub use tier::TieredStore;
+
+/// How to reach Redis.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    url: String,
+    prefix: String,
+    timeout: Duration,
+}
+
+impl RedisConfig {
+    /// Redis at `url` (`redis://host:port/db`), keys under `idem`, and a
+    /// 500 ms bound on each command and connection attempt.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            prefix: "idem".to_owned(),
+            timeout: Duration::from_millis(500),
+        }
+    }
+
+    /// The prefix of every key (default `idem`).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest wait for one command or connection attempt. In tiered
+    /// mode this bounds what an unreachable Redis adds to a request.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// The Redis store; see the [crate docs](crate).
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+    claim: Script,
+    complete: Script,
+    release: Script,
+    get: Script,
+    cache_put: Script,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Turns a Redis error into a store error: unreachable, timed out, dropped
+/// or refused is [`StoreError::Unavailable`]; the rest [`StoreError::Backend`].
+pub fn store_error(e: redis::RedisError) -> StoreError {
+    if e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+    {
+        StoreError::Unavailable(Box::new(e))
+    } else {
+        StoreError::Backend(Box::new(e))
+    }
+}
+
+impl RedisStore {
+    /// Connects (a connection manager that reconnects by itself).
+    pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
+        let client = redis::Client::open(config.url.as_str())
+            .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let manager = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(config.timeout))
+            .set_connection_timeout(Some(config.timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let conn = ConnectionManager::new_with_config(client, manager)
+            .await
+            .map_err(store_error)?;
+        Ok(Self {
+            conn,
+            prefix: config.prefix,
+            claim: Script::new(scripts::CLAIM),
+            complete: Script::new(scripts::COMPLETE),
+            release: Script::new(scripts::RELEASE),
+            get: Script::new(scripts::GET),
+            cache_put: Script::new(scripts::CACHE_PUT),
+        })
+    }
+
+    /// The Redis key of a record: `{prefix}:{<hex SHA-256 of scope and key>}`.
+    pub fn record_key(&self, scope: &str, key: &str) -> String {
+        let mut h = Sha256::new();
+        h.update((scope.len() as u64).to_be_bytes());
+        h.update(scope.as_bytes());
+        h.update(key.as_bytes());
+        let digest = h.finalize();
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}:{{{hex}}}", self.prefix)
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let token = FencingToken::generate();
+        let proposed = OperationId::generate();
+        let mut conn = self.conn.clone();
+        let reply: Vec<Value> = self
+            .claim
+            .key(self.record_key(&req.scope, &req.key))
+            .arg(&req.scope)
+            .arg(&req.key)
+            .arg(req.fingerprint.as_bytes().as_slice())
+            .arg(proposed.0.to_string())
+            .arg(token.0)
+            .arg(i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX))
+            .arg(i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(store_error)?;
+        let mut items = reply.iter();
+        match items.next().map(bytes_of) {
+            Some(Some(b"won")) => {
+                let op = text(items.next())?;
+                let locked_until = number(items.next())?;
+                let takeover = text(items.next())? == "1";
+                Ok(ClaimOutcome::Acquired(Claim {
+                    scope: req.scope.clone(),
+                    key: req.key.clone(),
+                    token,
+                    operation_id: parse_op(&op)?,
+                    locked_until: UnixMillis(locked_until),
+                    takeover,
+                }))
+            }
+            Some(Some(b"existing")) => {
+                let _now = number(items.next())?;
+                Ok(ClaimOutcome::Existing(decode(items.as_slice())?))
+            }
+            _ => Err(StoreError::Corrupt(
+                "unexpected reply from the claim script".into(),
+            )),
+        }
+    }
+
+    /// Reads a record and Redis's clock, expired records included.
+    pub(crate) async fn fetch(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<(Option<Record>, UnixMillis), StoreError> {
+        let mut conn = self.conn.clone();
+        let reply: Vec<Value> = self
+            .get
+            .key(self.record_key(scope, key))
+            .invoke_async(&mut conn)
+            .await
+            .map_err(store_error)?;
+        let now = UnixMillis(number(reply.first())?);
+        let fields = &reply[1.min(reply.len())..];
+        if fields.is_empty() {
+            return Ok((None, now));
+        }
+        Ok((Some(decode(fields)?), now))
+    }
+
+    /// Caches a completed record until it expires (tiered mode). Never
+    /// overwrites a completed record.
+    pub(crate) async fn cache_completed(&self, record: &Record) -> Result<(), StoreError> {
+        let RecordState::Completed {
+            response,
+            completed_at,
+        } = &record.state
+        else {
+            return Ok(());
+        };
+        let mut conn = self.conn.clone();
+        let mut inv = self
+            .cache_put
+            .key(self.record_key(&record.scope, &record.key));
+        inv.arg("s").arg(&record.scope).arg("k").arg(&record.key);
+        inv.arg("fp").arg(record.fingerprint.as_bytes().as_slice());
+        inv.arg("op").arg(record.operation_id.0.to_string());
+        inv.arg("tok").arg(0);
+        inv.arg("st").arg("c");
+        inv.arg("ca")
+            .arg(record.created_at.0)
+            .arg("ea")
+            .arg(record.expires_at.0);
+        inv.arg("co")
+            .arg(completed_at.0)
+            .arg("sc")
+            .arg(response.status);
+        inv.arg("hd")
+            .arg(response.encode_headers())
+            .arg("bd")
+            .arg(response.body.as_ref());
+        inv.arg(record.expires_at.0);
+        let _: i64 = inv.invoke_async(&mut conn).await.map_err(store_error)?;
+        Ok(())
+    }
+
+    /// Drops what Redis holds for a record (tiered mode).
+    pub(crate) async fn forget(&self, scope: &str, key: &str) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let _: i64 = redis::cmd("DEL")
+            .arg(self.record_key(scope, key))
+            .query_async(&mut conn)
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    /// Writes an in-flight marker for a claim decided elsewhere (tiered
+    /// mode), expiring with its lease.
+    pub(crate) async fn mark_in_flight(
+        &self,
+        claim: &Claim,
+        fingerprint: &Fingerprint,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let key = self.record_key(&claim.scope, &claim.key);
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("DEL")
+            .arg(&key)
+            .ignore()
+            .cmd("HSET")
+            .arg(&key)
+            .arg("s")
+            .arg(&claim.scope)
+            .arg("k")
+            .arg(&claim.key)
+            .arg("fp")
+            .arg(fingerprint.as_bytes().as_slice())
+            .arg("op")
+            .arg(claim.operation_id.0.to_string())
+            .arg("tok")
+            .arg(claim.token.0)
+            .arg("st")
+            .arg("p")
+            .arg("lu")
+            .arg(claim.locked_until.0)
+            .arg("ca")
+            .arg(0)
+            .arg("ea")
+            .arg(claim.locked_until.0)
+            .ignore()
+            .cmd("PEXPIREAT")
+            .arg(&key)
+            .arg(claim.locked_until.0)
+            .ignore();
+        let () = pipe.query_async(&mut conn).await.map_err(store_error)?;
+        Ok(())
+    }
+
+    /// Deletes every key under this store's prefix (tests, operators).
+    pub async fn clear(&self) -> Result<u64, StoreError> {
+        let mut conn = self.conn.clone();
+        let mut cursor: u64 = 0;
+        let mut deleted = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}:*", self.prefix))
+                .arg("COUNT")
+                .arg(500)
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            if !keys.is_empty() {
+                let n: u64 = redis::cmd("DEL")
+                    .arg(&keys)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(store_error)?;
+                deleted += n;
+            }
+            if next == 0 {
+                return Ok(deleted);
+            }
+            cursor = next;
+        }
+    }
+}
+
+fn bytes_of(v: &Value) -> Option<&[u8]> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+fn text(v: Option<&Value>) -> Result<String, StoreError> {
+    v.and_then(bytes_of)
+        .and_then(|b| std::str::from_utf8(b).ok())
+        .map(str::to_owned)
+        .ok_or_else(|| StoreError::Corrupt("expected a string in a script reply".into()))
+}
+
+fn number(v: Option<&Value>) -> Result<i64, StoreError> {
+    match v {
+        Some(Value::Int(n)) => Ok(*n),
+        other => text(other)?
+            .parse()
+            .map_err(|_| StoreError::Corrupt("expected a number in a script reply".into())),
+    }
+}
+
+fn parse_op(s: &str) -> Result<OperationId, StoreError> {
+    uuid::Uuid::parse_str(s)
+        .map(OperationId)
+        .map_err(|e| StoreError::Corrupt(format!("operation id {s:?}: {e}")))
+}
+
+/// Decodes a record from a flat `field, value, …` list (HGETALL).
+fn decode(fields: &[Value]) -> Result<Record, StoreError> {
+    let mut get = std::collections::HashMap::new();
+    for pair in fields.chunks(2) {
+        if let [k, v] = pair {
+            if let (Some(k), Some(v)) = (bytes_of(k), bytes_of(v)) {
+                get.insert(k.to_vec(), v.to_vec());
+            }
+        }
+    }
+    let field = |name: &str| -> Result<&Vec<u8>, StoreError> {
+        get.get(name.as_bytes())
+            .ok_or_else(|| StoreError::Corrupt(format!("record field {name} is missing")))
+    };
+    let text = |name: &str| -> Result<String, StoreError> {
+        String::from_utf8(field(name)?.clone())
+            .map_err(|_| StoreError::Corrupt(format!("field {name} is not UTF-8")))
+    };
+    let num = |name: &str| -> Result<i64, StoreError> {
+        text(name)?
+            .parse()
+            .map_err(|_| StoreError::Corrupt(format!("field {name} is not a number")))
+    };
+    let fingerprint = Fingerprint::from_slice(field("fp")?)
+        .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
+    let state = match text("st")?.as_str() {
+        "p" => RecordState::InProgress {
+            token: FencingToken(num("tok")?),
+            locked_until: UnixMillis(num("lu")?),
+        },
+        "c" => RecordState::Completed {
+            response: StoredResponse {
+                status: u16::try_from(num("sc")?)
+                    .map_err(|_| StoreError::Corrupt("status".into()))?,
+                headers: StoredResponse::decode_headers(field("hd")?)
+                    .map_err(|e| StoreError::Corrupt(e.to_string()))?,
+                body: Bytes::from(field("bd")?.clone()),
+            },
+            completed_at: UnixMillis(num("co")?),
+        },
+        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+    };
+    Ok(Record {
+        scope: text("s")?,
+        key: text("k")?,
+        fingerprint,
+        operation_id: parse_op(&text("op")?)?,
+        created_at: UnixMillis(num("ca")?),
+        expires_at: UnixMillis(num("ea")?),
+        state,
+    })
+}
+
+impl Store for RedisStore {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(self.claim_inner(request))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            let done: i64 = self
+                .complete
+                .key(self.record_key(&claim.scope, &claim.key))
+                .arg(claim.token.0)
+                .arg(response.status)
+                .arg(response.encode_headers())
+                .arg(response.body.as_ref())
+                .invoke_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            if done == 1 {
+                Ok(())
+            } else {
+                Err(StoreError::ClaimLost)
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            let done: i64 = self
+                .release
+                .key(self.record_key(&claim.scope, &claim.key))
+                .arg(claim.token.0)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            if done == 1 {
+                Ok(())
+            } else {
+                Err(StoreError::ClaimLost)
+            }
+        })
+    }
+
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(async move {
+            let (record, now) = self.fetch(scope, key).await?;
+            Ok(record.filter(|r| !r.is_expired(now)))
+        })
+    }
+
+    /// Redis expires records by itself (`PEXPIREAT` at the end of their
+    /// retention, or of a live lease if later): nothing is left to sweep.
+    fn sweep(&self, _batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async { Ok(0) })
+    }
+}

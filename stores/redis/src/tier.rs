@@ -1,0 +1,185 @@
+//! [`TieredStore`]: Redis in front of a SQL store.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use idem_core::{
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Store, StoreError,
+    StoredResponse, TransactionalStore,
+};
+use tracing::{debug, warn};
+
+use crate::RedisStore;
+
+/// How long Redis is bypassed after it failed, before it is tried again.
+const BACKOFF: Duration = Duration::from_secs(1);
+
+/// Redis in front of a SQL store `S`; see the [crate docs](crate).
+///
+/// - Replays of completed records and collisions with in-flight ones are
+///   answered from Redis, without touching `S`, while Redis holds them.
+/// - Every claim that could run a handler is decided by `S` alone. Redis
+///   only ever answers "already done" or "in flight", from records `S`
+///   decided; a miss falls through to `S`.
+/// - A Redis failure is logged and bypassed for a second, then tried again:
+///   requests never fail because of Redis, and the fast path returns by
+///   itself when Redis does.
+#[derive(Debug)]
+pub struct TieredStore<S> {
+    sql: S,
+    redis: RedisStore,
+    bypass_until: Mutex<Option<Instant>>,
+}
+
+impl<S> TieredStore<S> {
+    /// `redis` in front of `sql`.
+    pub fn new(sql: S, redis: RedisStore) -> Self {
+        Self {
+            sql,
+            redis,
+            bypass_until: Mutex::new(None),
+        }
+    }
+
+    /// The source of truth.
+    pub fn inner(&self) -> &S {
+        &self.sql
+    }
+
+    /// The fast tier.
+    pub fn redis(&self) -> &RedisStore {
+        &self.redis
+    }
+
+    fn redis_usable(&self) -> bool {
+        let mut until = self.bypass_until.lock().unwrap_or_else(|e| e.into_inner());
+        match *until {
+            Some(t) if Instant::now() < t => false,
+            Some(_) => {
+                *until = None;
+                true
+            }
+            None => true,
+        }
+    }
+
+    fn redis_failed(&self, what: &str, e: &StoreError) {
+        warn!(error = %e, what, "Redis failed; using the SQL store alone for a second");
+        *self.bypass_until.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Instant::now() + BACKOFF);
+    }
+
+    async fn forget(&self, claim: &Claim) {
+        if self.redis_usable() {
+            if let Err(e) = self.redis.forget(&claim.scope, &claim.key).await {
+                self.redis_failed("forget", &e);
+            }
+        }
+    }
+}
+
+/// Whether Redis's copy of a record can answer on its own.
+fn answers(record: &Record, now: idem_core::UnixMillis) -> bool {
+    match &record.state {
+        RecordState::Completed { .. } => !record.is_expired(now),
+        RecordState::InProgress { locked_until, .. } => *locked_until > now,
+    }
+}
+
+impl<S: Store> TieredStore<S> {
+    async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if self.redis_usable() {
+            match self.redis.fetch(&req.scope, &req.key).await {
+                Ok((Some(record), now)) if answers(&record, now) => {
+                    debug!("answered from Redis");
+                    return Ok(ClaimOutcome::Existing(record));
+                }
+                Ok(_) => {}
+                Err(e) => self.redis_failed("read", &e),
+            }
+        }
+        let outcome = self.sql.claim(req).await?;
+        if self.redis_usable() {
+            let cached = match &outcome {
+                ClaimOutcome::Acquired(claim) => {
+                    self.redis.mark_in_flight(claim, &req.fingerprint).await
+                }
+                ClaimOutcome::Existing(record)
+                    if matches!(record.state, RecordState::Completed { .. }) =>
+                {
+                    self.redis.cache_completed(record).await
+                }
+                ClaimOutcome::Existing(_) => Ok(()),
+            };
+            if let Err(e) = cached {
+                self.redis_failed("write", &e);
+            }
+        }
+        Ok(outcome)
+    }
+}
+
+impl<S: Store> Store for TieredStore<S> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(self.claim_inner(request))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let result = self.sql.complete(claim, response).await;
+            // The next duplicate reads the completed record through SQL once
+            // and caches it.
+            self.forget(claim).await;
+            result
+        })
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let result = self.sql.release(claim).await;
+            self.forget(claim).await;
+            result
+        })
+    }
+
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.sql.get(scope, key)
+    }
+
+    fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.sql.sweep(batch)
+    }
+
+    fn settled<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            self.sql.settled(claim).await;
+            self.forget(claim).await;
+        })
+    }
+}
+
+impl<S, C> TransactionalStore<C> for TieredStore<S>
+where
+    S: TransactionalStore<C>,
+    C: ?Sized,
+{
+    fn complete_in_tx<'a>(
+        &'a self,
+        conn: &'a mut C,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.sql.complete_in_tx(conn, claim, response)
+    }
+}
