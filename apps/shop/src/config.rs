@@ -25,6 +25,18 @@ pub(crate) struct Config {
     #[arg(long, env = "IDEM_TTL_SECS", default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) ttl_secs: u64,
 
+    /// Redis in front of the database, for replays and in-flight collisions (`redis://host:port`).
+    #[arg(long, env = "REDIS_URL")]
+    pub(crate) redis_url: Option<String>,
+
+    /// The prefix of idem's keys in Redis (two services sharing a Redis need different ones).
+    #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
+    pub(crate) redis_prefix: String,
+
+    /// Completed records kept in this process for replays without a round trip (0: off).
+    #[arg(long, env = "IDEM_REPLAY_CACHE", default_value_t = 0)]
+    pub(crate) replay_cache: usize,
+
     /// How long a duplicate of an in-flight request waits for its answer before getting 409, in milliseconds (0: don't wait).
     #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0)]
     pub(crate) wait_ms: u64,

@@ -18,6 +18,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use idem_core::{sweep_all, Store};
+use idem_memory::ReplayCache;
+use idem_redis::{RedisConfig, RedisStore, TieredStore};
 use tracing::{error, info, warn};
 
 use crate::config::Config;
@@ -51,7 +53,21 @@ async fn main() -> ExitCode {
 async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     let policy = config.policy()?;
     let database = db::Database::open(&config.database_url).await?;
-    let store: Arc<dyn Store> = database.idem_store();
+    let mut store: Arc<dyn Store> = database.idem_store();
+    if let Some(url) = &config.redis_url {
+        let redis = RedisStore::connect(RedisConfig::new(url).prefix(&config.redis_prefix))
+            .await
+            .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
+        info!(prefix = %config.redis_prefix, "Redis in front of the database");
+        store = Arc::new(TieredStore::new(store, redis));
+    }
+    if config.replay_cache > 0 {
+        store = Arc::new(ReplayCache::new(
+            store,
+            config.replay_cache,
+            64 * 1024 * 1024,
+        ));
+    }
 
     let sweeper = tokio::spawn(sweep_forever(store.clone(), policy.retention()));
 

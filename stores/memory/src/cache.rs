@@ -1,0 +1,270 @@
+//! [`ReplayCache`]: completed records kept in process, a zero-round-trip
+//! tier for replays in front of any store.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use idem_core::{
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Store, StoreError,
+    StoredResponse, TransactionalStore, UnixMillis,
+};
+
+type Id = (String, String);
+
+#[derive(Debug, Default)]
+struct Entries {
+    records: HashMap<Id, Arc<Record>>,
+    order: VecDeque<Id>,
+    bytes: usize,
+}
+
+/// Completed records cached in this process, in front of store `S`.
+///
+/// A replay of a cached record is answered without any round trip. It is
+/// safe with many instances because a completed record never changes before
+/// it expires; in-flight records are never cached, so every claim that could
+/// run a handler still goes to `S`. Bounded by entries and by bytes (oldest
+/// out first); entries expire with their record.
+///
+/// ```
+/// use idem_memory::{MemoryStore, ReplayCache};
+/// let store = ReplayCache::new(MemoryStore::new(), 10_000, 64 * 1024 * 1024);
+/// ```
+#[derive(Debug)]
+pub struct ReplayCache<S> {
+    inner: S,
+    entries: Mutex<Entries>,
+    max_entries: usize,
+    max_bytes: usize,
+}
+
+fn size(record: &Record) -> usize {
+    let body = match &record.state {
+        RecordState::Completed { response, .. } => {
+            response.body.len()
+                + response
+                    .headers
+                    .iter()
+                    .map(|(n, v)| n.len() + v.len())
+                    .sum::<usize>()
+        }
+        RecordState::InProgress { .. } => 0,
+    };
+    body + record.scope.len() + record.key.len() + 128
+}
+
+impl<S> ReplayCache<S> {
+    /// Caches at most `max_entries` records and `max_bytes` of responses.
+    pub fn new(inner: S, max_entries: usize, max_bytes: usize) -> Self {
+        Self {
+            inner,
+            entries: Mutex::default(),
+            max_entries,
+            max_bytes,
+        }
+    }
+
+    /// The store behind the cache.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// How many records are cached.
+    pub fn len(&self) -> usize {
+        self.lock().records.len()
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lookup(&self, scope: &str, key: &str, now: UnixMillis) -> Option<Record> {
+        let mut e = self.lock();
+        let id = (scope.to_owned(), key.to_owned());
+        let record = e.records.get(&id)?.clone();
+        if record.is_expired(now) {
+            e.records.remove(&id);
+            e.bytes = e.bytes.saturating_sub(size(&record));
+            return None;
+        }
+        Some((*record).clone())
+    }
+
+    fn insert(&self, record: &Record) {
+        let n = size(record);
+        if n > self.max_bytes || self.max_entries == 0 {
+            return;
+        }
+        let mut e = self.lock();
+        let id = (record.scope.clone(), record.key.clone());
+        if e.records.contains_key(&id) {
+            return;
+        }
+        while e.records.len() >= self.max_entries || e.bytes + n > self.max_bytes {
+            let Some(old) = e.order.pop_front() else {
+                break;
+            };
+            if let Some(r) = e.records.remove(&old) {
+                e.bytes = e.bytes.saturating_sub(size(&r));
+            }
+        }
+        e.records.insert(id.clone(), Arc::new(record.clone()));
+        e.order.push_back(id);
+        e.bytes += n;
+    }
+}
+
+impl<S: Store> Store for ReplayCache<S> {
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(async move {
+            if let Some(record) = self.lookup(&request.scope, &request.key, UnixMillis::now()) {
+                return Ok(ClaimOutcome::Existing(record));
+            }
+            let outcome = self.inner.claim(request).await?;
+            if let ClaimOutcome::Existing(record) = &outcome {
+                if matches!(record.state, RecordState::Completed { .. }) {
+                    self.insert(record);
+                }
+            }
+            Ok(outcome)
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.complete(claim, response)
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.release(claim)
+    }
+
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        self.inner.get(scope, key)
+    }
+
+    fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.sweep(batch)
+    }
+
+    fn settled<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, ()> {
+        self.inner.settled(claim)
+    }
+}
+
+impl<S, C> TransactionalStore<C> for ReplayCache<S>
+where
+    S: TransactionalStore<C>,
+    C: ?Sized,
+{
+    fn complete_in_tx<'a>(
+        &'a self,
+        conn: &'a mut C,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.complete_in_tx(conn, claim, response)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::MemoryStore;
+
+    mod suite {
+        idem_store_suite::store_suite!(|| async {
+            (
+                super::ReplayCache::new(crate::MemoryStore::new(), 100, 1 << 20),
+                (),
+            )
+        });
+    }
+
+    fn req(key: &str) -> ClaimRequest {
+        idem_store_suite::request(
+            "s",
+            key,
+            "{}",
+            Duration::from_secs(60),
+            Duration::from_millis(400),
+        )
+    }
+
+    #[tokio::test]
+    async fn replays_come_from_the_cache_and_expire_with_the_record() {
+        let cache = ReplayCache::new(MemoryStore::new(), 2, 1 << 20);
+        let ClaimOutcome::Acquired(c) = cache.claim(&req("a")).await.unwrap() else {
+            panic!()
+        };
+        assert!(cache.is_empty(), "in-flight records are never cached");
+        let ok = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: "x".into(),
+        };
+        cache.complete(&c, &ok).await.unwrap();
+        assert!(matches!(
+            cache.claim(&req("a")).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        assert_eq!(cache.len(), 1);
+        // served from the cache even if the store forgot it
+        cache.inner().sweep(10).await.unwrap();
+        assert!(matches!(
+            cache.claim(&req("a")).await.unwrap(),
+            ClaimOutcome::Existing(_)
+        ));
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        // expired: the key is new again
+        assert!(matches!(
+            cache.claim(&req("a")).await.unwrap(),
+            ClaimOutcome::Acquired(_)
+        ));
+    }
+
+    #[tokio::test]
+    async fn bounded_by_entries() {
+        let cache = ReplayCache::new(MemoryStore::new(), 2, 1 << 20);
+        let ok = StoredResponse {
+            status: 200,
+            headers: vec![],
+            body: "x".into(),
+        };
+        for k in ["a", "b", "c"] {
+            let ClaimOutcome::Acquired(c) = cache.claim(&req(k)).await.unwrap() else {
+                panic!()
+            };
+            cache.complete(&c, &ok).await.unwrap();
+            cache.claim(&req(k)).await.unwrap();
+        }
+        assert_eq!(cache.len(), 2);
+        let tiny = ReplayCache::new(MemoryStore::new(), 10, 10);
+        let ClaimOutcome::Acquired(c) = tiny.claim(&req("big")).await.unwrap() else {
+            panic!()
+        };
+        tiny.complete(&c, &ok).await.unwrap();
+        tiny.claim(&req("big")).await.unwrap();
+        assert!(
+            tiny.is_empty(),
+            "a record over the byte bound is not cached"
+        );
+    }
+}
