@@ -67,6 +67,7 @@
 //! | [`sqlite`] | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
 //! | [`postgres`] | `idem-postgres` | the PostgreSQL store (feature `postgres`) |
 //! | [`axum`] | `idem-axum` | the tower layer, axum extractor, `ETag` / `If-Match` (feature `axum`) |
+//! | [`redis`] | `idem-redis` | the Redis store and `TieredStore` (feature `redis`) |
 //! | [`sql`] | `idem-sql` | `create_once`, guarded `transition` (feature `sql`) |
 //! | [`client`] | `idem-client` | the reqwest retry middleware (feature `client`) |
 
@@ -87,6 +88,12 @@ pub mod sqlite {
 #[cfg(feature = "postgres")]
 pub mod postgres {
     pub use idem_postgres::*;
+}
+
+/// Redis: a store of its own, and the tier in front of SQL.
+#[cfg(feature = "redis")]
+pub mod redis {
+    pub use idem_redis::*;
 }
 
 /// Idempotent by construction: natural keys and guarded transitions.
