@@ -1,0 +1,201 @@
+//! The inbox: an idempotent consumer.
+//!
+//! Each processed message leaves a row keyed by `(consumer, message_id)`,
+//! inserted **first, in the same transaction** as the handler's writes. A
+//! redelivered message hits that key's unique constraint (recognised by its
+//! name, never by a `SELECT` first): the transaction rolls back, and the
+//! caller acknowledges the message as already done. Two consumers handed the
+//! same message at once race on the same key; PostgreSQL makes the second
+//! wait for the first to commit, SQLite has one writer at a time: one effect.
+
+use std::time::Duration;
+
+use idem_core::BoxFuture;
+
+/// What happened to a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Handled<T> {
+    /// The handler ran and its transaction committed.
+    Processed(T),
+    /// The message was processed before (or is being processed by another
+    /// consumer that committed first): nothing ran; acknowledge it.
+    Duplicate,
+}
+
+/// An inbox failure: the message was not processed; do not acknowledge it
+/// (let the broker redeliver).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InboxError<E> {
+    /// The handler failed; its transaction rolled back.
+    #[error("the handler failed")]
+    Handler(#[source] E),
+    /// The database failed.
+    #[error("the inbox could not be written")]
+    Database(#[source] sqlx::Error),
+}
+
+/// The inbox's table, created by [`migrate_postgres`] / [`migrate_sqlite`].
+pub const INBOX_TABLE: &str = "idem_inbox";
+
+/// The primary key whose violation means "processed before".
+pub const INBOX_KEY: &str = "idem_inbox_pkey";
+
+/// How long processed ids are kept by default: longer than any redelivery
+/// window.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS idem_inbox (
+    consumer     TEXT   NOT NULL,
+    message_id   TEXT   NOT NULL,
+    processed_at BIGINT NOT NULL,
+    CONSTRAINT idem_inbox_pkey PRIMARY KEY (consumer, message_id)
+);
+CREATE INDEX IF NOT EXISTS idem_inbox_processed_at ON idem_inbox (processed_at);
+";
+
+fn now_ms() -> i64 {
+    idem_core::UnixMillis::now().0
+}
+
+/// Creates the inbox table on PostgreSQL (idempotent).
+pub async fn migrate_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem-inbox-migrate'))")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
+    tx.commit().await
+}
+
+/// Creates the inbox table on SQLite (idempotent).
+pub async fn migrate_sqlite(pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(SCHEMA).execute(pool).await.map(drop)
+}
+
+fn is_duplicate_pg(e: &sqlx::Error) -> bool {
+    idem_postgres::DuplicateKey::of(e).is_some_and(|d| d.constraint == INBOX_KEY)
+}
+
+fn is_duplicate_sqlite(e: &sqlx::Error) -> bool {
+    // SQLite names the columns of the violated key, not the constraint.
+    matches!(e, sqlx::Error::Database(d)
+        if d.is_unique_violation() && d.message().contains("idem_inbox.consumer, idem_inbox.message_id"))
+}
+
+const MARK: &str =
+    "INSERT INTO idem_inbox (consumer, message_id, processed_at) VALUES ($1, $2, $3)";
+
+/// Processes `message_id` for `consumer` once, on PostgreSQL: `handler` gets
+/// the open transaction and its writes commit with the inbox row.
+///
+/// ```no_run
+/// use idem_outbox::inbox::{self, Handled};
+/// # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let outcome = inbox::process_postgres(&pool, "reserve-stock", "msg-42", |tx| Box::pin(async move {
+///     sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'tea'").execute(&mut **tx).await?;
+///     Ok::<_, sqlx::Error>(())
+/// })).await?;
+/// match outcome {
+///     Handled::Processed(()) => { /* ack */ }
+///     Handled::Duplicate => { /* ack too: it was done before */ }
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn process_postgres<T, E, F>(
+    pool: &sqlx::PgPool,
+    consumer: &str,
+    message_id: &str,
+    handler: F,
+) -> Result<Handled<T>, InboxError<E>>
+where
+    F: for<'c> FnOnce(
+        &'c mut sqlx::Transaction<'static, sqlx::Postgres>,
+    ) -> BoxFuture<'c, Result<T, E>>,
+{
+    let mut tx = pool.begin().await.map_err(InboxError::Database)?;
+    let marked = sqlx::query(MARK)
+        .bind(consumer)
+        .bind(message_id)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await;
+    match marked {
+        Ok(_) => {}
+        Err(e) if is_duplicate_pg(&e) => return Ok(Handled::Duplicate),
+        Err(e) => return Err(InboxError::Database(e)),
+    }
+    let value = handler(&mut tx).await.map_err(InboxError::Handler)?;
+    match tx.commit().await {
+        Ok(()) => Ok(Handled::Processed(value)),
+        Err(e) if is_duplicate_pg(&e) => Ok(Handled::Duplicate),
+        Err(e) => Err(InboxError::Database(e)),
+    }
+}
+
+/// Processes `message_id` for `consumer` once, on SQLite (in an immediate
+/// transaction); see [`process_postgres`].
+pub async fn process_sqlite<T, E, F>(
+    pool: &sqlx::SqlitePool,
+    consumer: &str,
+    message_id: &str,
+    handler: F,
+) -> Result<Handled<T>, InboxError<E>>
+where
+    F: for<'c> FnOnce(
+        &'c mut sqlx::Transaction<'static, sqlx::Sqlite>,
+    ) -> BoxFuture<'c, Result<T, E>>,
+{
+    let mut tx = pool
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .map_err(InboxError::Database)?;
+    let marked = sqlx::query(MARK)
+        .bind(consumer)
+        .bind(message_id)
+        .bind(now_ms())
+        .execute(&mut *tx)
+        .await;
+    match marked {
+        Ok(_) => {}
+        Err(e) if is_duplicate_sqlite(&e) => return Ok(Handled::Duplicate),
+        Err(e) => return Err(InboxError::Database(e)),
+    }
+    let value = handler(&mut tx).await.map_err(InboxError::Handler)?;
+    tx.commit().await.map_err(InboxError::Database)?;
+    Ok(Handled::Processed(value))
+}
+
+const SWEEP: &str = "DELETE FROM idem_inbox WHERE (consumer, message_id) IN (
+    SELECT consumer, message_id FROM idem_inbox WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)";
+
+/// Deletes at most `batch` processed ids older than `retention` (PostgreSQL).
+pub async fn sweep_postgres(
+    pool: &sqlx::PgPool,
+    retention: Duration,
+    batch: i64,
+) -> Result<u64, sqlx::Error> {
+    let cutoff = now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+    Ok(sqlx::query(SWEEP)
+        .bind(cutoff)
+        .bind(batch)
+        .execute(pool)
+        .await?
+        .rows_affected())
+}
+
+/// Deletes at most `batch` processed ids older than `retention` (SQLite).
+pub async fn sweep_sqlite(
+    pool: &sqlx::SqlitePool,
+    retention: Duration,
+    batch: i64,
+) -> Result<u64, sqlx::Error> {
+    let cutoff = now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+    Ok(sqlx::query(SWEEP)
+        .bind(cutoff)
+        .bind(batch)
+        .execute(pool)
+        .await?
+        .rows_affected())
+}

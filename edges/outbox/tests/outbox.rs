@@ -1,0 +1,415 @@
+//! The inbox and the outbox against real PostgreSQL (and SQLite for the
+//! inbox), each test in its own schema.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::BoxFuture;
+use idem_outbox::inbox::{self, Handled};
+use idem_outbox::outbox::{self, OutgoingMessage, PublishError, Publisher, Relay, RelayConfig};
+use idem_store_suite::postgres::TestSchema;
+
+async fn pg() -> (sqlx::PgPool, TestSchema) {
+    let schema = TestSchema::create("idem_outbox").await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(20)
+        .connect(&schema.url())
+        .await
+        .unwrap();
+    inbox::migrate_postgres(&pool).await.unwrap();
+    outbox::migrate(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    (pool, schema)
+}
+
+async fn effects(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn consume(pool: &sqlx::PgPool, consumer: &str, message_id: &str) -> Handled<()> {
+    let id = message_id.to_owned();
+    inbox::process_postgres(pool, consumer, message_id, move |tx| {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+                .bind(id)
+                .execute(&mut **tx)
+                .await?;
+            Ok::<_, sqlx::Error>(())
+        })
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redelivered_message_acts_once() {
+    let (pool, _s) = pg().await;
+    assert_eq!(consume(&pool, "c", "m1").await, Handled::Processed(()));
+    assert_eq!(consume(&pool, "c", "m1").await, Handled::Duplicate);
+    // another consumer of the same message is another effect
+    assert_eq!(consume(&pool, "other", "m1").await, Handled::Processed(()));
+    assert_eq!(effects(&pool).await, 2);
+    // a failing handler rolls back, and the redelivery processes it
+    let failed = inbox::process_postgres(&pool, "c", "m2", |tx| {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (message_id) VALUES ('m2')")
+                .execute(&mut **tx)
+                .await
+                .unwrap();
+            Err::<(), _>("boom")
+        })
+    })
+    .await;
+    assert!(matches!(
+        failed,
+        Err(idem_outbox::InboxError::Handler("boom"))
+    ));
+    assert_eq!(effects(&pool).await, 2);
+    assert_eq!(consume(&pool, "c", "m2").await, Handled::Processed(()));
+    assert_eq!(effects(&pool).await, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_consumers_act_once() {
+    let (pool, _s) = pg().await;
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let pool = pool.clone();
+        tasks.push(tokio::spawn(
+            async move { consume(&pool, "c", "same").await },
+        ));
+    }
+    let mut processed = 0;
+    for t in tasks {
+        processed += usize::from(t.await.unwrap() == Handled::Processed(()));
+    }
+    assert_eq!(processed, 1);
+    assert_eq!(effects(&pool).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_consumers_act_once_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.path().join("inbox.db"))
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(10));
+    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    inbox::migrate_sqlite(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (message_id TEXT)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let pool = pool.clone();
+        tasks.push(tokio::spawn(async move {
+            inbox::process_sqlite(&pool, "c", "same", |tx| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO effects VALUES ('same')")
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok::<_, sqlx::Error>(())
+                })
+            })
+            .await
+            .unwrap()
+        }));
+    }
+    let mut processed = 0;
+    for t in tasks {
+        processed += usize::from(t.await.unwrap() == Handled::Processed(()));
+    }
+    assert_eq!(processed, 1);
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    assert_eq!(
+        inbox::sweep_sqlite(&pool, Duration::ZERO, 100)
+            .await
+            .unwrap(),
+        1
+    );
+}
+
+/// Records what it published; fails for destinations named `poison`.
+#[derive(Default)]
+struct Recording {
+    published: Mutex<Vec<String>>,
+    calls: AtomicUsize,
+}
+
+impl Publisher for Recording {
+    fn publish<'a>(
+        &'a self,
+        batch: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let mut published = self.published.lock().unwrap();
+        let results = batch
+            .iter()
+            .map(|m| {
+                if m.destination == "poison" {
+                    Err(PublishError("the broker refused it".into()))
+                } else {
+                    published.push(m.message_id.clone());
+                    Ok(())
+                }
+            })
+            .collect();
+        Box::pin(async move { results })
+    }
+}
+
+fn message(id: &str, destination: &str, key: Option<&str>) -> OutgoingMessage {
+    OutgoingMessage {
+        message_id: id.to_owned(),
+        destination: destination.to_owned(),
+        ordering_key: key.map(str::to_owned),
+        payload: Bytes::from(format!("{{\"id\":\"{id}\"}}")),
+        headers: vec![("type".into(), "Test".into())],
+    }
+}
+
+async fn enqueue_many(pool: &sqlx::PgPool, n: usize, prefix: &str) {
+    for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+        let mut tx = pool.begin().await.unwrap();
+        for i in chunk {
+            outbox::enqueue(&mut tx, &message(&format!("{prefix}-{i}"), "orders", None))
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_relays_publish_ten_thousand_messages_none_lost() {
+    let (pool, _s) = pg().await;
+    enqueue_many(&pool, 10_000, "m").await;
+    let publisher = Arc::new(Recording::default());
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let config = RelayConfig {
+        poll: Duration::from_millis(50),
+        ..RelayConfig::default()
+    };
+    let a =
+        tokio::spawn(Relay::new(pool.clone(), publisher.clone(), config.clone()).run(stop.clone()));
+    let b = tokio::spawn(Relay::new(pool.clone(), publisher.clone(), config).run(stop));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = outbox::stats(&pool).await.unwrap();
+        if s.sent == 10_000 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not all sent: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_tx.send(true).unwrap();
+    a.await.unwrap().unwrap();
+    b.await.unwrap().unwrap();
+    let published = publisher.published.lock().unwrap().clone();
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    for id in &published {
+        *counts.entry(id).or_default() += 1;
+    }
+    assert_eq!(counts.len(), 10_000, "every message published");
+    let duplicates = published.len() - counts.len();
+    assert_eq!(
+        duplicates, 0,
+        "SKIP LOCKED: no row published twice in the normal case"
+    );
+    assert!(
+        publisher.calls.load(Ordering::SeqCst) < 100,
+        "published in batches"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_that_dies_before_marking_republishes_and_the_inbox_absorbs_it() {
+    let (pool, _s) = pg().await;
+    enqueue_many(&pool, 50, "crash").await;
+    /// Publishes (the broker confirms), then the relay dies before marking.
+    struct DiesAfterPublish(Arc<Recording>);
+    impl Publisher for DiesAfterPublish {
+        fn publish<'a>(
+            &'a self,
+            batch: &'a [OutgoingMessage],
+        ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+            let inner = self.0.publish(batch);
+            Box::pin(async move {
+                let _ = inner.await;
+                panic!("the relay process died after the broker confirmed");
+            })
+        }
+    }
+    let recording = Arc::new(Recording::default());
+    let short = RelayConfig {
+        lease: Duration::from_millis(300),
+        ..RelayConfig::default()
+    };
+    let dying = Relay::new(
+        pool.clone(),
+        Arc::new(DiesAfterPublish(recording.clone())),
+        short.clone(),
+    );
+    assert!(tokio::spawn(async move { dying.round().await })
+        .await
+        .unwrap_err()
+        .is_panic());
+    assert_eq!(
+        outbox::stats(&pool).await.unwrap().sent,
+        0,
+        "nothing was marked"
+    );
+    // before the lease runs out, another relay finds nothing to take
+    let healthy = Relay::new(pool.clone(), recording.clone(), short);
+    assert_eq!(healthy.round().await.unwrap().sent, 0);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(healthy.round().await.unwrap().sent, 50);
+    let published = recording.published.lock().unwrap().clone();
+    assert_eq!(published.len(), 100, "every message went out twice");
+    // the consumer's inbox makes each act once
+    for id in &published {
+        consume(&pool, "orders-consumer", id).await;
+    }
+    assert_eq!(effects(&pool).await, 50);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_dead_lettered_without_blocking_the_rest() {
+    let (pool, _s) = pg().await;
+    let mut tx = pool.begin().await.unwrap();
+    outbox::enqueue(&mut tx, &message("bad", "poison", None))
+        .await
+        .unwrap();
+    for i in 0..5 {
+        outbox::enqueue(&mut tx, &message(&format!("good-{i}"), "orders", None))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let publisher = Arc::new(Recording::default());
+    let relay = Relay::new(
+        pool.clone(),
+        publisher.clone(),
+        RelayConfig {
+            max_attempts: 3,
+            backoff: Duration::from_millis(20),
+            ..RelayConfig::default()
+        },
+    );
+    let first = relay.round().await.unwrap();
+    assert_eq!(
+        (first.sent, first.failed),
+        (5, 1),
+        "the rest went out at once"
+    );
+    for _ in 0..20 {
+        relay.round().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let s = outbox::stats(&pool).await.unwrap();
+    assert_eq!((s.sent, s.dead, s.pending), (5, 1, 0));
+    let dead = outbox::dead_letters(&pool, 10).await.unwrap();
+    assert_eq!(dead[0].0, "bad");
+    assert_eq!(dead[0].2, 3);
+    assert_eq!(dead[0].3.as_deref(), Some("the broker refused it"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_with_one_ordering_key_go_out_in_order() {
+    let (pool, _s) = pg().await;
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..5 {
+        outbox::enqueue(
+            &mut tx,
+            &message(&format!("a-{i}"), "orders", Some("order-a")),
+        )
+        .await
+        .unwrap();
+        outbox::enqueue(
+            &mut tx,
+            &message(&format!("b-{i}"), "orders", Some("order-b")),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let publisher = Arc::new(Recording::default());
+    let relay = Relay::new(pool.clone(), publisher.clone(), RelayConfig::default());
+    let mut rounds = 0;
+    while outbox::stats(&pool).await.unwrap().pending > 0 {
+        relay.round().await.unwrap();
+        rounds += 1;
+        assert!(rounds < 20);
+    }
+    let published = publisher.published.lock().unwrap().clone();
+    let a: Vec<_> = published
+        .iter()
+        .filter(|m| m.starts_with("a-"))
+        .cloned()
+        .collect();
+    let b: Vec<_> = published
+        .iter()
+        .filter(|m| m.starts_with("b-"))
+        .cloned()
+        .collect();
+    assert_eq!(a, (0..5).map(|i| format!("a-{i}")).collect::<Vec<_>>());
+    assert_eq!(b, (0..5).map(|i| format!("b-{i}")).collect::<Vec<_>>());
+    assert_eq!(
+        rounds, 5,
+        "one message per key per round, keys side by side"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committed_row_wakes_the_relay_promptly_and_an_uncommitted_one_is_never_sent() {
+    let (pool, _s) = pg().await;
+    let publisher = Arc::new(Recording::default());
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let config = RelayConfig {
+        poll: Duration::from_secs(30),
+        ..RelayConfig::default()
+    };
+    let relay = tokio::spawn(Relay::new(pool.clone(), publisher.clone(), config).run(stop));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut rolled_back = pool.begin().await.unwrap();
+    outbox::enqueue(&mut rolled_back, &message("never", "orders", None))
+        .await
+        .unwrap();
+    rolled_back.rollback().await.unwrap();
+    let started = std::time::Instant::now();
+    let mut tx = pool.begin().await.unwrap();
+    outbox::enqueue(&mut tx, &message("soon", "orders", None))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    while publisher.published.lock().unwrap().is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "NOTIFY did not wake the relay"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(
+        *publisher.published.lock().unwrap(),
+        vec!["soon".to_owned()]
+    );
+    stop_tx.send(true).unwrap();
+    relay.await.unwrap().unwrap();
+}
