@@ -1,0 +1,300 @@
+//! RabbitMQ for idem's outbox and inbox (lapin).
+//!
+//! - [`RabbitPublisher`]: an outbox [`Publisher`] with publisher confirms;
+//!   every message carries its id in the AMQP `message_id` property and is
+//!   persistent. A message counts as published only once the broker acked it.
+//! - [`RabbitConsumer`]: a consumer with manual acks and a prefetch window.
+//!   A handler error requeues the message; the queue (a quorum queue with
+//!   `x-delivery-limit`) dead-letters it to `<queue>.dlq` after the allowed
+//!   number of deliveries, so a poison message never blocks the ones behind
+//!   it. Pair the handler with the inbox so that redeliveries act once.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use idem_rabbitmq::{RabbitConsumer, RabbitPublisher, QueueSpec};
+//!
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! let publisher = RabbitPublisher::connect("amqp://guest:guest@127.0.0.1:5672/%2f").await?;
+//! let spec = QueueSpec::new("orders").max_deliveries(5);
+//! spec.declare(publisher.channel()).await?;
+//! let consumer = RabbitConsumer::connect("amqp://guest:guest@127.0.0.1:5672/%2f", spec, 32).await?;
+//! # let _ = (Arc::new(publisher), consumer); Ok(()) }
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+
+use futures_core::Stream;
+use idem_core::BoxFuture;
+use idem_outbox::outbox::{OutgoingMessage, PublishError, Publisher};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use tokio::sync::{watch, Mutex};
+use tracing::{debug, info, warn};
+
+/// A RabbitMQ failure.
+#[derive(Debug, thiserror::Error)]
+#[error("RabbitMQ: {0}")]
+pub struct RabbitError(#[from] lapin::Error);
+
+/// A queue and its dead-letter queue.
+#[derive(Debug, Clone)]
+pub struct QueueSpec {
+    name: String,
+    max_deliveries: i32,
+}
+
+impl QueueSpec {
+    /// The queue `name` (and `name.dlq`), allowing 5 deliveries by default.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            max_deliveries: 5,
+        }
+    }
+
+    /// How many times a message may be delivered before it is dead-lettered.
+    pub fn max_deliveries(mut self, n: i32) -> Self {
+        self.max_deliveries = n.max(1);
+        self
+    }
+
+    /// The queue's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The dead-letter queue's name.
+    pub fn dead_letter_queue(&self) -> String {
+        format!("{}.dlq", self.name)
+    }
+
+    /// Declares the dead-letter queue and the quorum queue that feeds it.
+    pub async fn declare(&self, channel: &Channel) -> Result<(), RabbitError> {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let mut dlq_args = FieldTable::default();
+        dlq_args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString(LongString::from("quorum")),
+        );
+        channel
+            .queue_declare(self.dead_letter_queue().into(), durable, dlq_args)
+            .await?;
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString(LongString::from("quorum")),
+        );
+        // RabbitMQ counts deliveries: past the limit it dead-letters the message.
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongInt(self.max_deliveries - 1),
+        );
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(LongString::from("")),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(LongString::from(self.dead_letter_queue())),
+        );
+        channel
+            .queue_declare(self.name.clone().into(), durable, args)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Publishes outbox messages with publisher confirms; see the [crate docs](crate).
+#[derive(Debug)]
+pub struct RabbitPublisher {
+    _connection: Connection,
+    channel: Channel,
+    lock: Mutex<()>,
+}
+
+impl RabbitPublisher {
+    /// Connects and turns publisher confirms on.
+    pub async fn connect(uri: &str) -> Result<Self, RabbitError> {
+        let connection = Connection::connect(uri, ConnectionProperties::default()).await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Self {
+            _connection: connection,
+            channel,
+            lock: Mutex::new(()),
+        })
+    }
+
+    /// The publishing channel (to declare queues, say).
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+}
+
+fn properties(m: &OutgoingMessage) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    for (k, v) in &m.headers {
+        headers.insert(
+            k.clone().into(),
+            AMQPValue::LongString(LongString::from(v.clone())),
+        );
+    }
+    BasicProperties::default()
+        .with_message_id(ShortString::from(m.message_id.clone()))
+        .with_delivery_mode(2)
+        .with_headers(headers)
+}
+
+impl Publisher for RabbitPublisher {
+    /// Publishes the whole batch, then waits for every confirm: one round of
+    /// confirms per batch, not per message.
+    fn publish<'a>(
+        &'a self,
+        batch: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+        Box::pin(async move {
+            let _one_batch_at_a_time = self.lock.lock().await;
+            let mut pending = Vec::with_capacity(batch.len());
+            for m in batch {
+                let sent = self
+                    .channel
+                    .basic_publish(
+                        "".into(),
+                        m.destination.clone().into(),
+                        BasicPublishOptions::default(),
+                        &m.payload,
+                        properties(m),
+                    )
+                    .await;
+                pending.push(sent);
+            }
+            let mut results = Vec::with_capacity(batch.len());
+            for sent in pending {
+                results.push(match sent {
+                    Ok(confirm) => match confirm.await {
+                        Ok(Confirmation::Ack(_)) => Ok(()),
+                        Ok(other) => {
+                            Err(PublishError(format!("the broker did not ack: {other:?}")))
+                        }
+                        Err(e) => Err(PublishError(e.to_string())),
+                    },
+                    Err(e) => Err(PublishError(e.to_string())),
+                });
+            }
+            results
+        })
+    }
+}
+
+/// A delivered message, as a handler sees it.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The AMQP `message_id` (what the inbox deduplicates on).
+    pub message_id: Option<String>,
+    /// The body.
+    pub payload: Vec<u8>,
+    /// Whether the broker says it delivered this before.
+    pub redelivered: bool,
+}
+
+/// Consumes a queue with manual acks; see the [crate docs](crate).
+#[derive(Debug)]
+pub struct RabbitConsumer {
+    _connection: Connection,
+    channel: Channel,
+    spec: QueueSpec,
+}
+
+impl RabbitConsumer {
+    /// Connects, declares the queues, and sets the prefetch window.
+    pub async fn connect(uri: &str, spec: QueueSpec, prefetch: u16) -> Result<Self, RabbitError> {
+        let connection = Connection::connect(uri, ConnectionProperties::default()).await?;
+        let channel = connection.create_channel().await?;
+        spec.declare(&channel).await?;
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await?;
+        Ok(Self {
+            _connection: connection,
+            channel,
+            spec,
+        })
+    }
+
+    /// Runs `handler` on each delivery until `stop` turns true: `Ok` acks,
+    /// `Err` requeues (the queue dead-letters it past its delivery limit).
+    /// A delivery in progress when `stop` flips finishes and is acked first;
+    /// nothing is acked before its handler succeeded.
+    pub async fn run<F, Fut, E>(
+        self,
+        handler: F,
+        mut stop: watch::Receiver<bool>,
+    ) -> Result<(), RabbitError>
+    where
+        F: Fn(Incoming) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: std::fmt::Display,
+    {
+        let mut consumer = self
+            .channel
+            .basic_consume(
+                self.spec.name.clone().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        info!(queue = %self.spec.name, "consumer started");
+        loop {
+            let next = std::future::poll_fn(|cx| match Pin::new(&mut consumer).poll_next(cx) {
+                Poll::Ready(item) => Poll::Ready(item),
+                Poll::Pending => Poll::Pending,
+            });
+            let delivery = tokio::select! {
+                d = next => d,
+                _ = stop.changed() => None,
+            };
+            let Some(delivery) = delivery else {
+                info!(queue = %self.spec.name, "consumer stopped");
+                return Ok(());
+            };
+            let delivery = delivery?;
+            let incoming = Incoming {
+                message_id: delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|s| s.as_str().to_owned()),
+                payload: delivery.data.clone(),
+                redelivered: delivery.redelivered,
+            };
+            match handler(incoming).await {
+                Ok(()) => {
+                    delivery.acker.ack(BasicAckOptions::default()).await?;
+                }
+                Err(e) => {
+                    warn!(queue = %self.spec.name, error = %e, "handler failed; requeueing");
+                    delivery
+                        .acker
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..BasicNackOptions::default()
+                        })
+                        .await?;
+                }
+            }
+            debug!(queue = %self.spec.name, "delivery settled");
+        }
+    }
+}
