@@ -1,0 +1,282 @@
+//! NATS JetStream for idem's outbox and inbox (async-nats).
+//!
+//! - [`NatsPublisher`]: an outbox [`Publisher`]; every message carries
+//!   `Nats-Msg-Id`, so JetStream's own duplicate window drops a republish
+//!   inside it, and counts as published only once JetStream acked it.
+//! - [`NatsConsumer`]: a durable pull consumer with explicit acks. A handler
+//!   error naks with a delay; past `max_deliveries` the message is copied to
+//!   the dead-letter subject `<subject>.dlq` and terminated, so a poison
+//!   message never blocks the ones behind it. Pair the handler with the
+//!   inbox so that redeliveries act once.
+//!
+//! ```no_run
+//! use idem_nats::{NatsConsumer, NatsPublisher, StreamSpec};
+//!
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! let spec = StreamSpec::new("ORDERS", "orders");
+//! let publisher = NatsPublisher::connect("nats://127.0.0.1:4222", &spec).await?;
+//! let consumer = NatsConsumer::connect("nats://127.0.0.1:4222", &spec, "reserve-stock", 5).await?;
+//! # let _ = (publisher, consumer); Ok(()) }
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, AckKind};
+use futures_core::Stream;
+use idem_core::BoxFuture;
+use idem_outbox::outbox::{OutgoingMessage, PublishError, Publisher};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+/// A NATS failure.
+#[derive(Debug, thiserror::Error)]
+#[error("NATS: {0}")]
+pub struct NatsError(String);
+
+fn err(e: impl std::fmt::Display) -> NatsError {
+    NatsError(e.to_string())
+}
+
+/// A JetStream stream over a subject, and its dead-letter subject.
+#[derive(Debug, Clone)]
+pub struct StreamSpec {
+    stream: String,
+    subject: String,
+    duplicate_window: Duration,
+}
+
+impl StreamSpec {
+    /// Stream `stream` capturing `subject` and `subject.dlq`, with a
+    /// two-minute duplicate window.
+    pub fn new(stream: impl Into<String>, subject: impl Into<String>) -> Self {
+        Self {
+            stream: stream.into(),
+            subject: subject.into(),
+            duplicate_window: Duration::from_secs(120),
+        }
+    }
+
+    /// The subject messages are published on.
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
+    /// The dead-letter subject.
+    pub fn dead_letter_subject(&self) -> String {
+        format!("{}.dlq", self.subject)
+    }
+
+    /// The stream's name.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// Creates the stream if it is missing.
+    pub async fn declare(
+        &self,
+        js: &jetstream::Context,
+    ) -> Result<jetstream::stream::Stream, NatsError> {
+        js.get_or_create_stream(jetstream::stream::Config {
+            name: self.stream.clone(),
+            subjects: vec![self.subject.clone(), self.dead_letter_subject()],
+            duplicate_window: self.duplicate_window,
+            ..Default::default()
+        })
+        .await
+        .map_err(err)
+    }
+}
+
+/// Publishes outbox messages to JetStream; see the [crate docs](crate).
+#[derive(Debug, Clone)]
+pub struct NatsPublisher {
+    js: jetstream::Context,
+}
+
+impl NatsPublisher {
+    /// Connects and makes sure the stream exists.
+    pub async fn connect(url: &str, spec: &StreamSpec) -> Result<Self, NatsError> {
+        let client = async_nats::connect(url).await.map_err(err)?;
+        let js = jetstream::new(client);
+        spec.declare(&js).await?;
+        Ok(Self { js })
+    }
+
+    /// The JetStream context.
+    pub fn context(&self) -> &jetstream::Context {
+        &self.js
+    }
+}
+
+impl Publisher for NatsPublisher {
+    /// Sends the whole batch, then waits for every ack.
+    fn publish<'a>(
+        &'a self,
+        batch: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+        Box::pin(async move {
+            let mut pending = Vec::with_capacity(batch.len());
+            for m in batch {
+                let mut message = jetstream::message::PublishMessage::build()
+                    .message_id(&m.message_id)
+                    .payload(m.payload.clone());
+                for (k, v) in &m.headers {
+                    message = message.header(k.as_str(), v.as_str());
+                }
+                pending.push(self.js.send_publish(m.destination.clone(), message).await);
+            }
+            let mut results = Vec::with_capacity(batch.len());
+            for sent in pending {
+                results.push(match sent {
+                    Ok(ack) => ack.await.map(drop).map_err(|e| PublishError(e.to_string())),
+                    Err(e) => Err(PublishError(e.to_string())),
+                });
+            }
+            results
+        })
+    }
+}
+
+/// A delivered message, as a handler sees it.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The `Nats-Msg-Id` header (what the inbox deduplicates on).
+    pub message_id: Option<String>,
+    /// The body.
+    pub payload: bytes::Bytes,
+    /// How many times JetStream has delivered it, this time included.
+    pub delivered: i64,
+}
+
+/// A durable pull consumer; see the [crate docs](crate).
+#[derive(Debug)]
+pub struct NatsConsumer {
+    js: jetstream::Context,
+    consumer: jetstream::consumer::Consumer<pull::Config>,
+    spec: StreamSpec,
+    max_deliveries: i64,
+    retry_delay: Duration,
+}
+
+impl NatsConsumer {
+    /// Connects and creates (or reuses) the durable consumer `durable`,
+    /// which allows `max_deliveries` and redelivers a message not acked
+    /// within 5 s.
+    pub async fn connect(
+        url: &str,
+        spec: &StreamSpec,
+        durable: &str,
+        max_deliveries: i64,
+    ) -> Result<Self, NatsError> {
+        Self::connect_with_ack_wait(url, spec, durable, max_deliveries, Duration::from_secs(5))
+            .await
+    }
+
+    /// Like [`NatsConsumer::connect`], with the time after which an
+    /// unacknowledged message is delivered again (to any instance).
+    pub async fn connect_with_ack_wait(
+        url: &str,
+        spec: &StreamSpec,
+        durable: &str,
+        max_deliveries: i64,
+        ack_wait: Duration,
+    ) -> Result<Self, NatsError> {
+        let client = async_nats::connect(url).await.map_err(err)?;
+        let js = jetstream::new(client);
+        let stream = spec.declare(&js).await?;
+        let consumer = stream
+            .get_or_create_consumer(
+                durable,
+                pull::Config {
+                    durable_name: Some(durable.to_owned()),
+                    filter_subject: spec.subject.clone(),
+                    ack_policy: AckPolicy::Explicit,
+                    ack_wait,
+                    max_deliver: max_deliveries,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(err)?;
+        Ok(Self {
+            js,
+            consumer,
+            spec: spec.clone(),
+            max_deliveries,
+            retry_delay: Duration::from_millis(200),
+        })
+    }
+
+    /// The delay before a failed message is delivered again (default 200 ms).
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+
+    /// Runs `handler` on each message until `stop` turns true: `Ok` acks;
+    /// `Err` naks with the retry delay, or, on the last allowed delivery,
+    /// copies the message to the dead-letter subject and terminates it. A
+    /// message in progress when `stop` flips finishes and is acked first.
+    pub async fn run<F, Fut, E>(
+        self,
+        handler: F,
+        mut stop: watch::Receiver<bool>,
+    ) -> Result<(), NatsError>
+    where
+        F: Fn(Incoming) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: std::fmt::Display,
+    {
+        let mut messages = self.consumer.messages().await.map_err(err)?;
+        info!(subject = %self.spec.subject, "consumer started");
+        loop {
+            let next = std::future::poll_fn(|cx| Pin::new(&mut messages).poll_next(cx));
+            let message = tokio::select! {
+                m = next => m,
+                _ = stop.changed() => None,
+            };
+            let Some(message) = message else {
+                info!(subject = %self.spec.subject, "consumer stopped");
+                return Ok(());
+            };
+            let message = message.map_err(err)?;
+            let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
+            let incoming = Incoming {
+                message_id: message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("Nats-Msg-Id"))
+                    .map(|v| v.as_str().to_owned()),
+                payload: message.payload.clone(),
+                delivered,
+            };
+            match handler(incoming.clone()).await {
+                Ok(()) => message.ack().await.map_err(err)?,
+                Err(e) if delivered >= self.max_deliveries => {
+                    warn!(error = %e, delivered, "handler failed for the last time; dead-lettering");
+                    let mut copy = jetstream::message::PublishMessage::build()
+                        .payload(incoming.payload.clone());
+                    if let Some(id) = &incoming.message_id {
+                        copy = copy.message_id(format!("{id}.dlq"));
+                    }
+                    self.js
+                        .send_publish(self.spec.dead_letter_subject(), copy)
+                        .await
+                        .map_err(err)?
+                        .await
+                        .map_err(err)?;
+                    message.ack_with(AckKind::Term).await.map_err(err)?;
+                }
+                Err(e) => {
+                    warn!(error = %e, delivered, "handler failed; retrying later");
+                    message
+                        .ack_with(AckKind::Nak(Some(self.retry_delay)))
+                        .await
+                        .map_err(err)?;
+                }
+            }
+        }
+    }
+}
