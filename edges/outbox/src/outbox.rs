@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::BoxFuture;
 use sqlx::postgres::{PgListener, PgPool};
+use sqlx::sqlite::SqlitePool;
 use sqlx::Row;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
@@ -36,7 +37,58 @@ CREATE INDEX IF NOT EXISTS idem_outbox_pending ON idem_outbox (seq) WHERE state 
 CREATE INDEX IF NOT EXISTS idem_outbox_ordering ON idem_outbox (ordering_key, seq) WHERE state = 'pending';
 ";
 
-/// Creates the outbox table (idempotent).
+const SQLITE_SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS idem_outbox (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    message_id      TEXT    NOT NULL CONSTRAINT idem_outbox_message_id_key UNIQUE,
+    destination     TEXT    NOT NULL,
+    ordering_key    TEXT,
+    payload         BLOB    NOT NULL,
+    headers         BLOB    NOT NULL,
+    state           TEXT    NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'sent', 'dead')),
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    next_attempt_at INTEGER NOT NULL DEFAULT 0,
+    claimed_until   INTEGER,
+    claim_token     INTEGER,
+    last_error      TEXT,
+    created_at      INTEGER NOT NULL,
+    sent_at         INTEGER
+);
+CREATE INDEX IF NOT EXISTS idem_outbox_state_seq ON idem_outbox (state, seq);
+";
+
+/// Creates the outbox table on SQLite (idempotent).
+pub async fn migrate_sqlite(pool: &SqlitePool) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(SQLITE_SCHEMA).execute(pool).await.map(drop)
+}
+
+/// Enqueues a message inside the caller's SQLite transaction; see
+/// [`enqueue`]. SQLite has no `NOTIFY`: call [`Relay::wake`] after the
+/// commit for prompt delivery (the relay polls otherwise).
+pub async fn enqueue_sqlite(
+    conn: &mut sqlx::SqliteConnection,
+    message: &OutgoingMessage,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO idem_outbox (message_id, destination, ordering_key, payload, headers, created_at)
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(&message.message_id)
+    .bind(&message.destination)
+    .bind(&message.ordering_key)
+    .bind(message.payload.as_ref())
+    .bind(encode_headers(&message.headers))
+    .bind(now_ms())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+fn now_ms() -> i64 {
+    idem_core::UnixMillis::now().0
+}
+
+/// Creates the outbox table on PostgreSQL (idempotent).
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem-outbox-migrate'))")
@@ -169,9 +221,17 @@ pub struct Round {
 /// higher sequence number is never skipped.
 #[derive(Clone)]
 pub struct Relay {
-    pool: PgPool,
+    db: Backend,
     publisher: Arc<dyn Publisher>,
     config: RelayConfig,
+    wake: Arc<tokio::sync::Notify>,
+}
+
+/// Where the outbox lives.
+#[derive(Clone, Debug)]
+enum Backend {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
 }
 
 impl std::fmt::Debug for Relay {
@@ -191,16 +251,88 @@ struct Claimed {
 }
 
 impl Relay {
-    /// A relay publishing `pool`'s outbox through `publisher`.
+    /// A relay publishing a PostgreSQL outbox through `publisher`.
     pub fn new(pool: PgPool, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Self {
+        Self::with_backend(Backend::Postgres(pool), publisher, config)
+    }
+
+    /// A relay publishing a SQLite outbox through `publisher`. SQLite has
+    /// one writer at a time, so one relay per database is enough.
+    pub fn sqlite(pool: SqlitePool, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Self {
+        Self::with_backend(Backend::Sqlite(pool), publisher, config)
+    }
+
+    fn with_backend(db: Backend, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Self {
         Self {
-            pool,
+            db,
             publisher,
             config,
+            wake: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
+    /// Wakes the running relay at once (after a commit that enqueued
+    /// messages), instead of at its next poll. PostgreSQL relays are also
+    /// woken by `NOTIFY`.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
     async fn claim(&self, token: i64) -> Result<Vec<Claimed>, sqlx::Error> {
+        let rows = match &self.db {
+            Backend::Postgres(pool) => self.claim_postgres(pool, token).await?,
+            Backend::Sqlite(pool) => self.claim_sqlite(pool, token).await?,
+        };
+        Ok(rows)
+    }
+
+    async fn claim_sqlite(
+        &self,
+        pool: &SqlitePool,
+        token: i64,
+    ) -> Result<Vec<Claimed>, sqlx::Error> {
+        let now = now_ms();
+        let rows = sqlx::query(
+            "UPDATE idem_outbox
+             SET claimed_until = $2 + $3, claim_token = $4, attempts = attempts + 1
+             WHERE seq IN (
+                 SELECT c.seq FROM idem_outbox c
+                 WHERE c.state = 'pending' AND c.next_attempt_at <= $2
+                   AND (c.claimed_until IS NULL OR c.claimed_until < $2)
+                   AND (c.ordering_key IS NULL OR NOT EXISTS (
+                        SELECT 1 FROM idem_outbox p
+                        WHERE p.ordering_key = c.ordering_key AND p.state = 'pending' AND p.seq < c.seq))
+                 ORDER BY c.seq
+                 LIMIT $1)
+             RETURNING seq, message_id, destination, ordering_key, payload, headers, attempts",
+        )
+        .bind(self.config.batch)
+        .bind(now)
+        .bind(i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX))
+        .bind(token)
+        .fetch_all(pool)
+        .await?;
+        let mut claimed = rows
+            .iter()
+            .map(|r| -> Result<Claimed, sqlx::Error> {
+                Ok(Claimed {
+                    seq: r.try_get("seq")?,
+                    attempts: r.try_get("attempts")?,
+                    message: OutgoingMessage {
+                        message_id: r.try_get("message_id")?,
+                        destination: r.try_get("destination")?,
+                        ordering_key: r.try_get("ordering_key")?,
+                        payload: Bytes::from(r.try_get::<Vec<u8>, _>("payload")?),
+                        headers: decode_headers(&r.try_get::<Vec<u8>, _>("headers")?),
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        claimed.sort_by_key(|c| c.seq);
+        Ok(claimed)
+    }
+
+    async fn claim_postgres(&self, pool: &PgPool, token: i64) -> Result<Vec<Claimed>, sqlx::Error> {
         // Only the oldest pending row of each ordering key is claimable, so
         // a key's messages go out one after another, in order.
         let rows = sqlx::query(
@@ -221,7 +353,7 @@ impl Relay {
         .bind(self.config.batch)
         .bind(i64::try_from(self.config.lease.as_millis()).unwrap_or(i64::MAX))
         .bind(token)
-        .fetch_all(&self.pool)
+        .fetch_all(pool)
         .await?;
         let mut claimed: Vec<Claimed> = rows
             .iter()
@@ -277,52 +409,114 @@ impl Relay {
                     } else {
                         debug!(message_id = %c.message.message_id, error = %e, ?backoff, "publish failed; backing off");
                     }
-                    sqlx::query(
-                        "UPDATE idem_outbox SET claimed_until = NULL, last_error = $3,
-                             next_attempt_at = now() + $4 * interval '1 millisecond',
-                             state = CASE WHEN $5 THEN 'dead' ELSE 'pending' END
-                         WHERE seq = $1 AND claim_token = $2",
-                    )
-                    .bind(c.seq)
-                    .bind(token)
-                    .bind(&e.0)
-                    .bind(i64::try_from(backoff.as_millis()).unwrap_or(60_000))
-                    .bind(dead)
-                    .execute(&self.pool)
-                    .await?;
+                    self.mark_failed(c.seq, token, &e.0, backoff, dead).await?;
                 }
             }
         }
         if !sent.is_empty() {
-            sqlx::query(
-                "UPDATE idem_outbox SET state = 'sent', sent_at = now(), claimed_until = NULL
-                 WHERE seq = ANY($1) AND claim_token = $2",
-            )
-            .bind(&sent)
-            .bind(token)
-            .execute(&self.pool)
-            .await?;
+            self.mark_sent(&sent, token).await?;
         }
         round.sent = sent.len();
         Ok(round)
+    }
+
+    async fn mark_failed(
+        &self,
+        seq: i64,
+        token: i64,
+        error: &str,
+        backoff: Duration,
+        dead: bool,
+    ) -> Result<(), sqlx::Error> {
+        let backoff = i64::try_from(backoff.as_millis()).unwrap_or(60_000);
+        match &self.db {
+            Backend::Postgres(pool) => {
+                sqlx::query(
+                    "UPDATE idem_outbox SET claimed_until = NULL, last_error = $3,
+                         next_attempt_at = now() + $4 * interval '1 millisecond',
+                         state = CASE WHEN $5 THEN 'dead' ELSE 'pending' END
+                     WHERE seq = $1 AND claim_token = $2",
+                )
+                .bind(seq)
+                .bind(token)
+                .bind(error)
+                .bind(backoff)
+                .bind(dead)
+                .execute(pool)
+                .await?;
+            }
+            Backend::Sqlite(pool) => {
+                sqlx::query(
+                    "UPDATE idem_outbox SET claimed_until = NULL, last_error = $3,
+                         next_attempt_at = $4,
+                         state = CASE WHEN $5 THEN 'dead' ELSE 'pending' END
+                     WHERE seq = $1 AND claim_token = $2",
+                )
+                .bind(seq)
+                .bind(token)
+                .bind(error)
+                .bind(now_ms() + backoff)
+                .bind(dead)
+                .execute(pool)
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn mark_sent(&self, seqs: &[i64], token: i64) -> Result<(), sqlx::Error> {
+        match &self.db {
+            Backend::Postgres(pool) => {
+                sqlx::query(
+                    "UPDATE idem_outbox SET state = 'sent', sent_at = now(), claimed_until = NULL
+                     WHERE seq = ANY($1) AND claim_token = $2",
+                )
+                .bind(seqs)
+                .bind(token)
+                .execute(pool)
+                .await?;
+            }
+            Backend::Sqlite(pool) => {
+                let list = format!(
+                    "[{}]",
+                    seqs.iter()
+                        .map(i64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                );
+                sqlx::query(
+                    "UPDATE idem_outbox SET state = 'sent', sent_at = $3, claimed_until = NULL
+                     WHERE seq IN (SELECT value FROM json_each($1)) AND claim_token = $2",
+                )
+                .bind(list)
+                .bind(token)
+                .bind(now_ms())
+                .execute(pool)
+                .await?;
+            }
+        }
+        Ok(())
     }
 
     /// Runs until `stop` turns true: woken by `LISTEN` on commit, polling as
     /// a fallback; a full batch is followed at once by the next round. The
     /// round in progress when `stop` flips finishes first.
     pub async fn run(self, mut stop: watch::Receiver<bool>) -> Result<(), sqlx::Error> {
-        let mut listener = match PgListener::connect_with(&self.pool).await {
-            Ok(mut l) => match l.listen(NOTIFY_CHANNEL).await {
-                Ok(()) => Some(l),
+        let mut listener = match &self.db {
+            Backend::Postgres(pool) => match PgListener::connect_with(pool).await {
+                Ok(mut l) => match l.listen(NOTIFY_CHANNEL).await {
+                    Ok(()) => Some(l),
+                    Err(e) => {
+                        warn!(error = %e, "LISTEN failed; polling only");
+                        None
+                    }
+                },
                 Err(e) => {
-                    warn!(error = %e, "LISTEN failed; polling only");
+                    warn!(error = %e, "no listener connection; polling only");
                     None
                 }
             },
-            Err(e) => {
-                warn!(error = %e, "no listener connection; polling only");
-                None
-            }
+            Backend::Sqlite(_) => None,
         };
         info!("outbox relay started");
         loop {
@@ -350,6 +544,7 @@ impl Relay {
             };
             tokio::select! {
                 () = wait => {}
+                () = self.wake.notified() => {}
                 _ = stop.changed() => {}
             }
         }
@@ -367,14 +562,13 @@ pub struct OutboxStats {
     pub dead: i64,
 }
 
-/// Counts rows by state.
+const STATS: &str =
+    "SELECT count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'sent'),
+        count(*) FILTER (WHERE state = 'dead') FROM idem_outbox";
+
+/// Counts rows by state (PostgreSQL).
 pub async fn stats(pool: &PgPool) -> Result<OutboxStats, sqlx::Error> {
-    let (pending, sent, dead): (i64, i64, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'sent'),
-                count(*) FILTER (WHERE state = 'dead') FROM idem_outbox",
-    )
-    .fetch_one(pool)
-    .await?;
+    let (pending, sent, dead): (i64, i64, i64) = sqlx::query_as(STATS).fetch_one(pool).await?;
     Ok(OutboxStats {
         pending,
         sent,
@@ -382,16 +576,31 @@ pub async fn stats(pool: &PgPool) -> Result<OutboxStats, sqlx::Error> {
     })
 }
 
-/// The dead-lettered rows: (message id, destination, attempts, last error).
-pub async fn dead_letters(
-    pool: &PgPool,
+/// Counts rows by state (SQLite).
+pub async fn stats_sqlite(pool: &SqlitePool) -> Result<OutboxStats, sqlx::Error> {
+    let (pending, sent, dead): (i64, i64, i64) = sqlx::query_as(STATS).fetch_one(pool).await?;
+    Ok(OutboxStats {
+        pending,
+        sent,
+        dead,
+    })
+}
+
+const DEAD: &str = "SELECT message_id, destination, attempts, last_error FROM idem_outbox
+     WHERE state = 'dead' ORDER BY seq LIMIT $1";
+
+/// A dead-lettered row: (message id, destination, attempts, last error).
+pub type DeadLetter = (String, String, i32, Option<String>);
+
+/// The dead-lettered rows (PostgreSQL).
+pub async fn dead_letters(pool: &PgPool, limit: i64) -> Result<Vec<DeadLetter>, sqlx::Error> {
+    sqlx::query_as(DEAD).bind(limit).fetch_all(pool).await
+}
+
+/// The dead-lettered rows (SQLite).
+pub async fn dead_letters_sqlite(
+    pool: &SqlitePool,
     limit: i64,
-) -> Result<Vec<(String, String, i32, Option<String>)>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT message_id, destination, attempts, last_error FROM idem_outbox
-         WHERE state = 'dead' ORDER BY seq LIMIT $1",
-    )
-    .bind(limit)
-    .fetch_all(pool)
-    .await
+) -> Result<Vec<DeadLetter>, sqlx::Error> {
+    sqlx::query_as(DEAD).bind(limit).fetch_all(pool).await
 }

@@ -413,3 +413,79 @@ async fn a_committed_row_wakes_the_relay_promptly_and_an_uncommitted_one_is_neve
     stop_tx.send(true).unwrap();
     relay.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
+    use idem_outbox::transport::InProcess;
+    let dir = tempfile::tempdir().unwrap();
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(dir.path().join("outbox.db"))
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(10));
+    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    outbox::migrate_sqlite(&pool).await.unwrap();
+    inbox::migrate_sqlite(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE effects (message_id TEXT)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let transport = Arc::new(InProcess::new());
+    let mut deliveries = transport.subscribe("orders");
+    let relay = Relay::sqlite(
+        pool.clone(),
+        transport.clone(),
+        RelayConfig {
+            poll: Duration::from_secs(30),
+            ..RelayConfig::default()
+        },
+    );
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(relay.clone().run(stop));
+    // a rolled-back transaction's message never goes out
+    let mut rolled_back = pool.begin().await.unwrap();
+    outbox::enqueue_sqlite(&mut rolled_back, &message("never", "orders", None))
+        .await
+        .unwrap();
+    rolled_back.rollback().await.unwrap();
+    for chunk in 0..10 {
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+        for i in 0..100 {
+            outbox::enqueue_sqlite(
+                &mut tx,
+                &message(&format!("s-{}", chunk * 100 + i), "orders", None),
+            )
+            .await
+            .unwrap();
+        }
+        tx.commit().await.unwrap();
+        relay.wake();
+    }
+    let mut consumed = 0;
+    while consumed < 1000 {
+        let m = tokio::time::timeout(Duration::from_secs(10), deliveries.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_ne!(m.message_id, "never");
+        let id = m.message_id.clone();
+        let handled = inbox::process_sqlite(&pool, "c", &m.message_id, move |tx| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO effects VALUES ($1)")
+                    .bind(id)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok::<_, sqlx::Error>(())
+            })
+        })
+        .await
+        .unwrap();
+        assert_eq!(handled, Handled::Processed(()));
+        consumed += 1;
+    }
+    let s = outbox::stats_sqlite(&pool).await.unwrap();
+    assert_eq!((s.sent, s.pending, s.dead), (1000, 0, 0));
+    stop_tx.send(true).unwrap();
+    running.await.unwrap().unwrap();
+}
