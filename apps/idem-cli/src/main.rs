@@ -59,6 +59,14 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The outbox: messages pending, sent, and dead-lettered (with why).
+    Outbox {
+        #[command(flatten)]
+        target: Target,
+        /// Dead-lettered messages to list.
+        #[arg(long, default_value_t = 20)]
+        limit: i64,
+    },
     /// Count records by state: in progress, completed, past retention, oldest.
     Stats {
         #[command(flatten)]
@@ -214,6 +222,44 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 println!("{}", inspection_json(&seen, show_body));
             } else {
                 print!("{}", inspection_text(&seen, show_body));
+            }
+        }
+        Command::Outbox { target, limit } => {
+            let store = target.open(false).await?;
+            let outbox_error = |e: sqlx::Error| -> Failure {
+                let msg = e.to_string();
+                if msg.contains("no such table") || msg.contains("does not exist") {
+                    "there is no outbox table here (idem_outbox)".into()
+                } else {
+                    msg.into()
+                }
+            };
+            let (stats, dead) = match &store {
+                Opened::Sqlite(s) => (
+                    idem_outbox::outbox::stats_sqlite(s.pool())
+                        .await
+                        .map_err(outbox_error)?,
+                    idem_outbox::outbox::dead_letters_sqlite(s.pool(), limit)
+                        .await
+                        .map_err(outbox_error)?,
+                ),
+                Opened::Postgres(s) => (
+                    idem_outbox::outbox::stats(s.pool())
+                        .await
+                        .map_err(outbox_error)?,
+                    idem_outbox::outbox::dead_letters(s.pool(), limit)
+                        .await
+                        .map_err(outbox_error)?,
+                ),
+            };
+            println!("pending:        {}", stats.pending);
+            println!("sent:           {}", stats.sent);
+            println!("dead-lettered:  {}", stats.dead);
+            for (id, destination, attempts, error) in dead {
+                println!(
+                    "dead: {id} -> {destination} after {attempts} attempt(s): {}",
+                    error.unwrap_or_default()
+                );
             }
         }
         Command::Stats { target, json } => {

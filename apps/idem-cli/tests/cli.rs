@@ -259,3 +259,44 @@ fn bad_input_is_a_clear_error() {
     ]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("not a valid identifier"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shows_the_outbox_and_its_dead_letters() {
+    let schema = TestSchema::create("idem_cli_outbox").await;
+    let url = schema.url();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    idem_outbox::outbox::migrate(&pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for (id, dest) in [("ok-1", "orders"), ("bad-1", "nowhere")] {
+        let m = idem_outbox::OutgoingMessage {
+            message_id: id.into(),
+            destination: dest.into(),
+            ordering_key: None,
+            payload: Bytes::from_static(b"{}"),
+            headers: vec![],
+        };
+        idem_outbox::enqueue(&mut tx, &m).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let transport = Arc::new(idem_outbox::transport::InProcess::new());
+    let _orders = transport.subscribe("orders");
+    let relay = idem_outbox::Relay::new(
+        pool.clone(),
+        transport,
+        idem_outbox::RelayConfig {
+            max_attempts: 1,
+            ..Default::default()
+        },
+    );
+    relay.round().await.unwrap();
+    let out = stdout(&idem(&["outbox", "--database-url", &url]));
+    assert!(out.contains("pending:        0"), "{out}");
+    assert!(out.contains("sent:           1"), "{out}");
+    assert!(out.contains("dead-lettered:  1"), "{out}");
+    assert!(
+        out.contains(
+            "dead: bad-1 -> nowhere after 1 attempt(s): no consumer subscribed to nowhere"
+        ),
+        "{out}"
+    );
+}
