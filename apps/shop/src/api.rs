@@ -25,11 +25,12 @@ use idem_sql::{transition, Transition};
 #[derive(Debug, Clone)]
 pub(crate) struct AppState {
     pub(crate) db: Database,
+    pub(crate) messaging: Arc<crate::messaging::Messaging>,
 }
 
 impl AppState {
-    pub(crate) fn new(db: Database) -> Self {
-        Self { db }
+    pub(crate) fn new(db: Database, messaging: Arc<crate::messaging::Messaging>) -> Self {
+        Self { db, messaging }
     }
 }
 
@@ -63,6 +64,8 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
             get(crate::catalog::get_product).put(crate::catalog::put_product),
         )
         .route("/webhooks/bank", post(crate::webhooks::bank_event))
+        .route("/stock/{sku}", get(get_stock))
+        .route("/emails", get(get_emails))
         .with_state(state)
 }
 
@@ -318,6 +321,9 @@ async fn record_payment(
             }
             Err(e) => return Err(db_error(e)),
         }
+        // The event commits with the payment.
+        let event = crate::messaging::payment_authorized(&state.messaging, payment);
+        idem_outbox::OutboxConnection::enqueue(&mut *tx, &event).await.map_err(db_error)?;
         // Fenced by the claim's token: if a retry took this request over,
         // this fails, `tx` is dropped (rolled back), and the payment is not
         // written.
@@ -326,8 +332,40 @@ async fn record_payment(
             .await
             .map_err(IntoResponse::into_response)?;
         tx.commit().await.map_err(db_error)?;
+        state.messaging.wake();
         Ok(response)
     })
+}
+
+/// `GET /stock/{sku}`: units reserved so far by the reserve-stock consumer.
+async fn get_stock(State(state): State<AppState>, Path(sku): Path<String>) -> Response {
+    match state.db.reserved(&sku).await {
+        Ok(reserved) => Json(serde_json::json!({"sku": sku, "reserved": reserved})).into_response(),
+        Err(e) => database_unavailable(&e),
+    }
+}
+
+/// `GET /emails?account_id=…`: confirmation emails sent by the send-email
+/// consumer, one per payment.
+async fn get_emails(
+    State(state): State<AppState>,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    let Some(account_id) = q.get("account_id") else {
+        return validation("the account_id query parameter is required");
+    };
+    match state.db.emails(account_id).await {
+        Ok(emails) => {
+            let emails: Vec<_> = emails
+                .into_iter()
+                .map(|(payment_id, subject)| {
+                    serde_json::json!({"payment_id": payment_id, "account_id": account_id, "subject": subject})
+                })
+                .collect();
+            Json(serde_json::json!({"emails": emails})).into_response()
+        }
+        Err(e) => database_unavailable(&e),
+    }
 }
 
 fn db_error(e: sqlx::Error) -> Response {

@@ -33,6 +33,14 @@ pub(crate) struct Config {
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
     pub(crate) redis_prefix: String,
 
+    /// A broker for the events (`amqp://…` RabbitMQ, `nats://…` JetStream); in process without one.
+    #[arg(long, env = "BROKER_URL")]
+    pub(crate) broker_url: Option<String>,
+
+    /// The prefix of queue names and subjects (two shops sharing a broker need different ones).
+    #[arg(long, env = "SHOP_BROKER_PREFIX", default_value = "shop")]
+    pub(crate) broker_prefix: String,
+
     /// Completed records kept in this process for replays without a round trip (0: off).
     #[arg(long, env = "IDEM_REPLAY_CACHE", default_value_t = 0)]
     pub(crate) replay_cache: usize,

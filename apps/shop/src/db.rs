@@ -68,6 +68,22 @@ CREATE TABLE IF NOT EXISTS shop_bank_events (
     received_at BIGINT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS shop_bank_events_payment ON shop_bank_events (payment_id);
+
+-- What the reserve-stock consumer reserved, per SKU.
+CREATE TABLE IF NOT EXISTS shop_stock (
+    sku      TEXT   PRIMARY KEY,
+    reserved BIGINT NOT NULL
+);
+
+-- What the send-email consumer sent: one confirmation per payment.
+CREATE TABLE IF NOT EXISTS shop_emails (
+    id         TEXT   PRIMARY KEY,
+    payment_id TEXT   NOT NULL,
+    account_id TEXT   NOT NULL,
+    subject    TEXT   NOT NULL,
+    created_at BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS shop_emails_account ON shop_emails (account_id);
 ";
 
 /// The name of the constraint that keeps one payment per operation.
@@ -182,6 +198,8 @@ impl Database {
         if url.starts_with("sqlite:") {
             let store = SqliteStore::connect(url).await?;
             sqlx::raw_sql(SCHEMA).execute(store.pool()).await?;
+            idem_outbox::inbox::migrate_sqlite(store.pool()).await?;
+            idem_outbox::outbox::migrate_sqlite(store.pool()).await?;
             Ok(Self::Sqlite(store))
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let store = PostgresStore::connect(url).await?;
@@ -192,6 +210,8 @@ impl Database {
                 .await?;
             sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
             tx.commit().await?;
+            idem_outbox::inbox::migrate_postgres(store.pool()).await?;
+            idem_outbox::outbox::migrate(store.pool()).await?;
             Ok(Self::Postgres(store))
         } else {
             Err(OpenError::Unsupported(url.to_owned()))
@@ -210,6 +230,23 @@ impl Database {
         let sql = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1");
         let row: Option<PaymentRow> = on_backend!(self, store => sqlx::query_as(&sql).bind(id).fetch_optional(store.pool()).await?);
         Ok(row.map(Payment::from))
+    }
+
+    /// Units reserved so far for a SKU.
+    pub(crate) async fn reserved(&self, sku: &str) -> Result<i64, sqlx::Error> {
+        const SQL: &str = "SELECT reserved FROM shop_stock WHERE sku = $1";
+        let found: Option<i64> = on_backend!(self, store => sqlx::query_scalar(SQL).bind(sku).fetch_optional(store.pool()).await?);
+        Ok(found.unwrap_or(0))
+    }
+
+    /// The confirmation emails sent for an account: (payment id, subject).
+    pub(crate) async fn emails(
+        &self,
+        account_id: &str,
+    ) -> Result<Vec<(String, String)>, sqlx::Error> {
+        const SQL: &str = "SELECT payment_id, subject FROM shop_emails WHERE account_id = $1
+                           ORDER BY created_at, id";
+        on_backend!(self, store => sqlx::query_as(SQL).bind(account_id).fetch_all(store.pool()).await)
     }
 
     /// The bank events processed for a payment, oldest first: (event id, type).

@@ -9,6 +9,7 @@ mod bank;
 mod catalog;
 mod config;
 mod db;
+mod messaging;
 mod orders;
 mod webhooks;
 
@@ -71,7 +72,19 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
 
     let sweeper = tokio::spawn(sweep_forever(store.clone(), policy.retention()));
 
-    let app = api::router(api::AppState::new(database), store, policy);
+    let messaging = Arc::new(
+        messaging::Messaging::start(
+            database.clone(),
+            config.broker_url.as_deref(),
+            &config.broker_prefix,
+        )
+        .await?,
+    );
+    let app = api::router(
+        api::AppState::new(database, messaging.clone()),
+        store,
+        policy,
+    );
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
@@ -84,6 +97,8 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     sweeper.abort();
+    // In-flight messages finish and are acknowledged before the consumers stop.
+    messaging.shutdown().await;
     info!("shop stopped");
     Ok(())
 }

@@ -1,0 +1,345 @@
+//! Events through the outbox, consumed once through the inbox.
+//!
+//! `POST /orders` enqueues `OrderPlaced` and a successful payment enqueues
+//! `PaymentAuthorized`, each in the transaction of its business write. A
+//! relay publishes them after the commit: through RabbitMQ or NATS
+//! JetStream when `--broker-url` names one, in process otherwise. Two
+//! consumers act on them once each through the inbox: `reserve-stock`
+//! (stock reserved per SKU) and `send-email` (one confirmation email per
+//! payment).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::UnixMillis;
+use idem_outbox::transport::InProcess;
+use idem_outbox::{Handled, InboxPool, OutgoingMessage, Publisher, Relay, RelayConfig};
+use serde::Deserialize;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use crate::db::{on_backend, Database};
+
+/// The events, by the suffix of their destination.
+pub(crate) const ORDER_PLACED: &str = "orders.placed";
+pub(crate) const PAYMENT_AUTHORIZED: &str = "payments.authorized";
+
+/// A running relay and its consumers.
+pub(crate) struct Messaging {
+    relay: Relay,
+    prefix: String,
+    stop: watch::Sender<bool>,
+    tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Messaging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Messaging")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct OrderPlaced {
+    order_id: String,
+    items: Vec<Line>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Line {
+    sku: String,
+    qty: i64,
+}
+
+#[derive(Debug, Deserialize)]
+struct PaymentAuthorized {
+    payment_id: String,
+    account_id: String,
+    amount: i64,
+    currency: String,
+}
+
+/// What a consumer does with one message, once.
+async fn act(
+    db: &Database,
+    destination_suffix: &str,
+    message_id: &str,
+    payload: &[u8],
+) -> Result<(), String> {
+    let now = UnixMillis::now().0;
+    let outcome: Result<Handled<()>, String> = if destination_suffix == ORDER_PLACED {
+        let event: OrderPlaced =
+            serde_json::from_slice(payload).map_err(|e| format!("bad OrderPlaced: {e}"))?;
+        on_backend!(db, store => store
+            .pool()
+            .process("reserve-stock", message_id, move |tx| {
+                Box::pin(async move {
+                    for line in &event.items {
+                        sqlx::query(
+                            "INSERT INTO shop_stock (sku, reserved) VALUES ($1, $2)
+                             ON CONFLICT (sku) DO UPDATE SET reserved = shop_stock.reserved + excluded.reserved",
+                        )
+                        .bind(&line.sku)
+                        .bind(line.qty)
+                        .execute(&mut **tx)
+                        .await?;
+                    }
+                    tracing::debug!(order = %event.order_id, "stock reserved");
+                    Ok::<_, sqlx::Error>(())
+                })
+            })
+            .await
+            .map_err(|e| e.to_string()))
+    } else {
+        let event: PaymentAuthorized =
+            serde_json::from_slice(payload).map_err(|e| format!("bad PaymentAuthorized: {e}"))?;
+        on_backend!(db, store => store
+            .pool()
+            .process("send-email", message_id, move |tx| {
+                Box::pin(async move {
+                    let subject = format!(
+                        "Payment {} of {} {} authorized",
+                        event.payment_id, event.amount, event.currency
+                    );
+                    sqlx::query(
+                        "INSERT INTO shop_emails (id, payment_id, account_id, subject, created_at)
+                         VALUES ($1, $2, $3, $4, $5)",
+                    )
+                    .bind(format!("em_{}", uuid::Uuid::now_v7().simple()))
+                    .bind(&event.payment_id)
+                    .bind(&event.account_id)
+                    .bind(subject)
+                    .bind(now)
+                    .execute(&mut **tx)
+                    .await?;
+                    Ok::<_, sqlx::Error>(())
+                })
+            })
+            .await
+            .map_err(|e| e.to_string()))
+    };
+    match outcome? {
+        Handled::Processed(()) => info!(message_id, "event processed"),
+        Handled::Duplicate => info!(message_id, "duplicate event acknowledged"),
+    }
+    Ok(())
+}
+
+impl Messaging {
+    /// Starts the relay and both consumers over the transport `broker_url`
+    /// names (`amqp://…`, `nats://…`), or in process without one.
+    pub(crate) async fn start(
+        db: Database,
+        broker_url: Option<&str>,
+        prefix: &str,
+    ) -> Result<Self, Box<dyn std::error::Error>> {
+        let (stop, stop_rx) = watch::channel(false);
+        let destinations = [
+            format!("{prefix}.{ORDER_PLACED}"),
+            format!("{prefix}.{PAYMENT_AUTHORIZED}"),
+        ];
+        let mut tasks = Vec::new();
+        let publisher: Arc<dyn Publisher> = match broker_url {
+            None => {
+                let transport = Arc::new(InProcess::new());
+                for (dest, suffix) in destinations.iter().zip([ORDER_PLACED, PAYMENT_AUTHORIZED]) {
+                    let rx = transport.subscribe(dest);
+                    tasks.push(tokio::spawn(consume_in_process(
+                        db.clone(),
+                        suffix,
+                        rx,
+                        stop_rx.clone(),
+                    )));
+                }
+                info!("messaging in process (no --broker-url)");
+                transport
+            }
+            Some(url) if url.starts_with("amqp://") || url.starts_with("amqps://") => {
+                let publisher = idem_rabbitmq::RabbitPublisher::connect(url).await?;
+                for (dest, suffix) in destinations.iter().zip([ORDER_PLACED, PAYMENT_AUTHORIZED]) {
+                    let spec = idem_rabbitmq::QueueSpec::new(dest.clone()).max_deliveries(5);
+                    spec.declare(publisher.channel()).await?;
+                    let consumer = idem_rabbitmq::RabbitConsumer::connect(url, spec, 32).await?;
+                    let db = db.clone();
+                    let stop = stop_rx.clone();
+                    tasks.push(tokio::spawn(async move {
+                        let handler = |m: idem_rabbitmq::Incoming| {
+                            let db = db.clone();
+                            async move {
+                                let id = m.message_id.ok_or("a message without message_id")?;
+                                act(&db, suffix, &id, &m.payload).await
+                            }
+                        };
+                        if let Err(e) = consumer.run(handler, stop).await {
+                            warn!(error = %e, "RabbitMQ consumer ended");
+                        }
+                    }));
+                }
+                info!(url, "messaging over RabbitMQ");
+                Arc::new(publisher)
+            }
+            Some(url) if url.starts_with("nats://") => {
+                let stream_prefix: String = prefix
+                    .chars()
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() {
+                            c.to_ascii_uppercase()
+                        } else {
+                            '_'
+                        }
+                    })
+                    .collect();
+                let specs = [
+                    idem_nats::StreamSpec::new(
+                        format!("{stream_prefix}_ORDERS"),
+                        destinations[0].clone(),
+                    ),
+                    idem_nats::StreamSpec::new(
+                        format!("{stream_prefix}_PAYMENTS"),
+                        destinations[1].clone(),
+                    ),
+                ];
+                let publisher = idem_nats::NatsPublisher::connect(url, &specs[0]).await?;
+                specs[1].declare(publisher.context()).await?;
+                for (spec, (suffix, durable)) in specs.iter().zip([
+                    (ORDER_PLACED, "reserve-stock"),
+                    (PAYMENT_AUTHORIZED, "send-email"),
+                ]) {
+                    let consumer = idem_nats::NatsConsumer::connect(url, spec, durable, 5).await?;
+                    let db = db.clone();
+                    let stop = stop_rx.clone();
+                    tasks.push(tokio::spawn(async move {
+                        let handler = |m: idem_nats::Incoming| {
+                            let db = db.clone();
+                            async move {
+                                let id = m.message_id.ok_or("a message without Nats-Msg-Id")?;
+                                act(&db, suffix, &id, &m.payload).await
+                            }
+                        };
+                        if let Err(e) = consumer.run(handler, stop).await {
+                            warn!(error = %e, "NATS consumer ended");
+                        }
+                    }));
+                }
+                info!(url, "messaging over NATS JetStream");
+                Arc::new(publisher)
+            }
+            Some(other) => {
+                return Err(
+                    format!("unsupported broker URL {other:?}: use amqp://… or nats://…").into(),
+                )
+            }
+        };
+        let config = RelayConfig {
+            poll: Duration::from_millis(500),
+            ..RelayConfig::default()
+        };
+        let relay = match &db {
+            Database::Sqlite(store) => Relay::sqlite(store.pool().clone(), publisher, config),
+            Database::Postgres(store) => Relay::new(store.pool().clone(), publisher, config),
+        };
+        let running = relay.clone();
+        let stop_relay = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = running.run(stop_relay).await {
+                warn!(error = %e, "outbox relay ended");
+            }
+        }));
+        Ok(Self {
+            relay,
+            prefix: prefix.to_owned(),
+            stop,
+            tasks: std::sync::Mutex::new(tasks),
+        })
+    }
+
+    /// The destination of an event.
+    pub(crate) fn destination(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.prefix)
+    }
+
+    /// Wakes the relay after a commit that enqueued events.
+    pub(crate) fn wake(&self) {
+        self.relay.wake();
+    }
+
+    /// Stops the relay and the consumers; in-flight messages finish first.
+    pub(crate) async fn shutdown(&self) {
+        let _ = self.stop.send(true);
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Consumes an in-process destination until `stop`.
+async fn consume_in_process(
+    db: Database,
+    suffix: &'static str,
+    mut rx: mpsc::UnboundedReceiver<OutgoingMessage>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let message = tokio::select! {
+            m = rx.recv() => m,
+            _ = stop.changed() => None,
+        };
+        let Some(m) = message else { return };
+        // In process there is no broker to redeliver: retry here, bounded.
+        for attempt in 1..=5 {
+            match act(&db, suffix, &m.message_id, &m.payload).await {
+                Ok(()) => break,
+                Err(e) => {
+                    warn!(message_id = %m.message_id, attempt, error = %e, "consumer failed");
+                    tokio::time::sleep(Duration::from_millis(100 * attempt)).await;
+                }
+            }
+        }
+    }
+}
+
+/// The outgoing event for a placed order.
+pub(crate) fn order_placed(
+    m: &Messaging,
+    order_id: &str,
+    customer_id: &str,
+    items_json: &str,
+) -> OutgoingMessage {
+    OutgoingMessage {
+        message_id: format!("order-placed-{order_id}"),
+        destination: m.destination(ORDER_PLACED),
+        ordering_key: Some(order_id.to_owned()),
+        payload: format!(
+            r#"{{"order_id":{},"customer_id":{},"items":{items_json}}}"#,
+            json(order_id),
+            json(customer_id)
+        )
+        .into(),
+        headers: vec![("type".into(), "OrderPlaced".into())],
+    }
+}
+
+/// The outgoing event for an authorized payment.
+pub(crate) fn payment_authorized(m: &Messaging, payment: &crate::db::Payment) -> OutgoingMessage {
+    OutgoingMessage {
+        message_id: format!("payment-authorized-{}", payment.id),
+        destination: m.destination(PAYMENT_AUTHORIZED),
+        ordering_key: None,
+        payload: serde_json::json!({
+            "payment_id": payment.id,
+            "account_id": payment.account_id,
+            "amount": payment.amount,
+            "currency": payment.currency,
+        })
+        .to_string()
+        .into(),
+        headers: vec![("type".into(), "PaymentAuthorized".into())],
+    }
+}
+
+fn json(s: &str) -> String {
+    serde_json::Value::String(s.to_owned()).to_string()
+}
