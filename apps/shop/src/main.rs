@@ -70,7 +70,11 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         ));
     }
 
-    let sweeper = tokio::spawn(sweep_forever(store.clone(), policy.retention()));
+    let sweeper = tokio::spawn(sweep_forever(
+        store.clone(),
+        policy.retention(),
+        database.clone(),
+    ));
 
     let messaging = Arc::new(
         messaging::Messaging::start(
@@ -104,7 +108,9 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// Removes records past their retention, in bounded batches, forever.
-async fn sweep_forever(store: Arc<dyn Store>, retention: Duration) {
+/// Removes idempotency records past their retention, and processed
+/// message ids past the inbox's (7 days), in bounded batches, forever.
+async fn sweep_forever(store: Arc<dyn Store>, retention: Duration, db: db::Database) {
     let every = (retention / 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
     let mut tick = tokio::time::interval(every);
     loop {
@@ -113,6 +119,18 @@ async fn sweep_forever(store: Arc<dyn Store>, retention: Duration) {
             Ok(0) => {}
             Ok(n) => info!(swept = n, "removed expired idempotency records"),
             Err(e) => warn!(error = %e, "sweep failed; will try again"),
+        }
+        let inbox = idem_outbox::inbox::DEFAULT_RETENTION;
+        let swept = match &db {
+            db::Database::Sqlite(s) => idem_outbox::inbox::sweep_sqlite(s.pool(), inbox, 500).await,
+            db::Database::Postgres(s) => {
+                idem_outbox::inbox::sweep_postgres(s.pool(), inbox, 500).await
+            }
+        };
+        match swept {
+            Ok(0) => {}
+            Ok(n) => info!(swept = n, "removed old processed message ids"),
+            Err(e) => warn!(error = %e, "inbox sweep failed; will try again"),
         }
     }
 }
