@@ -243,11 +243,13 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_message_is_con
     let (stop, task) = consumer(&s, seen.clone(), false, None).await;
     let watch_seen = seen.clone();
     wait_for(
-        "both copies of every message",
+        "both copies of every message, handled",
         Duration::from_secs(20),
         move || {
             let seen = watch_seen.clone();
-            Box::pin(async move { seen.deliveries.load(Ordering::SeqCst) == 40 })
+            Box::pin(async move {
+                seen.ids.lock().unwrap().len() + seen.duplicates.load(Ordering::SeqCst) == 40
+            })
         },
     )
     .await;
@@ -271,10 +273,16 @@ async fn the_same_message_delivered_to_two_consumers_at_once_acts_once() {
     }
     assert!(s.publisher.publish(&batch).await.iter().all(Result::is_ok));
     let watch_seen = seen.clone();
-    wait_for("all 60 deliveries", Duration::from_secs(20), move || {
-        let seen = watch_seen.clone();
-        Box::pin(async move { seen.deliveries.load(Ordering::SeqCst) == 60 })
-    })
+    wait_for(
+        "all 60 deliveries, handled",
+        Duration::from_secs(20),
+        move || {
+            let seen = watch_seen.clone();
+            Box::pin(async move {
+                seen.ids.lock().unwrap().len() + seen.duplicates.load(Ordering::SeqCst) == 60
+            })
+        },
+    )
     .await;
     assert_eq!(effects(&s.pool).await, 30);
     assert_eq!(seen.duplicates.load(Ordering::SeqCst), 30);
