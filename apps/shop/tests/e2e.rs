@@ -353,3 +353,18 @@ async fn bad_flags_fail_with_a_clear_message() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_bodies_are_answered_413_not_cut_off() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    let huge = format!(
+        r#"{{"account_id":"acc_1","amount":1,"currency":"EUR","pad":"{}"}}"#,
+        "x".repeat(3 << 20)
+    );
+    for i in 0..10 {
+        let a = read(pay(&client, &shop, Some(&format!("huge-{i}")), &huge)).await;
+        assert_eq!(a.status, 413, "attempt {i}");
+    }
+}

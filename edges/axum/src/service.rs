@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Request, StatusCode};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use idem_core::{
     decide, decision::retry_after, BoxFuture, Claim, ClaimOutcome, ClaimRequest, Decision,
     Fingerprint, IdempotencyKey, KeyError, Record, RecordState, Situation, Store, StoreError,
@@ -240,19 +240,16 @@ where
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > policy.max_body() as u64) {
-            return Ok(too_large());
-        }
-        let bytes: Bytes = match Limited::new(body, policy.max_body()).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<LengthLimitError>() => return Ok(too_large()),
-            Err(e) => {
+        let bytes: Bytes = match read_body(body, policy.max_body(), declared).await {
+            Ok(bytes) => bytes,
+            Err(BodyError::TooLarge) => return Ok(too_large()),
+            Err(BodyError::Unreadable(e)) => {
                 return Ok(Problem::new(
                     StatusCode::BAD_REQUEST,
                     "body-unreadable",
                     "The request body could not be read",
                 )
-                .detail(e.to_string())
+                .detail(e)
                 .into_response())
             }
         };
@@ -324,6 +321,62 @@ where
     }
     .instrument(span)
     .await
+}
+
+enum BodyError {
+    TooLarge,
+    Unreadable(String),
+}
+
+/// How much of an oversized body is read and thrown away before answering
+/// `413`, so that a client still sending it reads the answer instead of a
+/// broken pipe; beyond it (or after a few seconds) the connection is cut.
+const DRAIN_LIMIT: u64 = 32 * 1024 * 1024;
+
+/// Reads the body up to `max` bytes. Past it (declared or found), drains
+/// what the client is still sending, within bounds, and reports `TooLarge`;
+/// nothing of it is kept.
+async fn read_body(mut body: Body, max: usize, declared: Option<u64>) -> Result<Bytes, BodyError> {
+    let mut buf = bytes::BytesMut::new();
+    let mut too_large = declared.is_some_and(|n| n > max as u64);
+    let mut drained: u64 = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let frame = if too_large {
+            match tokio::time::timeout_at(deadline, body.frame()).await {
+                Ok(f) => f,
+                Err(_) => return Err(BodyError::TooLarge),
+            }
+        } else {
+            body.frame().await
+        };
+        let Some(frame) = frame else { break };
+        let frame = match frame {
+            Ok(f) => f,
+            Err(_) if too_large => return Err(BodyError::TooLarge),
+            Err(e) => return Err(BodyError::Unreadable(e.to_string())),
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if too_large {
+            drained += data.len() as u64;
+            if drained > DRAIN_LIMIT {
+                return Err(BodyError::TooLarge);
+            }
+        } else if buf.len() + data.len() > max {
+            too_large = true;
+            drained = (buf.len() + data.len()) as u64;
+            buf = bytes::BytesMut::new();
+        } else {
+            buf.extend_from_slice(&data);
+        }
+    }
+    if too_large {
+        Err(BodyError::TooLarge)
+    } else {
+        Ok(buf.freeze())
+    }
 }
 
 /// Claims the key, answering duplicates per the decision table. `Ok` means
