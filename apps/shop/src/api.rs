@@ -26,11 +26,22 @@ use idem_sql::{transition, Transition};
 pub(crate) struct AppState {
     pub(crate) db: Database,
     pub(crate) messaging: Arc<crate::messaging::Messaging>,
+    /// Whether idempotency records live in `db`, so that handlers complete
+    /// them in their own transaction (not so with Redis alone).
+    pub(crate) transactional: bool,
 }
 
 impl AppState {
-    pub(crate) fn new(db: Database, messaging: Arc<crate::messaging::Messaging>) -> Self {
-        Self { db, messaging }
+    pub(crate) fn new(
+        db: Database,
+        messaging: Arc<crate::messaging::Messaging>,
+        transactional: bool,
+    ) -> Self {
+        Self {
+            db,
+            messaging,
+            transactional,
+        }
     }
 }
 
@@ -47,6 +58,7 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
     Router::new()
         .route("/healthz", get(healthz))
         .route("/payments", post(create_payment).route_layer(key_required))
+        .route("/bare/payments", post(create_payment_bare))
         .route("/payments/{id}", get(get_payment))
         .route("/payments/{id}/capture", post(capture_payment))
         .route(
@@ -233,16 +245,50 @@ async fn create_payment(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let simulate = match parse_simulate(&headers) {
+    let client_id = idem.scope().to_owned();
+    pay(
+        &state,
+        &client_id,
+        idem.operation_id(),
+        Some(&idem),
+        &headers,
+        &body,
+    )
+    .await
+}
+
+/// `POST /bare/payments`: the same work with no idempotency at all, the
+/// baseline the benchmarks compare against. A retry here charges again.
+async fn create_payment_bare(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let client_id = match bearer_client_id_of(&headers) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let operation_id = idem_core::OperationId::generate();
+    pay(&state, &client_id, operation_id, None, &headers, &body).await
+}
+
+/// Charges the bank under `operation_id` and records the payment.
+async fn pay(
+    state: &AppState,
+    client_id: &str,
+    operation_id: idem_core::OperationId,
+    idem: Option<&Idempotency>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
+    let simulate = match parse_simulate(headers) {
         Ok(s) => s,
         Err(r) => return r,
     };
-    let new = match parse_payment(&body) {
+    let new = match parse_payment(body) {
         Ok(p) => p,
         Err(r) => return r,
     };
-    let client_id = idem.scope().to_owned();
-
     if simulate.crash_before_bank {
         crash("before the bank call");
     }
@@ -250,7 +296,7 @@ async fn create_payment(
         return bank_failed(&BankError::Simulated);
     }
     let charge = ChargeRequest {
-        operation_id: idem.operation_id(),
+        operation_id,
         account_id: &new.account_id,
         amount: new.amount,
         currency: &new.currency,
@@ -275,7 +321,7 @@ async fn create_payment(
         status: "authorized".to_owned(),
         bank_charge_id,
     };
-    match record_payment(&state, &idem, &client_id, &payment).await {
+    match record_payment(state, idem, client_id, &operation_id.to_string(), &payment).await {
         Ok(response) => response,
         Err(response) => response,
     }
@@ -285,8 +331,9 @@ async fn create_payment(
 /// transaction: both commit, or neither.
 async fn record_payment(
     state: &AppState,
-    idem: &Idempotency,
+    idem: Option<&Idempotency>,
     client_id: &str,
+    operation_id: &str,
     payment: &Payment,
 ) -> Result<Response, Response> {
     let response = (
@@ -295,7 +342,6 @@ async fn record_payment(
         Json(payment),
     )
         .into_response();
-    let operation_id = idem.operation_id().to_string();
     let now = UnixMillis::now().0;
     on_backend!(&state.db, store => {
         let mut tx = store.pool().begin_write().await.map_err(db_error)?;
@@ -307,7 +353,7 @@ async fn record_payment(
             .bind(&payment.currency)
             .bind(&payment.status)
             .bind(&payment.bank_charge_id)
-            .bind(&operation_id)
+            .bind(operation_id)
             .bind(now)
             .execute(&mut *tx)
             .await;
@@ -327,10 +373,15 @@ async fn record_payment(
         // Fenced by the claim's token: if a retry took this request over,
         // this fails, `tx` is dropped (rolled back), and the payment is not
         // written.
-        let response = idem
-            .complete_in(store, &mut *tx, response)
-            .await
-            .map_err(IntoResponse::into_response)?;
+        // With a store outside this database (Redis alone), the layer
+        // completes the record after the handler returns instead.
+        let response = match idem {
+            Some(idem) if state.transactional => idem
+                .complete_in(store, &mut *tx, response)
+                .await
+                .map_err(IntoResponse::into_response)?,
+            _ => response,
+        };
         tx.commit().await.map_err(db_error)?;
         state.messaging.wake();
         Ok(response)

@@ -29,6 +29,12 @@ pub(crate) struct Config {
     #[arg(long, env = "REDIS_URL")]
     pub(crate) redis_url: Option<String>,
 
+    /// Where idempotency records live: `database` (default; completed in the
+    /// handler's transaction) or `redis` (Redis alone, needs --redis-url;
+    /// completed after the handler returns).
+    #[arg(long, env = "IDEM_STORE", default_value = "database", value_parser = ["database", "redis"])]
+    pub(crate) idem_store: String,
+
     /// The prefix of idem's keys in Redis (two services sharing a Redis need different ones).
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
     pub(crate) redis_prefix: String,

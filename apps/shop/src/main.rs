@@ -55,12 +55,26 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     let policy = config.policy()?;
     let database = db::Database::open(&config.database_url).await?;
     let mut store: Arc<dyn Store> = database.idem_store();
-    if let Some(url) = &config.redis_url {
-        let redis = RedisStore::connect(RedisConfig::new(url).prefix(&config.redis_prefix))
-            .await
-            .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
-        info!(prefix = %config.redis_prefix, "Redis in front of the database");
-        store = Arc::new(TieredStore::new(store, redis));
+    let redis = match &config.redis_url {
+        Some(url) => Some(
+            RedisStore::connect(RedisConfig::new(url).prefix(&config.redis_prefix))
+                .await
+                .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?,
+        ),
+        None => None,
+    };
+    let transactional = config.idem_store == "database";
+    match (transactional, redis) {
+        (true, Some(redis)) => {
+            info!(prefix = %config.redis_prefix, "Redis in front of the database");
+            store = Arc::new(TieredStore::new(store, redis));
+        }
+        (true, None) => {}
+        (false, Some(redis)) => {
+            info!(prefix = %config.redis_prefix, "idempotency records in Redis alone");
+            store = Arc::new(redis);
+        }
+        (false, None) => return Err("--idem-store redis needs --redis-url".into()),
     }
     if config.replay_cache > 0 {
         store = Arc::new(ReplayCache::new(
@@ -85,7 +99,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         .await?,
     );
     let app = api::router(
-        api::AppState::new(database, messaging.clone()),
+        api::AppState::new(database, messaging.clone(), transactional),
         store,
         policy,
     );

@@ -368,3 +368,78 @@ async fn oversized_bodies_are_answered_413_not_cut_off() {
         assert_eq!(a.status, 413, "attempt {i}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_alone_settles_racing_duplicates_too() {
+    let db = Db::sqlite();
+    let prefix = format!("shop-alone-{}", uuid::Uuid::new_v4().simple());
+    let shop = Shop::start(
+        &db,
+        &[
+            "--idem-store",
+            "redis",
+            "--redis-url",
+            "redis://127.0.0.1:6379",
+            "--redis-prefix",
+            &prefix,
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for _ in 0..30 {
+        let r = pay(&client, &shop, Some("alone-1"), BODY).header("x-simulate", "bank-delay=200");
+        tasks.push(tokio::spawn(read(r)));
+    }
+    let mut fresh = 0;
+    for t in tasks {
+        let a = t.await.unwrap();
+        assert!(a.status == 201 || a.status == 409, "{a:?}");
+        fresh += usize::from(a.status == 201 && !a.replayed);
+    }
+    assert_eq!(fresh, 1);
+    let again = read(pay(&client, &shop, Some("alone-1"), BODY)).await;
+    assert!(again.replayed);
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(1), Some(1)),
+        "{acc}"
+    );
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args([
+            "--idem-store",
+            "redis",
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            "sqlite::memory:",
+        ])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("needs --redis-url"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bare_baseline_route_charges_every_time() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    for _ in 0..3 {
+        let a = read(
+            client
+                .post(shop.url("/bare/payments"))
+                .header("authorization", "Bearer client-1")
+                .header("content-type", "application/json")
+                .body(BODY),
+        )
+        .await;
+        assert_eq!(a.status, 201);
+    }
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(
+        acc["payments"], 3,
+        "no idempotency: every retry is a new charge"
+    );
+    assert_eq!(acc["bank_charges"], 3);
+}
