@@ -26,6 +26,14 @@ struct Args {
     /// Requests to send in all (after warm-up).
     #[arg(long, default_value_t = 10_000)]
     requests: u64,
+    /// Send at this fixed rate (requests per second, open loop; latency is
+    /// counted from each request's scheduled time) instead of as fast as
+    /// the concurrency allows.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Stop after this many seconds even if requests remain.
+    #[arg(long)]
+    duration_secs: Option<f64>,
     /// Percentages of each kind: new, replay, inflight, nokey (summing to 100).
     #[arg(long, default_value = "new=100")]
     mix: String,
@@ -174,13 +182,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             inflight_key.clone(),
         );
         let total = args.requests;
+        let rate = args.rate;
+        let until = args
+            .duration_secs
+            .map(|d| started + Duration::from_secs_f64(d));
         workers.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             loop {
                 let n = next.fetch_add(1, Ordering::Relaxed);
-                if n >= total {
+                if n >= total || until.is_some_and(|u| Instant::now() >= u) {
                     return latencies;
                 }
+                // Open loop: each request has its slot; latency counts from it.
+                let scheduled = match rate {
+                    Some(r) => {
+                        let at = started + Duration::from_secs_f64(n as f64 / r);
+                        tokio::time::sleep_until(at.into()).await;
+                        at
+                    }
+                    None => Instant::now(),
+                };
                 let mut r = client
                     .post(&url)
                     .bearer_auth(&token)
@@ -194,7 +215,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     Kind::InFlight => r.header("idempotency-key", &inflight_key),
                     Kind::NoKey => r,
                 };
-                let t = Instant::now();
+                let t = scheduled;
                 match r.body(body.clone()).send().await {
                     Ok(resp) => {
                         let status = resp.status().as_u16();

@@ -1,0 +1,92 @@
+//! Micro-benchmarks of the pure core: key parsing, canonical-JSON
+//! fingerprints of 1 KiB and 64 KiB bodies, and the decision function.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use idem_core::{
+    decide, FencingToken, Fingerprint, IdempotencyKey, OperationId, Policy, Record, RecordState,
+    Situation, UnixMillis,
+};
+
+fn json_body(bytes: usize) -> Vec<u8> {
+    let mut items = Vec::new();
+    let mut i = 0;
+    while serde_json_len(&items) < bytes {
+        items.push(format!(
+            r#"{{"sku":"sku-{i}","qty":{},"note":"line {i} of the order","price":{}.5}}"#,
+            i % 7 + 1,
+            i * 3
+        ));
+        i += 1;
+    }
+    format!(
+        r#"{{"customer_id":"cust-1","currency":"EUR","items":[{}]}}"#,
+        items.join(",")
+    )
+    .into_bytes()
+}
+
+fn serde_json_len(items: &[String]) -> usize {
+    items.iter().map(|s| s.len() + 1).sum()
+}
+
+fn benches(c: &mut Criterion) {
+    c.bench_function("key/bare", |b| {
+        b.iter(|| IdempotencyKey::parse(black_box(b"8e03978e-40d5-43e8-bc93-6894a57f9324")))
+    });
+    c.bench_function("key/structured", |b| {
+        b.iter(|| IdempotencyKey::parse(black_box(br#""8e03978e-40d5-43e8-bc93-6894a57f9324""#)))
+    });
+    for size in [1024, 64 * 1024] {
+        let body = json_body(size);
+        let mut g = c.benchmark_group("fingerprint");
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_function(format!("json/{}KiB", size / 1024), |b| {
+            b.iter(|| {
+                Fingerprint::of_request(
+                    "POST",
+                    "/orders",
+                    Some("application/json"),
+                    black_box(&body),
+                )
+            })
+        });
+        g.bench_function(format!("raw/{}KiB", size / 1024), |b| {
+            b.iter(|| {
+                Fingerprint::of_request("POST", "/orders", Some("text/plain"), black_box(&body))
+            })
+        });
+        g.finish();
+    }
+    let policy = Policy::default();
+    let fp = Fingerprint::of_request("POST", "/p", None, b"{}");
+    let record = Record {
+        scope: "s".into(),
+        key: "k".into(),
+        fingerprint: fp,
+        operation_id: OperationId::generate(),
+        created_at: UnixMillis(0),
+        expires_at: UnixMillis(i64::MAX),
+        state: RecordState::InProgress {
+            token: FencingToken(1),
+            locked_until: UnixMillis(i64::MAX),
+        },
+    };
+    c.bench_function("decide/in-flight", |b| {
+        b.iter(|| {
+            decide(
+                black_box(&policy),
+                Situation::Arrived {
+                    stored: Some(black_box(&record)),
+                    fingerprint: &fp,
+                    now: UnixMillis(1),
+                },
+            )
+        })
+    });
+}
+
+criterion_group!(core, benches);
+criterion_main!(core);
