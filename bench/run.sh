@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Builds everything, starts shop in each configuration, runs every scenario
+# with the same load, and writes BENCHMARKS.md: the table, the ratios, the
+# machine, and this command.
+#
+# Usage: bash bench/run.sh [requests-per-scenario] [concurrency]
+#   MEMORY_SECONDS=300 bash bench/run.sh   # the 5-minute memory run
+#
+# Needs the services `bash scripts/test` starts (PostgreSQL, Redis).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REQUESTS=${1:-5000}
+CONCURRENCY=${2:-32}
+MEMORY_SECONDS=${MEMORY_SECONDS:-60}
+PG=${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
+REDIS=${IDEM_BENCH_REDIS_URL:-redis://127.0.0.1:6379}
+export PGOPTIONS="-c client_min_messages=warning"
+
+cargo build --release -q -p shop -p idem-load
+BIN=${CARGO_TARGET_DIR:-target}/release
+out=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$out"' EXIT
+results="$out/results.jsonl"
+: > "$results"
+
+start_shop() { # config name, then shop arguments; sets URL, PID, SCHEMA
+  local args=("$@")
+  SCHEMA=""
+  if [[ " ${args[*]} " == *" PGSCHEMA "* ]]; then
+    SCHEMA="bench_$(date +%s%N)"
+    psql "$PG" -qc "CREATE SCHEMA $SCHEMA"
+    args=("${args[@]/PGSCHEMA/$PG?options=-c%20search_path%3D$SCHEMA}")
+  fi
+  SHOP_LOG=error "$BIN/shop" --listen 127.0.0.1:0 "${args[@]}" > "$out/shop.out" 2>"$out/shop.err" &
+  PID=$!
+  for _ in $(seq 1 100); do grep -q "listening on" "$out/shop.out" && break; sleep 0.1; done
+  URL=$(sed -n 's/^shop listening on //p' "$out/shop.out")
+  [ -n "$URL" ] || { cat "$out/shop.err"; exit 1; }
+}
+
+stop_shop() {
+  kill "$PID"; wait "$PID" 2>/dev/null || true
+  if [ -n "$SCHEMA" ]; then psql "$PG" -qc "DROP SCHEMA $SCHEMA CASCADE"; fi
+}
+
+load() { # config, scenario, path, mix
+  "$BIN/idem-load" --url "$URL$3" --requests "$REQUESTS" --concurrency "$CONCURRENCY" \
+    --mix "$4" --label "$1 / $2" 2>>"$out/raw.jsonl" | tee -a "$out/table.txt"
+  tail -n 1 "$out/raw.jsonl" | python3 -c "import json,sys; d=json.load(sys.stdin); d['config']='$1'; d['scenario']='$2'; print(json.dumps(d))" >> "$results"
+}
+
+run_config() { # name, then shop arguments
+  local name=$1; shift
+  start_shop "$@"
+  load "$name" bare /bare/payments nokey=100
+  load "$name" new /payments new=100
+  load "$name" replay /payments replay=100
+  load "$name" inflight /payments inflight=100
+  stop_shop
+}
+
+echo "== scenarios: $REQUESTS requests each, concurrency $CONCURRENCY"
+run_config "sqlite"            --database-url "sqlite:$out/bench.db"
+run_config "postgres"          --database-url PGSCHEMA
+run_config "postgres+redis"    --database-url PGSCHEMA --redis-url "$REDIS" --redis-prefix "bench-$$"
+run_config "postgres+cache"    --database-url PGSCHEMA --replay-cache 10000
+run_config "redis-only"        --database-url "sqlite:$out/bench2.db" --idem-store redis --redis-url "$REDIS" --redis-prefix "bench2-$$"
+
+echo "== memory: new keys at a fixed rate for ${MEMORY_SECONDS}s on postgres"
+start_shop --database-url PGSCHEMA
+"$BIN/idem-load" --url "$URL/payments" --requests 1000 --concurrency 8 --mix new=50,replay=50 --label warmup 2>/dev/null >/dev/null
+rss_start=$(awk '/VmRSS/ {print $2}' "/proc/$PID/status")
+"$BIN/idem-load" --url "$URL/payments" --requests 100000000 --rate 300 --duration-secs "$MEMORY_SECONDS" \
+  --concurrency 16 --mix new=50,replay=50 --label "memory run" 2>/dev/null
+rss_end=$(awk '/VmRSS/ {print $2}' "/proc/$PID/status")
+stop_shop
+echo "{\"rss_start_kb\": $rss_start, \"rss_end_kb\": $rss_end, \"seconds\": $MEMORY_SECONDS}" > "$out/memory.json"
+
+echo "== criterion micro-benchmarks"
+cargo bench -q -p idem-core --bench core -- --warm-up-time 1 --measurement-time 3 2>/dev/null \
+  | grep -E "^[a-z].*time:" > "$out/criterion.txt" || true
+
+python3 bench/render.py "$results" "$out/memory.json" "$out/criterion.txt" \
+  "bash bench/run.sh $REQUESTS $CONCURRENCY" > BENCHMARKS.md
+echo "wrote BENCHMARKS.md"
