@@ -27,8 +27,9 @@ def nproc():
 by = {(r["config"], r["scenario"]): r for r in rows}
 configs = []
 for r in rows:
-    if r["config"] not in configs:
+    if r["config"] not in configs and not r["config"].startswith("trivial: "):
         configs.append(r["config"])
+peers = [c for c in dict.fromkeys(r["config"] for r in rows) if c.startswith("trivial: ")]
 
 out = []
 out.append("# Benchmarks\n")
@@ -56,6 +57,39 @@ for c in configs:
                    f"{r['p999_ms']:.2f} | {r['errors']} | {ratio} | {p50} |")
 out.append("")
 
+out.append("## Peers, in front of the same trivial endpoint\n")
+out.append("Each library guards the same `POST /payments` (sleep if asked, answer 201 "
+           "with a fresh id), driven by the same load; idem with the same kind of store "
+           "next to each.\n")
+out.append("| config | scenario | req/s | p50 ms | p99 ms | p99.9 ms | errors |")
+out.append("|---|---|---:|---:|---:|---:|---:|")
+for c in peers:
+    for s_ in ["new", "replay", "inflight"]:
+        r = by.get((c, s_))
+        if r:
+            out.append(f"| {c[9:]} | {s_} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                       f"{r['p999_ms']:.2f} | {r['errors']} |")
+out.append("")
+pairs = [("trivial: idem (memory)", "trivial: express-idempotency"),
+         ("trivial: idem (redis)", "trivial: @node-idempotency (redis)")]
+for ours, theirs in pairs:
+    for s_ in ["new", "replay", "inflight"]:
+        a, b = by.get((ours, s_)), by.get((theirs, s_))
+        if a and b:
+            out.append(f"- {ours[9:]} / {theirs[9:]}, {s_}: {a['rps'] / b['rps']:.2f}× the throughput, "
+                       f"p50 {a['p50_ms'] / b['p50_ms']:.2f}× the latency.")
+out.append("")
+out.append("What the peers, as configured here, do not give that idem does (a faster "
+           "peer that double-charges is not ahead):\n")
+out.append("- `express-idempotency`: records live in the process's memory (its default "
+           "adapter), so two instances, or a restart, forget each other's keys; no lease, "
+           "so a crashed request's key is never taken over; the handler must check "
+           "`isHit()` itself; no record committed with the business write.")
+out.append("- `@node-idempotency/core` + Redis: an atomic claim (`SET NX`) and a body "
+           "fingerprint, but no fencing token: a holder that outlives its record can still "
+           "complete it; no operation id kept across retries; the record cannot commit with "
+           "a SQL business write.\n")
+
 out.append("## Targets\n")
 def ratio(c1, s1, c2, s2):
     a, b = by.get((c1, s1)), by.get((c2, s2))
@@ -77,8 +111,12 @@ grow = memory["rss_end_kb"] - memory["rss_start_kb"]
 out.append(f"- Memory: resident {memory['rss_start_kb'] / 1024:.1f} MiB after warm-up, "
            f"{memory['rss_end_kb'] / 1024:.1f} MiB after {memory['seconds']} s of steady load "
            f"(new keys and replays at 300 req/s): {grow / 1024:+.1f} MiB.")
-out.append("- Peers (`axum-idempotent`, `@node-idempotency/core`, `express-idempotency`): "
-           "not run yet; see the open benchmarks issue.\n")
+for ours, theirs in pairs:
+    ahead = all(by[(ours, s_)]["rps"] > by[(theirs, s_)]["rps"]
+                for s_ in ["new", "replay", "inflight"] if (ours, s_) in by and (theirs, s_) in by)
+    out.append(f"- {ours[9:]} ahead of {theirs[9:]} on every scenario: {'met' if ahead else 'NOT met'}.")
+out.append("- `axum-idempotent` was not run: it keys records by a session (cookie) store "
+           "and needs a session layer in front; not wired yet.\n")
 
 out.append("## The pure core (criterion)\n")
 out.append("```")

@@ -4,19 +4,20 @@
 # machine, and this command.
 #
 # Usage: bash bench/run.sh [requests-per-scenario] [concurrency]
-#   MEMORY_SECONDS=300 bash bench/run.sh   # the 5-minute memory run
+#   MEMORY_SECONDS=60 bash bench/run.sh   # a shorter memory run (default 300 s)
 #
-# Needs the services `bash scripts/test` starts (PostgreSQL, Redis).
+# Needs the services `bash scripts/test` starts (PostgreSQL, Redis), Node.js
+# and npm for the peers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-5000}
 CONCURRENCY=${2:-32}
-MEMORY_SECONDS=${MEMORY_SECONDS:-60}
+MEMORY_SECONDS=${MEMORY_SECONDS:-300}
 PG=${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 REDIS=${IDEM_BENCH_REDIS_URL:-redis://127.0.0.1:6379}
 export PGOPTIONS="-c client_min_messages=warning"
 
-cargo build --release -q -p shop -p idem-load
+cargo build --release -q -p shop -p idem-load -p idem-trivial
 BIN=${CARGO_TARGET_DIR:-target}/release
 out=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$out"' EXIT
@@ -65,6 +66,28 @@ run_config "postgres"          --database-url PGSCHEMA
 run_config "postgres+redis"    --database-url PGSCHEMA --redis-url "$REDIS" --redis-prefix "bench-$$"
 run_config "postgres+cache"    --database-url PGSCHEMA --replay-cache 10000
 run_config "redis-only"        --database-url "sqlite:$out/bench2.db" --idem-store redis --redis-url "$REDIS" --redis-prefix "bench2-$$"
+
+echo "== peers: each library in front of the same trivial endpoint"
+(cd bench/peers && npm install --silent --no-audit --no-fund >/dev/null)
+start_peer() { # config name, then the command; sets URL, PID
+  "$@" > "$out/peer.out" 2>"$out/peer.err" &
+  PID=$!
+  for _ in $(seq 1 100); do grep -q "listening on" "$out/peer.out" && break; sleep 0.1; done
+  URL=$(sed -n 's/^.* listening on //p' "$out/peer.out")
+  [ -n "$URL" ] || { cat "$out/peer.err"; exit 1; }
+}
+run_peer() { # config name, then the command
+  local name=$1; shift
+  start_peer "$@"
+  load "$name" new /payments new=100
+  load "$name" replay /payments replay=100
+  load "$name" inflight /payments inflight=100
+  kill "$PID"; wait "$PID" 2>/dev/null || true
+}
+run_peer "trivial: idem (memory)"              "$BIN/idem-trivial" --listen 127.0.0.1:0 --store memory
+run_peer "trivial: express-idempotency"        node bench/peers/express-idempotency.js
+run_peer "trivial: idem (redis)"               "$BIN/idem-trivial" --listen 127.0.0.1:0 --store redis --redis-url "$REDIS"
+run_peer "trivial: @node-idempotency (redis)"  env REDIS_URL="$REDIS" node bench/peers/node-idempotency.js
 
 echo "== memory: new keys at a fixed rate for ${MEMORY_SECONDS}s on postgres"
 start_shop --database-url PGSCHEMA
