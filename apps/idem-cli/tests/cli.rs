@@ -279,7 +279,12 @@ async fn shows_the_outbox_and_its_dead_letters() {
     }
     tx.commit().await.unwrap();
     let transport = Arc::new(idem_outbox::transport::InProcess::new());
-    let _orders = transport.subscribe("orders");
+    let mut orders = transport.subscribe("orders");
+    tokio::spawn(async move {
+        while let Some(d) = orders.recv().await {
+            d.ack();
+        }
+    });
     let relay = idem_outbox::Relay::new(
         pool.clone(),
         transport,

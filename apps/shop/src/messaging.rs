@@ -279,7 +279,7 @@ impl Messaging {
 async fn consume_in_process(
     db: Database,
     suffix: &'static str,
-    mut rx: mpsc::UnboundedReceiver<OutgoingMessage>,
+    mut rx: mpsc::UnboundedReceiver<idem_outbox::transport::Delivery>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -287,15 +287,15 @@ async fn consume_in_process(
             m = rx.recv() => m,
             _ = stop.changed() => None,
         };
-        let Some(m) = message else { return };
-        // In process there is no broker to redeliver: retry here, bounded.
-        for attempt in 1..=5 {
-            match act(&db, suffix, &m.message_id, &m.payload).await {
-                Ok(()) => break,
-                Err(e) => {
-                    warn!(message_id = %m.message_id, attempt, error = %e, "consumer failed");
-                    tokio::time::sleep(Duration::from_millis(100 * attempt)).await;
-                }
+        let Some(delivery) = message else { return };
+        // Acknowledged only once processed: the relay marks the row sent
+        // then, and retries it (with backoff, then dead-letters it) if not.
+        let m = &delivery.message;
+        match act(&db, suffix, &m.message_id, &m.payload).await {
+            Ok(()) => delivery.ack(),
+            Err(e) => {
+                warn!(message_id = %m.message_id, error = %e, "consumer failed; the relay will retry");
+                delivery.fail(e);
             }
         }
     }

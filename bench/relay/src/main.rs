@@ -79,7 +79,11 @@ async fn publisher(
     } else {
         let t = Arc::new(idem_outbox::transport::InProcess::new());
         let mut rx = t.subscribe(destination);
-        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        tokio::spawn(async move {
+            while let Some(d) = rx.recv().await {
+                d.ack();
+            }
+        });
         Ok((t, None))
     }
 }

@@ -1,30 +1,72 @@
 //! An in-process transport: the embedded default when no broker is
-//! configured. Published messages go to a channel per destination; a
-//! consumer reads them. At-least-once like a broker: a relay that
-//! republishes delivers again, and the inbox absorbs it.
+//! configured. Published messages go to a channel per destination, and a
+//! publish counts as done only once the consumer acknowledged the message
+//! (after its handler committed), so the relay marks a row sent only after
+//! it was processed: a crash in between leaves the row to be published
+//! again, and the inbox absorbs the repeat. At-least-once, like a broker.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use idem_core::BoxFuture;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::outbox::{OutgoingMessage, PublishError, Publisher};
 
+/// A message handed to an in-process consumer, to acknowledge or fail.
+#[derive(Debug)]
+pub struct Delivery {
+    /// The message.
+    pub message: OutgoingMessage,
+    done: oneshot::Sender<Result<(), String>>,
+}
+
+impl Delivery {
+    /// The message was processed: the relay may mark it sent.
+    pub fn ack(self) {
+        let _ = self.done.send(Ok(()));
+    }
+
+    /// The message failed: the relay retries it later (and dead-letters it
+    /// after its attempts). Dropping a delivery unacknowledged fails it too.
+    pub fn fail(self, reason: impl Into<String>) {
+        let _ = self.done.send(Err(reason.into()));
+    }
+}
+
 /// Channels per destination; see the [module docs](self).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct InProcess {
-    senders: Mutex<HashMap<String, mpsc::UnboundedSender<OutgoingMessage>>>,
+    senders: Mutex<HashMap<String, mpsc::UnboundedSender<Delivery>>>,
+    ack_timeout: Duration,
+}
+
+impl Default for InProcess {
+    fn default() -> Self {
+        Self {
+            senders: Mutex::default(),
+            ack_timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 impl InProcess {
-    /// A transport with no destinations yet.
+    /// A transport with no destinations yet, waiting up to 10 s for each
+    /// acknowledgement.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Waits up to `timeout` for each acknowledgement (then the publish
+    /// fails and the row is retried later).
+    pub fn ack_timeout(mut self, timeout: Duration) -> Self {
+        self.ack_timeout = timeout;
+        self
+    }
+
     /// Subscribes to `destination`, replacing an earlier subscriber.
-    pub fn subscribe(&self, destination: &str) -> mpsc::UnboundedReceiver<OutgoingMessage> {
+    pub fn subscribe(&self, destination: &str) -> mpsc::UnboundedReceiver<Delivery> {
         let (tx, rx) = mpsc::unbounded_channel();
         self.senders
             .lock()
@@ -39,19 +81,44 @@ impl Publisher for InProcess {
         &'a self,
         batch: &'a [OutgoingMessage],
     ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
-        let senders = self.senders.lock().unwrap_or_else(|e| e.into_inner());
-        let results = batch
-            .iter()
-            .map(|m| match senders.get(&m.destination) {
-                Some(tx) => tx
-                    .send(m.clone())
-                    .map_err(|_| PublishError(format!("no consumer on {}", m.destination))),
-                None => Err(PublishError(format!(
-                    "no consumer subscribed to {}",
-                    m.destination
-                ))),
-            })
-            .collect();
-        Box::pin(async move { results })
+        let pending: Vec<Result<oneshot::Receiver<Result<(), String>>, PublishError>> = {
+            let senders = self.senders.lock().unwrap_or_else(|e| e.into_inner());
+            batch
+                .iter()
+                .map(|m| {
+                    let Some(tx) = senders.get(&m.destination) else {
+                        return Err(PublishError(format!(
+                            "no consumer subscribed to {}",
+                            m.destination
+                        )));
+                    };
+                    let (done, acked) = oneshot::channel();
+                    tx.send(Delivery {
+                        message: m.clone(),
+                        done,
+                    })
+                    .map_err(|_| PublishError(format!("no consumer on {}", m.destination)))?;
+                    Ok(acked)
+                })
+                .collect()
+        };
+        let timeout = self.ack_timeout;
+        Box::pin(async move {
+            let mut results = Vec::with_capacity(pending.len());
+            for p in pending {
+                results.push(match p {
+                    Err(e) => Err(e),
+                    Ok(acked) => match tokio::time::timeout(timeout, acked).await {
+                        Ok(Ok(Ok(()))) => Ok(()),
+                        Ok(Ok(Err(reason))) => Err(PublishError(reason)),
+                        Ok(Err(_)) => Err(PublishError(
+                            "the consumer dropped the message unacknowledged".into(),
+                        )),
+                        Err(_) => Err(PublishError("no acknowledgement in time".into())),
+                    },
+                });
+            }
+            results
+        })
     }
 }

@@ -464,10 +464,11 @@ async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
     }
     let mut consumed = 0;
     while consumed < 1000 {
-        let m = tokio::time::timeout(Duration::from_secs(10), deliveries.recv())
+        let delivery = tokio::time::timeout(Duration::from_secs(10), deliveries.recv())
             .await
             .unwrap()
             .unwrap();
+        let m = delivery.message.clone();
         assert_ne!(m.message_id, "never");
         let id = m.message_id.clone();
         let handled = inbox::process_sqlite(&pool, "c", &m.message_id, move |tx| {
@@ -482,10 +483,72 @@ async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
         .await
         .unwrap();
         assert_eq!(handled, Handled::Processed(()));
+        delivery.ack();
         consumed += 1;
     }
-    let s = outbox::stats_sqlite(&pool).await.unwrap();
+    // the relay marks the last batch once its acknowledgements are in
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let s = loop {
+        let s = outbox::stats_sqlite(&pool).await.unwrap();
+        if s.sent == 1000 || std::time::Instant::now() > deadline {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!((s.sent, s.pending, s.dead), (1000, 0, 0));
     stop_tx.send(true).unwrap();
     running.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_process_message_is_marked_sent_only_once_its_consumer_acknowledged_it() {
+    use idem_outbox::transport::InProcess;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}?mode=rwc", dir.path().join("ack.db").display());
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    outbox::migrate_sqlite(&pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    outbox::enqueue_sqlite(&mut tx, &message("m1", "orders", None))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let transport = Arc::new(InProcess::new().ack_timeout(Duration::from_millis(300)));
+    let mut rx = transport.subscribe("orders");
+    let relay = Relay::sqlite(
+        pool.clone(),
+        transport,
+        RelayConfig {
+            backoff: Duration::from_millis(10),
+            ..RelayConfig::default()
+        },
+    );
+    // the consumer "crashes": it drops the delivery without acknowledging
+    let first = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.round().await.unwrap() }
+    });
+    drop(rx.recv().await.unwrap());
+    assert_eq!(first.await.unwrap().failed, 1);
+    let s = outbox::stats_sqlite(&pool).await.unwrap();
+    assert_eq!((s.pending, s.sent), (1, 0), "not marked sent");
+    // a consumer that never answers times out the same way
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let silent = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.round().await.unwrap() }
+    });
+    let held = rx.recv().await.unwrap();
+    assert_eq!(silent.await.unwrap().failed, 1);
+    drop(held);
+    // the next attempt is acknowledged after processing: now it is sent
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.round().await.unwrap() }
+    });
+    let delivery = rx.recv().await.unwrap();
+    assert_eq!(delivery.message.message_id, "m1");
+    delivery.ack();
+    assert_eq!(second.await.unwrap().sent, 1);
+    assert_eq!(outbox::stats_sqlite(&pool).await.unwrap().sent, 1);
 }
