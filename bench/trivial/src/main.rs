@@ -38,7 +38,10 @@ async fn pay(headers: HeaderMap) -> (StatusCode, Json<serde_json::Value>) {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     let id = format!("pay_{}", uuid::Uuid::new_v4().simple());
-    (StatusCode::CREATED, Json(serde_json::json!({"id": id, "status": "authorized"})))
+    (
+        StatusCode::CREATED,
+        Json(serde_json::json!({"id": id, "status": "authorized"})),
+    )
 }
 
 #[tokio::main]
@@ -48,7 +51,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "memory" => Arc::new(idem_memory::MemoryStore::new()),
         "redis" => Arc::new(
             idem_redis::RedisStore::connect(
-                idem_redis::RedisConfig::new(&args.redis_url).prefix(format!("trivial-{}", uuid::Uuid::new_v4().simple())),
+                idem_redis::RedisConfig::new(&args.redis_url)
+                    .prefix(format!("trivial-{}", uuid::Uuid::new_v4().simple())),
             )
             .await?,
         ),
@@ -57,7 +61,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let layer = IdempotencyLayer::new(store, Policy::default(), SingleScope("bench".into()));
     let app = Router::new().route("/payments", post(pay).route_layer(layer));
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
-    println!("idem-trivial listening on http://{}", listener.local_addr()?);
+    println!(
+        "idem-trivial listening on http://{}",
+        listener.local_addr()?
+    );
     axum::serve(listener, app).await?;
     Ok(())
 }
