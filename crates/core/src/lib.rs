@@ -38,7 +38,8 @@ pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use ops::{Inspection, StoreStats};
 pub use policy::{Policy, PolicyBuilder, PolicyError};
 pub use record::{
-    Claim, FencingToken, OperationId, Record, RecordState, StoredResponse, UnixMillis,
+    Claim, CorruptRecord, FencingToken, OperationId, Record, RecordRow, RecordState,
+    StoredResponse, UnixMillis,
 };
 pub use store::{
     sweep_all, BoxFuture, ClaimOutcome, ClaimRequest, Store, StoreError, TransactionalStore,

@@ -190,6 +190,89 @@ impl Record {
     }
 }
 
+/// A record as a store keeps it, field by field, before validation: what a
+/// SQL row or a Redis hash holds. [`RecordRow::into_record`] checks it and
+/// builds the [`Record`], the same way for every store.
+#[derive(Debug, Clone, Default)]
+pub struct RecordRow {
+    /// The scope.
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// The fingerprint's bytes (must be 32).
+    pub fingerprint: Vec<u8>,
+    /// The operation id, as a UUID string.
+    pub operation_id: String,
+    /// `"in_progress"` or `"completed"`.
+    pub state: String,
+    /// The holder's token (in progress).
+    pub token: Option<i64>,
+    /// The lease's end, ms (in progress).
+    pub locked_until: Option<i64>,
+    /// Creation, ms.
+    pub created_at: i64,
+    /// End of retention, ms.
+    pub expires_at: i64,
+    /// Completion, ms (completed).
+    pub completed_at: Option<i64>,
+    /// The stored status (completed).
+    pub status: Option<i64>,
+    /// The stored headers, as [`StoredResponse::encode_headers`] wrote them.
+    pub headers: Option<Vec<u8>>,
+    /// The stored body.
+    pub body: Option<Vec<u8>>,
+}
+
+/// A stored record that does not decode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct CorruptRecord(pub String);
+
+impl RecordRow {
+    /// Validates the fields and builds the record.
+    pub fn into_record(self) -> Result<Record, CorruptRecord> {
+        let missing = |what: &str| CorruptRecord(format!("{what} is missing"));
+        let fingerprint = Fingerprint::from_slice(&self.fingerprint)
+            .ok_or_else(|| CorruptRecord("the fingerprint is not 32 bytes".into()))?;
+        let operation_id = Uuid::parse_str(&self.operation_id)
+            .map(OperationId)
+            .map_err(|e| CorruptRecord(format!("operation id {:?}: {e}", self.operation_id)))?;
+        let state = match self.state.as_str() {
+            "in_progress" => RecordState::InProgress {
+                token: FencingToken(self.token.ok_or_else(|| missing("token"))?),
+                locked_until: UnixMillis(self.locked_until.ok_or_else(|| missing("locked_until"))?),
+            },
+            "completed" => {
+                let status = self.status.ok_or_else(|| missing("status"))?;
+                RecordState::Completed {
+                    response: StoredResponse {
+                        status: u16::try_from(status)
+                            .map_err(|_| CorruptRecord(format!("status {status}")))?,
+                        headers: StoredResponse::decode_headers(
+                            self.headers.as_deref().ok_or_else(|| missing("headers"))?,
+                        )
+                        .map_err(|e| CorruptRecord(e.to_string()))?,
+                        body: Bytes::from(self.body.ok_or_else(|| missing("body"))?),
+                    },
+                    completed_at: UnixMillis(
+                        self.completed_at.ok_or_else(|| missing("completed_at"))?,
+                    ),
+                }
+            }
+            other => return Err(CorruptRecord(format!("unknown state {other:?}"))),
+        };
+        Ok(Record {
+            scope: self.scope,
+            key: self.key,
+            fingerprint,
+            operation_id,
+            created_at: UnixMillis(self.created_at),
+            expires_at: UnixMillis(self.expires_at),
+            state,
+        })
+    }
+}
+
 /// A won claim: the right to run the operation under `token` until
 /// `locked_until`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -228,6 +311,56 @@ mod tests {
         assert_eq!(StoredResponse::decode_headers(&enc).unwrap(), r.headers);
         assert!(StoredResponse::decode_headers(&enc[..enc.len() - 1]).is_err());
         assert_eq!(StoredResponse::decode_headers(&[]).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn rows_decode_the_same_way_for_every_store() {
+        let row = RecordRow {
+            scope: "s".into(),
+            key: "k".into(),
+            fingerprint: vec![7; 32],
+            operation_id: OperationId::generate().to_string(),
+            state: "completed".into(),
+            created_at: 1,
+            expires_at: 2,
+            completed_at: Some(3),
+            status: Some(201),
+            headers: Some(Vec::new()),
+            body: Some(b"{}".to_vec()),
+            ..RecordRow::default()
+        };
+        let record = row.clone().into_record().unwrap();
+        assert!(
+            matches!(record.state, RecordState::Completed { ref response, .. } if response.status == 201)
+        );
+        let short_fp = RecordRow {
+            fingerprint: vec![1; 3],
+            ..row.clone()
+        };
+        assert!(short_fp.into_record().is_err());
+        let no_status = RecordRow {
+            status: None,
+            ..row.clone()
+        };
+        assert!(no_status.into_record().unwrap_err().0.contains("status"));
+        let bad_state = RecordRow {
+            state: "weird".into(),
+            ..row.clone()
+        };
+        assert!(bad_state.into_record().is_err());
+        let held = RecordRow {
+            state: "in_progress".into(),
+            token: Some(9),
+            locked_until: Some(5),
+            ..row
+        };
+        assert!(matches!(
+            held.into_record().unwrap().state,
+            RecordState::InProgress {
+                token: FencingToken(9),
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -154,6 +154,12 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
 }
 
+impl From<crate::record::CorruptRecord> for StoreError {
+    fn from(e: crate::record::CorruptRecord) -> Self {
+        StoreError::Corrupt(e.0)
+    }
+}
+
 /// Sweeps every expired record, `batch` at a time, returning how many went.
 pub async fn sweep_all<S: Store + ?Sized>(store: &S, batch: usize) -> Result<u64, StoreError> {
     let batch = batch.max(1);

@@ -42,10 +42,9 @@ mod tier;
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, OperationId, Record,
-    RecordState, Store, StoreError, StoredResponse, UnixMillis,
+    RecordRow, RecordState, Store, StoreError, StoredResponse, UnixMillis,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Script, Value};
@@ -385,47 +384,30 @@ fn decode(fields: &[Value]) -> Result<Record, StoreError> {
             }
         }
     }
-    let field = |name: &str| -> Result<&Vec<u8>, StoreError> {
-        get.get(name.as_bytes())
-            .ok_or_else(|| StoreError::Corrupt(format!("record field {name} is missing")))
-    };
-    let text = |name: &str| -> Result<String, StoreError> {
-        String::from_utf8(field(name)?.clone())
-            .map_err(|_| StoreError::Corrupt(format!("field {name} is not UTF-8")))
-    };
-    let num = |name: &str| -> Result<i64, StoreError> {
-        text(name)?
-            .parse()
-            .map_err(|_| StoreError::Corrupt(format!("field {name} is not a number")))
-    };
-    let fingerprint = Fingerprint::from_slice(field("fp")?)
-        .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
-    let state = match text("st")?.as_str() {
-        "p" => RecordState::InProgress {
-            token: FencingToken(num("tok")?),
-            locked_until: UnixMillis(num("lu")?),
+    let bytes = |name: &str| get.get(name.as_bytes()).cloned();
+    let text =
+        |name: &str| -> Option<String> { bytes(name).and_then(|b| String::from_utf8(b).ok()) };
+    let num = |name: &str| -> Option<i64> { text(name)?.parse().ok() };
+    let row = RecordRow {
+        scope: text("s").unwrap_or_default(),
+        key: text("k").unwrap_or_default(),
+        fingerprint: bytes("fp").unwrap_or_default(),
+        operation_id: text("op").unwrap_or_default(),
+        state: match text("st").as_deref() {
+            Some("p") => "in_progress".to_owned(),
+            Some("c") => "completed".to_owned(),
+            other => format!("{other:?}"),
         },
-        "c" => RecordState::Completed {
-            response: StoredResponse {
-                status: u16::try_from(num("sc")?)
-                    .map_err(|_| StoreError::Corrupt("status".into()))?,
-                headers: StoredResponse::decode_headers(field("hd")?)
-                    .map_err(|e| StoreError::Corrupt(e.to_string()))?,
-                body: Bytes::from(field("bd")?.clone()),
-            },
-            completed_at: UnixMillis(num("co")?),
-        },
-        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+        token: num("tok"),
+        locked_until: num("lu"),
+        created_at: num("ca").ok_or_else(|| StoreError::Corrupt("created_at is missing".into()))?,
+        expires_at: num("ea").ok_or_else(|| StoreError::Corrupt("expires_at is missing".into()))?,
+        completed_at: num("co"),
+        status: num("sc"),
+        headers: bytes("hd"),
+        body: bytes("bd"),
     };
-    Ok(Record {
-        scope: text("s")?,
-        key: text("k")?,
-        fingerprint,
-        operation_id: parse_op(&text("op")?)?,
-        created_at: UnixMillis(num("ca")?),
-        expires_at: UnixMillis(num("ea")?),
-        state,
-    })
+    Ok(row.into_record()?)
 }
 
 impl Store for RedisStore {

@@ -42,11 +42,9 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use bytes::Bytes;
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, Inspection,
-    OperationId, Record, RecordState, Store, StoreError, StoreStats, StoredResponse,
-    TransactionalStore, UnixMillis,
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
+    RecordRow, Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
@@ -339,49 +337,25 @@ fn parse_operation_id(s: &str) -> Result<OperationId, StoreError> {
 }
 
 fn decode_record(row: &SqliteRow) -> Result<Record, StoreError> {
-    let corrupt = |what: &str, e: sqlx::Error| StoreError::Corrupt(format!("{what}: {e}"));
-    let get_i64 = |col: &str| row.try_get::<i64, _>(col).map_err(|e| corrupt(col, e));
-    let fingerprint: Vec<u8> = row
-        .try_get("fingerprint")
-        .map_err(|e| corrupt("fingerprint", e))?;
-    let fingerprint = Fingerprint::from_slice(&fingerprint)
-        .ok_or_else(|| StoreError::Corrupt("fingerprint is not 32 bytes".into()))?;
-    let state: String = row.try_get("state").map_err(|e| corrupt("state", e))?;
-    let state = match state.as_str() {
-        "in_progress" => RecordState::InProgress {
-            token: FencingToken(get_i64("token")?),
-            locked_until: UnixMillis(get_i64("locked_until")?),
-        },
-        "completed" => {
-            let status = get_i64("status")?;
-            let status = u16::try_from(status)
-                .map_err(|_| StoreError::Corrupt(format!("status {status}")))?;
-            let headers: Vec<u8> = row.try_get("headers").map_err(|e| corrupt("headers", e))?;
-            let body: Vec<u8> = row.try_get("body").map_err(|e| corrupt("body", e))?;
-            RecordState::Completed {
-                response: StoredResponse {
-                    status,
-                    headers: StoredResponse::decode_headers(&headers)
-                        .map_err(|e| StoreError::Corrupt(e.to_string()))?,
-                    body: Bytes::from(body),
-                },
-                completed_at: UnixMillis(get_i64("completed_at")?),
-            }
-        }
-        other => return Err(StoreError::Corrupt(format!("unknown state {other:?}"))),
+    let fields = || -> Result<RecordRow, sqlx::Error> {
+        Ok(RecordRow {
+            scope: row.try_get("scope")?,
+            key: row.try_get("key")?,
+            fingerprint: row.try_get("fingerprint")?,
+            operation_id: row.try_get("operation_id")?,
+            state: row.try_get("state")?,
+            token: row.try_get("token")?,
+            locked_until: row.try_get("locked_until")?,
+            created_at: row.try_get("created_at")?,
+            expires_at: row.try_get("expires_at")?,
+            completed_at: row.try_get("completed_at")?,
+            status: row.try_get("status")?,
+            headers: row.try_get("headers")?,
+            body: row.try_get("body")?,
+        })
     };
-    Ok(Record {
-        scope: row.try_get("scope").map_err(|e| corrupt("scope", e))?,
-        key: row.try_get("key").map_err(|e| corrupt("key", e))?,
-        fingerprint,
-        operation_id: parse_operation_id(
-            &row.try_get::<String, _>("operation_id")
-                .map_err(|e| corrupt("operation_id", e))?,
-        )?,
-        created_at: UnixMillis(get_i64("created_at")?),
-        expires_at: UnixMillis(get_i64("expires_at")?),
-        state,
-    })
+    let fields = fields().map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    Ok(fields.into_record()?)
 }
 
 /// Completes `claim` with `response` on `conn`, usually the handler's open
@@ -489,6 +463,8 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use idem_core::RecordState;
 
     async fn fresh() -> (SqliteStore, tempfile::TempDir) {
         let dir = tempfile::tempdir().expect("temp dir");
