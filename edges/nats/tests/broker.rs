@@ -2,15 +2,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use idem_core::BoxFuture;
 use idem_nats::{Incoming, NatsConsumer, NatsPublisher, StreamSpec};
-use idem_outbox::inbox::{self, Handled};
 use idem_outbox::outbox::{self, OutgoingMessage, PublishError, Publisher, Relay, RelayConfig};
+use idem_store_suite::messaging::{effects, message, outbox_schema, record_effect, wait_for, Seen};
 use idem_store_suite::postgres::TestSchema;
 use tokio::sync::watch;
 
@@ -40,18 +39,7 @@ impl Drop for Setup {
 }
 
 async fn setup() -> Setup {
-    let schema = TestSchema::create("idem_nats").await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(20)
-        .connect(&schema.url())
-        .await
-        .unwrap();
-    inbox::migrate_postgres(&pool).await.unwrap();
-    outbox::migrate(&pool).await.unwrap();
-    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    let (pool, schema) = outbox_schema("idem_nats").await;
     let id = uuid::Uuid::new_v4().simple().to_string();
     let spec = StreamSpec::new(format!("IDEM_TEST_{id}"), format!("idem-test.{id}"));
     let publisher = NatsPublisher::connect(&nats(), &spec)
@@ -70,17 +58,6 @@ async fn setup() -> Setup {
     }
 }
 
-#[derive(Default)]
-struct Seen {
-    deliveries: AtomicUsize,
-    duplicates: AtomicUsize,
-    ids: Mutex<Vec<String>>,
-}
-
-/// A consumer instance of durable `durable` recording one effect per message
-/// through the inbox. `hold` keeps the handler busy that long after its
-/// commit (past the ack wait, the message goes to another instance);
-/// `hang` never acks at all.
 async fn consumer(
     s: &Setup,
     seen: Arc<Seen>,
@@ -106,30 +83,7 @@ async fn consumer(
         let handler = move |m: Incoming| {
             let (pool, seen) = (pool.clone(), seen.clone());
             async move {
-                seen.deliveries.fetch_add(1, Ordering::SeqCst);
-                let id = m.message_id.clone().ok_or("no message id")?;
-                if Some(id.as_str()) == fail_on {
-                    return Err("this message always fails");
-                }
-                let effect_id = id.clone();
-                let handled = inbox::process_postgres(&pool, "test-consumer", &id, move |tx| {
-                    Box::pin(async move {
-                        sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
-                            .bind(effect_id)
-                            .execute(&mut **tx)
-                            .await?;
-                        tokio::time::sleep(hold).await;
-                        Ok::<_, sqlx::Error>(())
-                    })
-                })
-                .await
-                .map_err(|_| "inbox failed")?;
-                match handled {
-                    Handled::Processed(()) => seen.ids.lock().unwrap().push(id),
-                    Handled::Duplicate => {
-                        seen.duplicates.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
+                record_effect(&pool, &seen, m.message_id, hold, fail_on).await?;
                 if hang {
                     std::future::pending::<()>().await;
                 }
@@ -139,35 +93,6 @@ async fn consumer(
         c.run(handler, stop).await.unwrap();
     });
     (stop_tx, task)
-}
-
-fn message(id: &str, subject: &str) -> OutgoingMessage {
-    OutgoingMessage {
-        message_id: id.to_owned(),
-        destination: subject.to_owned(),
-        ordering_key: None,
-        payload: Bytes::from(format!("{{\"id\":\"{id}\"}}")),
-        headers: vec![("type".into(), "OrderPlaced".into())],
-    }
-}
-
-async fn effects(pool: &sqlx::PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM effects")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-async fn wait_for(
-    what: &str,
-    within: Duration,
-    mut done: impl FnMut() -> BoxFuture<'static, bool>,
-) {
-    let deadline = Instant::now() + within;
-    while !done().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 const NO_HOLD: Duration = Duration::ZERO;

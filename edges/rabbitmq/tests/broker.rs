@@ -2,15 +2,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use idem_core::BoxFuture;
-use idem_outbox::inbox::{self, Handled};
 use idem_outbox::outbox::{self, OutgoingMessage, PublishError, Publisher, Relay, RelayConfig};
 use idem_rabbitmq::{Incoming, QueueSpec, RabbitConsumer, RabbitPublisher};
+use idem_store_suite::messaging::{effects, message, outbox_schema, record_effect, wait_for, Seen};
 use idem_store_suite::postgres::TestSchema;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use tokio::sync::watch;
@@ -50,18 +49,7 @@ impl Drop for Setup {
 }
 
 async fn setup(max_deliveries: i32) -> Setup {
-    let schema = TestSchema::create("idem_rabbit").await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(20)
-        .connect(&schema.url())
-        .await
-        .unwrap();
-    inbox::migrate_postgres(&pool).await.unwrap();
-    outbox::migrate(&pool).await.unwrap();
-    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    let (pool, schema) = outbox_schema("idem_rabbit").await;
     let publisher = RabbitPublisher::connect(&amqp()).await.unwrap_or_else(|e| {
         panic!(
             "cannot reach RabbitMQ at {} (`bash scripts/test` starts it): {e}",
@@ -77,14 +65,6 @@ async fn setup(max_deliveries: i32) -> Setup {
         spec,
         publisher: Arc::new(publisher),
     }
-}
-
-/// What a consumer saw.
-#[derive(Default)]
-struct Seen {
-    deliveries: AtomicUsize,
-    duplicates: AtomicUsize,
-    ids: Mutex<Vec<String>>,
 }
 
 /// Starts a consumer whose handler records one effect per message through
@@ -104,29 +84,7 @@ async fn consumer(
         let handler = move |m: Incoming| {
             let (pool, seen) = (pool.clone(), seen.clone());
             async move {
-                seen.deliveries.fetch_add(1, Ordering::SeqCst);
-                let id = m.message_id.clone().ok_or("no message id")?;
-                if Some(id.as_str()) == fail_on {
-                    return Err("this message always fails");
-                }
-                let effect_id = id.clone();
-                let handled = inbox::process_postgres(&pool, "test-consumer", &id, move |tx| {
-                    Box::pin(async move {
-                        sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
-                            .bind(effect_id)
-                            .execute(&mut **tx)
-                            .await?;
-                        Ok::<_, sqlx::Error>(())
-                    })
-                })
-                .await
-                .map_err(|_| "inbox failed")?;
-                match handled {
-                    Handled::Processed(()) => seen.ids.lock().unwrap().push(id),
-                    Handled::Duplicate => {
-                        seen.duplicates.fetch_add(1, Ordering::SeqCst);
-                    }
-                }
+                record_effect(&pool, &seen, m.message_id, Duration::ZERO, fail_on).await?;
                 if hang_after_commit {
                     std::future::pending::<()>().await;
                 }
@@ -136,35 +94,6 @@ async fn consumer(
         c.run(handler, stop).await.unwrap();
     });
     (stop_tx, task)
-}
-
-fn message(id: &str, queue: &str) -> OutgoingMessage {
-    OutgoingMessage {
-        message_id: id.to_owned(),
-        destination: queue.to_owned(),
-        ordering_key: None,
-        payload: Bytes::from(format!("{{\"id\":\"{id}\"}}")),
-        headers: vec![("type".into(), "OrderPlaced".into())],
-    }
-}
-
-async fn effects(pool: &sqlx::PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM effects")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-async fn wait_for(
-    what: &str,
-    within: Duration,
-    mut done: impl FnMut() -> BoxFuture<'static, bool>,
-) {
-    let deadline = Instant::now() + within;
-    while !done().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -247,9 +176,7 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_message_is_con
         Duration::from_secs(20),
         move || {
             let seen = watch_seen.clone();
-            Box::pin(async move {
-                seen.ids.lock().unwrap().len() + seen.duplicates.load(Ordering::SeqCst) == 40
-            })
+            Box::pin(async move { seen.handled() == 40 })
         },
     )
     .await;
@@ -278,9 +205,7 @@ async fn the_same_message_delivered_to_two_consumers_at_once_acts_once() {
         Duration::from_secs(20),
         move || {
             let seen = watch_seen.clone();
-            Box::pin(async move {
-                seen.ids.lock().unwrap().len() + seen.duplicates.load(Ordering::SeqCst) == 60
-            })
+            Box::pin(async move { seen.handled() == 60 })
         },
     )
     .await;

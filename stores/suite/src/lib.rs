@@ -13,6 +13,7 @@
 //! needs can also call them one by one.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod messaging;
 pub mod postgres;
 
 use std::sync::Arc;

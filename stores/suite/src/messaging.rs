@@ -1,0 +1,126 @@
+//! What the broker tests share: a PostgreSQL schema with the inbox, the
+//! outbox and an `effects` table, and a handler that records one effect per
+//! message through the inbox.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use idem_core::BoxFuture;
+use idem_outbox::inbox::{self, Handled};
+use idem_outbox::outbox::{self, OutgoingMessage};
+
+use crate::postgres::TestSchema;
+
+/// A schema of the test's own, with the inbox, the outbox and `effects`.
+pub async fn outbox_schema(prefix: &str) -> (sqlx::PgPool, TestSchema) {
+    let schema = TestSchema::create(prefix).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(20)
+        .connect(&schema.url())
+        .await
+        .unwrap_or_else(|e| panic!("connect to the test schema: {e}"));
+    inbox::migrate_postgres(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("inbox: {e}"));
+    outbox::migrate(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("outbox: {e}"));
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("effects: {e}"));
+    (pool, schema)
+}
+
+/// What consumers saw.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// Deliveries handed to the handler.
+    pub deliveries: AtomicUsize,
+    /// Deliveries the inbox recognised as processed before.
+    pub duplicates: AtomicUsize,
+    /// Message ids processed (each once).
+    pub ids: Mutex<Vec<String>>,
+}
+
+impl Seen {
+    /// Deliveries fully handled: processed or recognised as duplicates.
+    pub fn handled(&self) -> usize {
+        self.ids.lock().map(|ids| ids.len()).unwrap_or(0) + self.duplicates.load(Ordering::SeqCst)
+    }
+}
+
+/// The handler every broker test runs: records one effect per message id
+/// through the inbox (holding the transaction `hold` long after the insert),
+/// failing for the message id `fail_on`.
+pub async fn record_effect(
+    pool: &sqlx::PgPool,
+    seen: &Seen,
+    message_id: Option<String>,
+    hold: Duration,
+    fail_on: Option<&str>,
+) -> Result<(), &'static str> {
+    seen.deliveries.fetch_add(1, Ordering::SeqCst);
+    let id = message_id.ok_or("no message id")?;
+    if Some(id.as_str()) == fail_on {
+        return Err("this message always fails");
+    }
+    let effect_id = id.clone();
+    let handled = inbox::process_postgres(pool, "test-consumer", &id, move |tx| {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+                .bind(effect_id)
+                .execute(&mut **tx)
+                .await?;
+            tokio::time::sleep(hold).await;
+            Ok::<_, sqlx::Error>(())
+        })
+    })
+    .await
+    .map_err(|_| "inbox failed")?;
+    match handled {
+        Handled::Processed(()) => {
+            if let Ok(mut ids) = seen.ids.lock() {
+                ids.push(id);
+            }
+        }
+        Handled::Duplicate => {
+            seen.duplicates.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    Ok(())
+}
+
+/// A test message to `destination`.
+pub fn message(id: &str, destination: &str) -> OutgoingMessage {
+    OutgoingMessage {
+        message_id: id.to_owned(),
+        destination: destination.to_owned(),
+        ordering_key: None,
+        payload: Bytes::from(format!("{{\"id\":\"{id}\"}}")),
+        headers: vec![("type".into(), "OrderPlaced".into())],
+    }
+}
+
+/// How many effects were recorded.
+pub async fn effects(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("count effects: {e}"))
+}
+
+/// Polls `done` until it holds, failing the test after `within`.
+pub async fn wait_for(
+    what: &str,
+    within: Duration,
+    mut done: impl FnMut() -> BoxFuture<'static, bool>,
+) {
+    let deadline = Instant::now() + within;
+    while !done().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
