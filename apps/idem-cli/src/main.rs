@@ -59,6 +59,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Free a stuck in-progress claim so that the next retry takes it over
+    /// (same operation id). Asks for confirmation; refuses a completed record.
+    Release {
+        #[command(flatten)]
+        target: Target,
+        /// The scope (tenant, client) the key belongs to.
+        #[arg(long)]
+        scope: String,
+        /// The idempotency key.
+        #[arg(long)]
+        key: String,
+        /// Do not ask for confirmation.
+        #[arg(long)]
+        yes: bool,
+    },
     /// The outbox: messages pending, sent, and dead-lettered (with why).
     Outbox {
         #[command(flatten)]
@@ -222,6 +237,55 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 println!("{}", inspection_json(&seen, show_body));
             } else {
                 print!("{}", inspection_text(&seen, show_body));
+            }
+        }
+        Command::Release {
+            target,
+            scope,
+            key,
+            yes,
+        } => {
+            let store = target.open(false).await?;
+            let Some(seen) = store.inspect(&scope, &key).await.map_err(explain)? else {
+                eprintln!("no record for scope {scope:?} and key {key:?}");
+                return Ok(ExitCode::from(1));
+            };
+            let RecordState::InProgress { token, .. } = &seen.record.state else {
+                eprintln!(
+                    "refused: the record is completed; releasing it would let the operation run again"
+                );
+                return Ok(ExitCode::from(1));
+            };
+            print!("{}", inspection_text(&seen, false));
+            if !yes {
+                use std::io::{BufRead, Write};
+                print!("Release this claim so that the next retry runs the operation again? Type yes to confirm: ");
+                std::io::stdout().flush()?;
+                let mut answer = String::new();
+                std::io::stdin().lock().read_line(&mut answer)?;
+                if answer.trim() != "yes" {
+                    println!("not released");
+                    return Ok(ExitCode::from(1));
+                }
+            }
+            let claim = idem_core::Claim {
+                scope: scope.clone(),
+                key: key.clone(),
+                token: *token,
+                operation_id: seen.record.operation_id,
+                locked_until: idem_core::UnixMillis(0),
+                takeover: false,
+            };
+            match store.store().release(&claim).await {
+                Ok(()) => println!(
+                    "released: the next retry with this key takes the claim over (operation id {})",
+                    seen.record.operation_id
+                ),
+                Err(StoreError::ClaimLost) => {
+                    eprintln!("not released: the record changed since it was read (completed or taken over)");
+                    return Ok(ExitCode::from(1));
+                }
+                Err(e) => return Err(explain(e)),
             }
         }
         Command::Outbox { target, limit } => {

@@ -305,3 +305,103 @@ async fn shows_the_outbox_and_its_dead_letters() {
         "{out}"
     );
 }
+
+fn idem_with_input(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_frees_a_stuck_claim_after_confirmation_and_refuses_a_completed_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("release.db").display());
+    let store = Arc::new(idem_sqlite::SqliteStore::connect(&url).await.unwrap());
+    fill(store.clone()).await;
+    let args = [
+        "release",
+        "--database-url",
+        &url,
+        "--scope",
+        "c1",
+        "--key",
+        "held",
+    ];
+
+    let declined = idem_with_input(&args, "no\n");
+    assert_eq!(declined.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&declined.stdout).contains("not released"));
+    let still: ClaimOutcome = store
+        .claim(&request(
+            "c1",
+            "held",
+            "{}",
+            Duration::from_secs(60),
+            Duration::from_secs(600),
+        ))
+        .await
+        .unwrap();
+    assert!(
+        matches!(still, ClaimOutcome::Existing(_)),
+        "still held after declining"
+    );
+
+    let confirmed = idem_with_input(&args, "yes\n");
+    assert!(
+        confirmed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&confirmed.stderr)
+    );
+    assert!(String::from_utf8_lossy(&confirmed.stdout).contains("released: the next retry"));
+    let retry = store
+        .claim(&request(
+            "c1",
+            "held",
+            "{}",
+            Duration::from_secs(60),
+            Duration::from_secs(600),
+        ))
+        .await
+        .unwrap();
+    assert!(
+        matches!(retry, ClaimOutcome::Acquired(ref c) if c.takeover),
+        "{retry:?}"
+    );
+
+    let refused = idem(&[
+        "release",
+        "--database-url",
+        &url,
+        "--scope",
+        "c1",
+        "--key",
+        "done",
+        "--yes",
+    ]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("refused: the record is completed"));
+    let missing = idem(&[
+        "release",
+        "--database-url",
+        &url,
+        "--scope",
+        "c1",
+        "--key",
+        "nope",
+        "--yes",
+    ]);
+    assert_eq!(missing.status.code(), Some(1));
+}
