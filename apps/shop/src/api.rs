@@ -29,6 +29,7 @@ pub(crate) struct AppState {
     /// Whether idempotency records live in `db`, so that handlers complete
     /// them in their own transaction (not so with Redis alone).
     pub(crate) transactional: bool,
+    pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
 }
 
 impl AppState {
@@ -36,11 +37,13 @@ impl AppState {
         db: Database,
         messaging: Arc<crate::messaging::Messaging>,
         transactional: bool,
+        metrics: metrics_exporter_prometheus::PrometheusHandle,
     ) -> Self {
         Self {
             db,
             messaging,
             transactional,
+            metrics,
         }
     }
 }
@@ -57,6 +60,7 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
     };
     Router::new()
         .route("/healthz", get(healthz))
+        .route("/metrics", get(get_metrics))
         .route("/payments", post(create_payment).route_layer(key_required))
         .route("/bare/payments", post(create_payment_bare))
         .route("/payments/{id}", get(get_payment))
@@ -112,6 +116,15 @@ pub(crate) fn bearer_client_id_of(headers: &HeaderMap) -> Result<String, Respons
             Err(response)
         }
     }
+}
+
+/// `GET /metrics`: Prometheus text format.
+async fn get_metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
 }
 
 async fn healthz(State(state): State<AppState>) -> Response {

@@ -53,6 +53,19 @@ async fn main() -> ExitCode {
 
 async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     let policy = config.policy()?;
+    // Prometheus text format from the `metrics` facade: the library crates
+    // only emit through the facade (no exporter dependency for users), and
+    // the application picks the exporter.
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full("idem_store_seconds".into()),
+            &[
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ],
+        )
+        .map_err(|e| format!("cannot configure the metrics buckets: {e}"))?
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
     let database = db::Database::open(&config.database_url).await?;
     let mut store: Arc<dyn Store> = database.idem_store();
     let redis = match &config.redis_url {
@@ -99,7 +112,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         .await?,
     );
     let app = api::router(
-        api::AppState::new(database, messaging.clone(), transactional),
+        api::AppState::new(database, messaging.clone(), transactional, metrics),
         store,
         policy,
     );
@@ -131,7 +144,10 @@ async fn sweep_forever(store: Arc<dyn Store>, retention: Duration, db: db::Datab
         tick.tick().await;
         match sweep_all(&*store, 500).await {
             Ok(0) => {}
-            Ok(n) => info!(swept = n, "removed expired idempotency records"),
+            Ok(n) => {
+                metrics::counter!("idem_records_swept_total").increment(n);
+                info!(swept = n, "removed expired idempotency records")
+            }
             Err(e) => warn!(error = %e, "sweep failed; will try again"),
         }
         let inbox = idem_outbox::inbox::DEFAULT_RETENTION;

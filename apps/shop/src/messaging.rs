@@ -120,9 +120,25 @@ async fn act(
             .await
             .map_err(|e| e.to_string()))
     };
-    match outcome? {
-        Handled::Processed(()) => info!(message_id, "event processed"),
-        Handled::Duplicate => info!(message_id, "duplicate event acknowledged"),
+    let consumer = if destination_suffix == ORDER_PLACED {
+        "reserve-stock"
+    } else {
+        "send-email"
+    };
+    match outcome {
+        Ok(Handled::Processed(())) => {
+            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => "processed").increment(1);
+            info!(message_id, "event processed")
+        }
+        Ok(Handled::Duplicate) => {
+            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => "duplicate").increment(1);
+            info!(message_id, "duplicate event acknowledged")
+        }
+        Err(e) => {
+            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => "failed")
+                .increment(1);
+            return Err(e);
+        }
     }
     Ok(())
 }

@@ -443,3 +443,104 @@ async fn the_bare_baseline_route_charges_every_time() {
     );
     assert_eq!(acc["bank_charges"], 3);
 }
+
+/// The value of one sample in a Prometheus text page.
+fn sample(page: &str, name_and_labels: &str) -> f64 {
+    page.lines()
+        .find_map(|l| {
+            l.strip_prefix(name_and_labels)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn metrics_count_each_outcome_of_a_scripted_mix() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    // 3 fresh payments, 2 replays, 1 reused key, 1 missing key, 1 invalid key
+    for k in ["m-a", "m-b", "m-c"] {
+        assert_eq!(read(pay(&client, &shop, Some(k), BODY)).await.status, 201);
+    }
+    for _ in 0..2 {
+        assert!(read(pay(&client, &shop, Some("m-a"), BODY)).await.replayed);
+    }
+    let other = r#"{"account_id":"acc_1","amount":7,"currency":"EUR"}"#;
+    assert_eq!(
+        read(pay(&client, &shop, Some("m-b"), other)).await.status,
+        422
+    );
+    assert_eq!(read(pay(&client, &shop, None, BODY)).await.status, 400);
+    assert_eq!(read(pay(&client, &shop, Some(""), BODY)).await.status, 400);
+    // one in-flight collision (the fourth fresh one), then a bank failure (released)
+    let slow = tokio::spawn(read(
+        pay(&client, &shop, Some("m-d"), BODY).header("x-simulate", "bank-delay=500"),
+    ));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        read(pay(&client, &shop, Some("m-d"), BODY)).await.status,
+        409
+    );
+    assert_eq!(slow.await.unwrap().status, 201);
+    let failed =
+        read(pay(&client, &shop, Some("m-e"), BODY).header("x-simulate", "bank-error")).await;
+    assert_eq!(failed.status, 502);
+
+    let page = client
+        .get(shop.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let outcome = |o: &str| sample(&page, &format!("idem_requests_total{{outcome=\"{o}\"}}"));
+    assert_eq!(outcome("fresh"), 5.0, "{page}"); // a, b, c, d, e
+    assert_eq!(outcome("replay"), 2.0, "{page}");
+    assert_eq!(outcome("mismatch"), 1.0, "{page}");
+    assert_eq!(outcome("missing_key"), 1.0, "{page}");
+    assert_eq!(outcome("invalid_key"), 1.0, "{page}");
+    assert_eq!(outcome("conflict"), 1.0, "{page}");
+    assert_eq!(outcome("released"), 1.0, "{page}");
+    assert_eq!(outcome("takeover"), 0.0, "{page}");
+    // claims: a, b, c, 2 replays, the reused key, d twice, e
+    assert_eq!(
+        sample(
+            &page,
+            "idem_store_seconds_count{store=\"sqlite\",op=\"claim\"}"
+        ),
+        9.0,
+        "{page}"
+    );
+    assert!(
+        page.contains("idem_store_seconds_bucket{store=\"sqlite\",op=\"claim\",le=\"0.001\"}"),
+        "a histogram: {page}"
+    );
+    assert!(
+        !page.contains("m-a") && !page.contains("client-1"),
+        "labels never carry keys or scopes"
+    );
+    // the payments' events went through the outbox and the send-email consumer
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let page = client
+            .get(shop.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let processed = sample(
+            &page,
+            "idem_messages_total{consumer=\"send-email\",outcome=\"processed\"}",
+        );
+        if processed == 4.0 {
+            assert_eq!(sample(&page, "idem_outbox_published_total"), 4.0, "{page}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{page}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -112,6 +112,11 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// many went. Call it until it returns less than `batch` to sweep all.
     fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>>;
 
+    /// A short, fixed name for metrics labels (`sqlite`, `postgres`, …).
+    fn kind(&self) -> &'static str {
+        "custom"
+    }
+
     /// Told by the edge that `claim` was settled outside this store's own
     /// methods (completed inside the handler's transaction, or found lost),
     /// so that caches in front of the source of truth drop what they hold
@@ -151,6 +156,9 @@ impl<S: Store + ?Sized> Store for Arc<S> {
     }
     fn settled<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, ()> {
         (**self).settled(claim)
+    }
+    fn kind(&self) -> &'static str {
+        (**self).kind()
     }
 }
 

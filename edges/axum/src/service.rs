@@ -104,7 +104,23 @@ where
     }
 }
 
+/// Counts one request by how it ended (labels never carry keys or scopes).
+fn count(outcome: &'static str) {
+    metrics::counter!("idem_requests_total", "outcome" => outcome).increment(1);
+}
+
+/// Records how long a store operation took.
+fn timed(store: &dyn Store, op: &'static str, started: std::time::Instant) {
+    metrics::histogram!("idem_store_seconds", "store" => store.kind(), "op" => op)
+        .record(started.elapsed().as_secs_f64());
+}
+
 fn rejection(decision: Decision, detail: String) -> Response {
+    count(match decision {
+        Decision::RejectMissingKey => "missing_key",
+        Decision::RejectInvalidKey => "invalid_key",
+        _ => "too_large",
+    });
     match decision {
         Decision::RejectMissingKey => Problem::new(
             StatusCode::BAD_REQUEST,
@@ -127,6 +143,7 @@ fn rejection(decision: Decision, detail: String) -> Response {
 }
 
 fn store_unavailable(e: &StoreError) -> Response {
+    count("store_unavailable");
     warn!(error = %e, source = ?std::error::Error::source(e), "idempotency store unavailable");
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -139,6 +156,7 @@ fn store_unavailable(e: &StoreError) -> Response {
 }
 
 fn conflict(retry_after: Duration) -> Response {
+    count("conflict");
     Problem::new(
         StatusCode::CONFLICT,
         "idempotency-key-in-use",
@@ -150,6 +168,7 @@ fn conflict(retry_after: Duration) -> Response {
 }
 
 fn mismatch() -> Response {
+    count("mismatch");
     Problem::new(
         StatusCode::UNPROCESSABLE_ENTITY,
         "idempotency-key-reused",
@@ -160,6 +179,7 @@ fn mismatch() -> Response {
 }
 
 fn replay(record: &Record) -> Response {
+    count("replay");
     let RecordState::Completed {
         response: stored, ..
     } = &record.state
@@ -276,6 +296,7 @@ where
             Ok(claim) => claim,
             Err(answer) => return Ok(answer),
         };
+        count(if claim.takeover { "takeover" } else { "fresh" });
         if claim.takeover {
             info!(operation_id = %claim.operation_id, "took over an expired or released claim");
         } else {
@@ -305,6 +326,7 @@ where
         match tokio::spawn(run.in_current_span()).await {
             Ok(result) => result,
             Err(e) => {
+                count("released");
                 warn!(
                     panicked = e.is_panic(),
                     "the handler did not finish; its claim was released"
@@ -390,7 +412,10 @@ async fn acquire(config: &Config, request: &ClaimRequest) -> Result<Claim, Respo
     // disagree about a lease (the store's view wins: it decides claims).
     let mut disagreements = 0;
     loop {
-        let record = match config.store.claim(request).await {
+        let started = std::time::Instant::now();
+        let claimed = config.store.claim(request).await;
+        timed(&*config.store, "claim", started);
+        let record = match claimed {
             Ok(ClaimOutcome::Acquired(claim)) => return Ok(claim),
             Ok(ClaimOutcome::Existing(record)) => record,
             Err(e) => return Err(store_unavailable(&e)),
@@ -467,6 +492,7 @@ async fn settle(
         Decision::Store => {}
         _ => {
             info!(status, "handler failed; releasing the claim");
+            count("released");
             guard.release_now().await;
             return response;
         }
@@ -479,6 +505,7 @@ async fn settle(
             return response;
         }
         Completion::Lost => {
+            count("claim_lost");
             warn!("the handler's claim was taken over; nothing stored");
             guard.disarm();
             config.store.settled(&guard.claim).await;
@@ -501,9 +528,13 @@ async fn settle(
         }
     };
     let stored = stored_response(&config.policy, &parts, bytes.clone());
-    match config.store.complete(&guard.claim, &stored).await {
+    let started = std::time::Instant::now();
+    let completed = config.store.complete(&guard.claim, &stored).await;
+    timed(&*config.store, "complete", started);
+    match completed {
         Ok(()) => debug!(status, "stored the response"),
         Err(StoreError::ClaimLost) => {
+            count("claim_lost");
             warn!("the claim was taken over while the handler ran; its response is not stored")
         }
         // The effect happened but its record did not complete: keep the
@@ -545,7 +576,10 @@ impl ReleaseGuard {
 }
 
 async fn release(store: &dyn Store, claim: &Claim) {
-    match store.release(claim).await {
+    let started = std::time::Instant::now();
+    let released = store.release(claim).await;
+    timed(store, "release", started);
+    match released {
         Ok(()) => debug!(key = %claim.key, "released the claim"),
         Err(StoreError::ClaimLost) => {
             debug!(key = %claim.key, "nothing to release: the claim had moved on")

@@ -405,6 +405,7 @@ impl Relay {
                         .saturating_mul(1u32 << (c.attempts.clamp(1, 16) - 1) as u32)
                         .min(Duration::from_secs(60));
                     if dead {
+                        metrics::counter!("idem_outbox_dead_lettered_total").increment(1);
                         warn!(message_id = %c.message.message_id, attempts = c.attempts, error = %e, "outbox row dead-lettered");
                     } else {
                         debug!(message_id = %c.message.message_id, error = %e, ?backoff, "publish failed; backing off");
@@ -415,6 +416,7 @@ impl Relay {
         }
         if !sent.is_empty() {
             self.mark_sent(&sent, token).await?;
+            metrics::counter!("idem_outbox_published_total").increment(sent.len() as u64);
         }
         round.sent = sent.len();
         Ok(round)

@@ -120,6 +120,10 @@ impl<S> ReplayCache<S> {
 }
 
 impl<S: Store> Store for ReplayCache<S> {
+    fn kind(&self) -> &'static str {
+        "replay-cache"
+    }
+
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,

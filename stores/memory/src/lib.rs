@@ -137,6 +137,10 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,

@@ -571,6 +571,10 @@ impl TransactionalStore<PgConnection> for PostgresStore {
 }
 
 impl Store for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,

@@ -411,6 +411,10 @@ fn decode(fields: &[Value]) -> Result<Record, StoreError> {
 }
 
 impl Store for RedisStore {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,

@@ -120,6 +120,10 @@ impl<S: Store> TieredStore<S> {
 }
 
 impl<S: Store> Store for TieredStore<S> {
+    fn kind(&self) -> &'static str {
+        "tiered"
+    }
+
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,

@@ -400,6 +400,10 @@ impl TransactionalStore<SqliteConnection> for SqliteStore {
 }
 
 impl Store for SqliteStore {
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
     fn claim<'a>(
         &'a self,
         request: &'a ClaimRequest,
