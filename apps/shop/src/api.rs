@@ -61,6 +61,7 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
     Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(get_metrics))
+        .route("/", get(demo_page))
         .route("/payments", post(create_payment).route_layer(key_required))
         .route("/bare/payments", post(create_payment_bare))
         .route("/payments/{id}", get(get_payment))
@@ -116,6 +117,15 @@ pub(crate) fn bearer_client_id_of(headers: &HeaderMap) -> Result<String, Respons
             Err(response)
         }
     }
+}
+
+/// `GET /`: the live demo page, embedded in the binary.
+async fn demo_page() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        include_str!("../assets/index.html"),
+    )
+        .into_response()
 }
 
 /// `GET /metrics`: Prometheus text format.

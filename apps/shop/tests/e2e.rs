@@ -544,3 +544,26 @@ async fn metrics_count_each_outcome_of_a_scripted_mix() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test]
+async fn the_demo_page_is_served_from_the_binary() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &[]).await;
+    let page = reqwest::get(shop.url("/")).await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert!(page.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    let html = page.text().await.unwrap();
+    for needle in [
+        "Double-click",
+        "Reply lost, retry",
+        "Retry storm",
+        "/bare/payments",
+        "idempotency-key",
+        "aria-live",
+    ] {
+        assert!(html.contains(needle), "{needle}");
+    }
+}
