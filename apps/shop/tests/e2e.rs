@@ -538,6 +538,7 @@ async fn metrics_count_each_outcome_of_a_scripted_mix() {
         );
         if processed == 4.0 {
             assert_eq!(sample(&page, "idem_outbox_published_total"), 4.0, "{page}");
+            assert!(page.contains("idem_outbox_lag_seconds"), "{page}");
             break;
         }
         assert!(std::time::Instant::now() < deadline, "{page}");

@@ -380,8 +380,10 @@ impl Relay {
         let token = idem_core::FencingToken::generate().0;
         let claimed = self.claim(token).await?;
         if claimed.is_empty() {
+            metrics::gauge!("idem_outbox_lag_seconds").set(0.0);
             return Ok(Round::default());
         }
+        metrics::gauge!("idem_outbox_lag_seconds").set(self.lag().await.unwrap_or(0.0));
         let batch: Vec<OutgoingMessage> = claimed.iter().map(|c| c.message.clone()).collect();
         let results = self.publisher.publish(&batch).await;
         let mut sent = Vec::new();
@@ -420,6 +422,27 @@ impl Relay {
         }
         round.sent = sent.len();
         Ok(round)
+    }
+
+    /// How long the oldest pending row has waited, in seconds.
+    async fn lag(&self) -> Result<f64, sqlx::Error> {
+        let lag: Option<f64> = match &self.db {
+            Backend::Postgres(pool) => {
+                sqlx::query_scalar(
+                    "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idem_outbox WHERE state = 'pending'",
+                )
+                .fetch_one(pool)
+                .await?
+            }
+            Backend::Sqlite(pool) => {
+                let oldest: Option<i64> =
+                    sqlx::query_scalar("SELECT min(created_at) FROM idem_outbox WHERE state = 'pending'")
+                        .fetch_one(pool)
+                        .await?;
+                oldest.map(|ms| (now_ms() - ms) as f64 / 1000.0)
+            }
+        };
+        Ok(lag.unwrap_or(0.0).max(0.0))
     }
 
     async fn mark_failed(
