@@ -103,6 +103,46 @@ struct Target {
     /// PostgreSQL only: the records table.
     #[arg(long, default_value = "idem_records")]
     table: String,
+    /// Tiered mode: the Redis in front of the database, to show what it holds too.
+    #[arg(long, env = "REDIS_URL")]
+    redis_url: Option<String>,
+    /// Tiered mode: the prefix of idem's keys in Redis.
+    #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
+    redis_prefix: String,
+}
+
+impl Target {
+    /// The Redis in front of the database, if one was named.
+    async fn redis(&self) -> Result<Option<idem_redis::RedisStore>, Failure> {
+        let Some(url) = &self.redis_url else {
+            return Ok(None);
+        };
+        let store = idem_redis::RedisStore::connect(
+            idem_redis::RedisConfig::new(url).prefix(&self.redis_prefix),
+        )
+        .await
+        .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
+        Ok(Some(store))
+    }
+}
+
+/// One line on what Redis holds for a record.
+fn redis_line(record: Option<&idem_core::Record>, now: idem_core::UnixMillis) -> String {
+    match record {
+        None => "nothing cached (the next duplicate reads the database)".to_owned(),
+        Some(r) => match &r.state {
+            RecordState::Completed { response, .. } => format!(
+                "completed record cached for replay (status {}, expires {})",
+                response.status,
+                time::rfc3339(r.expires_at)
+            ),
+            RecordState::InProgress { locked_until, .. } if *locked_until > now => format!(
+                "in-flight marker until {} (duplicates get 409 from Redis)",
+                time::rfc3339(*locked_until)
+            ),
+            RecordState::InProgress { .. } => "an expired in-flight marker".to_owned(),
+        },
+    }
 }
 
 /// A store opened for operations.
@@ -233,10 +273,21 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 eprintln!("no record for scope {scope:?} and key {key:?}");
                 return Ok(ExitCode::from(1));
             };
+            let cached = match target.redis().await? {
+                Some(redis) => Some(redis.peek(&scope, &key).await.map_err(explain)?),
+                None => None,
+            };
             if json {
-                println!("{}", inspection_json(&seen, show_body));
+                let mut v = inspection_json(&seen, show_body);
+                if let Some((record, now)) = &cached {
+                    v["redis"] = json!(redis_line(record.as_ref(), *now));
+                }
+                println!("{v}");
             } else {
                 print!("{}", inspection_text(&seen, show_body));
+                if let Some((record, now)) = &cached {
+                    println!("{:<14}{}", "redis:", redis_line(record.as_ref(), *now));
+                }
             }
         }
         Command::Release {
@@ -329,10 +380,21 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Stats { target, json } => {
             let store = target.open(false).await?;
             let stats = store.stats().await.map_err(explain)?;
+            let redis_keys = match target.redis().await? {
+                Some(redis) => Some(redis.count_keys().await.map_err(explain)?),
+                None => None,
+            };
             if json {
-                println!("{}", stats_json(&stats));
+                let mut v = stats_json(&stats);
+                if let Some(n) = redis_keys {
+                    v["redis_keys"] = json!(n);
+                }
+                println!("{v}");
             } else {
                 print!("{}", stats_text(&stats));
+                if let Some(n) = redis_keys {
+                    println!("redis keys:     {n} (cached records and in-flight markers)");
+                }
             }
         }
     }

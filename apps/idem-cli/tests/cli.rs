@@ -14,6 +14,7 @@ fn idem(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(args)
         .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
         .output()
         .expect("run idem")
 }
@@ -311,6 +312,7 @@ fn idem_with_input(args: &[&str], input: &str) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(args)
         .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -404,4 +406,57 @@ async fn release_frees_a_stuck_claim_after_confirmation_and_refuses_a_completed_
         "--yes",
     ]);
     assert_eq!(missing.status.code(), Some(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_and_stats_show_redis_in_tiered_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("tier.db").display());
+    let prefix = format!("cli-tier-{}", uuid::Uuid::new_v4().simple());
+    let sql = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
+    let redis = idem_redis::RedisStore::connect(
+        idem_redis::RedisConfig::new("redis://127.0.0.1:6379").prefix(&prefix),
+    )
+    .await
+    .unwrap();
+    let tiered: Arc<dyn Store> = Arc::new(idem_redis::TieredStore::new(sql, redis.clone()));
+    fill(tiered.clone()).await;
+    // a replay reads the completed record through and caches it in Redis
+    let again = tiered
+        .claim(&request(
+            "c1",
+            "done",
+            "{}",
+            Duration::from_secs(600),
+            Duration::from_secs(6000),
+        ))
+        .await
+        .unwrap();
+    assert!(matches!(again, ClaimOutcome::Existing(_)));
+    let redis_args = [
+        "--redis-url",
+        "redis://127.0.0.1:6379",
+        "--redis-prefix",
+        prefix.as_str(),
+    ];
+    let mut inspect = vec![
+        "inspect",
+        "--database-url",
+        url.as_str(),
+        "--scope",
+        "c1",
+        "--key",
+        "done",
+    ];
+    inspect.extend(redis_args);
+    let out = stdout(&idem(&inspect));
+    assert!(
+        out.contains("redis:        completed record cached for replay (status 201"),
+        "{out}"
+    );
+    let mut stats = vec!["stats", "--database-url", url.as_str()];
+    stats.extend(redis_args);
+    let out = stdout(&idem(&stats));
+    assert!(out.contains("redis keys:"), "{out}");
+    redis.clear().await.unwrap();
 }

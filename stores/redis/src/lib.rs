@@ -313,6 +313,39 @@ impl RedisStore {
         Ok(())
     }
 
+    /// What Redis holds for a record (expired or not), with Redis's clock:
+    /// for operators looking at a tier.
+    pub async fn peek(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<(Option<Record>, UnixMillis), StoreError> {
+        self.fetch(scope, key).await
+    }
+
+    /// How many keys live under this store's prefix (operators).
+    pub async fn count_keys(&self) -> Result<u64, StoreError> {
+        let mut conn = self.conn.clone();
+        let mut cursor: u64 = 0;
+        let mut count = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}:*", self.prefix))
+                .arg("COUNT")
+                .arg(500)
+                .query_async(&mut conn)
+                .await
+                .map_err(store_error)?;
+            count += keys.len() as u64;
+            if next == 0 {
+                return Ok(count);
+            }
+            cursor = next;
+        }
+    }
+
     /// Deletes every key under this store's prefix (tests, operators).
     pub async fn clear(&self) -> Result<u64, StoreError> {
         let mut conn = self.conn.clone();
