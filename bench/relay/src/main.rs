@@ -96,6 +96,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     sqlx::raw_sql(&format!("CREATE SCHEMA {schema}"))
         .execute(&admin)
         .await?;
+    let result = bench(&args, &schema).await;
+    // The schema goes whatever happened.
+    sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        .execute(&admin)
+        .await?;
+    result
+}
+
+async fn bench(args: &Args, schema: &str) -> Result<(), Box<dyn std::error::Error>> {
     let sep = if args.database_url.contains('?') {
         '&'
     } else {
@@ -168,9 +177,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.messages as f64 / elapsed.as_secs_f64()
     );
     pool.close().await;
-    sqlx::raw_sql(&format!("DROP SCHEMA {schema} CASCADE"))
-        .execute(&admin)
-        .await?;
     for c in cleanups {
         let _ = tokio::task::spawn_blocking(c).await;
     }
