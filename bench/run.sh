@@ -20,7 +20,15 @@ export PGOPTIONS="-c client_min_messages=warning"
 cargo build --release -q -p shop -p idem-load -p idem-trivial
 BIN=${CARGO_TARGET_DIR:-target}/release
 out=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$out"' EXIT
+cleanup() {
+  kill $(jobs -p) 2>/dev/null || true
+  # schemas a failed run left behind
+  if [ -f "$out/schemas" ]; then
+    while read -r s; do psql "$PG" -qc "DROP SCHEMA IF EXISTS $s CASCADE" || true; done < "$out/schemas"
+  fi
+  rm -rf "$out"
+}
+trap cleanup EXIT
 results="$out/results.jsonl"
 : > "$results"
 
@@ -30,6 +38,7 @@ start_shop() { # config name, then shop arguments; sets URL, PID, SCHEMA
   if [[ " ${args[*]} " == *" PGSCHEMA "* ]]; then
     SCHEMA="bench_$(date +%s%N)"
     psql "$PG" -qc "CREATE SCHEMA $SCHEMA"
+    echo "$SCHEMA" >> "$out/schemas"
     args=("${args[@]/PGSCHEMA/$PG?options=-c%20search_path%3D$SCHEMA}")
   fi
   SHOP_LOG=error "$BIN/shop" --listen 127.0.0.1:0 "${args[@]}" > "$out/shop.out" 2>"$out/shop.err" &
