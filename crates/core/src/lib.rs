@@ -42,5 +42,6 @@ pub use record::{
     StoredResponse, UnixMillis,
 };
 pub use store::{
-    sweep_all, BoxFuture, ClaimOutcome, ClaimRequest, Store, StoreError, TransactionalStore,
+    sweep_all, BoxFuture, ClaimInTransaction, ClaimOutcome, ClaimRequest, Store, StoreError,
+    TransactionalStore, TxClaimOutcome,
 };

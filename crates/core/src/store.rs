@@ -198,3 +198,43 @@ pub trait TransactionalStore<C: ?Sized>: Store {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 }
+
+/// What [`ClaimInTransaction::claim_in_tx`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TxClaimOutcome {
+    /// The caller's transaction holds the key. The claim commits with the
+    /// transaction, or vanishes with it.
+    Acquired(Claim),
+    /// A committed record is there: pass it to [`decide`](crate::decide).
+    Existing(Record),
+    /// Another open transaction holds the key: the request is in flight, and
+    /// its record cannot be read until that transaction ends.
+    Busy,
+}
+
+/// A store that can claim a key **inside the caller's transaction** on
+/// connection type `C`, so that a new key costs no commit of its own: the
+/// claim, the business write and the completion commit together.
+///
+/// The trade-off, against [`Store::claim`] then
+/// [`TransactionalStore::complete_in_tx`]:
+///
+/// - nothing is visible until the transaction commits, so a duplicate of an
+///   in-flight request learns only that the key is busy ([`TxClaimOutcome::Busy`]),
+///   never its fingerprint;
+/// - a crash, a rollback or a `5xx` removes the claim with the transaction:
+///   there is no record left to carry the operation id, so claims made this
+///   way use [`OperationId::derive`](crate::OperationId::derive), and a retry
+///   reaches external systems under the same id;
+/// - the transaction stays open for the whole handler, holding a connection:
+///   meant for short handlers.
+pub trait ClaimInTransaction<C: ?Sized>: TransactionalStore<C> {
+    /// Claims `request` on `conn`, an open transaction. On
+    /// [`TxClaimOutcome::Acquired`], complete it in the same transaction
+    /// with [`TransactionalStore::complete_in_tx`] before committing.
+    fn claim_in_tx<'a>(
+        &'a self,
+        conn: &'a mut C,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<TxClaimOutcome, StoreError>>;
+}

@@ -52,6 +52,24 @@
 //! Completion and release are `UPDATE … WHERE token = $mine AND state =
 //! 'in_progress'`, which READ COMMITTED re-checks against the latest row
 //! version after any wait: a token replaced by a takeover matches nothing.
+//!
+//! # Claiming inside the business transaction
+//!
+//! [`ClaimInTransaction::claim_in_tx`] claims on the caller's own
+//! transaction, so a new key costs no commit of its own: claim, business
+//! write and completion commit once, together. The statement first takes a
+//! transaction-scoped advisory lock on the key with
+//! `pg_try_advisory_xact_lock` and inserts only if it got it, so a duplicate
+//! never waits on the holder's uncommitted row: it is told
+//! [`TxClaimOutcome::Busy`] at once (`409`), and after the holder commits it
+//! finds the completed record (a replay). The statement also sets the
+//! transaction's `idle_in_transaction_session_timeout` to the lease: a holder
+//! that sits idle in its transaction longer than that (stuck on a slow
+//! call) has its session ended by the server, and its claim and effect roll
+//! back. A crash does the same when the connection drops. The operation id
+//! is [derived](OperationId::derive) from the request, so a retry after any
+//! rollback reaches external systems under the same id. It needs READ
+//! COMMITTED (PostgreSQL's default).
 
 mod unique;
 
@@ -59,9 +77,9 @@ use std::fmt;
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
-    RecordRow, RecordState, Store, StoreError, StoreStats, StoredResponse, TransactionalStore,
-    UnixMillis,
+    BoxFuture, Claim, ClaimInTransaction, ClaimOutcome, ClaimRequest, FencingToken, Inspection,
+    OperationId, Record, RecordRow, RecordState, Store, StoreError, StoreStats, StoredResponse,
+    TransactionalStore, TxClaimOutcome, UnixMillis,
 };
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
@@ -168,6 +186,7 @@ impl fmt::Display for TableName {
 #[derive(Debug)]
 struct Sql {
     claim: String,
+    claim_in_tx: String,
     select: String,
     get: String,
     complete: String,
@@ -183,21 +202,26 @@ const COLUMNS: &str = "scope, key, fingerprint, operation_id::text AS operation_
     (extract(epoch FROM completed_at) * 1000)::bigint AS completed_at,
     status, headers, body";
 
-/// A record past its retention and not held under a live lease.
-const EXPIRED: &str = "(expires_at <= now() AND (state = 'completed' OR locked_until <= now()))";
+/// How many columns [`COLUMNS`] selects.
+const COLUMN_COUNT: usize = 13;
 
-impl Sql {
-    fn new(t: &TableName) -> Self {
-        let table = t.qualified();
-        Self {
-            // $1 scope, $2 key, $3 fingerprint, $4 proposed operation id,
-            // $5 new token, $6 lease (ms), $7 retention (ms).
-            claim: format!(
-                "WITH claimed AS (
-    INSERT INTO {table} AS r
+/// The claim's new row: $1 scope, $2 key, $3 fingerprint, $4 proposed
+/// operation id, $5 new token, $6 lease (ms), $7 retention (ms).
+const VALUES: &str = "VALUES ($1, $2, $3, $4::uuid, $5, 'in_progress',
+            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond')";
+
+/// The same row, produced only if the `lock` CTE got the key's lock.
+const LOCKED_VALUES: &str = "SELECT $1, $2, $3, $4::uuid, $5, 'in_progress',
+            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond'
+    FROM lock WHERE lock.held";
+
+/// The claim itself: insert the row, or take over an expired or released
+/// one (see the crate docs for why this is safe under READ COMMITTED).
+fn upsert(table: &str, values: &str) -> String {
+    format!(
+        "INSERT INTO {table} AS r
         (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
-    VALUES ($1, $2, $3, $4::uuid, $5, 'in_progress',
-            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond')
+    {values}
     ON CONFLICT (scope, key) DO UPDATE SET
         token        = excluded.token,
         locked_until = excluded.locked_until,
@@ -215,16 +239,56 @@ impl Sql {
         -- past its retention, and not held under a live lease
         (r.expires_at <= now() AND (r.state = 'completed' OR r.locked_until <= now()))
         -- or an expired or released lease of the same request: take it over
-        OR (r.state = 'in_progress' AND r.locked_until <= now() AND r.fingerprint = excluded.fingerprint)
+        OR (r.state = 'in_progress' AND r.locked_until <= now() AND r.fingerprint = excluded.fingerprint)"
+    )
+}
+
+/// A record past its retention and not held under a live lease.
+const EXPIRED: &str = "(expires_at <= now() AND (state = 'completed' OR locked_until <= now()))";
+
+impl Sql {
+    fn new(t: &TableName) -> Self {
+        let table = t.qualified();
+        Self {
+            // $1 scope, $2 key, $3 fingerprint, $4 proposed operation id,
+            // $5 new token, $6 lease (ms), $7 retention (ms).
+            claim: format!(
+                "WITH claimed AS (
+    {upsert}
     RETURNING {COLUMNS}
 )
 SELECT true AS won, * FROM claimed
 UNION ALL
 SELECT false AS won, {COLUMNS} FROM {table}
-WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
+                upsert = upsert(&table, VALUES),
+            ),
+            // As `claim`, plus: $8 the key's advisory lock, $9 the lease as
+            // the transaction's idle timeout (ms). The insert runs only if
+            // the lock was free, so it never waits on another transaction's
+            // uncommitted claim; the lock, the claim and the idle timeout
+            // all end with the caller's transaction.
+            claim_in_tx: format!(
+                "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($8) AS held),
+claimed AS (
+    {upsert}
+    RETURNING {COLUMNS},
+        created_at <> now() AS takeover,
+        set_config('idle_in_transaction_session_timeout', $9, true) AS lease
+)
+SELECT 'won' AS outcome, * FROM claimed
+UNION ALL
+SELECT 'existing', {COLUMNS}, NULL, NULL FROM {table}
+WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed) AND (SELECT held FROM lock)
+UNION ALL
+SELECT 'busy', {nulls}, NULL, NULL FROM lock WHERE NOT held",
+                upsert = upsert(&table, LOCKED_VALUES),
+                nulls = vec!["NULL"; COLUMN_COUNT].join(", "),
             ),
             select: format!("SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2"),
-            get: format!("SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2 AND NOT {EXPIRED}"),
+            get: format!(
+                "SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2 AND NOT {EXPIRED}"
+            ),
             complete: complete_sql(t),
             release: format!(
                 "UPDATE {table} SET locked_until = least(locked_until, now())
@@ -567,6 +631,95 @@ impl TransactionalStore<PgConnection> for PostgresStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(complete_with(conn, &self.sql.complete, claim, response))
+    }
+}
+
+impl PostgresStore {
+    async fn claim_in_tx_inner(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest,
+    ) -> Result<TxClaimOutcome, StoreError> {
+        let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
+        let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
+        // The idle timeout is an int of milliseconds; 0 would mean "none".
+        let idle_timeout = lease.clamp(1, i64::from(i32::MAX)).to_string();
+        let lock = self.lock_key(&req.scope, &req.key);
+        // The claim lives only in this transaction: a retry after a rollback
+        // must reach the outside world under the same operation id.
+        let proposed = OperationId::derive(&req.scope, &req.key, &req.fingerprint);
+        // A second turn only when the row we lost to was committed after the
+        // statement's snapshot (see the crate docs).
+        for _ in 0..5 {
+            let token = FencingToken::generate();
+            let row = sqlx::query(&self.sql.claim_in_tx)
+                .bind(&req.scope)
+                .bind(&req.key)
+                .bind(req.fingerprint.as_bytes().as_slice())
+                .bind(proposed.0.to_string())
+                .bind(token.0)
+                .bind(lease)
+                .bind(retention)
+                .bind(lock)
+                .bind(&idle_timeout)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(store_error)?;
+            let Some(row) = row else { continue };
+            let outcome: String = row.try_get("outcome").map_err(|e| corrupt("outcome", e))?;
+            match outcome.as_str() {
+                "busy" => return Ok(TxClaimOutcome::Busy),
+                "existing" => return Ok(TxClaimOutcome::Existing(decode_record(&row)?)),
+                _ => {}
+            }
+            let record = decode_record(&row)?;
+            let RecordState::InProgress { locked_until, .. } = record.state else {
+                return Err(StoreError::Corrupt(
+                    "a won claim returned a completed record".into(),
+                ));
+            };
+            return Ok(TxClaimOutcome::Acquired(Claim {
+                scope: record.scope,
+                key: record.key,
+                token,
+                operation_id: record.operation_id,
+                locked_until,
+                // A committed record, released or past its lease, taken
+                // over: it was created before this transaction began.
+                takeover: row
+                    .try_get("takeover")
+                    .map_err(|e| corrupt("takeover", e))?,
+            }));
+        }
+        Err(StoreError::Backend(
+            "the claim kept racing; giving up after 5 tries".into(),
+        ))
+    }
+
+    /// The advisory lock a transactional claim takes on a key: 64 bits of
+    /// SHA-256 over the table, scope and key. Two keys sharing one (odds of
+    /// 2^-64 per pair) only make each other look busy for a moment.
+    fn lock_key(&self, scope: &str, key: &str) -> i64 {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for part in [self.table.qualified().as_str(), scope, key] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        let digest = h.finalize();
+        let mut eight = [0u8; 8];
+        eight.copy_from_slice(&digest[..8]);
+        i64::from_be_bytes(eight)
+    }
+}
+
+impl ClaimInTransaction<PgConnection> for PostgresStore {
+    fn claim_in_tx<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<TxClaimOutcome, StoreError>> {
+        Box::pin(self.claim_in_tx_inner(conn, request))
     }
 }
 
