@@ -238,7 +238,7 @@ pub struct MissingIdempotency;
 
 impl IntoResponse for MissingIdempotency {
     fn into_response(self) -> Response {
-        tracing::error!("Idempotency extracted on a route without IdempotencyLayer (or a method it does not guard)");
+        tracing::error!("Idempotency extracted on a route without IdempotencyLayer, a method it does not guard, or a layer that leaves the claim to the handler (extract PendingClaim there)");
         Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "idempotency-layer-missing",

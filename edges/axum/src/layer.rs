@@ -15,6 +15,7 @@ pub(crate) struct Config {
     pub(crate) policy: Policy,
     pub(crate) scope: Arc<dyn ScopeExtractor>,
     pub(crate) methods: Vec<Method>,
+    pub(crate) claim_in_handler: bool,
 }
 
 /// A tower [`Layer`] that makes `POST` and `PATCH` requests idempotent; see
@@ -45,6 +46,7 @@ impl IdempotencyLayer {
                 policy,
                 scope: Arc::new(scope),
                 methods: vec![Method::POST, Method::PATCH],
+                claim_in_handler: false,
             }),
         }
     }
@@ -69,6 +71,33 @@ impl IdempotencyLayer {
             policy: c.policy.clone(),
             scope: c.scope.clone(),
             methods: methods.into_iter().collect(),
+            claim_in_handler: c.claim_in_handler,
+        });
+        self
+    }
+
+    /// Leaves the claim to the handler, which makes it inside its own
+    /// transaction with [`PendingClaim::claim_in`](crate::PendingClaim::claim_in):
+    /// on PostgreSQL a new key then costs no commit of its own (claim,
+    /// business write and completion commit once). The layer still checks
+    /// the key and the body size, fingerprints the request, and settles the
+    /// claim after the handler answers.
+    ///
+    /// Handlers extract [`PendingClaim`](crate::PendingClaim) instead of
+    /// [`Idempotency`](crate::Idempotency). The trade-off is in
+    /// [`ClaimInTransaction`](idem_core::ClaimInTransaction): duplicates of
+    /// an uncommitted claim get `409` with `Retry-After: 1` (their
+    /// fingerprint cannot be checked until it commits), and the
+    /// transaction stays open for the whole handler, holding a connection.
+    /// Meant for short handlers.
+    pub fn claim_in_transaction(mut self) -> Self {
+        let c = &self.config;
+        self.config = Arc::new(Config {
+            store: c.store.clone(),
+            policy: c.policy.clone(),
+            scope: c.scope.clone(),
+            methods: c.methods.clone(),
+            claim_in_handler: true,
         });
         self
     }
@@ -90,6 +119,7 @@ impl fmt::Debug for IdempotencyLayer {
             .field("store", &self.config.store)
             .field("policy", &self.config.policy)
             .field("methods", &self.config.methods)
+            .field("claim_in_handler", &self.config.claim_in_handler)
             .finish_non_exhaustive()
     }
 }

@@ -59,16 +59,29 @@
 //! fenced by the claim's token: if a retry took the claim over because this
 //! attempt outlived its lease, completion touches no row, the handler rolls
 //! back, and its effect does not commit.
+//!
+//! # Claiming inside the business transaction
+//!
+//! The default path spends a commit on the claim before the handler runs.
+//! With [`IdempotencyLayer::claim_in_transaction`], the handler claims the
+//! key itself, inside its transaction, with [`PendingClaim::claim_in`]: claim,
+//! business write and completion commit once. Duplicates of an uncommitted
+//! claim get `409` at once (they never wait on its row); a rollback, a crash
+//! or a holder idle past its lease takes the claim with it; the operation id
+//! is derived from the request so a retry keeps it. See
+//! [`ClaimInTransaction`](idem_core::ClaimInTransaction) for the trade-off.
 
 pub mod conditional;
 mod extract;
 mod layer;
+mod pending;
 pub mod problem;
 mod scope;
 mod service;
 
 pub use extract::{CompleteError, Idempotency, MissingIdempotency};
 pub use layer::IdempotencyLayer;
+pub use pending::{Answered, PendingClaim};
 pub use problem::Problem;
 pub use scope::{ScopeExtractor, SingleScope};
 pub use service::{IdempotencyService, ResponseFuture, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};

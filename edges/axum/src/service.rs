@@ -12,14 +12,15 @@ use http::{header, HeaderName, HeaderValue, Request, StatusCode};
 use http_body_util::BodyExt;
 use idem_core::{
     decide, decision::retry_after, BoxFuture, Claim, ClaimOutcome, ClaimRequest, Decision,
-    Fingerprint, IdempotencyKey, KeyError, Record, RecordState, Situation, Store, StoreError,
-    UnixMillis,
+    Fingerprint, IdempotencyKey, KeyError, Policy, Record, RecordState, Situation, Store,
+    StoreError, UnixMillis,
 };
 use tower::Service;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::extract::{stored_response, Completion, Idempotency};
 use crate::layer::Config;
+use crate::pending::PendingClaim;
 use crate::problem::Problem;
 
 /// The header that marks a replayed response.
@@ -105,13 +106,13 @@ where
 }
 
 /// Counts one request by how it ended (labels never carry keys or scopes).
-fn count(outcome: &'static str) {
+pub(crate) fn count(outcome: &'static str) {
     metrics::counter!("idem_requests_total", "outcome" => outcome).increment(1);
 }
 
 /// Records how long a store operation took.
-fn timed(store: &dyn Store, op: &'static str, started: std::time::Instant) {
-    metrics::histogram!("idem_store_seconds", "store" => store.kind(), "op" => op)
+pub(crate) fn timed(store: &'static str, op: &'static str, started: std::time::Instant) {
+    metrics::histogram!("idem_store_seconds", "store" => store, "op" => op)
         .record(started.elapsed().as_secs_f64());
 }
 
@@ -142,7 +143,7 @@ fn rejection(decision: Decision, detail: String) -> Response {
     .into_response()
 }
 
-fn store_unavailable(e: &StoreError) -> Response {
+pub(crate) fn store_unavailable(e: &StoreError) -> Response {
     count("store_unavailable");
     warn!(error = %e, source = ?std::error::Error::source(e), "idempotency store unavailable");
     Problem::new(
@@ -292,6 +293,9 @@ where
             lease: policy.lease(),
             retention: policy.retention(),
         };
+        if config.claim_in_handler {
+            return run_pending(config.clone(), inner, parts, bytes, claim_request).await;
+        }
         let claim = match acquire(&config, &claim_request).await {
             Ok(claim) => claim,
             Err(answer) => return Ok(answer),
@@ -325,24 +329,75 @@ where
         };
         match tokio::spawn(run.in_current_span()).await {
             Ok(result) => result,
-            Err(e) => {
-                count("released");
-                warn!(
-                    panicked = e.is_panic(),
-                    "the handler did not finish; its claim was released"
-                );
-                Ok(Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "handler-failed",
-                    "The request failed",
-                )
-                .detail("retry with the same Idempotency-Key")
-                .into_response())
-            }
+            Err(e) => Ok(handler_failed(&e)),
         }
     }
     .instrument(span)
     .await
+}
+
+/// Runs a handler that claims the key itself, inside its transaction
+/// ([`PendingClaim::claim_in`]), then settles whatever it claimed.
+async fn run_pending<S>(
+    config: Arc<Config>,
+    mut inner: S,
+    mut parts: http::request::Parts,
+    bytes: Bytes,
+    request: ClaimRequest,
+) -> Result<Response, S::Error>
+where
+    S: Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    let pending = PendingClaim::new(request, config.policy.clone());
+    parts.extensions.insert(pending.clone());
+    let watched = pending.clone();
+    let settle_config = config.clone();
+    let run = async move {
+        let result = inner
+            .call(Request::from_parts(parts, Body::from(bytes)))
+            .await;
+        // No claim: the handler answered before claiming, or returned what
+        // `claim_in` answered for it (a replay, 409, 422); nothing to settle.
+        let Some(handle) = pending.claimed() else {
+            return result;
+        };
+        let mut guard = ReleaseGuard::new(settle_config.store.clone(), handle.claim().clone());
+        match result {
+            Ok(response) => Ok(settle(&settle_config, &handle, &mut guard, response).await),
+            Err(e) => {
+                guard.release_now().await;
+                Err(e)
+            }
+        }
+    };
+    match tokio::spawn(run.in_current_span()).await {
+        Ok(result) => result,
+        Err(e) => {
+            // The handler's transaction rolled back with it; a claim it had
+            // committed is released.
+            if let Some(handle) = watched.claimed() {
+                release(&*config.store, handle.claim()).await;
+            }
+            Ok(handler_failed(&e))
+        }
+    }
+}
+
+fn handler_failed(e: &tokio::task::JoinError) -> Response {
+    count("released");
+    warn!(
+        panicked = e.is_panic(),
+        "the handler did not finish; its claim was released"
+    );
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "handler-failed",
+        "The request failed",
+    )
+    .detail("retry with the same Idempotency-Key")
+    .into_response()
 }
 
 enum BodyError {
@@ -404,70 +459,120 @@ async fn read_body(mut body: Body, max: usize, declared: Option<u64>) -> Result<
 /// Claims the key, answering duplicates per the decision table. `Ok` means
 /// this request holds the claim and must run.
 async fn acquire(config: &Config, request: &ClaimRequest) -> Result<Claim, Response> {
-    let policy = &config.policy;
-    let deadline = policy.wait().map(|w| tokio::time::Instant::now() + w);
-    let mut pause = Duration::from_millis(10);
-    // Each turn is one atomic claim; turns repeat only while waiting for an
-    // in-flight holder, or while this process's clock and the store's
-    // disagree about a lease (the store's view wins: it decides claims).
-    let mut disagreements = 0;
+    let mut turns = Turns::new(&config.policy);
     loop {
         let started = std::time::Instant::now();
         let claimed = config.store.claim(request).await;
-        timed(&*config.store, "claim", started);
-        let record = match claimed {
+        timed(config.store.kind(), "claim", started);
+        let step = match claimed {
             Ok(ClaimOutcome::Acquired(claim)) => return Ok(claim),
-            Ok(ClaimOutcome::Existing(record)) => record,
+            Ok(ClaimOutcome::Existing(record)) => turns.judge(&record, &request.fingerprint),
             Err(e) => return Err(store_unavailable(&e)),
         };
+        match step {
+            Step::Answer(response) => return Err(response),
+            Step::Again(pause) => tokio::time::sleep(pause).await,
+        }
+    }
+}
+
+/// What to do after a claim found someone else's record.
+pub(crate) enum Step {
+    /// Answer this (a replay, `409`, `422`) without running the handler.
+    Answer(Response),
+    /// Claim again after this pause.
+    Again(Duration),
+}
+
+/// The turns of one request's claim: each turn is one atomic claim; turns
+/// repeat only while waiting (bounded) for an in-flight holder, or while
+/// this process's clock and the store's disagree about a lease (the store's
+/// view wins: it decides claims).
+pub(crate) struct Turns<'p> {
+    policy: &'p Policy,
+    deadline: Option<tokio::time::Instant>,
+    pause: Duration,
+    disagreements: u32,
+}
+
+impl<'p> Turns<'p> {
+    pub(crate) fn new(policy: &'p Policy) -> Self {
+        Self {
+            policy,
+            deadline: policy.wait().map(|w| tokio::time::Instant::now() + w),
+            pause: Duration::from_millis(10),
+            disagreements: 0,
+        }
+    }
+
+    /// Judges a record the claim found, per the decision table.
+    pub(crate) fn judge(&mut self, record: &Record, fingerprint: &Fingerprint) -> Step {
         let now = UnixMillis::now();
         let decision = decide(
-            policy,
+            self.policy,
             Situation::Arrived {
-                stored: Some(&record),
-                fingerprint: &request.fingerprint,
+                stored: Some(record),
+                fingerprint,
                 now,
             },
         );
         match decision {
             Decision::Replay => {
-                debug!(status = ?record_status(&record), "replaying the stored response");
-                return Err(replay(&record));
+                debug!(status = ?record_status(record), "replaying the stored response");
+                Step::Answer(replay(record))
             }
             Decision::Mismatch => {
                 info!("key reused with a different request");
-                return Err(mismatch());
+                Step::Answer(mismatch())
             }
             Decision::Conflict { retry_after } => {
                 debug!(?retry_after, "request with this key is in flight");
-                return Err(conflict(retry_after));
+                Step::Answer(conflict(retry_after))
             }
             Decision::Wait { .. } => {
-                let now_i = tokio::time::Instant::now();
-                match deadline {
-                    Some(deadline) if now_i < deadline => {
-                        tokio::time::sleep(pause.min(deadline - now_i)).await;
-                        pause = (pause * 2).min(Duration::from_millis(200));
-                    }
-                    _ => {
-                        let until = match &record.state {
-                            RecordState::InProgress { locked_until, .. } => *locked_until,
-                            RecordState::Completed { .. } => now,
-                        };
-                        debug!("in flight after waiting; answering 409");
-                        return Err(conflict(retry_after(now, until)));
-                    }
-                }
+                let until = match &record.state {
+                    RecordState::InProgress { locked_until, .. } => *locked_until,
+                    RecordState::Completed { .. } => now,
+                };
+                self.wait(retry_after(now, until))
             }
             // The store saw a live record where this clock sees an expired
             // one (the lease ran out in between, or the clocks differ):
             // claim again, a bounded number of times.
             _ => {
-                disagreements += 1;
-                if disagreements > 5 {
-                    return Err(conflict(Duration::from_secs(1)));
+                self.disagreements += 1;
+                if self.disagreements > 5 {
+                    Step::Answer(conflict(Duration::from_secs(1)))
+                } else {
+                    Step::Again(Duration::from_millis(20))
                 }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+
+    /// The key is held by a transaction that has not committed: in flight,
+    /// for an unknown while.
+    pub(crate) fn busy(&mut self) -> Step {
+        debug!("request with this key is in flight (uncommitted)");
+        if self.policy.wait().is_some() {
+            self.wait(Duration::from_secs(1))
+        } else {
+            Step::Answer(conflict(Duration::from_secs(1)))
+        }
+    }
+
+    /// Waits for an in-flight holder while the policy allows, then `409`.
+    fn wait(&mut self, retry_after: Duration) -> Step {
+        let now = tokio::time::Instant::now();
+        match self.deadline {
+            Some(deadline) if now < deadline => {
+                let pause = self.pause.min(deadline - now);
+                self.pause = (self.pause * 2).min(Duration::from_millis(200));
+                Step::Again(pause)
+            }
+            _ => {
+                debug!("in flight after waiting; answering 409");
+                Step::Answer(conflict(retry_after))
             }
         }
     }
@@ -530,7 +635,7 @@ async fn settle(
     let stored = stored_response(&config.policy, &parts, bytes.clone());
     let started = std::time::Instant::now();
     let completed = config.store.complete(&guard.claim, &stored).await;
-    timed(&*config.store, "complete", started);
+    timed(config.store.kind(), "complete", started);
     match completed {
         Ok(()) => debug!(status, "stored the response"),
         Err(StoreError::ClaimLost) => {
@@ -578,7 +683,7 @@ impl ReleaseGuard {
 async fn release(store: &dyn Store, claim: &Claim) {
     let started = std::time::Instant::now();
     let released = store.release(claim).await;
-    timed(store, "release", started);
+    timed(store.kind(), "release", started);
     match released {
         Ok(()) => debug!(key = %claim.key, "released the claim"),
         Err(StoreError::ClaimLost) => {

@@ -1,0 +1,282 @@
+//! Handlers that claim the key inside their own PostgreSQL transaction
+//! (`IdempotencyLayer::claim_in_transaction`), against the real server, each
+//! test in its own schema.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use idem_axum::{Idempotency, IdempotencyLayer, PendingClaim, SingleScope};
+use idem_core::{OperationId, Policy, RecordState, Store};
+use idem_postgres::PostgresStore;
+use idem_store_suite::postgres::TestSchema;
+use tower::ServiceExt;
+
+fn header(headers: &http::HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// Claims in its transaction, writes its effect, stalls for `x-delay-ms`
+/// (a slow downstream call), then completes the record in the same
+/// transaction. `x-fail: 500` answers 500 without committing; `x-fail:
+/// panic` panics while holding the claim.
+async fn create(
+    State(store): State<PostgresStore>,
+    pending: PendingClaim,
+    headers: http::HeaderMap,
+) -> Response {
+    let delay: u64 = header(&headers, "x-delay-ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut tx = store.pool().begin().await.unwrap();
+    let idem = match pending.claim_in(&store, &mut *tx).await {
+        Ok(idem) => idem,
+        Err(answered) => return answered.into_response(),
+    };
+    sqlx::query("INSERT INTO effects (operation_id, token) VALUES ($1, $2)")
+        .bind(idem.operation_id().to_string())
+        .bind(idem.token().0)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(delay)).await;
+    match header(&headers, "x-fail").as_deref() {
+        Some("500") => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+        Some("panic") => panic!("the handler panics holding its claim"),
+        _ => {}
+    }
+    let response = (StatusCode::CREATED, format!("op {}", idem.operation_id())).into_response();
+    match idem.complete_in(&store, &mut *tx, response).await {
+        Ok(response) => match tx.commit().await {
+            Ok(()) => response,
+            Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        },
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn wrong_extractor(_idem: Idempotency) -> StatusCode {
+    StatusCode::OK
+}
+
+async fn setup(policy: Policy) -> (Router, PostgresStore, TestSchema) {
+    let schema = TestSchema::create("idem_axum_in_tx").await;
+    let store = PostgresStore::connect(&schema.url())
+        .await
+        .expect("connect");
+    sqlx::query("CREATE TABLE effects (operation_id text NOT NULL, token bigint NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let layer = IdempotencyLayer::new(Arc::new(store.clone()), policy, SingleScope("t".into()))
+        .claim_in_transaction();
+    let app = Router::new()
+        .route("/effects", post(create))
+        .route("/wrong", post(wrong_extractor))
+        .layer(layer)
+        .with_state(store.clone());
+    (app, store, schema)
+}
+
+fn req(key: &str) -> http::request::Builder {
+    Request::post("/effects")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+}
+
+async fn send(app: &Router, r: Request<Body>) -> (StatusCode, http::HeaderMap, String) {
+    let response = app.clone().oneshot(r).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, headers, String::from_utf8_lossy(&body).into_owned())
+}
+
+async fn effects(store: &PostgresStore) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT operation_id, token FROM effects")
+        .fetch_all(store.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_commits_once_and_replays() {
+    let (app, store, _schema) = setup(Policy::default()).await;
+    let (status, _, body) = send(&app, req("a").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, headers, again) = send(&app, req("a").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(again, body);
+    assert_eq!(effects(&store).await.len(), 1);
+    assert!(matches!(
+        store.get("t", "a").await.unwrap().unwrap().state,
+        RecordState::Completed { .. }
+    ));
+    // the same key with another body, once committed, is 422
+    let (status, _, _) = send(&app, req("a").body(Body::from(r#"{"x":1}"#)).unwrap()).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_duplicates_commit_one_effect_and_the_rest_get_409() {
+    let (app, store, _schema) = setup(Policy::default()).await;
+    let mut tasks = Vec::new();
+    for _ in 0..30 {
+        let app = app.clone();
+        tasks.push(tokio::spawn(async move {
+            send(
+                &app,
+                req("race")
+                    .header("x-delay-ms", "200")
+                    .body(Body::from("{}"))
+                    .unwrap(),
+            )
+            .await
+        }));
+    }
+    let mut created = 0;
+    for t in tasks {
+        let (status, headers, _) = t.await.unwrap();
+        match status {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => assert_eq!(headers["retry-after"], "1"),
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert!(created >= 1);
+    assert_eq!(effects(&store).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_duplicates_get_the_replay_once_the_holder_commits() {
+    let policy = Policy::builder()
+        .wait_for_in_flight(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let (app, store, _schema) = setup(policy).await;
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let app = app.clone();
+        tasks.push(tokio::spawn(async move {
+            send(
+                &app,
+                req("wait")
+                    .header("x-delay-ms", "150")
+                    .body(Body::from("{}"))
+                    .unwrap(),
+            )
+            .await
+        }));
+    }
+    let mut bodies = Vec::new();
+    for t in tasks {
+        let (status, _, body) = t.await.unwrap();
+        assert_eq!(status, StatusCode::CREATED);
+        bodies.push(body);
+    }
+    bodies.dedup();
+    assert_eq!(bodies.len(), 1, "every duplicate got the one answer");
+    assert_eq!(effects(&store).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_5xx_rolls_back_and_the_retry_runs_under_the_same_operation_id() {
+    let (app, store, _schema) = setup(Policy::default()).await;
+    let (status, _, _) = send(
+        &app,
+        req("f")
+            .header("x-fail", "500")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(effects(&store).await.is_empty());
+    assert!(store.get("t", "f").await.unwrap().is_none());
+
+    let (status, _, body) = send(&app, req("f").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let rows = effects(&store).await;
+    assert_eq!(rows.len(), 1);
+    let fingerprint =
+        idem_core::Fingerprint::of_request("POST", "/effects", Some("application/json"), b"{}");
+    let derived = OperationId::derive("t", "f", &fingerprint).to_string();
+    assert_eq!(rows[0].0, derived);
+    assert_eq!(body, format!("op {derived}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_answers_500_and_leaves_the_key_free() {
+    let (app, store, _schema) = setup(Policy::default()).await;
+    let (status, _, _) = send(
+        &app,
+        req("p")
+            .header("x-fail", "panic")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(effects(&store).await.is_empty());
+    let (status, _, _) = send(&app, req("p").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(effects(&store).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_stalled_past_its_lease_cannot_commit_and_the_retry_runs() {
+    let policy = Policy::builder()
+        .lease(Duration::from_millis(400))
+        .build()
+        .unwrap();
+    let (app, store, _schema) = setup(policy).await;
+    let stalled = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            send(
+                &app,
+                req("s")
+                    .header("x-delay-ms", "1500")
+                    .body(Body::from("{}"))
+                    .unwrap(),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, _, _) = send(&app, req("s").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CONFLICT, "in flight within its lease");
+    // Past the lease the server ends the stalled session; its claim is gone.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let (status, _, _) = send(&app, req("s").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, _) = stalled.await.unwrap();
+    assert!(
+        status.is_server_error(),
+        "the stalled holder fails: {status}"
+    );
+    assert_eq!(effects(&store).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_idempotency_extractor_is_missing_on_such_routes() {
+    let (app, _store, _schema) = setup(Policy::default()).await;
+    let r = Request::post("/wrong")
+        .header("idempotency-key", "w")
+        .body(Body::empty())
+        .unwrap();
+    let (status, _, body) = send(&app, r).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(body.contains("idempotency-layer-missing"), "{body}");
+}
