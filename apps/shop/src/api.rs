@@ -9,12 +9,12 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idem_axum::{CompleteError, Idempotency, IdempotencyLayer, Problem};
+use idem_axum::{CompleteError, Idempotency, IdempotencyLayer, PendingClaim, Problem};
 use idem_core::{Policy, Store, UnixMillis};
 use serde_json::Value;
 use tracing::{error, warn};
 
-use crate::bank::{self, BankError, ChargeRequest};
+use crate::bank::{Bank, BankError, ChargeRequest};
 use crate::db::{
     is_duplicate_payment, on_backend, BeginWrite, Database, Payment, PaymentRow, INSERT_PAYMENT,
     PAYMENT_COLUMNS,
@@ -25,24 +25,32 @@ use idem_sql::{transition, Transition};
 #[derive(Debug, Clone)]
 pub(crate) struct AppState {
     pub(crate) db: Database,
+    /// The fake bank, with connections of its own.
+    pub(crate) bank: Bank,
     pub(crate) messaging: Arc<crate::messaging::Messaging>,
     /// Whether idempotency records live in `db`, so that handlers complete
     /// them in their own transaction (not so with Redis alone).
     pub(crate) transactional: bool,
+    /// Whether `POST /payments` claims inside its own transaction.
+    pub(crate) claim_in_transaction: bool,
     pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
 }
 
 impl AppState {
     pub(crate) fn new(
         db: Database,
+        bank: Bank,
         messaging: Arc<crate::messaging::Messaging>,
         transactional: bool,
+        claim_in_transaction: bool,
         metrics: metrics_exporter_prometheus::PrometheusHandle,
     ) -> Self {
         Self {
             db,
+            bank,
             messaging,
             transactional,
+            claim_in_transaction,
             metrics,
         }
     }
@@ -53,6 +61,11 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
     // Payments need a key; orders are deduplicated by their natural key
     // anyway, so a key there is optional (but honoured when sent).
     let key_required = IdempotencyLayer::new(store.clone(), policy.clone(), bearer_client_id);
+    let payments = if state.claim_in_transaction {
+        post(create_payment_in_tx).route_layer(key_required.clone().claim_in_transaction())
+    } else {
+        post(create_payment).route_layer(key_required.clone())
+    };
     let key_optional = match policy.to_builder().require_key(false).build() {
         Ok(p) => IdempotencyLayer::new(store, p, bearer_client_id),
         // unreachable: the settings came from a valid policy
@@ -62,7 +75,7 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
         .route("/healthz", get(healthz))
         .route("/metrics", get(get_metrics))
         .route("/", get(demo_page))
-        .route("/payments", post(create_payment).route_layer(key_required))
+        .route("/payments", payments)
         .route("/bare/payments", post(create_payment_bare))
         .route("/payments/{id}", get(get_payment))
         .route("/payments/{id}/capture", post(capture_payment))
@@ -268,16 +281,71 @@ async fn create_payment(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let client_id = idem.scope().to_owned();
-    pay(
-        &state,
-        &client_id,
-        idem.operation_id(),
-        Some(&idem),
-        &headers,
-        &body,
-    )
-    .await
+    let operation_id = idem.operation_id();
+    match charge(&state, operation_id, &headers, &body).await {
+        Ok(payment) => {
+            record_payment(
+                &state,
+                Some(&idem),
+                idem.scope(),
+                operation_id,
+                &payment,
+                None,
+            )
+            .await
+        }
+        Err(response) => response,
+    }
+}
+
+/// `POST /payments` with `--claim-in-transaction`: the handler claims the
+/// key inside the transaction that records the payment, so a new key costs
+/// no commit of its own. The transaction stays open across the bank call.
+async fn create_payment_in_tx(
+    State(state): State<AppState>,
+    pending: PendingClaim,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let Database::Postgres(store) = &state.db else {
+        error!("--claim-in-transaction needs PostgreSQL");
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let mut tx = match store.pool().begin().await {
+        Ok(tx) => tx,
+        Err(e) => return db_error(e),
+    };
+    let idem = match pending.claim_in(store, &mut *tx).await {
+        Ok(idem) => idem,
+        // a replay, 409, 422 or 503; `tx` rolls back
+        Err(answered) => return answered.into_response(),
+    };
+    let operation_id = idem.operation_id();
+    match charge(&state, operation_id, &headers, &body).await {
+        Ok(payment) => {
+            record_payment(
+                &state,
+                Some(&idem),
+                idem.scope(),
+                operation_id,
+                &payment,
+                Some(tx),
+            )
+            .await
+        }
+        // A client error is an answer: it commits with the claim, for replay.
+        Err(response) if response.status().is_client_error() => {
+            match idem.complete_in(store, &mut *tx, response).await {
+                Ok(response) => match tx.commit().await {
+                    Ok(()) => response,
+                    Err(e) => db_error(e),
+                },
+                Err(e) => e.into_response(),
+            }
+        }
+        // Anything else rolls back, and the claim with it.
+        Err(response) => response,
+    }
 }
 
 /// `POST /bare/payments`: the same work with no idempotency at all, the
@@ -292,31 +360,27 @@ async fn create_payment_bare(
         Err(r) => return r,
     };
     let operation_id = idem_core::OperationId::generate();
-    pay(&state, &client_id, operation_id, None, &headers, &body).await
+    match charge(&state, operation_id, &headers, &body).await {
+        Ok(payment) => record_payment(&state, None, &client_id, operation_id, &payment, None).await,
+        Err(response) => response,
+    }
 }
 
-/// Charges the bank under `operation_id` and records the payment.
-async fn pay(
+/// Validates the request and charges the bank under `operation_id`. `Err`
+/// is the answer to send, with nothing of ours written.
+async fn charge(
     state: &AppState,
-    client_id: &str,
     operation_id: idem_core::OperationId,
-    idem: Option<&Idempotency>,
     headers: &HeaderMap,
     body: &[u8],
-) -> Response {
-    let simulate = match parse_simulate(headers) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    let new = match parse_payment(body) {
-        Ok(p) => p,
-        Err(r) => return r,
-    };
+) -> Result<Payment, Response> {
+    let simulate = parse_simulate(headers)?;
+    let new = parse_payment(body)?;
     if simulate.crash_before_bank {
         crash("before the bank call");
     }
     if simulate.bank_error {
-        return bank_failed(&BankError::Simulated);
+        return Err(bank_failed(&BankError::Simulated));
     }
     let charge = ChargeRequest {
         operation_id,
@@ -324,10 +388,11 @@ async fn pay(
         amount: new.amount,
         currency: &new.currency,
     };
-    let bank_charge_id = match bank::charge(&state.db, &charge).await {
-        Ok(id) => id,
-        Err(e) => return bank_failed(&e),
-    };
+    let bank_charge_id = state
+        .bank
+        .charge(&charge)
+        .await
+        .map_err(|e| bank_failed(&e))?;
     // The bank charged; its answer is slow to come back.
     if let Some(d) = simulate.bank_delay {
         tokio::time::sleep(d).await;
@@ -335,39 +400,37 @@ async fn pay(
     if simulate.crash_after_bank {
         crash("after the bank call");
     }
-
-    let payment = Payment {
+    Ok(Payment {
         id: format!("pay_{}", uuid::Uuid::now_v7().simple()),
         account_id: new.account_id,
         amount: new.amount,
         currency: new.currency,
         status: "authorized".to_owned(),
         bank_charge_id,
-    };
-    match record_payment(state, idem, client_id, &operation_id.to_string(), &payment).await {
-        Ok(response) => response,
-        Err(response) => response,
-    }
+    })
 }
 
 /// Writes the payment and completes the idempotency record in one
-/// transaction: both commit, or neither.
+/// transaction — `open`, if the handler claimed in it, or a new one: both
+/// commit, or neither.
 async fn record_payment(
     state: &AppState,
     idem: Option<&Idempotency>,
     client_id: &str,
-    operation_id: &str,
+    operation_id: idem_core::OperationId,
     payment: &Payment,
-) -> Result<Response, Response> {
+    open: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+) -> Response {
     let response = (
         StatusCode::CREATED,
         [(header::LOCATION, format!("/payments/{}", payment.id))],
         Json(payment),
     )
         .into_response();
+    let operation_id = operation_id.to_string();
     let now = UnixMillis::now().0;
-    on_backend!(&state.db, store => {
-        let mut tx = store.pool().begin_write().await.map_err(db_error)?;
+    let written: Result<Response, Response> = on_backend!(&state.db, store => async {
+        let mut tx = store.pool().begin_in(open).await.map_err(db_error)?;
         let inserted = sqlx::query(INSERT_PAYMENT)
             .bind(&payment.id)
             .bind(client_id)
@@ -376,7 +439,7 @@ async fn record_payment(
             .bind(&payment.currency)
             .bind(&payment.status)
             .bind(&payment.bank_charge_id)
-            .bind(operation_id)
+            .bind(&operation_id)
             .bind(now)
             .execute(&mut *tx)
             .await;
@@ -408,7 +471,8 @@ async fn record_payment(
         tx.commit().await.map_err(db_error)?;
         state.messaging.wake();
         Ok(response)
-    })
+    }.await);
+    written.unwrap_or_else(|response| response)
 }
 
 /// `GET /stock/{sku}`: units reserved so far by the reserve-stock consumer.

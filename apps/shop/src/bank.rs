@@ -6,6 +6,8 @@
 
 use idem_core::OperationId;
 
+use idem_postgres::PostgresStore;
+
 use crate::db::Database;
 
 /// The bank could not charge.
@@ -26,11 +28,35 @@ pub(crate) struct ChargeRequest<'a> {
     pub(crate) currency: &'a str,
 }
 
-/// Charges once per operation id; returns the charge id.
-pub(crate) async fn charge(db: &Database, req: &ChargeRequest<'_>) -> Result<String, BankError> {
-    let op = req.operation_id.to_string();
-    let id = db
-        .bank_charge(&op, req.account_id, req.amount, req.currency)
-        .await?;
-    Ok(id)
+/// The bank's side of the wire: on PostgreSQL, a pool of its own (a remote
+/// system does not borrow the shop's connections, and a handler holding a
+/// transaction open across the bank call must not wait on its own pool);
+/// on SQLite, the shop's database (one writer anyway).
+#[derive(Debug, Clone)]
+pub(crate) struct Bank {
+    db: Database,
+}
+
+impl Bank {
+    /// Opens the bank's connections next to `db`'s, at `url`.
+    pub(crate) async fn open(db: &Database, url: &str) -> Result<Self, sqlx::Error> {
+        let db = match db {
+            Database::Postgres(shop) => Database::Postgres(PostgresStore::new(
+                idem_postgres::open_pool(url).await?,
+                shop.table().clone(),
+            )),
+            Database::Sqlite(_) => db.clone(),
+        };
+        Ok(Self { db })
+    }
+
+    /// Charges once per operation id; returns the charge id.
+    pub(crate) async fn charge(&self, req: &ChargeRequest<'_>) -> Result<String, BankError> {
+        let op = req.operation_id.to_string();
+        let id = self
+            .db
+            .bank_charge(&op, req.account_id, req.amount, req.currency)
+            .await?;
+        Ok(id)
+    }
 }

@@ -51,12 +51,33 @@ pub(crate) struct Config {
     #[arg(long, env = "IDEM_REPLAY_CACHE", default_value_t = 0)]
     pub(crate) replay_cache: usize,
 
+    /// Claim each key inside the transaction that records the payment
+    /// (PostgreSQL alone): a new key costs one commit instead of two;
+    /// duplicates of a claim not yet committed get 409 at once.
+    #[arg(long, env = "IDEM_CLAIM_IN_TX")]
+    pub(crate) claim_in_transaction: bool,
+
     /// How long a duplicate of an in-flight request waits for its answer before getting 409, in milliseconds (0: don't wait).
     #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0)]
     pub(crate) wait_ms: u64,
 }
 
 impl Config {
+    /// Refuses flag combinations that cannot work together.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        if self.claim_in_transaction {
+            let postgres = self.database_url.starts_with("postgres://")
+                || self.database_url.starts_with("postgresql://");
+            if !postgres || self.idem_store != "database" {
+                return Err("--claim-in-transaction needs a PostgreSQL --database-url holding the records (--idem-store database)".into());
+            }
+            if self.redis_url.is_some() || self.replay_cache > 0 {
+                return Err("--claim-in-transaction claims in the database transaction; it does not combine with --redis-url or --replay-cache".into());
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn policy(&self) -> Result<Policy, PolicyError> {
         Policy::builder()
             .lease(Duration::from_millis(self.lease_ms))

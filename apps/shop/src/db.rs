@@ -119,10 +119,34 @@ pub(crate) trait BeginWrite {
     fn begin_write(
         &self,
     ) -> idem_core::BoxFuture<'_, Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error>>;
+
+    /// Continues `open`, if given, or begins a write transaction.
+    fn begin_in(
+        &self,
+        open: OpenTx,
+    ) -> idem_core::BoxFuture<'_, Result<sqlx::Transaction<'static, Self::Db>, sqlx::Error>>;
 }
+
+/// A PostgreSQL transaction a handler already opened (and claimed in).
+pub(crate) type OpenTx = Option<sqlx::Transaction<'static, sqlx::Postgres>>;
 
 impl BeginWrite for sqlx::SqlitePool {
     type Db = sqlx::Sqlite;
+
+    fn begin_in(
+        &self,
+        open: OpenTx,
+    ) -> idem_core::BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error>>
+    {
+        match open {
+            Some(_) => Box::pin(async {
+                Err(sqlx::Error::Configuration(
+                    "a PostgreSQL transaction cannot continue on SQLite".into(),
+                ))
+            }),
+            None => self.begin_write(),
+        }
+    }
 
     fn begin_write(
         &self,
@@ -134,6 +158,17 @@ impl BeginWrite for sqlx::SqlitePool {
 
 impl BeginWrite for sqlx::PgPool {
     type Db = sqlx::Postgres;
+
+    fn begin_in(
+        &self,
+        open: OpenTx,
+    ) -> idem_core::BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error>>
+    {
+        match open {
+            Some(tx) => Box::pin(async { Ok(tx) }),
+            None => self.begin_write(),
+        }
+    }
 
     fn begin_write(
         &self,

@@ -52,6 +52,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
+    config.check()?;
     let policy = config.policy()?;
     // Prometheus text format from the `metrics` facade: the library crates
     // only emit through the facade (no exporter dependency for users), and
@@ -67,6 +68,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         .install_recorder()
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
     let database = db::Database::open(&config.database_url).await?;
+    let bank = bank::Bank::open(&database, &config.database_url).await?;
     let mut store: Arc<dyn Store> = database.idem_store();
     let redis = match &config.redis_url {
         Some(url) => Some(
@@ -112,7 +114,14 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         .await?,
     );
     let app = api::router(
-        api::AppState::new(database, messaging.clone(), transactional, metrics),
+        api::AppState::new(
+            database,
+            bank,
+            messaging.clone(),
+            transactional,
+            config.claim_in_transaction,
+            metrics,
+        ),
         store,
         policy,
     );

@@ -1,0 +1,179 @@
+//! `shop --claim-in-transaction` on PostgreSQL: the real binary over TCP,
+//! racing instances, and real processes killed mid-request.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::{account, pay, read, Answer, Db, Shop, BODY};
+
+const IN_TX: &str = "--claim-in-transaction";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_instances_200_racing_duplicates_of_20_keys_charge_20_times() {
+    let db = Db::postgres().await;
+    let shops = [
+        Shop::start(&db, &[IN_TX]).await,
+        Shop::start(&db, &[IN_TX]).await,
+        Shop::start(&db, &[IN_TX]).await,
+    ];
+    let client = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let key = format!("tx-key-{}", i % 20);
+        let r =
+            pay(&client, &shops[i % 3], Some(&key), BODY).header("x-simulate", "bank-delay=200");
+        tasks.push((key, tokio::spawn(read(r))));
+    }
+    let mut by_key: HashMap<String, Vec<Answer>> = HashMap::new();
+    for (key, t) in tasks {
+        by_key.entry(key).or_default().push(t.await.unwrap());
+    }
+    assert_eq!(by_key.len(), 20);
+    for (key, answers) in &by_key {
+        let fresh: Vec<_> = answers
+            .iter()
+            .filter(|a| a.status == 201 && !a.replayed)
+            .collect();
+        assert_eq!(fresh.len(), 1, "{key}: one request ran: {answers:?}");
+        for a in answers {
+            match a.status {
+                201 => assert_eq!(a.body, fresh[0].body, "{key}: replays are byte-identical"),
+                409 => {
+                    assert!(a.problem_type().ends_with("idempotency-key-in-use"));
+                    assert_eq!(a.headers["retry-after"], "1");
+                }
+                other => panic!("{key}: unexpected status {other}: {a:?}"),
+            }
+        }
+        for shop in &shops {
+            let again = read(pay(&client, shop, Some(key), BODY)).await;
+            assert!(again.replayed, "{key}: {again:?}");
+            assert_eq!(again.body, fresh[0].body);
+        }
+    }
+    let acc = account(&client, &shops[0], "acc_1").await;
+    assert_eq!(acc["payments"], 20, "{acc}");
+    assert_eq!(acc["bank_charges"], 20, "{acc}");
+    assert_eq!(acc["charged_total"], 20_000, "{acc}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_bank_call_frees_the_key_at_once_and_the_retry_charges_once() {
+    let db = Db::postgres().await;
+    // A long lease: the retry must not need it to run out.
+    let flags = [IN_TX, "--lease-ms", "60000"];
+    let mut a = Shop::start(&db, &flags).await;
+    let b = Shop::start(&db, &flags).await;
+    let client = reqwest::Client::new();
+
+    let lost = pay(&client, &a, Some("tx-crash"), BODY)
+        .header("x-simulate", "crash-after-bank")
+        .send()
+        .await;
+    assert!(lost.is_err(), "instance A died before answering: {lost:?}");
+    assert!(!a.wait_exit(Duration::from_secs(10)).success());
+    let crashed_at = Instant::now();
+    let acc = account(&client, &b, "acc_1").await;
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(0), Some(1)),
+        "the bank charged; nothing of ours committed: {acc}"
+    );
+
+    // The claim died with A's connection: B runs the retry now, under the
+    // same (derived) operation id, and the bank does not charge again.
+    let retry = read(pay(&client, &b, Some("tx-crash"), BODY)).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(!retry.replayed);
+    assert!(
+        crashed_at.elapsed() < Duration::from_secs(30),
+        "no lease had to run out"
+    );
+    let acc = account(&client, &b, "acc_1").await;
+    assert_eq!(acc["payments"], 1, "{acc}");
+    assert_eq!(acc["bank_charges"], 1, "charged exactly once: {acc}");
+    assert_eq!(
+        retry.json()["bank_charge_id"]
+            .as_str()
+            .map(|s| s.starts_with("ch_")),
+        Some(true)
+    );
+    let replay = read(pay(&client, &b, Some("tx-crash"), BODY)).await;
+    assert!(replay.replayed);
+    assert_eq!(replay.body, retry.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bank_slower_than_the_lease_rolls_back_and_the_retry_charges_once() {
+    let db = Db::postgres().await;
+    let shop = Shop::start(&db, &[IN_TX, "--lease-ms", "500"]).await;
+    let client = reqwest::Client::new();
+    // The transaction sits idle past the lease while the bank answers: the
+    // server ends it, the payment is not written, the key is free.
+    let slow =
+        read(pay(&client, &shop, Some("tx-slow"), BODY).header("x-simulate", "bank-delay=1500"))
+            .await;
+    assert_eq!(slow.status, 503, "{slow:?}");
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(0), Some(1)),
+        "{acc}"
+    );
+    let retry = read(pay(&client, &shop, Some("tx-slow"), BODY)).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(1), Some(1)),
+        "{acc}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_errors_are_stored_and_replayed_server_errors_are_not() {
+    let db = Db::postgres().await;
+    let shop = Shop::start(&db, &[IN_TX]).await;
+    let client = reqwest::Client::new();
+    let bad = r#"{"account_id":"acc_1","amount":-5,"currency":"EUR"}"#;
+    let first = read(pay(&client, &shop, Some("tx-400"), bad)).await;
+    assert_eq!(first.status, 400, "{first:?}");
+    let again = read(pay(&client, &shop, Some("tx-400"), bad)).await;
+    assert_eq!(again.status, 400);
+    assert!(again.replayed, "the 400 committed with its claim");
+    assert_eq!(again.body, first.body);
+    let other = read(pay(&client, &shop, Some("tx-400"), BODY)).await;
+    assert_eq!(other.status, 422, "{other:?}");
+
+    let failed =
+        read(pay(&client, &shop, Some("tx-503"), BODY).header("x-simulate", "bank-error")).await;
+    assert!(failed.status >= 500, "{failed:?}");
+    let retry = read(pay(&client, &shop, Some("tx-503"), BODY)).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed);
+}
+
+#[tokio::test]
+async fn the_mode_refuses_stores_it_cannot_claim_in() {
+    for extra in [
+        vec!["--database-url", "sqlite::memory:"],
+        vec![
+            "--database-url",
+            "postgres://127.0.0.1/test",
+            "--replay-cache",
+            "100",
+        ],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+            .args(["--listen", "127.0.0.1:0", IN_TX])
+            .args(&extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{extra:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--claim-in-transaction"), "{extra:?}: {err}");
+    }
+}
