@@ -34,8 +34,10 @@
 //!
 //! # Why the claim is correct under READ COMMITTED
 //!
-//! The claim is one statement: `INSERT … ON CONFLICT (scope, key) DO UPDATE
-//! … WHERE <claimable> RETURNING …`, with a fallback `SELECT` of the
+//! A claim first tries a plain `INSERT … ON CONFLICT DO NOTHING`: a key never
+//! seen is claimed by the cheapest statement there is. On any conflict it
+//! runs one statement that decides: `INSERT … ON CONFLICT (scope, key) DO
+//! UPDATE … WHERE <claimable> RETURNING …`, with a fallback `SELECT` of the
 //! existing row in the same statement.
 //!
 //! - Two callers inserting the same new key meet at the primary key: the
@@ -185,7 +187,9 @@ impl fmt::Display for TableName {
 /// The statements, with the table name filled in once.
 #[derive(Debug)]
 struct Sql {
+    claim_new: String,
     claim: String,
+    claim_new_in_tx: String,
     claim_in_tx: String,
     select: String,
     get: String,
@@ -252,6 +256,29 @@ impl Sql {
         Self {
             // $1 scope, $2 key, $3 fingerprint, $4 proposed operation id,
             // $5 new token, $6 lease (ms), $7 retention (ms).
+            // The common case, a key never seen: a plain insert. It returns
+            // no row on any conflict, and `claim` then decides.
+            claim_new: format!(
+                "INSERT INTO {table}
+        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
+    {VALUES}
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING (extract(epoch FROM locked_until) * 1000)::bigint AS locked_until"
+            ),
+            // The same inside the caller's transaction: $8 the key's advisory
+            // lock, taken before inserting, $9 the lease as the transaction's
+            // idle timeout (ms). No row: busy or a conflict; `claim_in_tx`
+            // then decides.
+            claim_new_in_tx: format!(
+                "INSERT INTO {table}
+        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
+    SELECT $1, $2, $3, $4::uuid, $5, 'in_progress',
+            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond'
+    WHERE pg_try_advisory_xact_lock($8)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING (extract(epoch FROM locked_until) * 1000)::bigint AS locked_until,
+        set_config('idle_in_transaction_session_timeout', $9, true) AS lease"
+            ),
             claim: format!(
                 "WITH claimed AS (
     {upsert}
@@ -414,6 +441,24 @@ impl PostgresStore {
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
         let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
+        let token = FencingToken::generate();
+        let proposed = OperationId::generate();
+        let fresh = sqlx::query(&self.sql.claim_new)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(req.fingerprint.as_bytes().as_slice())
+            .bind(proposed.0.to_string())
+            .bind(token.0)
+            .bind(lease)
+            .bind(retention)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_error)?;
+        if let Some(row) = fresh {
+            return Ok(ClaimOutcome::Acquired(fresh_claim(
+                req, token, proposed, &row,
+            )?));
+        }
         // Normally one turn. A second only when the row we lost to was
         // committed after the statement's snapshot (see the crate docs), or
         // was swept in between.
@@ -558,6 +603,27 @@ pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error
     tx.commit().await
 }
 
+/// The claim a plain insert made: a new record, this attempt's token and
+/// proposed operation id, the lease the database computed.
+fn fresh_claim(
+    req: &ClaimRequest,
+    token: FencingToken,
+    operation_id: OperationId,
+    row: &PgRow,
+) -> Result<Claim, StoreError> {
+    let locked_until: i64 = row
+        .try_get("locked_until")
+        .map_err(|e| corrupt("locked_until", e))?;
+    Ok(Claim {
+        scope: req.scope.clone(),
+        key: req.key.clone(),
+        token,
+        operation_id,
+        locked_until: UnixMillis(locked_until),
+        takeover: false,
+    })
+}
+
 fn corrupt(what: &str, e: sqlx::Error) -> StoreError {
     StoreError::Corrupt(format!("{what}: {e}"))
 }
@@ -648,6 +714,25 @@ impl PostgresStore {
         // The claim lives only in this transaction: a retry after a rollback
         // must reach the outside world under the same operation id.
         let proposed = OperationId::derive(&req.scope, &req.key, &req.fingerprint);
+        let token = FencingToken::generate();
+        let fresh = sqlx::query(&self.sql.claim_new_in_tx)
+            .bind(&req.scope)
+            .bind(&req.key)
+            .bind(req.fingerprint.as_bytes().as_slice())
+            .bind(proposed.0.to_string())
+            .bind(token.0)
+            .bind(lease)
+            .bind(retention)
+            .bind(lock)
+            .bind(&idle_timeout)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        if let Some(row) = fresh {
+            return Ok(TxClaimOutcome::Acquired(fresh_claim(
+                req, token, proposed, &row,
+            )?));
+        }
         // A second turn only when the row we lost to was committed after the
         // statement's snapshot (see the crate docs).
         for _ in 0..5 {
