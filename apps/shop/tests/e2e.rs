@@ -522,7 +522,8 @@ async fn metrics_count_each_outcome_of_a_scripted_mix() {
         "labels never carry keys or scopes"
     );
     // the payments' events went through the outbox and the send-email consumer
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // (generous: the other tests of this binary load the machine meanwhile)
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let page = client
             .get(shop.url("/metrics"))
@@ -536,12 +537,16 @@ async fn metrics_count_each_outcome_of_a_scripted_mix() {
             &page,
             "idem_messages_total{consumer=\"send-email\",outcome=\"processed\"}",
         );
-        if processed == 4.0 {
+        if processed >= 4.0 {
+            assert_eq!(processed, 4.0, "each payment's email exactly once: {page}");
             assert_eq!(sample(&page, "idem_outbox_published_total"), 4.0, "{page}");
             assert!(page.contains("idem_outbox_lag_seconds"), "{page}");
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "{page}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{processed} of 4 emails after 30 s: {page}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
