@@ -441,6 +441,8 @@ impl PostgresStore {
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
         let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
+        // One connection for both statements: one checkout, one health check.
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let token = FencingToken::generate();
         let proposed = OperationId::generate();
         let fresh = sqlx::query(&self.sql.claim_new)
@@ -451,7 +453,7 @@ impl PostgresStore {
             .bind(token.0)
             .bind(lease)
             .bind(retention)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
         if let Some(row) = fresh {
@@ -473,7 +475,7 @@ impl PostgresStore {
                 .bind(token.0)
                 .bind(lease)
                 .bind(retention)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&mut *conn)
                 .await
                 .map_err(store_error)?;
             let Some(row) = row else { continue };

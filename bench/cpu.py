@@ -1,0 +1,35 @@
+"""Prints the CPU time (ms) used so far by every PostgreSQL process and by
+the process `pid`: `bench/run.sh` reads it before and after each scenario to
+show where the time of a request goes."""
+import os
+import sys
+
+TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def ticks(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        # utime, stime (and the children's, for forked workers)
+        return sum(int(x) for x in fields[11:15])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def postgres():
+    total = 0
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/comm") as f:
+                if not f.read().startswith("postgres"):
+                    continue
+        except OSError:
+            continue
+        total += ticks(p)
+    return total
+
+
+print(f"{postgres() * TICK_MS:.0f} {ticks(sys.argv[1]) * TICK_MS:.0f}")
