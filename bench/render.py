@@ -166,9 +166,12 @@ r = ratio("postgres+redis", "replay", "postgres", "new")
 out.append(f"- Replays from Redis: {r:.2f}× the throughput of new keys (target ≥ 1.5) — "
            f"{'met' if r >= 1.5 else 'NOT met'}.")
 grow = memory["rss_end_kb"] - memory["rss_start_kb"]
+samples = memory.get("samples_kb", [])
+series = ", ".join(f"{kb / 1024:.1f}" for kb in samples)
 out.append(f"- Memory: resident {memory['rss_start_kb'] / 1024:.1f} MiB after warm-up, "
            f"{memory['rss_end_kb'] / 1024:.1f} MiB after {memory['seconds']} s of steady load "
-           f"(new keys and replays at 300 req/s): {grow / 1024:+.1f} MiB.")
+           f"(new keys and replays at 300 req/s): {grow / 1024:+.1f} MiB"
+           + (f"; every tenth of the run: {series} MiB." if series else "."))
 for ours, theirs in pairs:
     ahead = all(by[(ours, s_)]["rps"] > by[(theirs, s_)]["rps"]
                 for s_ in ["new", "replay", "inflight"] if (ours, s_) in by and (theirs, s_) in by)

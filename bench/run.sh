@@ -118,12 +118,22 @@ run_peer "trivial: @node-idempotency (redis)"  env REDIS_URL="$REDIS" node bench
 echo "== memory: new keys at a fixed rate for ${MEMORY_SECONDS}s on postgres"
 start_shop --database-url PGSCHEMA
 "$BIN/idem-load" --url "$URL/payments" --requests 1000 --concurrency 8 --mix new=50,replay=50 --label warmup 2>/dev/null >/dev/null
-rss_start=$(awk '/VmRSS/ {print $2}' "/proc/$PID/status")
+rss() { awk '/VmRSS/ {print $2}' "/proc/$PID/status"; }
+rss_start=$(rss)
 "$BIN/idem-load" --url "$URL/payments" --requests 100000000 --rate 300 --duration-secs "$MEMORY_SECONDS" \
-  --concurrency 16 --mix new=50,replay=50 --label "memory run" 2>/dev/null
-rss_end=$(awk '/VmRSS/ {print $2}' "/proc/$PID/status")
+  --concurrency 16 --mix new=50,replay=50 --label "memory run" 2>/dev/null &
+LOADPID=$!
+# resident memory every tenth of the run: a leak shows as a slope
+samples="$rss_start"
+step=$(( MEMORY_SECONDS / 10 > 0 ? MEMORY_SECONDS / 10 : 1 ))
+while kill -0 "$LOADPID" 2>/dev/null; do
+  sleep "$step"
+  kill -0 "$LOADPID" 2>/dev/null && samples="$samples, $(rss)"
+done
+wait "$LOADPID" || true
+rss_end=$(rss)
 stop_shop
-echo "{\"rss_start_kb\": $rss_start, \"rss_end_kb\": $rss_end, \"seconds\": $MEMORY_SECONDS}" > "$out/memory.json"
+echo "{\"rss_start_kb\": $rss_start, \"rss_end_kb\": $rss_end, \"seconds\": $MEMORY_SECONDS, \"samples_kb\": [$samples, $rss_end]}" > "$out/memory.json"
 
 echo "== criterion micro-benchmarks"
 cargo bench -q -p idem-core --bench core -- --warm-up-time 1 --measurement-time 3 2>/dev/null \
