@@ -156,8 +156,8 @@ for mode in ["postgres", "postgres (claim in tx)"]:
     if pg_new and pg_bare:
         t = pg_new["rps"] / pg_bare["rps"]
         l = pg_new["p50_ms"] / pg_bare["p50_ms"]
-        out.append(f"- New keys on {mode}: throughput {t:.2f} of bare (target ≥ 0.75) — "
-                   f"{'met' if t >= 0.75 else 'NOT met'}; p50 {l:.2f} of bare (target ≤ 1.35) — "
+        out.append(f"- New keys on {mode}: throughput {t:.3f} of bare (target ≥ 0.75) — "
+                   f"{'met' if t >= 0.75 else 'NOT met'}; p50 {l:.3f} of bare (target ≤ 1.35) — "
                    f"{'met' if l <= 1.35 else 'NOT met'}.")
 c = ratio("postgres+cache", "replay", "postgres", "new")
 out.append(f"- Replays from the in-process cache: {c:.2f}× the throughput of new keys (target ≥ 3) — "

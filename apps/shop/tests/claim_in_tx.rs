@@ -4,60 +4,15 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::{account, pay, read, Answer, Db, Shop, BODY};
+use common::{account, pay, read, Db, Shop, BODY};
 
 const IN_TX: &str = "--claim-in-transaction";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_instances_200_racing_duplicates_of_20_keys_charge_20_times() {
-    let db = Db::postgres().await;
-    let shops = [
-        Shop::start(&db, &[IN_TX]).await,
-        Shop::start(&db, &[IN_TX]).await,
-        Shop::start(&db, &[IN_TX]).await,
-    ];
-    let client = reqwest::Client::new();
-    let mut tasks = Vec::new();
-    for i in 0..200 {
-        let key = format!("tx-key-{}", i % 20);
-        let r =
-            pay(&client, &shops[i % 3], Some(&key), BODY).header("x-simulate", "bank-delay=200");
-        tasks.push((key, tokio::spawn(read(r))));
-    }
-    let mut by_key: HashMap<String, Vec<Answer>> = HashMap::new();
-    for (key, t) in tasks {
-        by_key.entry(key).or_default().push(t.await.unwrap());
-    }
-    assert_eq!(by_key.len(), 20);
-    for (key, answers) in &by_key {
-        let fresh: Vec<_> = answers
-            .iter()
-            .filter(|a| a.status == 201 && !a.replayed)
-            .collect();
-        assert_eq!(fresh.len(), 1, "{key}: one request ran: {answers:?}");
-        for a in answers {
-            match a.status {
-                201 => assert_eq!(a.body, fresh[0].body, "{key}: replays are byte-identical"),
-                409 => {
-                    assert!(a.problem_type().ends_with("idempotency-key-in-use"));
-                    assert_eq!(a.headers["retry-after"], "1");
-                }
-                other => panic!("{key}: unexpected status {other}: {a:?}"),
-            }
-        }
-        for shop in &shops {
-            let again = read(pay(&client, shop, Some(key), BODY)).await;
-            assert!(again.replayed, "{key}: {again:?}");
-            assert_eq!(again.body, fresh[0].body);
-        }
-    }
-    let acc = account(&client, &shops[0], "acc_1").await;
-    assert_eq!(acc["payments"], 20, "{acc}");
-    assert_eq!(acc["bank_charges"], 20, "{acc}");
-    assert_eq!(acc["charged_total"], 20_000, "{acc}");
+    common::three_instances_race(&[IN_TX]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -445,14 +445,7 @@ impl PostgresStore {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let token = FencingToken::generate();
         let proposed = OperationId::generate();
-        let fresh = sqlx::query(&self.sql.claim_new)
-            .bind(&req.scope)
-            .bind(&req.key)
-            .bind(req.fingerprint.as_bytes().as_slice())
-            .bind(proposed.0.to_string())
-            .bind(token.0)
-            .bind(lease)
-            .bind(retention)
+        let fresh = claim_query(&self.sql.claim_new, req, proposed, token, lease, retention)
             .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
@@ -467,14 +460,7 @@ impl PostgresStore {
         for _ in 0..5 {
             let token = FencingToken::generate();
             let proposed = OperationId::generate();
-            let row = sqlx::query(&self.sql.claim)
-                .bind(&req.scope)
-                .bind(&req.key)
-                .bind(req.fingerprint.as_bytes().as_slice())
-                .bind(proposed.0.to_string())
-                .bind(token.0)
-                .bind(lease)
-                .bind(retention)
+            let row = claim_query(&self.sql.claim, req, proposed, token, lease, retention)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(store_error)?;
@@ -605,6 +591,27 @@ pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error
     tx.commit().await
 }
 
+/// A claim statement with its common parameters bound: $1 scope, $2 key,
+/// $3 fingerprint, $4 proposed operation id, $5 token, $6 lease (ms), $7
+/// retention (ms).
+fn claim_query<'q>(
+    sql: &'q str,
+    req: &'q ClaimRequest,
+    proposed: OperationId,
+    token: FencingToken,
+    lease: i64,
+    retention: i64,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(&req.scope)
+        .bind(&req.key)
+        .bind(req.fingerprint.as_bytes().as_slice())
+        .bind(proposed.0.to_string())
+        .bind(token.0)
+        .bind(lease)
+        .bind(retention)
+}
+
 /// The claim a plain insert made: a new record, this attempt's token and
 /// proposed operation id, the lease the database computed.
 fn fresh_claim(
@@ -717,19 +724,19 @@ impl PostgresStore {
         // must reach the outside world under the same operation id.
         let proposed = OperationId::derive(&req.scope, &req.key, &req.fingerprint);
         let token = FencingToken::generate();
-        let fresh = sqlx::query(&self.sql.claim_new_in_tx)
-            .bind(&req.scope)
-            .bind(&req.key)
-            .bind(req.fingerprint.as_bytes().as_slice())
-            .bind(proposed.0.to_string())
-            .bind(token.0)
-            .bind(lease)
-            .bind(retention)
-            .bind(lock)
-            .bind(&idle_timeout)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
+        let fresh = claim_query(
+            &self.sql.claim_new_in_tx,
+            req,
+            proposed,
+            token,
+            lease,
+            retention,
+        )
+        .bind(lock)
+        .bind(&idle_timeout)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(store_error)?;
         if let Some(row) = fresh {
             return Ok(TxClaimOutcome::Acquired(fresh_claim(
                 req, token, proposed, &row,
@@ -739,19 +746,19 @@ impl PostgresStore {
         // statement's snapshot (see the crate docs).
         for _ in 0..5 {
             let token = FencingToken::generate();
-            let row = sqlx::query(&self.sql.claim_in_tx)
-                .bind(&req.scope)
-                .bind(&req.key)
-                .bind(req.fingerprint.as_bytes().as_slice())
-                .bind(proposed.0.to_string())
-                .bind(token.0)
-                .bind(lease)
-                .bind(retention)
-                .bind(lock)
-                .bind(&idle_timeout)
-                .fetch_optional(&mut *conn)
-                .await
-                .map_err(store_error)?;
+            let row = claim_query(
+                &self.sql.claim_in_tx,
+                req,
+                proposed,
+                token,
+                lease,
+                retention,
+            )
+            .bind(lock)
+            .bind(&idle_timeout)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
             let Some(row) = row else { continue };
             let outcome: String = row.try_get("outcome").map_err(|e| corrupt("outcome", e))?;
             match outcome.as_str() {

@@ -206,3 +206,61 @@ pub async fn account(client: &reqwest::Client, shop: &Shop, id: &str) -> Value {
         .await
         .expect("account json")
 }
+
+/// Three `shop` processes with `flags` on one PostgreSQL schema, 200
+/// racing duplicates of 20 keys (the bank slow, so most arrive in flight):
+/// each key runs once, every other answer is a byte-identical replay or a
+/// `409`, every instance replays afterwards, and the bank charged 20 times.
+pub async fn three_instances_race(flags: &[&str]) {
+    use std::collections::HashMap;
+    let db = Db::postgres().await;
+    let shops = [
+        Shop::start(&db, flags).await,
+        Shop::start(&db, flags).await,
+        Shop::start(&db, flags).await,
+    ];
+    let client = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let key = format!("cluster-key-{}", i % 20);
+        let shop = &shops[i % 3];
+        let r = pay(&client, shop, Some(&key), BODY).header("x-simulate", "bank-delay=200");
+        tasks.push((key, tokio::spawn(read(r))));
+    }
+    let mut by_key: HashMap<String, Vec<Answer>> = HashMap::new();
+    for (key, t) in tasks {
+        by_key.entry(key).or_default().push(t.await.unwrap());
+    }
+    assert_eq!(by_key.len(), 20);
+    for (key, answers) in &by_key {
+        let fresh: Vec<_> = answers
+            .iter()
+            .filter(|a| a.status == 201 && !a.replayed)
+            .collect();
+        assert_eq!(
+            fresh.len(),
+            1,
+            "{key}: exactly one request ran: {answers:?}"
+        );
+        for a in answers {
+            match a.status {
+                201 => assert_eq!(a.body, fresh[0].body, "{key}: replays are byte-identical"),
+                409 => {
+                    assert!(a.problem_type().ends_with("idempotency-key-in-use"));
+                    assert!(a.headers.contains_key("retry-after"), "{key}: {a:?}");
+                }
+                other => panic!("{key}: unexpected status {other}: {a:?}"),
+            }
+        }
+        // every instance replays the same bytes afterwards
+        for shop in &shops {
+            let again = read(pay(&client, shop, Some(key), BODY)).await;
+            assert!(again.replayed, "{key}: {again:?}");
+            assert_eq!(again.body, fresh[0].body);
+        }
+    }
+    let acc = account(&client, &shops[0], "acc_1").await;
+    assert_eq!(acc["payments"], 20, "{acc}");
+    assert_eq!(acc["bank_charges"], 20, "{acc}");
+    assert_eq!(acc["charged_total"], 20_000, "{acc}");
+}
