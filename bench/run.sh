@@ -5,7 +5,7 @@
 #
 # Usage: bash bench/run.sh [requests-per-scenario] [concurrency]
 #   MEMORY_SECONDS=60 bash bench/run.sh   # a shorter memory run (default 300 s)
-#   ROUNDS=5 bash bench/run.sh            # bare/new rounds per configuration (default 3)
+#   ROUNDS=3 bash bench/run.sh            # bare/new rounds per configuration (default 5)
 #
 # Needs the services `bash scripts/test` starts (PostgreSQL, Redis), Node.js
 # and npm for the peers.
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 REQUESTS=${1:-5000}
 CONCURRENCY=${2:-32}
 MEMORY_SECONDS=${MEMORY_SECONDS:-300}
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-5}
 PG=${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 REDIS=${IDEM_BENCH_REDIS_URL:-redis://127.0.0.1:6379}
 export PGOPTIONS="-c client_min_messages=warning"
