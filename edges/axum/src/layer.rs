@@ -89,7 +89,10 @@ impl IdempotencyLayer {
     /// an uncommitted claim get `409` with `Retry-After: 1` (their
     /// fingerprint cannot be checked until it commits), and the
     /// transaction stays open for the whole handler, holding a connection.
-    /// Meant for short handlers.
+    /// Meant for short handlers. With
+    /// [`wait_for_in_flight`](idem_core::PolicyBuilder::wait_for_in_flight),
+    /// a waiting duplicate keeps its own transaction (and connection) open
+    /// while it waits: size the pool for it, or leave waiting off.
     pub fn claim_in_transaction(mut self) -> Self {
         let c = &self.config;
         self.config = Arc::new(Config {
