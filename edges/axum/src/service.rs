@@ -640,7 +640,7 @@ async fn settle(
         Ok(()) => debug!(status, "stored the response"),
         Err(StoreError::ClaimLost) => {
             count("claim_lost");
-            warn!("the claim was taken over while the handler ran; its response is not stored")
+            warn!("the claim was taken over while the handler ran, or rolled back with its transaction; its response is not stored")
         }
         // The effect happened but its record did not complete: keep the
         // claim (do not release), so that only a retry after the lease runs
