@@ -197,6 +197,9 @@ struct Sql {
     release: String,
     sweep: String,
     stats: String,
+    /// SHA-256 fed with the table's name: where every key's advisory lock
+    /// hash starts.
+    lock_seed: sha2::Sha256,
 }
 
 const COLUMNS: &str = "scope, key, fingerprint, operation_id::text AS operation_id, token, state,
@@ -252,8 +255,13 @@ const EXPIRED: &str = "(expires_at <= now() AND (state = 'completed' OR locked_u
 
 impl Sql {
     fn new(t: &TableName) -> Self {
+        use sha2::Digest;
         let table = t.qualified();
+        let mut lock_seed = sha2::Sha256::new();
+        lock_seed.update((table.len() as u64).to_be_bytes());
+        lock_seed.update(table.as_bytes());
         Self {
+            lock_seed,
             // $1 scope, $2 key, $3 fingerprint, $4 proposed operation id,
             // $5 new token, $6 lease (ms), $7 retention (ms).
             // The common case, a key never seen: a plain insert. It returns
@@ -439,13 +447,13 @@ impl PostgresStore {
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
-        let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
+        let binds = ClaimBinds::new(req);
         // One connection for both statements: one checkout, one health check.
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let token = FencingToken::generate();
         let proposed = OperationId::generate();
-        let fresh = claim_query(&self.sql.claim_new, req, proposed, token, lease, retention)
+        let fresh = binds
+            .query(&self.sql.claim_new, proposed, token)
             .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
@@ -460,7 +468,8 @@ impl PostgresStore {
         for _ in 0..5 {
             let token = FencingToken::generate();
             let proposed = OperationId::generate();
-            let row = claim_query(&self.sql.claim, req, proposed, token, lease, retention)
+            let row = binds
+                .query(&self.sql.claim, proposed, token)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(store_error)?;
@@ -591,25 +600,53 @@ pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error
     tx.commit().await
 }
 
-/// A claim statement with its common parameters bound: $1 scope, $2 key,
-/// $3 fingerprint, $4 proposed operation id, $5 token, $6 lease (ms), $7
-/// retention (ms).
-fn claim_query<'q>(
-    sql: &'q str,
+/// What every claim statement binds: $1 scope, $2 key, $3 fingerprint, $4
+/// proposed operation id, $5 token, $6 lease (ms), $7 retention (ms); and
+/// inside the caller's transaction, $8 the key's advisory lock and $9 the
+/// lease as the transaction's idle timeout (ms).
+struct ClaimBinds<'q> {
     req: &'q ClaimRequest,
-    proposed: OperationId,
-    token: FencingToken,
     lease: i64,
     retention: i64,
-) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-    sqlx::query(sql)
-        .bind(&req.scope)
-        .bind(&req.key)
-        .bind(req.fingerprint.as_bytes().as_slice())
-        .bind(proposed.0.to_string())
-        .bind(token.0)
-        .bind(lease)
-        .bind(retention)
+    in_tx: Option<(i64, String)>,
+}
+
+impl<'q> ClaimBinds<'q> {
+    fn new(req: &'q ClaimRequest) -> Self {
+        Self {
+            req,
+            lease: i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX),
+            retention: i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX),
+            in_tx: None,
+        }
+    }
+
+    fn in_tx(mut self, lock: i64) -> Self {
+        // The idle timeout is an int of milliseconds; 0 would mean "none".
+        let idle_timeout = self.lease.clamp(1, i64::from(i32::MAX)).to_string();
+        self.in_tx = Some((lock, idle_timeout));
+        self
+    }
+
+    fn query<'s>(
+        &'s self,
+        sql: &'s str,
+        proposed: OperationId,
+        token: FencingToken,
+    ) -> sqlx::query::Query<'s, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        let query = sqlx::query(sql)
+            .bind(&self.req.scope)
+            .bind(&self.req.key)
+            .bind(self.req.fingerprint.as_bytes().as_slice())
+            .bind(proposed.0.to_string())
+            .bind(token.0)
+            .bind(self.lease)
+            .bind(self.retention);
+        match &self.in_tx {
+            Some((lock, idle_timeout)) => query.bind(*lock).bind(idle_timeout.as_str()),
+            None => query,
+        }
+    }
 }
 
 /// The claim a plain insert made: a new record, this attempt's token and
@@ -715,28 +752,16 @@ impl PostgresStore {
         conn: &mut PgConnection,
         req: &ClaimRequest,
     ) -> Result<TxClaimOutcome, StoreError> {
-        let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
-        let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
-        // The idle timeout is an int of milliseconds; 0 would mean "none".
-        let idle_timeout = lease.clamp(1, i64::from(i32::MAX)).to_string();
-        let lock = self.lock_key(&req.scope, &req.key);
+        let binds = ClaimBinds::new(req).in_tx(self.lock_key(&req.scope, &req.key));
         // The claim lives only in this transaction: a retry after a rollback
         // must reach the outside world under the same operation id.
         let proposed = OperationId::derive(&req.scope, &req.key, &req.fingerprint);
         let token = FencingToken::generate();
-        let fresh = claim_query(
-            &self.sql.claim_new_in_tx,
-            req,
-            proposed,
-            token,
-            lease,
-            retention,
-        )
-        .bind(lock)
-        .bind(&idle_timeout)
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(store_error)?;
+        let fresh = binds
+            .query(&self.sql.claim_new_in_tx, proposed, token)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
         if let Some(row) = fresh {
             return Ok(TxClaimOutcome::Acquired(fresh_claim(
                 req, token, proposed, &row,
@@ -746,19 +771,11 @@ impl PostgresStore {
         // statement's snapshot (see the crate docs).
         for _ in 0..5 {
             let token = FencingToken::generate();
-            let row = claim_query(
-                &self.sql.claim_in_tx,
-                req,
-                proposed,
-                token,
-                lease,
-                retention,
-            )
-            .bind(lock)
-            .bind(&idle_timeout)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
+            let row = binds
+                .query(&self.sql.claim_in_tx, proposed, token)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(store_error)?;
             let Some(row) = row else { continue };
             let outcome: String = row.try_get("outcome").map_err(|e| corrupt("outcome", e))?;
             match outcome.as_str() {
@@ -794,9 +811,10 @@ impl PostgresStore {
     /// SHA-256 over the table, scope and key. Two keys sharing one (odds of
     /// 2^-64 per pair) only make each other look busy for a moment.
     fn lock_key(&self, scope: &str, key: &str) -> i64 {
-        use sha2::{Digest, Sha256};
-        let mut h = Sha256::new();
-        for part in [self.table.qualified().as_str(), scope, key] {
+        use sha2::Digest;
+        // The table's part is hashed once, when the store is made.
+        let mut h = self.sql.lock_seed.clone();
+        for part in [scope, key] {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());
         }
