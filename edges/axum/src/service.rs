@@ -315,17 +315,11 @@ where
         // is dropped or panics, the guard releases the claim.
         let config = config.clone();
         let run = async move {
-            let mut guard = ReleaseGuard::new(config.store.clone(), claim);
-            match inner
+            let guard = ReleaseGuard::new(config.store.clone(), claim);
+            let result = inner
                 .call(Request::from_parts(parts, Body::from(bytes)))
-                .await
-            {
-                Ok(response) => Ok(settle(&config, &handle, &mut guard, response).await),
-                Err(e) => {
-                    guard.release_now().await;
-                    Err(e)
-                }
-            }
+                .await;
+            settle_result(&config, &handle, guard, result).await
         };
         match tokio::spawn(run.in_current_span()).await {
             Ok(result) => result,
@@ -363,14 +357,8 @@ where
         let Some(handle) = pending.claimed() else {
             return result;
         };
-        let mut guard = ReleaseGuard::new(settle_config.store.clone(), handle.claim().clone());
-        match result {
-            Ok(response) => Ok(settle(&settle_config, &handle, &mut guard, response).await),
-            Err(e) => {
-                guard.release_now().await;
-                Err(e)
-            }
-        }
+        let guard = ReleaseGuard::new(settle_config.store.clone(), handle.claim().clone());
+        settle_result(&settle_config, &handle, guard, result).await
     };
     match tokio::spawn(run.in_current_span()).await {
         Ok(result) => result,
@@ -582,6 +570,23 @@ fn record_status(record: &Record) -> Option<u16> {
     match &record.state {
         RecordState::Completed { response, .. } => Some(response.status),
         RecordState::InProgress { .. } => None,
+    }
+}
+
+/// After the inner service returned: settle its response, or release the
+/// claim if it failed.
+async fn settle_result<E>(
+    config: &Config,
+    handle: &Idempotency,
+    mut guard: ReleaseGuard,
+    result: Result<Response, E>,
+) -> Result<Response, E> {
+    match result {
+        Ok(response) => Ok(settle(config, handle, &mut guard, response).await),
+        Err(e) => {
+            guard.release_now().await;
+            Err(e)
+        }
     }
 }
 
