@@ -9,17 +9,16 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use idem_axum::{CompleteError, Idempotency, IdempotencyLayer, PendingClaim, Problem};
+use idem_axum::{Idempotency, IdempotencyLayer, PendingClaim, Problem};
 use idem_core::{Policy, Store, UnixMillis};
 use serde_json::Value;
 use tracing::{error, warn};
 
 use crate::bank::{Bank, BankError, ChargeRequest};
 use crate::db::{
-    is_duplicate_payment, on_backend, BeginWrite, Database, Payment, PaymentRow, INSERT_PAYMENT,
-    PAYMENT_COLUMNS,
+    on_backend, BeginWrite, Database, Payment, PaymentRow, INSERT_PAYMENT, PAYMENT_COLUMNS,
 };
-use idem_sql::{transition, Transition};
+use idem_sql::{create_once, transition, Created, Transition};
 
 /// Shared state of the handlers.
 #[derive(Debug, Clone)]
@@ -298,9 +297,11 @@ async fn create_payment(
     }
 }
 
-/// `POST /payments` with `--claim-in-transaction`: the handler claims the
-/// key inside the transaction that records the payment, so a new key costs
-/// no commit of its own. The transaction stays open across the bank call.
+/// `POST /payments` with `--claim-in-transaction`: the claim commits
+/// first (binding the key to this request and its operation id before the
+/// bank is called), then the transaction that records the payment holds it:
+/// duplicates get 409 while it is open, and a crash or rollback frees it at
+/// once for a retry of the same request.
 async fn create_payment_in_tx(
     State(state): State<AppState>,
     pending: PendingClaim,
@@ -311,13 +312,9 @@ async fn create_payment_in_tx(
         error!("--claim-in-transaction needs PostgreSQL");
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     };
-    let mut tx = match store.pool().begin().await {
-        Ok(tx) => tx,
-        Err(e) => return db_error(e),
-    };
-    let idem = match pending.claim_in(store, &mut *tx).await {
-        Ok(idem) => idem,
-        // a replay, 409, 422 or 503; `tx` rolls back
+    let (mut tx, idem) = match pending.begin(store).await {
+        Ok(held) => held,
+        // a replay, 409, 422 or 503; no transaction was begun
         Err(answered) => return answered.into_response(),
     };
     let operation_id = idem.operation_id();
@@ -340,11 +337,27 @@ async fn create_payment_in_tx(
                     Ok(()) => response,
                     Err(e) => db_error(e),
                 },
-                Err(e) => e.into_response(),
+                Err(e) => {
+                    rollback(tx).await;
+                    e.into_response()
+                }
             }
         }
-        // Anything else rolls back, and the claim with it.
-        Err(response) => response,
+        // Anything else rolls back: the claim is free for the retry.
+        Err(response) => {
+            rollback(tx).await;
+            response
+        }
+    }
+}
+
+/// Ends a transaction that must not commit, now, before the answer leaves:
+/// a transaction left to its drop ends later, holding its locks (and, with
+/// `--claim-in-transaction`, the claim) until it does.
+async fn rollback<DB: sqlx::Database>(tx: sqlx::Transaction<'static, DB>) {
+    if let Err(e) = tx.rollback().await {
+        // The connection broke: the server ended the transaction with it.
+        warn!(error = %e, "rollback failed");
     }
 }
 
@@ -413,6 +426,11 @@ async fn charge(
 /// Writes the payment and completes the idempotency record in one
 /// transaction — `open`, if the handler claimed in it, or a new one: both
 /// commit, or neither.
+///
+/// The payment is created once per operation id: if another attempt of the
+/// same operation recorded it already (an attempt that outlived its lease,
+/// with records outside this database), this one answers with that payment,
+/// the effect that exists, instead of an error.
 async fn record_payment(
     state: &AppState,
     idem: Option<&Idempotency>,
@@ -421,58 +439,86 @@ async fn record_payment(
     payment: &Payment,
     open: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
 ) -> Response {
-    let response = (
+    let operation_id = operation_id.to_string();
+    let now = UnixMillis::now().0;
+    let insert = format!(
+        "{INSERT_PAYMENT} ON CONFLICT (operation_id) DO NOTHING RETURNING {PAYMENT_COLUMNS}"
+    );
+    let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE operation_id = $1");
+    let written: Result<Response, Response> = on_backend!(&state.db, store => async {
+        let mut tx = store.pool().begin_in(open).await.map_err(db_error)?;
+        let staged = async {
+            let created = create_once(
+                &mut *tx,
+                || {
+                    sqlx::query_as::<_, PaymentRow>(&insert)
+                        .bind(&payment.id)
+                        .bind(client_id)
+                        .bind(&payment.account_id)
+                        .bind(payment.amount)
+                        .bind(&payment.currency)
+                        .bind(&payment.status)
+                        .bind(&payment.bank_charge_id)
+                        .bind(&operation_id)
+                        .bind(now)
+                },
+                || sqlx::query_as::<_, PaymentRow>(&fetch).bind(&operation_id),
+            )
+            .await
+            .map_err(db_error)?;
+            let recorded = match created {
+                Created::Created(row) => {
+                    // The event commits with the payment.
+                    let event = crate::messaging::payment_authorized(&state.messaging, payment);
+                    idem_outbox::OutboxConnection::enqueue(&mut *tx, &event)
+                        .await
+                        .map_err(db_error)?;
+                    Payment::from(row)
+                }
+                // The safety net caught a second attempt of this operation:
+                // converge on the payment that exists (its event went with it).
+                Created::Existing(row) => {
+                    warn!(operation_id = %operation_id, "payment recorded by another attempt of this operation; answering with it");
+                    Payment::from(row)
+                }
+            };
+            let response = payment_created(&recorded);
+            // Fenced by the claim's token: if a retry took this request
+            // over, this fails and the transaction rolls back.
+            // With a store outside this database (Redis alone), the layer
+            // completes the record after the handler returns instead.
+            match idem {
+                Some(idem) if state.transactional => idem
+                    .complete_in(store, &mut *tx, response)
+                    .await
+                    .map_err(IntoResponse::into_response),
+                _ => Ok(response),
+            }
+        }
+        .await;
+        match staged {
+            Ok(response) => {
+                tx.commit().await.map_err(db_error)?;
+                state.messaging.wake();
+                Ok(response)
+            }
+            Err(response) => {
+                rollback(tx).await;
+                Err(response)
+            }
+        }
+    }.await);
+    written.unwrap_or_else(|response| response)
+}
+
+/// `201 Created` with the payment and its `Location`.
+fn payment_created(payment: &Payment) -> Response {
+    (
         StatusCode::CREATED,
         [(header::LOCATION, format!("/payments/{}", payment.id))],
         Json(payment),
     )
-        .into_response();
-    let operation_id = operation_id.to_string();
-    let now = UnixMillis::now().0;
-    let written: Result<Response, Response> = on_backend!(&state.db, store => async {
-        let mut tx = store.pool().begin_in(open).await.map_err(db_error)?;
-        let inserted = sqlx::query(INSERT_PAYMENT)
-            .bind(&payment.id)
-            .bind(client_id)
-            .bind(&payment.account_id)
-            .bind(payment.amount)
-            .bind(&payment.currency)
-            .bind(&payment.status)
-            .bind(&payment.bank_charge_id)
-            .bind(&operation_id)
-            .bind(now)
-            .execute(&mut *tx)
-            .await;
-        match inserted {
-            Ok(_) => {}
-            // The safety net: another attempt of this operation recorded the
-            // payment already, so this one is a zombie. Roll back.
-            Err(e) if is_duplicate_payment(&e) => {
-                warn!(operation_id = %operation_id, "payment already recorded by another attempt; rolling back");
-                return Err(CompleteError::ClaimLost.into_response());
-            }
-            Err(e) => return Err(db_error(e)),
-        }
-        // The event commits with the payment.
-        let event = crate::messaging::payment_authorized(&state.messaging, payment);
-        idem_outbox::OutboxConnection::enqueue(&mut *tx, &event).await.map_err(db_error)?;
-        // Fenced by the claim's token: if a retry took this request over,
-        // this fails, `tx` is dropped (rolled back), and the payment is not
-        // written.
-        // With a store outside this database (Redis alone), the layer
-        // completes the record after the handler returns instead.
-        let response = match idem {
-            Some(idem) if state.transactional => idem
-                .complete_in(store, &mut *tx, response)
-                .await
-                .map_err(IntoResponse::into_response)?,
-            _ => response,
-        };
-        tx.commit().await.map_err(db_error)?;
-        state.messaging.wake();
-        Ok(response)
-    }.await);
-    written.unwrap_or_else(|response| response)
+        .into_response()
 }
 
 /// `GET /stock/{sku}`: units reserved so far by the reserve-stock consumer.

@@ -86,9 +86,6 @@ CREATE TABLE IF NOT EXISTS shop_emails (
 CREATE INDEX IF NOT EXISTS shop_emails_account ON shop_emails (account_id);
 ";
 
-/// The name of the constraint that keeps one payment per operation.
-pub(crate) const PAYMENT_OPERATION_KEY: &str = "shop_payments_operation_id_key";
-
 /// An open, migrated database on one of the two backends.
 #[derive(Debug, Clone)]
 pub(crate) enum Database {
@@ -175,6 +172,27 @@ impl BeginWrite for sqlx::PgPool {
     ) -> idem_core::BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error>>
     {
         Box::pin(self.begin())
+    }
+}
+
+/// Ends `tx` now, before the answer leaves: commits if `staged` is `Ok`,
+/// rolls back if not. A transaction left to its drop ends later, and holds
+/// its locks (on SQLite, the one write lock) until it does.
+pub(crate) async fn finish<DB: sqlx::Database, T>(
+    tx: sqlx::Transaction<'static, DB>,
+    staged: Result<T, sqlx::Error>,
+) -> Result<T, sqlx::Error> {
+    match staged {
+        Ok(value) => {
+            tx.commit().await?;
+            Ok(value)
+        }
+        Err(e) => {
+            if let Err(rollback) = tx.rollback().await {
+                tracing::warn!(error = %rollback, "rollback failed");
+            }
+            Err(e)
+        }
     }
 }
 
@@ -345,14 +363,3 @@ impl Database {
 pub(crate) const INSERT_PAYMENT: &str = "INSERT INTO shop_payments
     (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
-
-/// Whether `e` is the unique violation of [`PAYMENT_OPERATION_KEY`]: a
-/// payment for this operation exists already.
-pub(crate) fn is_duplicate_payment(e: &sqlx::Error) -> bool {
-    if let Some(d) = idem_postgres::DuplicateKey::of(e) {
-        return d.constraint == PAYMENT_OPERATION_KEY;
-    }
-    // SQLite names the columns, not the constraint.
-    matches!(e, sqlx::Error::Database(d)
-        if d.is_unique_violation() && d.message().contains("shop_payments.operation_id"))
-}

@@ -153,27 +153,30 @@ pub(crate) async fn create_order(
     );
     let created: Result<Created<OrderRow>, sqlx::Error> = on_backend!(&state.db, store => async {
         let mut tx = store.pool().begin_write().await?;
-        let created: Created<OrderRow> = create_once(
-            &mut *tx,
-            || {
-                sqlx::query_as(&insert)
-                    .bind(&id)
-                    .bind(&client_id)
-                    .bind(&new.customer_id)
-                    .bind(&new.client_reference)
-                    .bind(&items)
-                    .bind(now)
-            },
-            || sqlx::query_as(&fetch).bind(&new.customer_id).bind(&new.client_reference),
-        )
-        .await?;
-        // The event commits with the order, and only when the order is new.
-        if let Created::Created(row) = &created {
-            let event = crate::messaging::order_placed(&state.messaging, &row.0, &row.1, &row.3);
-            idem_outbox::OutboxConnection::enqueue(&mut *tx, &event).await?;
+        let staged = async {
+            let created: Created<OrderRow> = create_once(
+                &mut *tx,
+                || {
+                    sqlx::query_as(&insert)
+                        .bind(&id)
+                        .bind(&client_id)
+                        .bind(&new.customer_id)
+                        .bind(&new.client_reference)
+                        .bind(&items)
+                        .bind(now)
+                },
+                || sqlx::query_as(&fetch).bind(&new.customer_id).bind(&new.client_reference),
+            )
+            .await?;
+            // The event commits with the order, and only when the order is new.
+            if let Created::Created(row) = &created {
+                let event = crate::messaging::order_placed(&state.messaging, &row.0, &row.1, &row.3);
+                idem_outbox::OutboxConnection::enqueue(&mut *tx, &event).await?;
+            }
+            Ok(created)
         }
-        tx.commit().await?;
-        Ok(created)
+        .await;
+        crate::db::finish(tx, staged).await
     }
     .await);
     if created.as_ref().is_ok_and(Created::is_created) {

@@ -65,49 +65,52 @@ pub(crate) async fn bank_event(State(state): State<AppState>, body: axum::body::
     let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1");
     let outcome: Result<Outcome, sqlx::Error> = on_backend!(&state.db, store => async {
         let mut tx = store.pool().begin_write().await?;
-        let exists: Option<(String,)> = sqlx::query_as("SELECT id FROM shop_payments WHERE id = $1")
-            .bind(&event.payment_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-        if exists.is_none() {
-            return Ok(Outcome::UnknownPayment);
-        }
-        let recorded: Created<(String,)> = create_once(
-            &mut *tx,
-            || {
-                sqlx::query_as(
-                    "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at) VALUES ($1, $2, $3, $4)
-                     ON CONFLICT (event_id) DO NOTHING RETURNING event_id",
-                )
-                .bind(&event.event_id)
-                .bind(&event.kind)
+        let staged = async {
+            let exists: Option<(String,)> = sqlx::query_as("SELECT id FROM shop_payments WHERE id = $1")
                 .bind(&event.payment_id)
-                .bind(now)
-            },
-            || sqlx::query_as("SELECT event_id FROM shop_bank_events WHERE event_id = $1").bind(&event.event_id),
-        )
-        .await?;
-        let outcome = match recorded {
-            Created::Existing((_,)) => Outcome::Duplicate,
-            Created::Created((_,)) => {
-                if event.kind == SETTLED {
-                    let moved: Transition<PaymentRow> = transition(
-                        &mut *tx,
-                        "settled",
-                        |p: &PaymentRow| p.4.clone(),
-                        || sqlx::query_as(&update).bind(&event.payment_id),
-                        || sqlx::query_as(&fetch).bind(&event.payment_id),
-                    )
-                    .await?;
-                    if let Transition::Conflict { current, .. } = moved {
-                        tracing::warn!(payment = %event.payment_id, %current, "settlement for a payment in another state");
-                    }
-                }
-                Outcome::Processed
+                .fetch_optional(&mut *tx)
+                .await?;
+            if exists.is_none() {
+                return Ok(Outcome::UnknownPayment);
             }
-        };
-        tx.commit().await?;
-        Ok(outcome)
+            let recorded: Created<(String,)> = create_once(
+                &mut *tx,
+                || {
+                    sqlx::query_as(
+                        "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at) VALUES ($1, $2, $3, $4)
+                         ON CONFLICT (event_id) DO NOTHING RETURNING event_id",
+                    )
+                    .bind(&event.event_id)
+                    .bind(&event.kind)
+                    .bind(&event.payment_id)
+                    .bind(now)
+                },
+                || sqlx::query_as("SELECT event_id FROM shop_bank_events WHERE event_id = $1").bind(&event.event_id),
+            )
+            .await?;
+            let outcome = match recorded {
+                Created::Existing((_,)) => Outcome::Duplicate,
+                Created::Created((_,)) => {
+                    if event.kind == SETTLED {
+                        let moved: Transition<PaymentRow> = transition(
+                            &mut *tx,
+                            "settled",
+                            |p: &PaymentRow| p.4.clone(),
+                            || sqlx::query_as(&update).bind(&event.payment_id),
+                            || sqlx::query_as(&fetch).bind(&event.payment_id),
+                        )
+                        .await?;
+                        if let Transition::Conflict { current, .. } = moved {
+                            tracing::warn!(payment = %event.payment_id, %current, "settlement for a payment in another state");
+                        }
+                    }
+                    Outcome::Processed
+                }
+            };
+            Ok(outcome)
+        }
+        .await;
+        crate::db::finish(tx, staged).await
     }
     .await);
     let status = match outcome {

@@ -38,8 +38,12 @@ async fn a_crash_after_the_bank_call_frees_the_key_at_once_and_the_retry_charges
         "the bank charged; nothing of ours committed: {acc}"
     );
 
-    // The claim died with A's connection: B runs the retry now, under the
-    // same (derived) operation id, and the bank does not charge again.
+    // The claim is bound to its request: another amount is refused.
+    let other = r#"{"account_id":"acc_1","amount":500,"currency":"EUR"}"#;
+    let refused = read(pay(&client, &b, Some("tx-crash"), other)).await;
+    assert_eq!(refused.status, 422, "{refused:?}");
+    // A's transaction died with its connection: B runs the retry now, under
+    // the same operation id, and the bank does not charge again.
     let retry = read(pay(&client, &b, Some("tx-crash"), BODY)).await;
     assert_eq!(retry.status, 201, "{retry:?}");
     assert!(!retry.replayed);
@@ -106,6 +110,8 @@ async fn client_errors_are_stored_and_replayed_server_errors_are_not() {
     let failed =
         read(pay(&client, &shop, Some("tx-503"), BODY).header("x-simulate", "bank-error")).await;
     assert!(failed.status >= 500, "{failed:?}");
+    let rebound = read(pay(&client, &shop, Some("tx-503"), bad)).await;
+    assert_eq!(rebound.status, 422, "the key stays bound: {rebound:?}");
     let retry = read(pay(&client, &shop, Some("tx-503"), BODY)).await;
     assert_eq!(retry.status, 201);
     assert!(!retry.replayed);

@@ -114,7 +114,7 @@ pub fn decide(policy: &Policy, situation: Situation<'_>) -> Decision {
                 RecordState::InProgress { locked_until, .. } => match policy.wait() {
                     Some(at_most) => Decision::Wait { at_most },
                     None => Decision::Conflict {
-                        retry_after: retry_after(now, *locked_until),
+                        retry_after: retry_after(now, *locked_until, policy.retry_after()),
                     },
                 },
             },
@@ -128,10 +128,12 @@ pub fn decide(policy: &Policy, situation: Situation<'_>) -> Decision {
     }
 }
 
-/// The `Retry-After` for a conflict: the rest of the holder's lease, rounded
-/// up to whole seconds, at least one.
-pub fn retry_after(now: UnixMillis, locked_until: UnixMillis) -> Duration {
-    let ms = now.until(locked_until).as_millis() as u64;
+/// The `Retry-After` for a conflict: the policy's `hint`, but never more
+/// than the rest of the holder's lease; rounded up to whole seconds, at
+/// least one.
+pub fn retry_after(now: UnixMillis, locked_until: UnixMillis, hint: Duration) -> Duration {
+    let rest = now.until(locked_until).min(hint);
+    let ms = u64::try_from(rest.as_millis()).unwrap_or(u64::MAX);
     Duration::from_secs(ms.div_ceil(1000).max(1))
 }
 
@@ -204,10 +206,29 @@ mod tests {
     }
 
     #[test]
-    fn row_in_progress_lease_alive_conflicts_with_retry_after() {
-        let r = record("{}", in_progress(NOW.0 + 2_500), LATER);
+    fn row_in_progress_lease_alive_conflicts_with_a_short_retry_after() {
+        // The hint (1 s by default), not the rest of a 29 s lease.
+        let r = record("{}", in_progress(NOW.0 + 29_000), LATER);
         assert_eq!(
             arrived(&Policy::default(), Some(&r), "{}"),
+            Decision::Conflict {
+                retry_after: Duration::from_secs(1)
+            }
+        );
+        let p = Policy::builder()
+            .retry_after(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        assert_eq!(
+            arrived(&p, Some(&r), "{}"),
+            Decision::Conflict {
+                retry_after: Duration::from_secs(5)
+            }
+        );
+        // Capped by the lease: 2.5 s left rounds up to 3, not 5.
+        let r = record("{}", in_progress(NOW.0 + 2_500), LATER);
+        assert_eq!(
+            arrived(&p, Some(&r), "{}"),
             Decision::Conflict {
                 retry_after: Duration::from_secs(3)
             }

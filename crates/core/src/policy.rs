@@ -43,6 +43,7 @@ pub struct Policy {
     retention: Duration,
     lease: Duration,
     wait: Option<Duration>,
+    retry_after: Duration,
     max_body: usize,
     replayed_headers: Vec<String>,
     store_client_errors: bool,
@@ -55,6 +56,7 @@ impl Default for Policy {
             retention: Duration::from_secs(24 * 3600),
             lease: Duration::from_secs(30),
             wait: None,
+            retry_after: Duration::from_secs(1),
             max_body: 1024 * 1024,
             replayed_headers: DEFAULT_REPLAYED_HEADERS
                 .iter()
@@ -104,6 +106,12 @@ impl Policy {
     /// finish before it gets `409` (default `None`: answer `409` at once).
     pub fn wait(&self) -> Option<Duration> {
         self.wait
+    }
+
+    /// The `Retry-After` a `409` suggests while a request is in flight
+    /// (default 1 s), never longer than the rest of the holder's lease.
+    pub fn retry_after(&self) -> Duration {
+        self.retry_after
     }
 
     /// The largest request body accepted, in bytes (default 1 MiB).
@@ -202,6 +210,21 @@ impl PolicyBuilder {
     /// ```
     pub fn wait_for_in_flight(mut self, d: Duration) -> Self {
         self.policy.wait = (!d.is_zero()).then_some(d);
+        self
+    }
+
+    /// How long a `409` for an in-flight request tells the client to wait
+    /// before retrying (`Retry-After`, default 1 s, whole seconds, at least
+    /// one): a hint, since the original usually answers in milliseconds.
+    /// Never more than the rest of the holder's lease.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let p = idem_core::Policy::builder().retry_after(Duration::from_secs(2)).build().unwrap();
+    /// assert_eq!(p.retry_after(), Duration::from_secs(2));
+    /// ```
+    pub fn retry_after(mut self, d: Duration) -> Self {
+        self.policy.retry_after = d;
         self
     }
 

@@ -68,39 +68,6 @@ impl OperationId {
     pub fn generate() -> Self {
         Self(Uuid::now_v7())
     }
-
-    /// The operation id a request derives from itself: a UUID (version 8)
-    /// made of the SHA-256 of its scope, key and fingerprint. The same
-    /// request always derives the same id, with no record to remember it.
-    ///
-    /// Used when a claim lives only inside the caller's transaction: if that
-    /// transaction rolls back (a crash, a `5xx`), the record is gone, yet
-    /// the retry must reach external systems under the id the failed attempt
-    /// used, or they would act twice.
-    ///
-    /// ```
-    /// use idem_core::{Fingerprint, OperationId};
-    /// let fp = Fingerprint::of_request("POST", "/payments", None, b"{}");
-    /// let a = OperationId::derive("client-1", "key-1", &fp);
-    /// assert_eq!(a, OperationId::derive("client-1", "key-1", &fp));
-    /// assert_ne!(a, OperationId::derive("client-2", "key-1", &fp));
-    /// assert_eq!(a.0.get_version_num(), 8);
-    /// ```
-    pub fn derive(scope: &str, key: &str, fingerprint: &Fingerprint) -> Self {
-        use sha2::{Digest, Sha256};
-        let mut h = Sha256::new();
-        h.update(b"idem-operation-id\0");
-        // Lengths first, so that no two (scope, key) pairs run together.
-        h.update((scope.len() as u64).to_be_bytes());
-        h.update(scope.as_bytes());
-        h.update((key.len() as u64).to_be_bytes());
-        h.update(key.as_bytes());
-        h.update(fingerprint.as_bytes());
-        let digest = h.finalize();
-        let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(&digest[..16]);
-        Self(uuid::Builder::from_custom_bytes(bytes).into_uuid())
-    }
 }
 
 impl fmt::Display for OperationId {

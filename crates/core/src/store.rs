@@ -199,42 +199,45 @@ pub trait TransactionalStore<C: ?Sized>: Store {
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 }
 
-/// What [`ClaimInTransaction::claim_in_tx`] found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TxClaimOutcome {
-    /// The caller's transaction holds the key. The claim commits with the
-    /// transaction, or vanishes with it.
-    Acquired(Claim),
-    /// A committed record is there: pass it to [`decide`](crate::decide).
+/// What [`ClaimInTransaction::claim_and_begin`] found.
+#[derive(Debug)]
+pub enum TxClaimOutcome<T> {
+    /// The key is claimed and `transaction` is open, holding the claim.
+    Acquired {
+        /// The claim: complete it in `transaction` before committing.
+        claim: Claim,
+        /// The open transaction that holds the claim.
+        transaction: T,
+    },
+    /// Someone else's record is there: pass it to [`decide`](crate::decide).
     Existing(Record),
-    /// Another open transaction holds the key: the request is in flight, and
-    /// its record cannot be read until that transaction ends.
+    /// An open transaction holds the key: the request is in flight.
     Busy,
 }
 
-/// A store that can claim a key **inside the caller's transaction** on
-/// connection type `C`, so that a new key costs no commit of its own: the
-/// claim, the business write and the completion commit together.
+/// A store whose claims are held by the **business transaction itself**
+/// rather than by a lease alone.
 ///
-/// The trade-off, against [`Store::claim`] then
-/// [`TransactionalStore::complete_in_tx`]:
+/// [`claim_and_begin`](ClaimInTransaction::claim_and_begin) commits the
+/// claim first (binding the key to this request's fingerprint and operation
+/// id, durably, before any effect can leave the process), then begins the
+/// transaction and holds the claim in it. While that transaction is open,
+/// duplicates are busy (`409`). When it ends (commit, rollback, or the
+/// process's death closing its connection) the claim is free at once: no
+/// lease to wait out after a crash; a retry of the same request takes it
+/// over under the same operation id, and another request gets `422`.
 ///
-/// - nothing is visible until the transaction commits, so a duplicate of an
-///   in-flight request learns only that the key is busy ([`TxClaimOutcome::Busy`]),
-///   never its fingerprint;
-/// - a crash, a rollback or a `5xx` removes the claim with the transaction:
-///   there is no record left to carry the operation id, so claims made this
-///   way use [`OperationId::derive`](crate::OperationId::derive), and a retry
-///   reaches external systems under the same id;
-/// - the transaction stays open for the whole handler, holding a connection:
-///   meant for short handlers.
-pub trait ClaimInTransaction<C: ?Sized>: TransactionalStore<C> {
-    /// Claims `request` on `conn`, an open transaction. On
-    /// [`TxClaimOutcome::Acquired`], complete it in the same transaction
-    /// with [`TransactionalStore::complete_in_tx`] before committing.
-    fn claim_in_tx<'a>(
+/// Complete the claim in the transaction with
+/// [`TransactionalStore::complete_in_tx`], then commit. On any other
+/// outcome, roll the transaction back **explicitly** before answering: a
+/// transaction left to a drop ends later, and holds the key until it does.
+pub trait ClaimInTransaction: Store {
+    /// The transaction a claim is held in.
+    type Transaction: Send;
+
+    /// Claims `request` durably, then begins the transaction that holds it.
+    fn claim_and_begin<'a>(
         &'a self,
-        conn: &'a mut C,
         request: &'a ClaimRequest,
-    ) -> BoxFuture<'a, Result<TxClaimOutcome, StoreError>>;
+    ) -> BoxFuture<'a, Result<TxClaimOutcome<Self::Transaction>, StoreError>>;
 }

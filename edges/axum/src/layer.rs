@@ -76,23 +76,21 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Leaves the claim to the handler, which makes it inside its own
-    /// transaction with [`PendingClaim::claim_in`](crate::PendingClaim::claim_in):
-    /// on PostgreSQL a new key then costs no commit of its own (claim,
-    /// business write and completion commit once). The layer still checks
+    /// Leaves the claim to the handler, which makes it with
+    /// [`PendingClaim::begin`](crate::PendingClaim::begin) and gets the
+    /// business transaction that holds it: the claim commits first (the key
+    /// is bound to this request and its operation id before any effect),
+    /// and the transaction holds it until it ends, so a crash or a rollback
+    /// frees it at once instead of after the lease. The layer still checks
     /// the key and the body size, fingerprints the request, and settles the
     /// claim after the handler answers.
     ///
     /// Handlers extract [`PendingClaim`](crate::PendingClaim) instead of
     /// [`Idempotency`](crate::Idempotency). The trade-off is in
-    /// [`ClaimInTransaction`](idem_core::ClaimInTransaction): duplicates of
-    /// an uncommitted claim get `409` with `Retry-After: 1` (their
-    /// fingerprint cannot be checked until it commits), and the
-    /// transaction stays open for the whole handler, holding a connection.
-    /// Meant for short handlers. With
-    /// [`wait_for_in_flight`](idem_core::PolicyBuilder::wait_for_in_flight),
-    /// a waiting duplicate keeps its own transaction (and connection) open
-    /// while it waits: size the pool for it, or leave waiting off.
+    /// [`ClaimInTransaction`](idem_core::ClaimInTransaction): the
+    /// transaction stays open for the whole handler, holding a connection;
+    /// a holder idle in it longer than the lease has its session ended by
+    /// the database. Meant for short handlers.
     pub fn claim_in_transaction(mut self) -> Self {
         let c = &self.config;
         self.config = Arc::new(Config {

@@ -60,15 +60,14 @@
 //! attempt outlived its lease, completion touches no row, the handler rolls
 //! back, and its effect does not commit.
 //!
-//! # Claiming inside the business transaction
+//! # Holding the claim in the business transaction
 //!
-//! The default path spends a commit on the claim before the handler runs.
 //! With [`IdempotencyLayer::claim_in_transaction`], the handler claims the
-//! key itself, inside its transaction, with [`PendingClaim::claim_in`]: claim,
-//! business write and completion commit once. Duplicates of an uncommitted
-//! claim get `409` at once (they never wait on its row); a rollback, a crash
-//! or a holder idle past its lease takes the claim with it; the operation id
-//! is derived from the request so a retry keeps it. See
+//! key itself with [`PendingClaim::begin`] and gets the transaction that
+//! holds the claim. The claim commits first, binding the key to the request
+//! and its operation id before any effect; while the transaction is open,
+//! duplicates get `409`; when it ends (a commit, a rollback, a crash) the
+//! claim is free at once, with no lease to wait out. See
 //! [`ClaimInTransaction`](idem_core::ClaimInTransaction) for the trade-off.
 
 pub mod conditional;

@@ -11,6 +11,7 @@ use idem_core::{ClaimInTransaction, ClaimRequest, Fingerprint, Policy, TxClaimOu
 use tracing::{debug, info};
 
 use crate::extract::{Idempotency, MissingIdempotency};
+use crate::problem::Problem;
 use crate::service::{count, store_unavailable, timed, Step, Turns};
 
 #[derive(Debug)]
@@ -21,9 +22,14 @@ struct Inner {
 }
 
 /// A request the layer has checked (key, body size, fingerprint) but not
-/// claimed: the handler claims it inside its own transaction with
-/// [`claim_in`](PendingClaim::claim_in). Given to handlers by a layer built
-/// with [`IdempotencyLayer::claim_in_transaction`](crate::IdempotencyLayer::claim_in_transaction).
+/// claimed: the handler claims it and gets the transaction that holds the
+/// claim, with [`begin`](PendingClaim::begin). Given to handlers by a layer
+/// built with [`IdempotencyLayer::claim_in_transaction`](crate::IdempotencyLayer::claim_in_transaction).
+///
+/// The claim commits before `begin` returns, so the key is bound to this
+/// request and its operation id before any effect can leave the process; the
+/// transaction then holds it until it ends. End it explicitly (commit, or
+/// roll back) before answering.
 ///
 /// ```no_run
 /// use axum::response::{IntoResponse, Response};
@@ -32,12 +38,9 @@ struct Inner {
 /// use idem_postgres::PostgresStore;
 ///
 /// async fn pay(store: PostgresStore, pending: PendingClaim) -> Response {
-///     let Ok(mut tx) = store.pool().begin().await else {
-///         return StatusCode::SERVICE_UNAVAILABLE.into_response();
-///     };
-///     let idem = match pending.claim_in(&store, &mut *tx).await {
-///         Ok(idem) => idem,
-///         // a replay, 409 or 422: answer it as it is
+///     let (mut tx, idem) = match pending.begin(&store).await {
+///         Ok(held) => held,
+///         // a replay, 409, 422 or 503: answer it as it is (no transaction)
 ///         Err(answered) => return answered.into_response(),
 ///     };
 ///     // ... the effect, on `tx`, under `idem.operation_id()` ...
@@ -47,7 +50,10 @@ struct Inner {
 ///             Ok(()) => response,
 ///             Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
 ///         },
-///         Err(e) => e.into_response(), // `tx` rolls back when dropped
+///         Err(e) => {
+///             let _ = tx.rollback().await; // end it before answering
+///             e.into_response()
+///         }
 ///     }
 /// }
 /// ```
@@ -58,7 +64,7 @@ pub struct PendingClaim {
 
 /// What the layer answers instead of the handler: the stored response (a
 /// replay), `409` (in flight), `422` (key reused with another request) or
-/// `503` (store unavailable). Return it as it is; roll the transaction back.
+/// `503` (store unavailable). Return it as it is: no transaction was begun.
 #[derive(Debug)]
 pub struct Answered {
     response: Response,
@@ -112,40 +118,47 @@ impl PendingClaim {
             .clone()
     }
 
-    /// Claims the key on `conn`, the handler's open transaction on `store`
-    /// (the store the layer uses, e.g. a `PostgresStore` with a
-    /// `PgConnection`).
+    /// Claims the key on `store` (the store the layer uses) and begins the
+    /// transaction that holds the claim.
     ///
-    /// `Ok` gives the claim to run under: complete it in the same
-    /// transaction with [`Idempotency::complete_in`] and commit. `Err` is
-    /// the answer to send instead of running (drop the transaction). Calling
-    /// it again after `Ok` returns the same claim.
-    pub async fn claim_in<S, C>(&self, store: &S, conn: &mut C) -> Result<Idempotency, Answered>
+    /// `Ok` gives the open transaction and the claim to run under: complete
+    /// it in that transaction with [`Idempotency::complete_in`] and commit,
+    /// or roll back (the claim is then free for a retry of the same request
+    /// at once). `Err` is the answer to send instead of running. A second
+    /// call after `Ok` answers `500`: the claim has its transaction already.
+    pub async fn begin<S>(&self, store: &S) -> Result<(S::Transaction, Idempotency), Answered>
     where
-        S: ClaimInTransaction<C>,
-        C: ?Sized + Send,
+        S: ClaimInTransaction,
     {
-        if let Some(claimed) = self.claimed() {
-            return Ok(claimed);
+        if self.claimed().is_some() {
+            return Err(Answered {
+                response: Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "claimed-twice",
+                    "The request was claimed twice",
+                )
+                .detail("PendingClaim::begin was called again after it succeeded")
+                .into_response(),
+            });
         }
         let request = &self.inner.request;
         let mut turns = Turns::new(&self.inner.policy);
         loop {
             let started = std::time::Instant::now();
-            let outcome = store.claim_in_tx(conn, request).await;
+            let outcome = store.claim_and_begin(request).await;
             timed(store.kind(), "claim", started);
             let step = match outcome {
-                Ok(TxClaimOutcome::Acquired(claim)) => {
+                Ok(TxClaimOutcome::Acquired { claim, transaction }) => {
                     count(if claim.takeover { "takeover" } else { "fresh" });
                     if claim.takeover {
-                        info!(operation_id = %claim.operation_id, "took over a released or expired claim");
+                        info!(operation_id = %claim.operation_id, "took over a released or abandoned claim");
                     } else {
-                        debug!(operation_id = %claim.operation_id, "claimed in the handler's transaction");
+                        debug!(operation_id = %claim.operation_id, "claimed; the handler's transaction holds it");
                     }
                     let handle = Idempotency::new(claim, self.inner.policy.clone());
                     *self.inner.claimed.lock().unwrap_or_else(|e| e.into_inner()) =
                         Some(handle.clone());
-                    return Ok(handle);
+                    return Ok((transaction, handle));
                 }
                 Ok(TxClaimOutcome::Existing(record)) => turns.judge(&record, &request.fingerprint),
                 Ok(TxClaimOutcome::Busy) => turns.busy(),

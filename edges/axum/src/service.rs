@@ -331,7 +331,7 @@ where
 }
 
 /// Runs a handler that claims the key itself, inside its transaction
-/// ([`PendingClaim::claim_in`]), then settles whatever it claimed.
+/// ([`PendingClaim::begin`]), then settles whatever it claimed.
 async fn run_pending<S>(
     config: Arc<Config>,
     mut inner: S,
@@ -353,7 +353,7 @@ where
             .call(Request::from_parts(parts, Body::from(bytes)))
             .await;
         // No claim: the handler answered before claiming, or returned what
-        // `claim_in` answered for it (a replay, 409, 422); nothing to settle.
+        // `begin` answered for it (a replay, 409, 422); nothing to settle.
         let Some(handle) = pending.claimed() else {
             return result;
         };
@@ -522,7 +522,7 @@ impl<'p> Turns<'p> {
                     RecordState::InProgress { locked_until, .. } => *locked_until,
                     RecordState::Completed { .. } => now,
                 };
-                self.wait(retry_after(now, until))
+                self.wait(retry_after(now, until, self.policy.retry_after()))
             }
             // The store saw a live record where this clock sees an expired
             // one (the lease ran out in between, or the clocks differ):
@@ -542,10 +542,11 @@ impl<'p> Turns<'p> {
     /// for an unknown while.
     pub(crate) fn busy(&mut self) -> Step {
         debug!("request with this key is in flight (uncommitted)");
+        let hint = self.policy.retry_after();
         if self.policy.wait().is_some() {
-            self.wait(Duration::from_secs(1))
+            self.wait(hint)
         } else {
-            Step::Answer(conflict(Duration::from_secs(1)))
+            Step::Answer(conflict(hint))
         }
     }
 

@@ -220,8 +220,8 @@ async fn in_flight_duplicate_gets_409_with_retry_after() {
     let (status, headers, body) = send(&h.app, req("k-busy", "{}")).await;
     assert_eq!(status, StatusCode::CONFLICT);
     assert!(problem_type(&headers, &body).ends_with("idempotency-key-in-use"));
-    let retry_after: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
-    assert!((1..=30).contains(&retry_after), "{retry_after}");
+    // A short hint (the policy's, 1 s), not the rest of the 30 s lease.
+    assert_eq!(headers["retry-after"], "1");
     assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
     assert_eq!(h.runs.get(), 1);
 }

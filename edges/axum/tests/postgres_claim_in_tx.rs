@@ -14,7 +14,7 @@ use axum::Router;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use idem_axum::{Idempotency, IdempotencyLayer, PendingClaim, SingleScope};
-use idem_core::{OperationId, Policy, RecordState, Store};
+use idem_core::{Policy, RecordState, Store};
 use idem_postgres::PostgresStore;
 use idem_store_suite::postgres::TestSchema;
 use tower::ServiceExt;
@@ -38,9 +38,8 @@ async fn create(
     let delay: u64 = header(&headers, "x-delay-ms")
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let mut tx = store.pool().begin().await.unwrap();
-    let idem = match pending.claim_in(&store, &mut *tx).await {
-        Ok(idem) => idem,
+    let (mut tx, idem) = match pending.begin(&store).await {
+        Ok(held) => held,
         Err(answered) => return answered.into_response(),
     };
     sqlx::query("INSERT INTO effects (operation_id, token) VALUES ($1, $2)")
@@ -51,7 +50,10 @@ async fn create(
         .unwrap();
     tokio::time::sleep(Duration::from_millis(delay)).await;
     match header(&headers, "x-fail").as_deref() {
-        Some("500") => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+        Some("500") => {
+            tx.rollback().await.unwrap();
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        }
         Some("panic") => panic!("the handler panics holding its claim"),
         _ => {}
     }
@@ -61,7 +63,10 @@ async fn create(
             Ok(()) => response,
             Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(),
         },
-        Err(e) => e.into_response(),
+        Err(e) => {
+            tx.rollback().await.unwrap();
+            e.into_response()
+        }
     }
 }
 
@@ -191,7 +196,7 @@ async fn waiting_duplicates_get_the_replay_once_the_holder_commits() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_5xx_rolls_back_and_the_retry_runs_under_the_same_operation_id() {
+async fn a_5xx_rolls_back_and_the_key_stays_bound_to_its_request_and_operation_id() {
     let (app, store, _schema) = setup(Policy::default()).await;
     let (status, _, _) = send(
         &app,
@@ -203,17 +208,35 @@ async fn a_5xx_rolls_back_and_the_retry_runs_under_the_same_operation_id() {
     .await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(effects(&store).await.is_empty());
-    assert!(store.get("t", "f").await.unwrap().is_none());
+    // The claim committed before the handler ran: it outlives the rollback.
+    let claimed = store.get("t", "f").await.unwrap().expect("the claim");
+    assert!(matches!(claimed.state, RecordState::InProgress { .. }));
 
+    // Another request under the key is refused, at once.
+    let (status, _, _) = send(&app, req("f").body(Body::from(r#"{"x":1}"#)).unwrap()).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    // The same request runs, under the same operation id.
     let (status, _, body) = send(&app, req("f").body(Body::from("{}")).unwrap()).await;
     assert_eq!(status, StatusCode::CREATED);
     let rows = effects(&store).await;
     assert_eq!(rows.len(), 1);
-    let fingerprint =
-        idem_core::Fingerprint::of_request("POST", "/effects", Some("application/json"), b"{}");
-    let derived = OperationId::derive("t", "f", &fingerprint).to_string();
-    assert_eq!(rows[0].0, derived);
-    assert_eq!(body, format!("op {derived}"));
+    assert_eq!(rows[0].0, claimed.operation_id.to_string());
+    assert_eq!(body, format!("op {}", claimed.operation_id));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequential_client_is_never_told_its_key_is_busy() {
+    let (app, _store, _schema) = setup(Policy::default()).await;
+    let (status, _, first) = send(&app, req("seq").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    for _ in 0..30 {
+        let (status, headers, body) = send(&app, req("seq").body(Body::from("{}")).unwrap()).await;
+        assert_eq!(status, StatusCode::CREATED);
+        assert_eq!(headers["idempotent-replayed"], "true");
+        assert_eq!(body, first);
+        let (status, _, _) = send(&app, req("seq").body(Body::from(r#"{"x":2}"#)).unwrap()).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,18 +277,22 @@ async fn a_holder_stalled_past_its_lease_cannot_commit_and_the_retry_runs() {
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Once the holder's claim is there, a duplicate is in flight.
+    while store.get("t", "s").await.unwrap().is_none() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let (status, _, _) = send(&app, req("s").body(Body::from("{}")).unwrap()).await;
-    assert_eq!(status, StatusCode::CONFLICT, "in flight within its lease");
-    // Past the lease the server ends the stalled session; its claim is gone.
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    let (status, _, _) = send(&app, req("s").body(Body::from("{}")).unwrap()).await;
-    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(status, StatusCode::CONFLICT, "in flight");
+    // Idle in its transaction past the lease, the holder has its session
+    // ended by the server and cannot commit.
     let (status, _, _) = stalled.await.unwrap();
     assert!(
         status.is_server_error(),
         "the stalled holder fails: {status}"
     );
+    assert!(effects(&store).await.is_empty());
+    let (status, _, _) = send(&app, req("s").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
     assert_eq!(effects(&store).await.len(), 1);
 }
 

@@ -121,12 +121,26 @@ where
         .bind(now_ms())
         .execute(&mut *tx)
         .await;
+    // Every way out ends the transaction before returning: one left to its
+    // drop ends later, holding its locks until it does.
     match marked {
         Ok(_) => {}
-        Err(e) if is_duplicate_pg(&e) => return Ok(Handled::Duplicate),
-        Err(e) => return Err(InboxError::Database(e)),
+        Err(e) if is_duplicate_pg(&e) => {
+            tx.rollback().await.map_err(InboxError::Database)?;
+            return Ok(Handled::Duplicate);
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(InboxError::Database(e));
+        }
     }
-    let value = handler(&mut tx).await.map_err(InboxError::Handler)?;
+    let value = match handler(&mut tx).await {
+        Ok(value) => value,
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(InboxError::Handler(e));
+        }
+    };
     match tx.commit().await {
         Ok(()) => Ok(Handled::Processed(value)),
         Err(e) if is_duplicate_pg(&e) => Ok(Handled::Duplicate),
@@ -157,12 +171,26 @@ where
         .bind(now_ms())
         .execute(&mut *tx)
         .await;
+    // Every way out ends the transaction before returning: one left to its
+    // drop ends later, holding its locks until it does.
     match marked {
         Ok(_) => {}
-        Err(e) if is_duplicate_sqlite(&e) => return Ok(Handled::Duplicate),
-        Err(e) => return Err(InboxError::Database(e)),
+        Err(e) if is_duplicate_sqlite(&e) => {
+            tx.rollback().await.map_err(InboxError::Database)?;
+            return Ok(Handled::Duplicate);
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(InboxError::Database(e));
+        }
     }
-    let value = handler(&mut tx).await.map_err(InboxError::Handler)?;
+    let value = match handler(&mut tx).await {
+        Ok(value) => value,
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(InboxError::Handler(e));
+        }
+    };
     tx.commit().await.map_err(InboxError::Database)?;
     Ok(Handled::Processed(value))
 }

@@ -189,17 +189,14 @@ impl fmt::Display for TableName {
 struct Sql {
     claim_new: String,
     claim: String,
-    claim_new_in_tx: String,
-    claim_in_tx: String,
+    claim_held: String,
+    hold: String,
     select: String,
     get: String,
     complete: String,
     release: String,
     sweep: String,
     stats: String,
-    /// SHA-256 fed with the table's name: where every key's advisory lock
-    /// hash starts.
-    lock_seed: sha2::Sha256,
 }
 
 const COLUMNS: &str = "scope, key, fingerprint, operation_id::text AS operation_id, token, state,
@@ -216,11 +213,6 @@ const COLUMN_COUNT: usize = 13;
 /// operation id, $5 new token, $6 lease (ms), $7 retention (ms).
 const VALUES: &str = "VALUES ($1, $2, $3, $4::uuid, $5, 'in_progress',
             now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond')";
-
-/// The same row, produced only if the `lock` CTE got the key's lock.
-const LOCKED_VALUES: &str = "SELECT $1, $2, $3, $4::uuid, $5, 'in_progress',
-            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond'
-    FROM lock WHERE lock.held";
 
 /// The claim itself: insert the row, or take over an expired or released
 /// one (see the crate docs for why this is safe under READ COMMITTED).
@@ -255,13 +247,8 @@ const EXPIRED: &str = "(expires_at <= now() AND (state = 'completed' OR locked_u
 
 impl Sql {
     fn new(t: &TableName) -> Self {
-        use sha2::Digest;
         let table = t.qualified();
-        let mut lock_seed = sha2::Sha256::new();
-        lock_seed.update((table.len() as u64).to_be_bytes());
-        lock_seed.update(table.as_bytes());
         Self {
-            lock_seed,
             // $1 scope, $2 key, $3 fingerprint, $4 proposed operation id,
             // $5 new token, $6 lease (ms), $7 retention (ms).
             // The common case, a key never seen: a plain insert. It returns
@@ -272,20 +259,6 @@ impl Sql {
     {VALUES}
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING (extract(epoch FROM locked_until) * 1000)::bigint AS locked_until"
-            ),
-            // The same inside the caller's transaction: $8 the key's advisory
-            // lock, taken before inserting, $9 the lease as the transaction's
-            // idle timeout (ms). No row: busy or a conflict; `claim_in_tx`
-            // then decides.
-            claim_new_in_tx: format!(
-                "INSERT INTO {table}
-        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
-    SELECT $1, $2, $3, $4::uuid, $5, 'in_progress',
-            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond'
-    WHERE pg_try_advisory_xact_lock($8)
-    ON CONFLICT (scope, key) DO NOTHING
-    RETURNING (extract(epoch FROM locked_until) * 1000)::bigint AS locked_until,
-        set_config('idle_in_transaction_session_timeout', $9, true) AS lease"
             ),
             claim: format!(
                 "WITH claimed AS (
@@ -298,27 +271,61 @@ SELECT false AS won, {COLUMNS} FROM {table}
 WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
                 upsert = upsert(&table, VALUES),
             ),
-            // As `claim`, plus: $8 the key's advisory lock, $9 the lease as
-            // the transaction's idle timeout (ms). The insert runs only if
-            // the lock was free, so it never waits on another transaction's
-            // uncommitted claim; the lock, the claim and the idle timeout
-            // all end with the caller's transaction.
-            claim_in_tx: format!(
-                "WITH lock AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($8) AS held),
+            // The deciding claim of a transaction-held claim (autocommit,
+            // after the plain insert met a row): a record in progress is
+            // free only if no open transaction holds its row lock (its
+            // holder ended: committed, rolled back, or died with its
+            // connection); then the same request takes it over, and
+            // another request learns its fingerprint (422). A locked row is
+            // busy. Past its retention, an unlocked record is replaced.
+            // Same binds as `claim`.
+            claim_held: format!(
+                "WITH free AS MATERIALIZED (
+    SELECT scope AS free_scope, key AS free_key FROM {table}
+    WHERE scope = $1 AND key = $2 AND (state = 'in_progress' OR expires_at <= now())
+    FOR UPDATE SKIP LOCKED
+),
 claimed AS (
-    {upsert}
-    RETURNING {COLUMNS},
-        created_at <> now() AS takeover,
-        set_config('idle_in_transaction_session_timeout', $9, true) AS lease
+    UPDATE {table} AS r SET
+        token        = $5,
+        state        = 'in_progress',
+        locked_until = now() + $6 * interval '1 millisecond',
+        -- past its retention the record is replaced whole; a takeover keeps it
+        fingerprint  = CASE WHEN r.expires_at <= now() THEN $3          ELSE r.fingerprint  END,
+        operation_id = CASE WHEN r.expires_at <= now() THEN $4::uuid    ELSE r.operation_id END,
+        created_at   = CASE WHEN r.expires_at <= now() THEN now()       ELSE r.created_at   END,
+        expires_at   = CASE WHEN r.expires_at <= now()
+                            THEN now() + $7 * interval '1 millisecond' ELSE r.expires_at   END,
+        completed_at = NULL,
+        status       = NULL,
+        headers      = NULL,
+        body         = NULL
+    FROM free
+    WHERE r.scope = free.free_scope AND r.key = free.free_key
+      AND (r.expires_at <= now() OR r.fingerprint = $3)
+    RETURNING {COLUMNS}
 )
 SELECT 'won' AS outcome, * FROM claimed
 UNION ALL
-SELECT 'existing', {COLUMNS}, NULL, NULL FROM {table}
-WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed) AND (SELECT held FROM lock)
+SELECT 'existing', {COLUMNS} FROM {table}
+WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
+  AND ((state = 'completed' AND expires_at > now()) OR EXISTS (SELECT 1 FROM free))
 UNION ALL
-SELECT 'busy', {nulls}, NULL, NULL FROM lock WHERE NOT held",
-                upsert = upsert(&table, LOCKED_VALUES),
+SELECT 'busy', {nulls} FROM {table}
+WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM free)
+  AND (state = 'in_progress' OR expires_at <= now())",
                 nulls = vec!["NULL"; COLUMN_COUNT].join(", "),
+            ),
+            // The first statement of the holder's transaction: lock the
+            // claimed row for as long as the transaction lasts, and end the
+            // session if the transaction sits idle longer than the lease.
+            // $1 scope, $2 key, $3 token, $4 the idle timeout (ms). No row:
+            // another attempt took the claim over in between.
+            hold: format!(
+                "SELECT set_config('idle_in_transaction_session_timeout', $4, true) AS lease
+FROM {table}
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'
+FOR UPDATE"
             ),
             select: format!("SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2"),
             get: format!(
@@ -601,14 +608,11 @@ pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error
 }
 
 /// What every claim statement binds: $1 scope, $2 key, $3 fingerprint, $4
-/// proposed operation id, $5 token, $6 lease (ms), $7 retention (ms); and
-/// inside the caller's transaction, $8 the key's advisory lock and $9 the
-/// lease as the transaction's idle timeout (ms).
+/// proposed operation id, $5 token, $6 lease (ms), $7 retention (ms).
 struct ClaimBinds<'q> {
     req: &'q ClaimRequest,
     lease: i64,
     retention: i64,
-    in_tx: Option<(i64, String)>,
 }
 
 impl<'q> ClaimBinds<'q> {
@@ -617,15 +621,7 @@ impl<'q> ClaimBinds<'q> {
             req,
             lease: i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX),
             retention: i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX),
-            in_tx: None,
         }
-    }
-
-    fn in_tx(mut self, lock: i64) -> Self {
-        // The idle timeout is an int of milliseconds; 0 would mean "none".
-        let idle_timeout = self.lease.clamp(1, i64::from(i32::MAX)).to_string();
-        self.in_tx = Some((lock, idle_timeout));
-        self
     }
 
     fn query<'s>(
@@ -634,18 +630,14 @@ impl<'q> ClaimBinds<'q> {
         proposed: OperationId,
         token: FencingToken,
     ) -> sqlx::query::Query<'s, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        let query = sqlx::query(sql)
+        sqlx::query(sql)
             .bind(&self.req.scope)
             .bind(&self.req.key)
             .bind(self.req.fingerprint.as_bytes().as_slice())
             .bind(proposed.0.to_string())
             .bind(token.0)
             .bind(self.lease)
-            .bind(self.retention);
-        match &self.in_tx {
-            Some((lock, idle_timeout)) => query.bind(*lock).bind(idle_timeout.as_str()),
-            None => query,
-        }
+            .bind(self.retention)
     }
 }
 
@@ -747,32 +739,30 @@ impl TransactionalStore<PgConnection> for PostgresStore {
 }
 
 impl PostgresStore {
-    async fn claim_in_tx_inner(
-        &self,
-        conn: &mut PgConnection,
-        req: &ClaimRequest,
-    ) -> Result<TxClaimOutcome, StoreError> {
-        let binds = ClaimBinds::new(req).in_tx(self.lock_key(&req.scope, &req.key));
-        // The claim lives only in this transaction: a retry after a rollback
-        // must reach the outside world under the same operation id.
-        let proposed = OperationId::derive(&req.scope, &req.key, &req.fingerprint);
-        let token = FencingToken::generate();
-        let fresh = binds
-            .query(&self.sql.claim_new_in_tx, proposed, token)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
-        if let Some(row) = fresh {
-            return Ok(TxClaimOutcome::Acquired(fresh_claim(
-                req, token, proposed, &row,
-            )?));
-        }
-        // A second turn only when the row we lost to was committed after the
-        // statement's snapshot (see the crate docs).
+    /// The durable half of a transaction-held claim: the plain insert, then
+    /// (on a conflict) the deciding statement that respects row locks.
+    async fn claim_held_inner(&self, req: &ClaimRequest) -> Result<TxClaimOutcome<()>, StoreError> {
+        let binds = ClaimBinds::new(req);
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        // A row swept, or committed after a statement's snapshot, between
+        // the two statements: try again (see the crate docs).
         for _ in 0..5 {
             let token = FencingToken::generate();
+            let proposed = OperationId::generate();
+            let fresh = binds
+                .query(&self.sql.claim_new, proposed, token)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(store_error)?;
+            if let Some(row) = fresh {
+                return Ok(TxClaimOutcome::Acquired {
+                    claim: fresh_claim(req, token, proposed, &row)?,
+                    transaction: (),
+                });
+            }
+            let token = FencingToken::generate();
             let row = binds
-                .query(&self.sql.claim_in_tx, proposed, token)
+                .query(&self.sql.claim_held, proposed, token)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(store_error)?;
@@ -789,49 +779,76 @@ impl PostgresStore {
                     "a won claim returned a completed record".into(),
                 ));
             };
-            return Ok(TxClaimOutcome::Acquired(Claim {
+            let claim = Claim {
                 scope: record.scope,
                 key: record.key,
                 token,
                 operation_id: record.operation_id,
                 locked_until,
-                // A committed record, released or past its lease, taken
-                // over: it was created before this transaction began.
-                takeover: row
-                    .try_get("takeover")
-                    .map_err(|e| corrupt("takeover", e))?,
-            }));
+                takeover: record.operation_id != proposed,
+            };
+            return Ok(TxClaimOutcome::Acquired {
+                claim,
+                transaction: (),
+            });
         }
         Err(StoreError::Backend(
             "the claim kept racing; giving up after 5 tries".into(),
         ))
     }
 
-    /// The advisory lock a transactional claim takes on a key: 64 bits of
-    /// SHA-256 over the table, scope and key. Two keys sharing one (odds of
-    /// 2^-64 per pair) only make each other look busy for a moment.
-    fn lock_key(&self, scope: &str, key: &str) -> i64 {
-        use sha2::Digest;
-        // The table's part is hashed once, when the store is made.
-        let mut h = self.sql.lock_seed.clone();
-        for part in [scope, key] {
-            h.update((part.len() as u64).to_be_bytes());
-            h.update(part.as_bytes());
+    /// Begins the holder's transaction and locks the claimed row in it.
+    /// `None`: another attempt took the claim over in between.
+    async fn hold(
+        &self,
+        claim: &Claim,
+        lease: Duration,
+    ) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        // The idle timeout is an int of milliseconds; 0 would mean "none".
+        let idle_ms = i64::try_from(lease.as_millis())
+            .unwrap_or(i64::MAX)
+            .clamp(1, i64::from(i32::MAX));
+        let held = sqlx::query(&self.sql.hold)
+            .bind(&claim.scope)
+            .bind(&claim.key)
+            .bind(claim.token.0)
+            .bind(idle_ms.to_string())
+            .fetch_optional(&mut *tx)
+            .await;
+        match held {
+            Ok(Some(_)) => Ok(Some(tx)),
+            Ok(None) => {
+                tx.rollback().await.map_err(store_error)?;
+                Ok(None)
+            }
+            Err(e) => {
+                // Best effort: the error may have broken the connection.
+                let _ = tx.rollback().await;
+                Err(store_error(e))
+            }
         }
-        let digest = h.finalize();
-        let mut eight = [0u8; 8];
-        eight.copy_from_slice(&digest[..8]);
-        i64::from_be_bytes(eight)
     }
 }
 
-impl ClaimInTransaction<PgConnection> for PostgresStore {
-    fn claim_in_tx<'a>(
+impl ClaimInTransaction for PostgresStore {
+    type Transaction = sqlx::Transaction<'static, sqlx::Postgres>;
+
+    fn claim_and_begin<'a>(
         &'a self,
-        conn: &'a mut PgConnection,
         request: &'a ClaimRequest,
-    ) -> BoxFuture<'a, Result<TxClaimOutcome, StoreError>> {
-        Box::pin(self.claim_in_tx_inner(conn, request))
+    ) -> BoxFuture<'a, Result<TxClaimOutcome<Self::Transaction>, StoreError>> {
+        Box::pin(async move {
+            let claim = match self.claim_held_inner(request).await? {
+                TxClaimOutcome::Acquired { claim, .. } => claim,
+                TxClaimOutcome::Existing(record) => return Ok(TxClaimOutcome::Existing(record)),
+                TxClaimOutcome::Busy => return Ok(TxClaimOutcome::Busy),
+            };
+            match self.hold(&claim, request.lease).await? {
+                Some(transaction) => Ok(TxClaimOutcome::Acquired { claim, transaction }),
+                None => Ok(TxClaimOutcome::Busy),
+            }
+        })
     }
 }
 

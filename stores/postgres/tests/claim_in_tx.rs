@@ -1,5 +1,5 @@
-//! Claims made inside the caller's transaction, against the real server,
-//! each test in its own schema.
+//! Claims held by the business transaction ([`ClaimInTransaction`]),
+//! against the real server, each test in its own schema.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::Arc;
@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    decide, ClaimInTransaction, ClaimOutcome, ClaimRequest, Decision, OperationId, Policy,
-    RecordState, Situation, Store, StoredResponse, TransactionalStore, TxClaimOutcome, UnixMillis,
+    decide, Claim, ClaimInTransaction, ClaimRequest, Decision, Policy, Record, RecordState,
+    Situation, Store, StoredResponse, TransactionalStore, TxClaimOutcome, UnixMillis,
 };
 use idem_postgres::{PostgresStore, TableName};
 use idem_store_suite::postgres::{database_url, TestSchema};
+use sqlx::{Postgres, Transaction};
 
 async fn fresh() -> (PostgresStore, TestSchema, String) {
     let schema = TestSchema::create("idem_in_tx").await;
@@ -29,8 +30,12 @@ async fn fresh() -> (PostgresStore, TestSchema, String) {
     (store, schema, effects)
 }
 
+fn request_with(body: &str, lease: Duration, retention: Duration) -> ClaimRequest {
+    idem_store_suite::request("s", "k", body, lease, retention)
+}
+
 fn request(lease: Duration) -> ClaimRequest {
-    idem_store_suite::request("s", "k", "{}", lease, Duration::from_secs(3600))
+    request_with("{}", lease, Duration::from_secs(3600))
 }
 
 fn response() -> StoredResponse {
@@ -48,36 +53,61 @@ async fn count(store: &PostgresStore, effects: &str) -> i64 {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_claim_commits_with_the_transaction_and_duplicates_see_busy_meanwhile() {
-    let (store, _schema, effects) = fresh().await;
-    let req = request(Duration::from_secs(30));
-    let mut tx = store.pool().begin().await.unwrap();
-    let TxClaimOutcome::Acquired(claim) = store.claim_in_tx(&mut tx, &req).await.unwrap() else {
-        panic!("a new key is acquired")
-    };
-    assert!(!claim.takeover);
-    assert_eq!(
-        claim.operation_id,
-        OperationId::derive("s", "k", &req.fingerprint)
-    );
+type Tx = Transaction<'static, Postgres>;
 
-    // Nothing is visible outside the transaction, and a duplicate neither
-    // acquires nor waits: it is told the key is busy at once.
-    assert!(store.get("s", "k").await.unwrap().is_none());
-    let mut dup = store.pool().begin().await.unwrap();
-    let busy = tokio::time::timeout(Duration::from_secs(5), store.claim_in_tx(&mut dup, &req))
-        .await
-        .expect("a duplicate does not wait on the holder's row")
-        .unwrap();
-    assert_eq!(busy, TxClaimOutcome::Busy);
-    dup.rollback().await.unwrap();
+async fn acquire(store: &PostgresStore, req: &ClaimRequest) -> (Claim, Tx) {
+    match store.claim_and_begin(req).await.unwrap() {
+        TxClaimOutcome::Acquired { claim, transaction } => (claim, transaction),
+        other => panic!("expected the claim, got {other:?}"),
+    }
+}
 
+async fn existing(store: &PostgresStore, req: &ClaimRequest) -> Record {
+    match store.claim_and_begin(req).await.unwrap() {
+        TxClaimOutcome::Existing(record) => record,
+        other => panic!("expected a record, got {other:?}"),
+    }
+}
+
+fn decision(record: &Record, req: &ClaimRequest) -> Decision {
+    decide(
+        &Policy::default(),
+        Situation::Arrived {
+            stored: Some(record),
+            fingerprint: &req.fingerprint,
+            now: UnixMillis::now(),
+        },
+    )
+}
+
+async fn effect(tx: &mut Tx, effects: &str, claim: &Claim) {
     sqlx::query(&format!("INSERT INTO {effects} VALUES ('k', $1)"))
         .bind(claim.operation_id.to_string())
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_is_durable_before_the_handler_runs_and_busy_while_its_transaction_is_open() {
+    let (store, _schema, effects) = fresh().await;
+    let req = request(Duration::from_secs(30));
+    let (claim, mut tx) = acquire(&store, &req).await;
+    assert!(!claim.takeover);
+
+    // The binding of key, request and operation id is committed already:
+    // visible outside the transaction, before any effect.
+    let seen = store.get("s", "k").await.unwrap().expect("committed claim");
+    assert_eq!(seen.operation_id, claim.operation_id);
+    assert_eq!(seen.fingerprint, req.fingerprint);
+    // A duplicate neither acquires nor waits: busy, at once.
+    let busy = tokio::time::timeout(Duration::from_secs(5), store.claim_and_begin(&req))
+        .await
+        .expect("a duplicate does not wait on the holder")
+        .unwrap();
+    assert!(matches!(busy, TxClaimOutcome::Busy), "{busy:?}");
+
+    effect(&mut tx, &effects, &claim).await;
     store
         .complete_in_tx(&mut tx, &claim, &response())
         .await
@@ -85,93 +115,141 @@ async fn the_claim_commits_with_the_transaction_and_duplicates_see_busy_meanwhil
     tx.commit().await.unwrap();
 
     // After the commit a duplicate finds the completed record: a replay.
-    let mut dup = store.pool().begin().await.unwrap();
-    let TxClaimOutcome::Existing(record) = store.claim_in_tx(&mut dup, &req).await.unwrap() else {
-        panic!("the committed record is found")
-    };
-    dup.rollback().await.unwrap();
+    let record = existing(&store, &req).await;
     assert!(
         matches!(record.state, RecordState::Completed { response: ref stored, .. } if stored.body == response().body)
     );
-    let decision = decide(
-        &Policy::default(),
-        Situation::Arrived {
-            stored: Some(&record),
-            fingerprint: &req.fingerprint,
-            now: UnixMillis::now(),
-        },
-    );
-    assert_eq!(decision, Decision::Replay);
+    assert_eq!(decision(&record, &req), Decision::Replay);
     assert_eq!(count(&store, &effects).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rollback_takes_the_claim_with_it_and_the_retry_keeps_the_operation_id() {
+async fn a_rollback_frees_the_claim_at_once_for_the_same_request_only() {
     let (store, _schema, effects) = fresh().await;
     let req = request(Duration::from_secs(30));
-    let mut tx = store.pool().begin().await.unwrap();
-    let TxClaimOutcome::Acquired(first) = store.claim_in_tx(&mut tx, &req).await.unwrap() else {
-        panic!()
-    };
-    sqlx::query(&format!("INSERT INTO {effects} VALUES ('k', $1)"))
-        .bind(first.operation_id.to_string())
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let (first, mut tx) = acquire(&store, &req).await;
+    effect(&mut tx, &effects, &first).await;
     tx.rollback().await.unwrap();
     assert_eq!(count(&store, &effects).await, 0);
-    assert!(store.get("s", "k").await.unwrap().is_none());
 
-    let mut tx = store.pool().begin().await.unwrap();
-    let TxClaimOutcome::Acquired(retry) = store.claim_in_tx(&mut tx, &req).await.unwrap() else {
-        panic!("the key is free again")
-    };
-    assert!(!retry.takeover, "nothing was left to take over");
+    // Another request under the same key: 422, though nothing committed
+    // but the claim (its operation id may have reached the outside world).
+    let other = request_with(
+        r#"{"amount":500}"#,
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    );
+    let record = existing(&store, &other).await;
+    assert_eq!(decision(&record, &other), Decision::Mismatch);
+
+    // The same request takes it over at once (no lease to wait out), under
+    // the same operation id, with a new token.
+    let (retry, tx) = acquire(&store, &req).await;
+    assert!(retry.takeover);
     assert_eq!(retry.operation_id, first.operation_id);
     assert_ne!(retry.token, first.token);
     tx.rollback().await.unwrap();
+    // The first holder's completion is fenced off.
+    assert!(store.complete(&first, &response()).await.is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_released_record_is_taken_over_under_its_own_operation_id() {
+async fn a_holder_whose_connection_dies_frees_the_key_and_binds_it_to_its_request() {
+    let (store, _schema, effects) = fresh().await;
+    let req = request(Duration::from_secs(60));
+    let (claim, mut tx) = acquire(&store, &req).await;
+    effect(&mut tx, &effects, &claim).await;
+    // The process dies: the server sees its connection close.
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert!(killed);
+    assert!(tx.commit().await.is_err());
+    assert_eq!(count(&store, &effects).await, 0);
+
+    let other = request_with(
+        r#"{"amount":500}"#,
+        Duration::from_secs(60),
+        Duration::from_secs(3600),
+    );
+    // Wait for the server to finish ending the session (its locks go last).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let record = loop {
+        match store.claim_and_begin(&other).await.unwrap() {
+            TxClaimOutcome::Existing(record) => break record,
+            TxClaimOutcome::Busy if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            o => panic!("{o:?}"),
+        }
+    };
+    assert_eq!(decision(&record, &other), Decision::Mismatch);
+    let (retry, mut tx) = acquire(&store, &req).await;
+    assert!(retry.takeover);
+    assert_eq!(retry.operation_id, claim.operation_id);
+    store
+        .complete_in_tx(&mut tx, &retry, &response())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_reused_past_its_retention_is_new_with_a_new_operation_id() {
+    let (store, _schema, _effects) = fresh().await;
+    let req = request_with("{}", Duration::from_millis(100), Duration::from_millis(400));
+    let (first, mut tx) = acquire(&store, &req).await;
+    store
+        .complete_in_tx(&mut tx, &first, &response())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    for body in ["{}", r#"{"amount":500}"#] {
+        let later = request_with(body, Duration::from_millis(100), Duration::from_millis(400));
+        let (claim, tx) = acquire(&store, &later).await;
+        assert!(!claim.takeover);
+        assert_ne!(
+            claim.operation_id, first.operation_id,
+            "a new request, a new id"
+        );
+        tx.rollback().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_holds_nothing_so_the_next_request_is_never_busy() {
     let (store, _schema, _effects) = fresh().await;
     let req = request(Duration::from_secs(30));
-    // A claim made the default way, then released (its handler answered 5xx).
-    let ClaimOutcome::Acquired(old) = store.claim(&req).await.unwrap() else {
-        panic!()
-    };
-    store.release(&old).await.unwrap();
-    let mut tx = store.pool().begin().await.unwrap();
-    let TxClaimOutcome::Acquired(claim) = store.claim_in_tx(&mut tx, &req).await.unwrap() else {
-        panic!("a released record can be taken over")
-    };
-    assert!(claim.takeover);
-    assert_eq!(claim.operation_id, old.operation_id);
+    let (claim, mut tx) = acquire(&store, &req).await;
     store
         .complete_in_tx(&mut tx, &claim, &response())
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    // The released holder's completion is refused: its token is gone.
-    assert!(store.complete(&old, &response()).await.is_err());
+    let other = request_with(
+        r#"{"amount":500}"#,
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    );
+    // A strictly sequential client: each answer before the next request.
+    for _ in 0..50 {
+        let r = existing(&store, &req).await;
+        assert_eq!(decision(&r, &req), Decision::Replay);
+        let r = existing(&store, &other).await;
+        assert_eq!(decision(&r, &other), Decision::Mismatch);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_live_default_claim_is_in_flight_for_a_transactional_one() {
-    let (store, _schema, _effects) = fresh().await;
-    let req = request(Duration::from_secs(30));
-    let ClaimOutcome::Acquired(_) = store.claim(&req).await.unwrap() else {
-        panic!()
-    };
-    let mut tx = store.pool().begin().await.unwrap();
-    let TxClaimOutcome::Existing(record) = store.claim_in_tx(&mut tx, &req).await.unwrap() else {
-        panic!("the committed in-flight record is found")
-    };
-    assert!(matches!(record.state, RecordState::InProgress { .. }));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn racing_transactions_on_one_key_commit_one_effect() {
+async fn racing_claims_on_one_key_commit_one_effect() {
     let (store, _schema, effects) = fresh().await;
     let store = Arc::new(store);
     let start = Arc::new(tokio::sync::Barrier::new(12));
@@ -182,22 +260,20 @@ async fn racing_transactions_on_one_key_commit_one_effect() {
         let start = start.clone();
         tasks.push(tokio::spawn(async move {
             let req = request(Duration::from_secs(30));
-            let mut tx = store.pool().begin().await.unwrap();
             start.wait().await;
-            match store.claim_in_tx(&mut tx, &req).await.unwrap() {
-                TxClaimOutcome::Acquired(claim) => {
-                    sqlx::query(&format!("INSERT INTO {effects} VALUES ('k', $1)"))
-                        .bind(claim.operation_id.to_string())
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
+            match store.claim_and_begin(&req).await.unwrap() {
+                TxClaimOutcome::Acquired {
+                    claim,
+                    mut transaction,
+                } => {
+                    effect(&mut transaction, &effects, &claim).await;
                     // Hold the claim a moment, as a handler would.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     store
-                        .complete_in_tx(&mut tx, &claim, &response())
+                        .complete_in_tx(&mut transaction, &claim, &response())
                         .await
                         .unwrap();
-                    tx.commit().await.unwrap();
+                    transaction.commit().await.unwrap();
                     "acquired"
                 }
                 TxClaimOutcome::Busy => "busy",
@@ -229,19 +305,12 @@ async fn racing_transactions_on_one_key_commit_one_effect() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_idle_past_its_lease_loses_its_connection_and_the_key() {
     let (store, _schema, effects) = fresh().await;
-    let req = request(Duration::from_millis(300));
-    let mut tx = store.pool().begin().await.unwrap();
-    let TxClaimOutcome::Acquired(claim) = store.claim_in_tx(&mut tx, &req).await.unwrap() else {
-        panic!()
-    };
-    sqlx::query(&format!("INSERT INTO {effects} VALUES ('k', $1)"))
-        .bind(claim.operation_id.to_string())
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let req = request(Duration::from_millis(1000));
+    let (claim, mut tx) = acquire(&store, &req).await;
+    effect(&mut tx, &effects, &claim).await;
     // Stalled (waiting on something slow) for longer than the lease: the
-    // server ends the session, and the claim and the effect with it.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // server ends the session, and the effect with it.
+    tokio::time::sleep(Duration::from_millis(3000)).await;
     let late = store.complete_in_tx(&mut tx, &claim, &response()).await;
     let committed = match late {
         Ok(()) => tx.commit().await.is_ok(),
@@ -250,10 +319,7 @@ async fn a_holder_idle_past_its_lease_loses_its_connection_and_the_key() {
     assert!(!committed, "a holder past its lease cannot commit");
     assert_eq!(count(&store, &effects).await, 0);
 
-    let mut tx = store.pool().begin().await.unwrap();
-    let TxClaimOutcome::Acquired(retry) = store.claim_in_tx(&mut tx, &req).await.unwrap() else {
-        panic!("the key is free once the stalled session is gone")
-    };
+    let (retry, mut tx) = acquire(&store, &req).await;
     assert_eq!(retry.operation_id, claim.operation_id);
     // Within the lease, the same transaction is not cut off.
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -267,19 +333,10 @@ async fn a_holder_idle_past_its_lease_loses_its_connection_and_the_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn different_keys_do_not_block_each_other() {
     let (store, _schema, _effects) = fresh().await;
-    let mut a = store.pool().begin().await.unwrap();
-    let mut b = store.pool().begin().await.unwrap();
     let mut other = request(Duration::from_secs(30));
     other.key = "k2".into();
-    assert!(matches!(
-        store
-            .claim_in_tx(&mut a, &request(Duration::from_secs(30)))
-            .await
-            .unwrap(),
-        TxClaimOutcome::Acquired(_)
-    ));
-    assert!(matches!(
-        store.claim_in_tx(&mut b, &other).await.unwrap(),
-        TxClaimOutcome::Acquired(_)
-    ));
+    let (_, a) = acquire(&store, &request(Duration::from_secs(30))).await;
+    let (_, b) = acquire(&store, &other).await;
+    a.rollback().await.unwrap();
+    b.rollback().await.unwrap();
 }

@@ -264,3 +264,128 @@ pub async fn three_instances_race(flags: &[&str]) {
     assert_eq!(acc["bank_charges"], 20, "{acc}");
     assert_eq!(acc["charged_total"], 20_000, "{acc}");
 }
+
+/// The Redis the tests use.
+pub fn redis_url() -> String {
+    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// Every way `shop` can keep its idempotency records: each keeps the whole
+/// contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// SQLite, the claim committed first, the record with the payment.
+    Sqlite,
+    /// PostgreSQL, likewise.
+    Postgres,
+    /// PostgreSQL, `--claim-in-transaction`.
+    ClaimInTx,
+    /// PostgreSQL with Redis in front, and an in-process replay cache.
+    Tiered,
+    /// Records in Redis alone (payments in PostgreSQL).
+    RedisAlone,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 5] = [
+        Mode::Sqlite,
+        Mode::Postgres,
+        Mode::ClaimInTx,
+        Mode::Tiered,
+        Mode::RedisAlone,
+    ];
+
+    /// A database of its own for a test in this mode.
+    pub async fn db(self) -> Db {
+        match self {
+            Mode::Sqlite => Db::sqlite(),
+            _ => Db::postgres().await,
+        }
+    }
+
+    /// The flags of this mode; Redis keys under a prefix of the test's own.
+    pub fn flags(self, prefix: &str) -> Vec<String> {
+        let redis = |v: &mut Vec<String>| {
+            v.extend([
+                "--redis-url".to_owned(),
+                redis_url(),
+                "--redis-prefix".to_owned(),
+                prefix.to_owned(),
+            ])
+        };
+        let mut v = Vec::new();
+        match self {
+            Mode::Sqlite | Mode::Postgres => {}
+            Mode::ClaimInTx => v.push("--claim-in-transaction".to_owned()),
+            Mode::Tiered => {
+                redis(&mut v);
+                v.extend(["--replay-cache".to_owned(), "1000".to_owned()]);
+            }
+            Mode::RedisAlone => {
+                redis(&mut v);
+                v.extend(["--idem-store".to_owned(), "redis".to_owned()]);
+            }
+        }
+        v
+    }
+
+    /// Whether a claim whose holder crashed is free at once (it is held by
+    /// the holder's transaction), rather than after its lease.
+    pub fn crash_frees_at_once(self) -> bool {
+        self == Mode::ClaimInTx
+    }
+}
+
+/// A Redis key prefix of one test's own; its keys are deleted when dropped.
+pub struct RedisPrefix(pub String);
+
+impl RedisPrefix {
+    pub fn new(test: &str) -> RedisPrefix {
+        RedisPrefix(format!("shop-{test}-{}", uuid::Uuid::new_v4().simple()))
+    }
+}
+
+impl Drop for RedisPrefix {
+    fn drop(&mut self) {
+        let _ = Command::new("redis-cli")
+            .args(["-u", &redis_url(), "EVAL"])
+            .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
+            .args(["0", &format!("{}:*", self.0)])
+            .output();
+    }
+}
+
+/// Starts `shop` in `mode` with `extra` flags.
+pub async fn start_in(mode: Mode, db: &Db, prefix: &str, extra: &[&str]) -> Shop {
+    let mut flags = mode.flags(prefix);
+    flags.extend(extra.iter().map(|s| (*s).to_owned()));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    Shop::start(db, &flags).await
+}
+
+/// Runs a test body once per [`Mode`]: each `$name(mode, db)` gets one test
+/// per mode in a module of its name.
+#[macro_export]
+macro_rules! in_every_mode {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                use $crate::common::Mode;
+                async fn run(mode: Mode) {
+                    let db = mode.db().await;
+                    super::$name(mode, db).await;
+                }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn sqlite() { run(Mode::Sqlite).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn postgres() { run(Mode::Postgres).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn claim_in_tx() { run(Mode::ClaimInTx).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn tiered() { run(Mode::Tiered).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn redis_alone() { run(Mode::RedisAlone).await }
+            }
+        )*
+    };
+}
