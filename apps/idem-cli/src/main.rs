@@ -103,7 +103,8 @@ struct Target {
     /// PostgreSQL only: the records table.
     #[arg(long, default_value = "idem_records")]
     table: String,
-    /// Tiered mode: the Redis in front of the database, to show what it holds too.
+    /// Tiered mode: the Redis in front of the database: `inspect` and
+    /// `stats` show what it holds, `release` clears its in-flight marker.
     #[arg(long, env = "REDIS_URL")]
     redis_url: Option<String>,
     /// Tiered mode: the prefix of idem's keys in Redis.
@@ -327,11 +328,19 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 locked_until: idem_core::UnixMillis(0),
                 takeover: false,
             };
+            // In tiered mode, Redis's in-flight marker would answer 409 for
+            // the rest of the lease: it goes with the claim.
+            let redis = target.redis().await?;
             match store.store().release(&claim).await {
-                Ok(()) => println!(
-                    "released: the next retry with this key takes the claim over (operation id {})",
-                    seen.record.operation_id
-                ),
+                Ok(()) => {
+                    if let Some(redis) = &redis {
+                        redis.forget(&scope, &key).await.map_err(explain)?;
+                    }
+                    println!(
+                        "released: the next retry with this key takes the claim over (operation id {})",
+                        seen.record.operation_id
+                    )
+                }
                 Err(StoreError::ClaimLost) => {
                     eprintln!("not released: the record changed since it was read (completed or taken over)");
                     return Ok(ExitCode::from(1));

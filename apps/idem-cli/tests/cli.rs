@@ -460,3 +460,54 @@ async fn inspect_and_stats_show_redis_in_tiered_mode() {
     assert!(out.contains("redis keys:"), "{out}");
     redis.clear().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("tier-release.db").display());
+    let prefix = format!("cli-release-{}", uuid::Uuid::new_v4().simple());
+    let sql = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
+    let redis = idem_redis::RedisStore::connect(
+        idem_redis::RedisConfig::new("redis://127.0.0.1:6379").prefix(&prefix),
+    )
+    .await
+    .unwrap();
+    let tiered: Arc<dyn Store> = Arc::new(idem_redis::TieredStore::new(sql, redis.clone()));
+    let req = request(
+        "c1",
+        "stuck",
+        "{}",
+        Duration::from_secs(600),
+        Duration::from_secs(6000),
+    );
+    let ClaimOutcome::Acquired(first) = tiered.claim(&req).await.unwrap() else {
+        panic!("a new key is claimed")
+    };
+    // The holder died: duplicates are told "in flight" by Redis.
+    assert!(matches!(
+        tiered.claim(&req).await.unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
+    let out = idem(&[
+        "release",
+        "--database-url",
+        url.as_str(),
+        "--scope",
+        "c1",
+        "--key",
+        "stuck",
+        "--yes",
+        "--redis-url",
+        "redis://127.0.0.1:6379",
+        "--redis-prefix",
+        prefix.as_str(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    // The retry takes the claim over at once, not after the lease.
+    let ClaimOutcome::Acquired(retry) = tiered.claim(&req).await.unwrap() else {
+        panic!("released in SQL and in Redis")
+    };
+    assert!(retry.takeover);
+    assert_eq!(retry.operation_id, first.operation_id);
+    redis.clear().await.unwrap();
+}

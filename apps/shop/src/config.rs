@@ -51,11 +51,16 @@ pub(crate) struct Config {
     #[arg(long, env = "IDEM_REPLAY_CACHE", default_value_t = 0)]
     pub(crate) replay_cache: usize,
 
-    /// Claim each key inside the transaction that records the payment
-    /// (PostgreSQL alone): a new key costs one commit instead of two;
-    /// duplicates of a claim not yet committed get 409 at once.
+    /// Hold each claim with the transaction that records the payment
+    /// (PostgreSQL alone): the claim commits first, then that transaction
+    /// holds it, so a crash or a rollback frees the key at once instead of
+    /// after the lease.
     #[arg(long, env = "IDEM_CLAIM_IN_TX")]
     pub(crate) claim_in_transaction: bool,
+
+    /// The Retry-After of a 409 for a request in flight, in seconds (never more than the rest of the holder's lease).
+    #[arg(long, env = "IDEM_RETRY_AFTER_SECS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub(crate) retry_after_secs: u64,
 
     /// How long a duplicate of an in-flight request waits for its answer before getting 409, in milliseconds (0: don't wait).
     #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0)]
@@ -83,6 +88,7 @@ impl Config {
             .lease(Duration::from_millis(self.lease_ms))
             .retention(Duration::from_secs(self.ttl_secs))
             .wait_for_in_flight(Duration::from_millis(self.wait_ms))
+            .retry_after(Duration::from_secs(self.retry_after_secs))
             .build()
     }
 }

@@ -186,3 +186,59 @@ in_every_mode!(
     a_sequential_client_is_never_told_its_key_is_busy,
     a_request_in_flight_gets_409_with_a_short_retry_after,
 );
+
+/// Redis alone cannot fence the payment's commit: an attempt that outlived
+/// its lease still records its payment after a retry took over. The retry
+/// then meets that payment at the unique operation id and answers with it
+/// (the effect that exists), never with an error stored for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_alone_converges_on_the_payment_a_superseded_attempt_recorded() {
+    let mode = Mode::RedisAlone;
+    let db = mode.db().await;
+    let prefix = RedisPrefix::new("converge");
+    let client = reqwest::Client::new();
+    let shop = start_in(mode, &db, &prefix.0, &["--lease-ms", "500"]).await;
+
+    // A charges, then stalls past its lease; it commits its payment while
+    // B, which took over, is still waiting on the bank.
+    let a = tokio::spawn(read(
+        pay(&client, &shop, Some("k"), BODY).header("x-simulate", "bank-delay=2000"),
+    ));
+    // A holds the claim once the bank has charged.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while account(&client, &shop, "acc_1").await["bank_charges"] != 1 {
+        assert!(Instant::now() < deadline, "A never reached the bank");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let b = loop {
+        let started = Instant::now();
+        let b = read(pay(&client, &shop, Some("k"), BODY).header("x-simulate", "bank-delay=4000"))
+            .await;
+        if b.status != 409 {
+            assert!(
+                started.elapsed() >= Duration::from_secs(3),
+                "B took the claim over and waited on the bank: {b:?}"
+            );
+            break b;
+        }
+        assert!(Instant::now() < deadline, "never taken over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let a = a.await.unwrap();
+    assert_eq!(a.status, 201, "{a:?}");
+    assert_eq!(
+        b.status, 201,
+        "B answers with the payment that exists: {b:?}"
+    );
+    assert_eq!(b.body, a.body, "one payment, one answer");
+    let replay = read(pay(&client, &shop, Some("k"), BODY)).await;
+    assert!(replay.replayed, "{replay:?}");
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.body, a.body);
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(1), Some(1)),
+        "{acc}"
+    );
+}

@@ -93,6 +93,30 @@ fn vanished() -> sqlx::Error {
 /// [`Created::Existing`] with the winner's row (PostgreSQL makes the loser's
 /// insert wait for the winner's commit; SQLite has one writer at a time).
 ///
+/// The same helper makes an effect converge on its **operation id**: with
+/// a unique constraint on the operation id where the effect lands, an
+/// attempt that finds the effect recorded by another attempt of the same
+/// operation (one that outlived its lease, where the idempotency record
+/// cannot fence the write, as with Redis alone) gets
+/// [`Created::Existing`] and answers with that effect, as the first
+/// attempt did, instead of a conflict that would be stored and replayed:
+///
+/// ```
+/// # use idem_sql::{create_once, Created};
+/// # async fn record(conn: &mut sqlx::SqliteConnection, operation_id: &str, amount: i64)
+/// #     -> Result<(String, i64), sqlx::Error> {
+/// let payment = create_once(conn,
+///     || sqlx::query_as("INSERT INTO payments (operation_id, amount) VALUES ($1, $2)
+///                        ON CONFLICT (operation_id) DO NOTHING RETURNING operation_id, amount")
+///         .bind(operation_id).bind(amount),
+///     || sqlx::query_as("SELECT operation_id, amount FROM payments WHERE operation_id = $1")
+///         .bind(operation_id),
+/// ).await?;
+/// // Created or found, the answer is the same payment.
+/// Ok(payment.into_inner())
+/// # }
+/// ```
+///
 /// Run it inside a transaction to commit other writes with the creation.
 /// Under PostgreSQL's REPEATABLE READ or SERIALIZABLE, the loser may not see
 /// the winner's row; use READ COMMITTED (the default) or retry the

@@ -55,23 +55,23 @@
 //! 'in_progress'`, which READ COMMITTED re-checks against the latest row
 //! version after any wait: a token replaced by a takeover matches nothing.
 //!
-//! # Claiming inside the business transaction
+//! # A claim held by the business transaction
 //!
-//! [`ClaimInTransaction::claim_in_tx`] claims on the caller's own
-//! transaction, so a new key costs no commit of its own: claim, business
-//! write and completion commit once, together. The statement first takes a
-//! transaction-scoped advisory lock on the key with
-//! `pg_try_advisory_xact_lock` and inserts only if it got it, so a duplicate
-//! never waits on the holder's uncommitted row: it is told
-//! [`TxClaimOutcome::Busy`] at once (`409`), and after the holder commits it
-//! finds the completed record (a replay). The statement also sets the
-//! transaction's `idle_in_transaction_session_timeout` to the lease: a holder
-//! that sits idle in its transaction longer than that (stuck on a slow
-//! call) has its session ended by the server, and its claim and effect roll
-//! back. A crash does the same when the connection drops. The operation id
-//! is [derived](OperationId::derive) from the request, so a retry after any
-//! rollback reaches external systems under the same id. It needs READ
-//! COMMITTED (PostgreSQL's default).
+//! [`ClaimInTransaction::claim_and_begin`] commits the claim first (the plain
+//! insert, or on a conflict a deciding `UPDATE`), so the key is bound to the
+//! request and its operation id before any effect; then it begins the
+//! caller's transaction and locks the claim's row in it (`SELECT … FOR
+//! UPDATE`, fenced by the token), setting the transaction's
+//! `idle_in_transaction_session_timeout` to the lease. The row lock is the
+//! claim's liveness: the deciding statement looks for the row with `FOR
+//! UPDATE SKIP LOCKED`, so a duplicate never waits on a holder. A locked row
+//! is [`TxClaimOutcome::Busy`] (`409`); an unlocked one in progress belongs
+//! to a holder whose transaction ended (committed elsewhere, rolled back, or
+//! died with its connection), so the same request takes it over at once
+//! under the same operation id, and another request finds its fingerprint
+//! (`422`). A takeover between the claim's commit and the lock is caught by
+//! the token: the holder is told the key is busy before it ran anything.
+//! It needs READ COMMITTED (PostgreSQL's default).
 
 mod unique;
 

@@ -259,8 +259,10 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Drops what Redis holds for a record (tiered mode).
-    pub(crate) async fn forget(&self, scope: &str, key: &str) -> Result<(), StoreError> {
+    /// Drops what Redis holds for a record in tiered mode (a cached
+    /// completion or an in-flight marker), so that the next request asks
+    /// the SQL store: for operators releasing a claim.
+    pub async fn forget(&self, scope: &str, key: &str) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
         let _: i64 = redis::cmd("DEL")
             .arg(self.record_key(scope, key))
