@@ -82,6 +82,17 @@ impl Shop {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Whether the process has exited (crashed, or was killed).
+    pub fn exited(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// `kill -9`: no unwinding, no response, no cleanup.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 impl Drop for Shop {

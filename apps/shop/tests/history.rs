@@ -1,0 +1,632 @@
+//! The history checker: many clients with retries, short client timeouts,
+//! retries with another body under the same key, keys reused after a short
+//! retention, bank failures, slow banks past the lease, simulated crashes
+//! after the bank call and `kill -9` of real `shop` processes, against two
+//! `shop` processes in each of the five modes. Every request and answer is
+//! recorded; then the history must show, per key:
+//!
+//! - one effect: every payment the database holds was answered to a client,
+//!   and every bank charge has its payment (one per operation id);
+//! - every `201` for a key (within one retention period) byte-equal to the
+//!   first, and for one request body only (no `201` for a reused key with
+//!   another body); no error answer replayed;
+//! - every key settled: after its faults, retried without them, it is
+//!   answered `201` within its retention (no key stuck in flight);
+//! - a key reused after its retention: a new payment.
+//!
+//! Bounded: `IDEM_HISTORY_SECS` (25 by default) of load per mode, the five
+//! modes side by side; `IDEM_HISTORY_SEED` replays a run. `bash
+//! scripts/history 300` runs longer.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{start_in, Db, Mode, RedisPrefix, Shop};
+
+const LEASE_MS: u64 = 1500;
+const TTL_SECS: u64 = 12;
+/// How long a key is retried with faults injected, before it is settled.
+const CHAOS_MS: u64 = 4000;
+const CLIENTS: usize = 10;
+const PROCESSES: usize = 2;
+const ACCOUNT: &str = "acc-history";
+
+/// xorshift64*: enough randomness for a load, reproducible from its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+    fn percent(&mut self, p: u64) -> bool {
+        self.below(100) < p
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Variant {
+    /// The request the client means.
+    Main,
+    /// Another body under the same key (a buggy or malicious client).
+    Other,
+}
+
+#[derive(Debug, Clone)]
+enum Outcome {
+    Answered {
+        status: u16,
+        replayed: bool,
+        body: Vec<u8>,
+    },
+    /// A transport error: time-out, refused, reset (a killed process).
+    Failed,
+}
+
+#[derive(Debug, Clone)]
+struct Attempt {
+    key: String,
+    epoch: u32,
+    variant: Variant,
+    simulate: Option<String>,
+    outcome: Outcome,
+}
+
+impl Attempt {
+    fn status(&self) -> Option<u16> {
+        match self.outcome {
+            Outcome::Answered { status, .. } => Some(status),
+            Outcome::Failed => None,
+        }
+    }
+}
+
+/// The `shop` processes of one mode, restarted when they die.
+struct Fleet {
+    mode: Mode,
+    db: Db,
+    prefix: RedisPrefix,
+    slots: tokio::sync::Mutex<Vec<Shop>>,
+    bases: Mutex<Vec<String>>,
+    kills: Mutex<u64>,
+    restarts: Mutex<u64>,
+}
+
+impl Fleet {
+    async fn start(mode: Mode) -> Arc<Fleet> {
+        let db = mode.db().await;
+        let prefix = RedisPrefix::new("history");
+        let mut slots = Vec::new();
+        for _ in 0..PROCESSES {
+            slots.push(Self::spawn(mode, &db, &prefix).await);
+        }
+        let bases = slots.iter().map(|s| s.base.clone()).collect();
+        Arc::new(Fleet {
+            mode,
+            db,
+            prefix,
+            slots: tokio::sync::Mutex::new(slots),
+            bases: Mutex::new(bases),
+            kills: Mutex::new(0),
+            restarts: Mutex::new(0),
+        })
+    }
+
+    async fn spawn(mode: Mode, db: &Db, prefix: &RedisPrefix) -> Shop {
+        let lease = LEASE_MS.to_string();
+        let ttl = TTL_SECS.to_string();
+        start_in(
+            mode,
+            db,
+            &prefix.0,
+            &["--lease-ms", &lease, "--ttl-secs", &ttl],
+        )
+        .await
+    }
+
+    fn base(&self, rng: &mut Rng) -> Option<String> {
+        let bases = self.bases.lock().unwrap();
+        if bases.is_empty() {
+            return None;
+        }
+        Some(bases[rng.below(bases.len() as u64) as usize].clone())
+    }
+
+    /// Restarts every process that died; `kill` one first, if asked.
+    async fn tend(&self, kill: Option<usize>) {
+        let mut slots = self.slots.lock().await;
+        if let Some(i) = kill {
+            let i = i % slots.len();
+            slots[i].kill9();
+            *self.kills.lock().unwrap() += 1;
+        }
+        let mut changed = kill.is_some();
+        for i in 0..slots.len() {
+            if slots[i].exited() {
+                changed = true;
+                self.bases.lock().unwrap().retain(|b| *b != slots[i].base);
+                slots[i] = Self::spawn(self.mode, &self.db, &self.prefix).await;
+                *self.restarts.lock().unwrap() += 1;
+            }
+        }
+        if changed {
+            *self.bases.lock().unwrap() = slots.iter().map(|s| s.base.clone()).collect();
+        }
+    }
+}
+
+fn body(amount: u64) -> String {
+    format!(r#"{{"account_id":"{ACCOUNT}","amount":{amount},"currency":"EUR"}}"#)
+}
+
+/// One client's view of a key: its two bodies.
+#[derive(Clone)]
+struct Intent {
+    key: String,
+    epoch: u32,
+    main: String,
+    other: String,
+}
+
+impl Intent {
+    fn body(&self, v: Variant) -> &str {
+        match v {
+            Variant::Main => &self.main,
+            Variant::Other => &self.other,
+        }
+    }
+}
+
+struct Shared {
+    fleet: Arc<Fleet>,
+    http: reqwest::Client,
+    log: Mutex<Vec<Attempt>>,
+    /// Keys whose last session ended with an answer, to reuse after their
+    /// retention: (due, key, next epoch).
+    reuse: Mutex<Vec<(Instant, String, u32)>>,
+    /// Keys that were never answered `201`: stuck.
+    unsettled: Mutex<Vec<String>>,
+    crashes: bool,
+}
+
+async fn send(
+    shared: &Shared,
+    rng: &mut Rng,
+    intent: &Intent,
+    variant: Variant,
+    simulate: Option<String>,
+    timeout: Duration,
+) -> Attempt {
+    let outcome = match shared.fleet.base(rng) {
+        None => Outcome::Failed,
+        Some(base) => {
+            let mut r = shared
+                .http
+                .post(format!("{base}/payments"))
+                .header("authorization", "Bearer history")
+                .header("content-type", "application/json")
+                .header("idempotency-key", &intent.key)
+                .timeout(timeout)
+                .body(intent.body(variant).to_owned());
+            if let Some(s) = &simulate {
+                r = r.header("x-simulate", s);
+            }
+            match r.send().await {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    let replayed = resp
+                        .headers()
+                        .get("idempotent-replayed")
+                        .is_some_and(|v| v == "true");
+                    match resp.bytes().await {
+                        Ok(b) => Outcome::Answered {
+                            status,
+                            replayed,
+                            body: b.to_vec(),
+                        },
+                        Err(_) => Outcome::Failed,
+                    }
+                }
+                Err(_) => Outcome::Failed,
+            }
+        }
+    };
+    let attempt = Attempt {
+        key: intent.key.clone(),
+        epoch: intent.epoch,
+        variant,
+        simulate,
+        outcome,
+    };
+    shared.log.lock().unwrap().push(attempt.clone());
+    attempt
+}
+
+fn simulate(rng: &mut Rng, crashes: bool) -> Option<String> {
+    match rng.below(100) {
+        0..=54 => None,
+        55..=79 => Some(format!("bank-delay={}", rng.between(50, 1200))),
+        80..=87 => Some("bank-error".to_owned()),
+        // Slower than the lease: a retry takes over while this one runs.
+        88..=94 => Some(format!("bank-delay={}", rng.between(1600, 2600))),
+        _ if crashes => Some("crash-after-bank".to_owned()),
+        _ => None,
+    }
+}
+
+/// One client: sessions of retries, each until its request is answered.
+async fn client(shared: Arc<Shared>, id: usize, seed: u64, until: Instant) {
+    let mut rng = Rng::new(seed);
+    let mut n = 0;
+    while Instant::now() < until {
+        let due = {
+            let mut reuse = shared.reuse.lock().unwrap();
+            let now = Instant::now();
+            reuse
+                .iter()
+                .position(|(at, _, _)| *at <= now)
+                .map(|i| reuse.swap_remove(i))
+        };
+        let (key, epoch) = match due {
+            Some((_, key, epoch)) => (key, epoch),
+            None => {
+                n += 1;
+                (format!("h{id}-{n}-{seed:x}"), 0)
+            }
+        };
+        let amount = rng.between(100, 99_999);
+        let intent = Intent {
+            key: key.clone(),
+            epoch,
+            main: body(amount),
+            other: body(amount + 1),
+        };
+        let started = Instant::now();
+        // Settled (answered 201) well within the retention, or the key is
+        // stuck: after it, the same key is a new request.
+        let settle_by = started + Duration::from_millis(TTL_SECS * 1000 - 1000);
+        let mut sent_other = false;
+        let mut answered = false;
+        // After a 422, the other body holds the key: ask with it.
+        let mut prefer: Option<Variant> = None;
+        loop {
+            let now = Instant::now();
+            if now >= settle_by {
+                shared.unsettled.lock().unwrap().push(format!(
+                    "{key} (epoch {epoch}): no 201 within the retention ({} s)",
+                    TTL_SECS - 1
+                ));
+                break;
+            }
+            let chaos = now < started + Duration::from_millis(CHAOS_MS);
+            let variant = match prefer {
+                Some(v) => v,
+                None if chaos && !sent_other && rng.percent(8) => {
+                    sent_other = true;
+                    Variant::Other
+                }
+                None => Variant::Main,
+            };
+            let (sim, timeout) = if chaos {
+                (
+                    simulate(&mut rng, shared.crashes),
+                    Duration::from_millis(rng.between(300, 2000)),
+                )
+            } else {
+                (None, Duration::from_millis(5000))
+            };
+            let timeout = timeout.min(settle_by - now);
+            let a = send(&shared, &mut rng, &intent, variant, sim, timeout).await;
+            match a.status() {
+                Some(201) => {
+                    answered = true;
+                    break;
+                }
+                Some(422) => {
+                    prefer = Some(match variant {
+                        Variant::Main => Variant::Other,
+                        Variant::Other => Variant::Main,
+                    })
+                }
+                Some(409) => tokio::time::sleep(Duration::from_millis(rng.between(100, 400))).await,
+                _ => tokio::time::sleep(Duration::from_millis(rng.between(20, 200))).await,
+            }
+        }
+        if answered {
+            // A few duplicates after the answer: replays, and another body.
+            for _ in 0..rng.below(3) {
+                let v = if rng.percent(30) {
+                    Variant::Other
+                } else {
+                    Variant::Main
+                };
+                send(
+                    &shared,
+                    &mut rng,
+                    &intent,
+                    v,
+                    None,
+                    Duration::from_millis(2000),
+                )
+                .await;
+            }
+            if rng.percent(15) {
+                let at = Instant::now() + Duration::from_millis(TTL_SECS * 1000 + 1500);
+                shared.reuse.lock().unwrap().push((at, key, epoch + 1));
+            }
+        }
+    }
+}
+
+fn payment_id(body: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v["id"].as_str().map(str::to_owned)
+}
+
+/// What the database holds: payment ids, and bank charges without a payment.
+async fn database(db: &Db) -> (BTreeSet<String>, i64, i64) {
+    const PAYMENTS: &str = "SELECT id FROM shop_payments";
+    const ORPHANS: &str = "SELECT count(*) FROM bank_charges b
+        WHERE NOT EXISTS (SELECT 1 FROM shop_payments p WHERE p.operation_id = b.operation_id)";
+    const CHARGES: &str = "SELECT count(*) FROM bank_charges";
+    match db {
+        Db::Sqlite(..) => {
+            let pool = sqlx::SqlitePool::connect(&db.url()).await.unwrap();
+            let ids: Vec<String> = sqlx::query_scalar(PAYMENTS).fetch_all(&pool).await.unwrap();
+            let orphans = sqlx::query_scalar(ORPHANS).fetch_one(&pool).await.unwrap();
+            let charges = sqlx::query_scalar(CHARGES).fetch_one(&pool).await.unwrap();
+            pool.close().await;
+            (ids.into_iter().collect(), orphans, charges)
+        }
+        Db::Postgres(_) => {
+            let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
+            let ids: Vec<String> = sqlx::query_scalar(PAYMENTS).fetch_all(&pool).await.unwrap();
+            let orphans = sqlx::query_scalar(ORPHANS).fetch_one(&pool).await.unwrap();
+            let charges = sqlx::query_scalar(CHARGES).fetch_one(&pool).await.unwrap();
+            pool.close().await;
+            (ids.into_iter().collect(), orphans, charges)
+        }
+    }
+}
+
+/// Checks the recorded history against the promises; returns violations.
+fn check(
+    log: &[Attempt],
+    db_payments: &BTreeSet<String>,
+    orphans: i64,
+    charges: i64,
+) -> Vec<String> {
+    let mut violations = Vec::new();
+    let mut by_key: BTreeMap<(&str, u32), Vec<&Attempt>> = BTreeMap::new();
+    for a in log {
+        by_key.entry((&a.key, a.epoch)).or_default().push(a);
+    }
+    let mut answered_ids = BTreeSet::new();
+    let mut first_payment: BTreeMap<&str, BTreeMap<u32, String>> = BTreeMap::new();
+    for ((key, epoch), attempts) in &by_key {
+        let created: Vec<(&Attempt, &Vec<u8>)> = attempts
+            .iter()
+            .filter_map(|a| match &a.outcome {
+                Outcome::Answered {
+                    status: 201, body, ..
+                } => Some((*a, body)),
+                _ => None,
+            })
+            .collect();
+        if let Some((_, first)) = created.first() {
+            for (a, b) in &created {
+                if b != first {
+                    violations.push(format!(
+                        "{key} (epoch {epoch}): a 201 differs from the first ({:?} vs {:?})",
+                        String::from_utf8_lossy(b),
+                        String::from_utf8_lossy(first)
+                    ));
+                }
+                if a.variant != created[0].0.variant {
+                    violations.push(format!(
+                        "{key} (epoch {epoch}): 201 for two different bodies under one key"
+                    ));
+                }
+            }
+            match payment_id(first) {
+                Some(id) => {
+                    answered_ids.insert(id.clone());
+                    first_payment.entry(key).or_default().insert(*epoch, id);
+                }
+                None => violations.push(format!("{key}: a 201 without a payment id")),
+            }
+        }
+        for a in attempts {
+            match &a.outcome {
+                Outcome::Answered {
+                    status,
+                    replayed,
+                    body,
+                } => {
+                    let allowed = match status {
+                        201 | 409 | 422 | 502 | 503 => true,
+                        // 409s and 422s replayed would be stored errors.
+                        _ => false,
+                    };
+                    if !allowed || (*replayed && *status != 201) {
+                        violations.push(format!(
+                            "{key} (epoch {epoch}): unexpected {status} (replayed: {replayed}, simulate {:?}): {}",
+                            a.simulate,
+                            String::from_utf8_lossy(body)
+                        ));
+                    }
+                    if *status == 502 && a.simulate.as_deref() != Some("bank-error") {
+                        violations.push(format!(
+                            "{key} (epoch {epoch}): 502 without a bank failure: {}",
+                            String::from_utf8_lossy(body)
+                        ));
+                    }
+                }
+                Outcome::Failed => {}
+            }
+        }
+    }
+    for (key, epochs) in &first_payment {
+        let ids: BTreeSet<&String> = epochs.values().collect();
+        if ids.len() != epochs.len() {
+            violations.push(format!(
+                "{key}: reused after its retention, yet answered with an old payment"
+            ));
+        }
+    }
+    for id in db_payments.difference(&answered_ids) {
+        violations.push(format!(
+            "payment {id} was made but never answered (a double effect)"
+        ));
+    }
+    for id in answered_ids.difference(db_payments) {
+        violations.push(format!(
+            "payment {id} was answered but is not in the database"
+        ));
+    }
+    if orphans != 0 {
+        violations.push(format!("{orphans} bank charges have no payment"));
+    }
+    if charges != db_payments.len() as i64 {
+        violations.push(format!(
+            "{charges} bank charges for {} payments",
+            db_payments.len()
+        ));
+    }
+    violations
+}
+
+async fn run(mode: Mode) {
+    let secs: u64 = std::env::var("IDEM_HISTORY_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(25);
+    let seed = std::env::var("IDEM_HISTORY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0);
+    let fleet = Fleet::start(mode).await;
+    let shared = Arc::new(Shared {
+        fleet: fleet.clone(),
+        http: reqwest::Client::new(),
+        log: Mutex::new(Vec::new()),
+        reuse: Mutex::new(Vec::new()),
+        unsettled: Mutex::new(Vec::new()),
+        crashes: true,
+    });
+    let until = Instant::now() + Duration::from_secs(secs);
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            tokio::spawn(client(
+                shared.clone(),
+                i,
+                seed.wrapping_add(i as u64 * 0x9e37_79b9),
+                until,
+            ))
+        })
+        .collect();
+    // The chaos: a kill -9 every few seconds; crashed processes restarted.
+    let mut rng = Rng::new(seed ^ 0xc4a0);
+    let mut next_kill = Instant::now() + Duration::from_millis(rng.between(2000, 5000));
+    while Instant::now() < until {
+        let kill = (Instant::now() >= next_kill).then(|| {
+            next_kill = Instant::now() + Duration::from_millis(rng.between(3000, 6000));
+            rng.below(PROCESSES as u64) as usize
+        });
+        fleet.tend(kill).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for c in clients {
+        // Sessions end by themselves (bounded retries); keep tending.
+        while !c.is_finished() {
+            fleet.tend(None).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        c.await.unwrap();
+    }
+    let unsettled = shared.unsettled.lock().unwrap().clone();
+    let (db_payments, orphans, charges) = database(&fleet.db).await;
+    let log = shared.log.lock().unwrap().clone();
+    let mut violations = check(&log, &db_payments, orphans, charges);
+    violations.extend(unsettled);
+    let keys: BTreeSet<(&str, u32)> = log.iter().map(|a| (a.key.as_str(), a.epoch)).collect();
+    let reused = keys.iter().filter(|(_, e)| *e > 0).count();
+    let crashes = log
+        .iter()
+        .filter(|a| a.simulate.as_deref() == Some("crash-after-bank"))
+        .count();
+    let summary = format!(
+        "history {mode:?}: seed {seed}, {} s, {} keys ({reused} reused after retention), {} requests ({} 201, {} 409, {} 422, {} 5xx, {} no answer), {} kill -9, {} crash-after-bank, {} restarts, {} payments, {} violations",
+        secs,
+        keys.len(),
+        log.len(),
+        log.iter().filter(|a| a.status() == Some(201)).count(),
+        log.iter().filter(|a| a.status() == Some(409)).count(),
+        log.iter().filter(|a| a.status() == Some(422)).count(),
+        log.iter().filter(|a| a.status().is_some_and(|s| s >= 500)).count(),
+        log.iter().filter(|a| a.status().is_none()).count(),
+        *fleet.kills.lock().unwrap(),
+        crashes,
+        *fleet.restarts.lock().unwrap(),
+        db_payments.len(),
+        violations.len(),
+    );
+    println!("{summary}");
+    if let Ok(dir) = std::env::var("IDEM_HISTORY_REPORT") {
+        let _ = std::fs::create_dir_all(&dir);
+        let _ = std::fs::write(
+            format!("{dir}/{mode:?}.txt"),
+            format!("{summary}\n{}\n", violations.join("\n")),
+        );
+    }
+    assert!(
+        violations.is_empty(),
+        "{summary}\n{}",
+        violations
+            .iter()
+            .take(30)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite() {
+    run(Mode::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres() {
+    run(Mode::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_claim_in_transaction() {
+    run(Mode::ClaimInTx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_with_redis_and_replay_cache() {
+    run(Mode::Tiered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_alone() {
+    run(Mode::RedisAlone).await;
+}
