@@ -107,6 +107,9 @@ struct Target {
     /// `stats` show what it holds, `release` clears its in-flight marker.
     #[arg(long, env = "REDIS_URL")]
     redis_url: Option<String>,
+    /// `--redis-url` names a Redis Cluster (one or more nodes, comma-separated).
+    #[arg(long, env = "IDEM_REDIS_CLUSTER")]
+    redis_cluster: bool,
     /// Tiered mode: the prefix of idem's keys in Redis.
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
     redis_prefix: String,
@@ -118,11 +121,14 @@ impl Target {
         let Some(url) = &self.redis_url else {
             return Ok(None);
         };
-        let store = idem_redis::RedisStore::connect(
-            idem_redis::RedisConfig::new(url).prefix(&self.redis_prefix),
-        )
-        .await
-        .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
+        let config = if self.redis_cluster {
+            idem_redis::RedisConfig::cluster(url.split(',').map(str::trim))
+        } else {
+            idem_redis::RedisConfig::new(url)
+        };
+        let store = idem_redis::RedisStore::connect(config.prefix(&self.redis_prefix))
+            .await
+            .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
         Ok(Some(store))
     }
 }

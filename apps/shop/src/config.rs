@@ -29,6 +29,10 @@ pub(crate) struct Config {
     #[arg(long, env = "REDIS_URL")]
     pub(crate) redis_url: Option<String>,
 
+    /// --redis-url names a Redis Cluster: one or more of its nodes, comma-separated.
+    #[arg(long, env = "IDEM_REDIS_CLUSTER")]
+    pub(crate) redis_cluster: bool,
+
     /// Where idempotency records live: `database` (default; completed in the
     /// handler's transaction) or `redis` (Redis alone, needs --redis-url;
     /// completed after the handler returns).

@@ -84,11 +84,18 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     let bank = bank::Bank::open(&database, &config.database_url).await?;
     let mut store: Arc<dyn Store> = database.idem_store();
     let redis = match &config.redis_url {
-        Some(url) => Some(
-            RedisStore::connect(RedisConfig::new(url).prefix(&config.redis_prefix))
-                .await
-                .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?,
-        ),
+        Some(url) => {
+            let redis = if config.redis_cluster {
+                RedisConfig::cluster(url.split(',').map(str::trim))
+            } else {
+                RedisConfig::new(url)
+            };
+            Some(
+                RedisStore::connect(redis.prefix(&config.redis_prefix))
+                    .await
+                    .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?,
+            )
+        }
         None => None,
     };
     let transactional = config.idem_store == "database";

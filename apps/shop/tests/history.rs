@@ -2,7 +2,8 @@
 //! retries with another body under the same key, keys reused after a short
 //! retention, bank failures, slow banks past the lease, simulated crashes
 //! after the bank call and `kill -9` of real `shop` processes, against two
-//! `shop` processes in each of the five modes. Every request and answer is
+//! `shop` processes in each of the five modes, and Redis alone on a Redis
+//! Cluster. Every request and answer is
 //! recorded; then the history must show, per key:
 //!
 //! - one effect: every payment the database holds was answered to a client,
@@ -629,4 +630,9 @@ async fn postgres_with_redis_and_replay_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_alone() {
     run(Mode::RedisAlone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_alone_on_a_redis_cluster() {
+    run(Mode::RedisCluster).await;
 }

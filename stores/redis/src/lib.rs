@@ -47,15 +47,17 @@ use idem_core::{
     RecordRow, RecordState, Store, StoreError, StoredResponse, UnixMillis,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
 use sha2::{Digest, Sha256};
 
 pub use tier::TieredStore;
 
-/// How to reach Redis.
+/// How to reach Redis: one server, or a Redis Cluster.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
     url: String,
+    cluster: Option<Vec<String>>,
     prefix: String,
     timeout: Duration,
 }
@@ -66,9 +68,38 @@ impl RedisConfig {
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
+            cluster: None,
             prefix: "idem".to_owned(),
             timeout: Duration::from_millis(500),
         }
+    }
+
+    /// A Redis Cluster, found from one or more of its nodes
+    /// (`redis://host:port` each). A record's keys share one hash slot (see
+    /// [Keys](crate#keys)), so each operation is still one script on one
+    /// node.
+    ///
+    /// ```
+    /// let c = idem_redis::RedisConfig::cluster(["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]);
+    /// assert!(c.is_cluster());
+    /// ```
+    pub fn cluster<I, S>(nodes: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let nodes: Vec<String> = nodes.into_iter().map(Into::into).collect();
+        Self {
+            url: nodes.first().cloned().unwrap_or_default(),
+            cluster: Some(nodes),
+            prefix: "idem".to_owned(),
+            timeout: Duration::from_millis(500),
+        }
+    }
+
+    /// Whether this names a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
     }
 
     /// The prefix of every key (default `idem`).
@@ -85,16 +116,56 @@ impl RedisConfig {
     }
 }
 
+/// A connection to one server (reconnecting by itself) or to a cluster
+/// (routing each command by its key's slot, following redirections).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 /// The Redis store; see the [crate docs](crate).
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Conn,
+    /// The cluster's seed nodes, to find every primary for key scans.
+    cluster: Option<Vec<String>>,
+    timeout: Duration,
     prefix: String,
     claim: Script,
     complete: Script,
     release: Script,
     get: Script,
     cache_put: Script,
+    mark: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -121,26 +192,46 @@ pub fn store_error(e: redis::RedisError) -> StoreError {
 }
 
 impl RedisStore {
-    /// Connects (a connection manager that reconnects by itself).
+    /// Connects: to one server, with a connection manager that reconnects
+    /// by itself; or to a cluster.
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| StoreError::Backend(Box::new(e)))?;
-        let manager = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(config.timeout))
-            .set_connection_timeout(Some(config.timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_with_config(client, manager)
-            .await
-            .map_err(store_error)?;
+        let bad = |e: redis::RedisError| StoreError::Backend(Box::new(e));
+        let conn = match &config.cluster {
+            None => {
+                let client = redis::Client::open(config.url.as_str()).map_err(bad)?;
+                let manager = ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(config.timeout))
+                    .set_connection_timeout(Some(config.timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                Conn::Single(
+                    ConnectionManager::new_with_config(client, manager)
+                        .await
+                        .map_err(store_error)?,
+                )
+            }
+            Some(nodes) => {
+                let client =
+                    redis::cluster::ClusterClient::builder(nodes.iter().map(String::as_str))
+                        .connection_timeout(config.timeout)
+                        .response_timeout(config.timeout)
+                        .retries(2)
+                        .build()
+                        .map_err(bad)?;
+                Conn::Cluster(client.get_async_connection().await.map_err(store_error)?)
+            }
+        };
         Ok(Self {
             conn,
+            cluster: config.cluster,
+            timeout: config.timeout,
             prefix: config.prefix,
             claim: Script::new(scripts::CLAIM),
             complete: Script::new(scripts::COMPLETE),
             release: Script::new(scripts::RELEASE),
             get: Script::new(scripts::GET),
             cache_put: Script::new(scripts::CACHE_PUT),
+            mark: Script::new(scripts::MARK),
         })
     }
 
@@ -280,38 +371,16 @@ impl RedisStore {
         fingerprint: &Fingerprint,
     ) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
-        let key = self.record_key(&claim.scope, &claim.key);
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .cmd("DEL")
-            .arg(&key)
-            .ignore()
-            .cmd("HSET")
-            .arg(&key)
-            .arg("s")
-            .arg(&claim.scope)
-            .arg("k")
-            .arg(&claim.key)
-            .arg("fp")
-            .arg(fingerprint.as_bytes().as_slice())
-            .arg("op")
-            .arg(claim.operation_id.0.to_string())
-            .arg("tok")
-            .arg(claim.token.0)
-            .arg("st")
-            .arg("p")
-            .arg("lu")
-            .arg(claim.locked_until.0)
-            .arg("ca")
-            .arg(0)
-            .arg("ea")
-            .arg(claim.locked_until.0)
-            .ignore()
-            .cmd("PEXPIREAT")
-            .arg(&key)
-            .arg(claim.locked_until.0)
-            .ignore();
-        let () = pipe.query_async(&mut conn).await.map_err(store_error)?;
+        let mut inv = self.mark.key(self.record_key(&claim.scope, &claim.key));
+        inv.arg("s").arg(&claim.scope).arg("k").arg(&claim.key);
+        inv.arg("fp").arg(fingerprint.as_bytes().as_slice());
+        inv.arg("op").arg(claim.operation_id.0.to_string());
+        inv.arg("tok").arg(claim.token.0);
+        inv.arg("st").arg("p");
+        inv.arg("lu").arg(claim.locked_until.0);
+        inv.arg("ca").arg(0).arg("ea").arg(claim.locked_until.0);
+        inv.arg(claim.locked_until.0);
+        let _: i64 = inv.invoke_async(&mut conn).await.map_err(store_error)?;
         Ok(())
     }
 
@@ -325,57 +394,109 @@ impl RedisStore {
         self.fetch(scope, key).await
     }
 
-    /// How many keys live under this store's prefix (operators).
+    /// How many keys live under this store's prefix (operators). On a
+    /// cluster, every primary is scanned.
     pub async fn count_keys(&self) -> Result<u64, StoreError> {
-        let mut conn = self.conn.clone();
-        let mut cursor: u64 = 0;
         let mut count = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{}:*", self.prefix))
-                .arg("COUNT")
-                .arg(500)
-                .query_async(&mut conn)
-                .await
-                .map_err(store_error)?;
-            count += keys.len() as u64;
-            if next == 0 {
-                return Ok(count);
-            }
-            cursor = next;
+        for mut node in self.nodes().await? {
+            count += scan(&mut node, &self.prefix, false).await?;
         }
+        Ok(count)
     }
 
-    /// Deletes every key under this store's prefix (tests, operators).
+    /// Deletes every key under this store's prefix (tests, operators). On a
+    /// cluster, every primary is scanned.
     pub async fn clear(&self) -> Result<u64, StoreError> {
-        let mut conn = self.conn.clone();
-        let mut cursor: u64 = 0;
         let mut deleted = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{}:*", self.prefix))
-                .arg("COUNT")
-                .arg(500)
-                .query_async(&mut conn)
-                .await
-                .map_err(store_error)?;
-            if !keys.is_empty() {
-                let n: u64 = redis::cmd("DEL")
-                    .arg(&keys)
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(store_error)?;
-                deleted += n;
-            }
-            if next == 0 {
-                return Ok(deleted);
-            }
-            cursor = next;
+        for mut node in self.nodes().await? {
+            deleted += scan(&mut node, &self.prefix, true).await?;
         }
+        Ok(deleted)
+    }
+
+    /// A connection to each server that holds keys: the one server, or
+    /// each primary of the cluster.
+    async fn nodes(&self) -> Result<Vec<Conn>, StoreError> {
+        let Some(seeds) = &self.cluster else {
+            return Ok(vec![self.conn.clone()]);
+        };
+        let mut conn = self.conn.clone();
+        let listing: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async(&mut conn)
+            .await
+            .map_err(store_error)?;
+        let seed = seeds.first().map(String::as_str).unwrap_or("redis://");
+        let mut nodes = Vec::new();
+        for line in listing.lines() {
+            let mut fields = line.split_whitespace();
+            let (Some(_id), Some(addr), Some(flags)) =
+                (fields.next(), fields.next(), fields.next())
+            else {
+                continue;
+            };
+            if !flags.split(',').any(|f| f == "master") || flags.contains("fail") {
+                continue;
+            }
+            let addr = addr.split('@').next().unwrap_or(addr);
+            let client = redis::Client::open(node_url(seed, addr).as_str())
+                .map_err(|e| StoreError::Backend(Box::new(e)))?;
+            let manager = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(self.timeout))
+                .set_connection_timeout(Some(self.timeout))
+                .set_number_of_retries(1);
+            nodes.push(Conn::Single(
+                ConnectionManager::new_with_config(client, manager)
+                    .await
+                    .map_err(store_error)?,
+            ));
+        }
+        Ok(nodes)
+    }
+}
+
+/// The URL of a cluster node at `addr` (`host:port`), with the seed's
+/// scheme, credentials and options.
+fn node_url(seed: &str, addr: &str) -> String {
+    let (scheme, rest) = seed.split_once("://").unwrap_or(("redis", seed));
+    let (userinfo, hostpart) = match rest.rsplit_once('@') {
+        Some((u, h)) => (format!("{u}@"), h),
+        None => (String::new(), rest),
+    };
+    let tail = hostpart.find(['/', '?']).map_or("", |i| &hostpart[i..]);
+    format!("{scheme}://{userinfo}{addr}{tail}")
+}
+
+/// Counts (and with `delete`, deletes) the keys under `prefix` on one server.
+async fn scan(conn: &mut Conn, prefix: &str, delete: bool) -> Result<u64, StoreError> {
+    let mut cursor: u64 = 0;
+    let mut total = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}:*"))
+            .arg("COUNT")
+            .arg(500)
+            .query_async(conn)
+            .await
+            .map_err(store_error)?;
+        if delete && !keys.is_empty() {
+            // One DEL per key: on a cluster node, a DEL of several keys
+            // fails unless they share a slot.
+            let mut pipe = redis::pipe();
+            for key in &keys {
+                pipe.cmd("DEL").arg(key);
+            }
+            let deleted: Vec<u64> = pipe.query_async(conn).await.map_err(store_error)?;
+            total += deleted.iter().sum::<u64>();
+        } else if !delete {
+            total += keys.len() as u64;
+        }
+        if next == 0 {
+            return Ok(total);
+        }
+        cursor = next;
     }
 }
 

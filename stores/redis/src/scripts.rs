@@ -93,3 +93,14 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 1, n - 1))
 redis.call('PEXPIREAT', KEYS[1], ARGV[n])
 return 1
 ";
+
+/// An in-flight marker for a claim decided elsewhere (tiered mode): the
+/// record's fields replace whatever was there, expiring at the last
+/// argument. One script, so that it is atomic on a Redis Cluster too.
+pub(crate) const MARK: &str = r"
+local n = #ARGV
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 1, n - 1))
+redis.call('PEXPIREAT', KEYS[1], ARGV[n])
+return 1
+";

@@ -48,6 +48,78 @@ mod alone {
     idem_store_suite::store_suite!(|| super::redis(), native_expiry);
 }
 
+/// The Redis Cluster the tests use: three primaries (`bash scripts/test`
+/// starts them on ports 7000 to 7002).
+fn cluster_nodes() -> Vec<String> {
+    std::env::var("IDEM_TEST_REDIS_CLUSTER")
+        .unwrap_or_else(|_| {
+            "redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002".to_owned()
+        })
+        .split(',')
+        .map(str::to_owned)
+        .collect()
+}
+
+async fn cluster() -> (RedisStore, Prefix) {
+    let prefix = format!("idem-test-{}", uuid::Uuid::new_v4().simple());
+    let nodes = cluster_nodes();
+    let store = RedisStore::connect(RedisConfig::cluster(nodes.clone()).prefix(prefix))
+        .await
+        .unwrap_or_else(|e| {
+            panic!("cannot connect to the Redis Cluster at {nodes:?} (`bash scripts/test` starts it): {e}")
+        });
+    (store.clone(), Prefix(store))
+}
+
+/// Redis alone on a three-primary Redis Cluster: a record's keys share a
+/// slot, so every script runs on one node.
+mod cluster_alone {
+    idem_store_suite::store_suite!(|| super::cluster(), native_expiry);
+}
+
+async fn tiered_cluster() -> (TieredStore<Counting<MemoryStore>>, Prefix) {
+    let (r, guard) = cluster().await;
+    (
+        TieredStore::new(Counting::new(MemoryStore::new()), r),
+        guard,
+    )
+}
+
+mod tiered_over_cluster {
+    idem_store_suite::store_suite!(|| super::tiered_cluster());
+}
+
+#[tokio::test]
+async fn a_cluster_spreads_records_over_its_primaries_and_clears_them_all() {
+    let (store, _guard) = cluster().await;
+    for i in 0..60 {
+        let outcome = store.claim(&req(&format!("spread-{i}"))).await.unwrap();
+        assert!(matches!(outcome, ClaimOutcome::Acquired(_)));
+    }
+    assert_eq!(store.count_keys().await.unwrap(), 60);
+    // The keys landed on more than one primary.
+    let mut per_node = Vec::new();
+    for node in cluster_nodes() {
+        let client = redis::Client::open(node.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let n: u64 = redis::cmd("EVAL")
+            .arg("return #redis.call('KEYS', ARGV[1])")
+            .arg(0)
+            .arg(format!("{}:*", store.prefix()))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        per_node.push(n);
+    }
+    assert_eq!(per_node.iter().sum::<u64>(), 60, "{per_node:?}");
+    assert!(
+        per_node.iter().filter(|n| **n > 0).count() >= 2,
+        "{per_node:?}"
+    );
+    assert_eq!(store.clear().await.unwrap(), 60);
+    assert_eq!(store.count_keys().await.unwrap(), 0);
+}
+
 async fn tiered() -> (TieredStore<Counting<MemoryStore>>, Prefix) {
     let (r, guard) = redis().await;
     (

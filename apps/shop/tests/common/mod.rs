@@ -295,17 +295,11 @@ pub enum Mode {
     Tiered,
     /// Records in Redis alone (payments in PostgreSQL).
     RedisAlone,
+    /// Records in Redis alone, on a three-primary Redis Cluster.
+    RedisCluster,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 5] = [
-        Mode::Sqlite,
-        Mode::Postgres,
-        Mode::ClaimInTx,
-        Mode::Tiered,
-        Mode::RedisAlone,
-    ];
-
     /// A database of its own for a test in this mode.
     pub async fn db(self) -> Db {
         match self {
@@ -336,6 +330,15 @@ impl Mode {
                 redis(&mut v);
                 v.extend(["--idem-store".to_owned(), "redis".to_owned()]);
             }
+            Mode::RedisCluster => v.extend([
+                "--redis-url".to_owned(),
+                redis_cluster_urls(),
+                "--redis-cluster".to_owned(),
+                "--redis-prefix".to_owned(),
+                prefix.to_owned(),
+                "--idem-store".to_owned(),
+                "redis".to_owned(),
+            ]),
         }
         v
     }
@@ -345,6 +348,13 @@ impl Mode {
     pub fn crash_frees_at_once(self) -> bool {
         self == Mode::ClaimInTx
     }
+}
+
+/// The Redis Cluster the tests use (`bash scripts/test` starts it).
+pub fn redis_cluster_urls() -> String {
+    std::env::var("IDEM_TEST_REDIS_CLUSTER").unwrap_or_else(|_| {
+        "redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002".to_owned()
+    })
 }
 
 /// A Redis key prefix of one test's own; its keys are deleted when dropped.
@@ -358,11 +368,16 @@ impl RedisPrefix {
 
 impl Drop for RedisPrefix {
     fn drop(&mut self) {
-        let _ = Command::new("redis-cli")
-            .args(["-u", &redis_url(), "EVAL"])
-            .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
-            .args(["0", &format!("{}:*", self.0)])
-            .output();
+        let mut urls = vec![redis_url()];
+        urls.extend(redis_cluster_urls().split(',').map(str::to_owned));
+        for url in urls {
+            // One key at a time: a cluster node refuses a DEL across slots.
+            let _ = Command::new("redis-cli")
+                .args(["-u", &url, "EVAL"])
+                .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
+                .args(["0", &format!("{}:*", self.0)])
+                .output();
+        }
     }
 }
 
@@ -374,7 +389,7 @@ pub async fn start_in(mode: Mode, db: &Db, prefix: &str, extra: &[&str]) -> Shop
     Shop::start(db, &flags).await
 }
 
-/// Runs a test body once per [`Mode`]: each `$name(mode, db)` gets one test
+/// Runs a test body once per [`Mode`] (the five, and Redis alone on a cluster): each `$name(mode, db)` gets one test
 /// per mode in a module of its name.
 #[macro_export]
 macro_rules! in_every_mode {
@@ -396,6 +411,8 @@ macro_rules! in_every_mode {
                 async fn tiered() { run(Mode::Tiered).await }
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn redis_alone() { run(Mode::RedisAlone).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn redis_cluster() { run(Mode::RedisCluster).await }
             }
         )*
     };
