@@ -92,8 +92,10 @@ out.append("A new key on the default path costs, beyond the bare handler, a clai
            "commits on its own (a pooled connection, its health check, the statement, a "
            "commit) and the completion inside the business transaction (one statement). "
            "With `--claim-in-transaction` (`IdempotencyLayer::claim_in_transaction` + "
-           "`PendingClaim::claim_in`) the claim rides the business transaction: no commit "
-           "and no connection of its own, two statements in all. A key never seen is "
+           "`PendingClaim::begin`) the claim also commits first (it must bind the key to "
+           "its request before the bank is called), then the business transaction locks "
+           "the claim's row and holds it: one statement more than the default path, and "
+           "a crash frees the key at once instead of after the lease. A key never seen is "
            "claimed by a plain `INSERT … ON CONFLICT DO NOTHING`; the statement that decides "
            "takeovers and duplicates only runs on a conflict.\n")
 for mode in ["postgres", "postgres (claim in tx)"]:
@@ -103,16 +105,13 @@ for mode in ["postgres", "postgres (claim in tx)"]:
                    f"database CPU and {n['cpu_app_us'] - b['cpu_app_us']:.0f} µs of shop CPU "
                    f"to the bare request's {b['cpu_db_us']:.0f} + {b['cpu_app_us']:.0f} µs.")
 out.append("")
-out.append("The trade-off of claiming in the transaction: a duplicate of a claim not yet "
-           "committed is told `409` with `Retry-After: 1` at once (an advisory lock taken "
-           "with the claim; it never waits on the row), and its fingerprint cannot be "
-           "checked until the holder commits; the transaction, and its connection, stay "
-           "open for the whole handler (here across the bank call), so it suits short "
-           "handlers; a holder idle in its transaction past the lease has its session ended "
-           "by PostgreSQL (`idle_in_transaction_session_timeout`, set for that transaction "
-           "alone), and a crash rolls the claim back with the connection; the operation id "
-           "is derived from scope, key and fingerprint, so a retry after any rollback "
-           "reaches the bank under the same id.\n")
+out.append("The trade-off of a claim held by the transaction: the transaction, and its "
+           "connection, stay open for the whole handler (here across the bank call), so it "
+           "suits short handlers; a duplicate is told `409` at once while the row is locked "
+           "(it never waits on it); a holder idle in its transaction past the lease has its "
+           "session ended by PostgreSQL (`idle_in_transaction_session_timeout`, set for that "
+           "transaction alone), and a crash ends the transaction with the connection, so "
+           "the retry takes the claim over at once under the same operation id.\n")
 
 out.append("## Peers, in front of the same trivial endpoint\n")
 out.append("Each library guards the same `POST /payments` (sleep if asked, answer 201 "
