@@ -157,6 +157,16 @@ mod tests {
     const JSON: Option<&str> = Some("application/json");
 
     #[test]
+    fn fingerprints_print_as_their_hex() {
+        let f = Fingerprint::of_request("POST", "/p", None, b"x");
+        let hex = f.to_hex();
+        assert_eq!(hex.len(), 64);
+        assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(f.to_string(), hex);
+        assert_eq!(format!("{f:?}"), format!("Fingerprint({hex})"));
+    }
+
+    #[test]
     fn key_order_and_whitespace_do_not_matter() {
         let a = Fingerprint::of_request("POST", "/p", JSON, br#"{"a":1,"b":{"y":2,"x":[1,2]}}"#);
         let b = Fingerprint::of_request(

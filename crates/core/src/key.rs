@@ -165,6 +165,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_view_of_a_key_is_the_key() {
+        let k = IdempotencyKey::parse(b"\"order-42\"").unwrap();
+        assert_eq!(k.to_string(), "order-42");
+        assert_eq!(AsRef::<str>::as_ref(&k), "order-42");
+        assert_eq!(k.into_string(), "order-42");
+    }
+
+    #[test]
     fn bare_and_quoted_are_the_same_key() {
         let a = IdempotencyKey::parse(b"abc-123").unwrap();
         let b = IdempotencyKey::parse(b"\"abc-123\"").unwrap();

@@ -318,6 +318,11 @@ mod tests {
     #[test]
     fn defaults() {
         let p = Policy::default();
+        assert_eq!(
+            p.replayed_headers(),
+            ["location", "content-type", "etag", "retry-after"]
+        );
+        assert_eq!(p.retry_after(), Duration::from_secs(1));
         assert_eq!(p.retention(), Duration::from_secs(86_400));
         assert_eq!(p.lease(), Duration::from_secs(30));
         assert_eq!(p.wait(), None);

@@ -183,11 +183,6 @@ impl Record {
                 RecordState::Completed { .. } => true,
             }
     }
-
-    /// Whether the record is in progress under a lease that has run out.
-    pub fn lease_expired(&self, now: UnixMillis) -> bool {
-        matches!(&self.state, RecordState::InProgress { locked_until, .. } if *locked_until <= now)
-    }
 }
 
 /// A record as a store keeps it, field by field, before validation: what a
@@ -295,6 +290,15 @@ pub struct Claim {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fencing_tokens_are_positive_and_never_repeat() {
+        let tokens: std::collections::HashSet<i64> =
+            (0..2000).map(|_| FencingToken::generate().0).collect();
+        assert_eq!(tokens.len(), 2000, "a repeated token would fence nothing");
+        assert!(tokens.iter().all(|t| *t > 0));
+        assert_eq!(FencingToken(42).to_string(), "42");
+    }
 
     #[test]
     fn headers_round_trip_losslessly() {

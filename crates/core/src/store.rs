@@ -241,3 +241,109 @@ pub trait ClaimInTransaction: Store {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<TxClaimOutcome<Self::Transaction>, StoreError>>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    use std::task::{Context, Poll, Waker};
+
+    /// Runs a future that never waits (the test store's futures are ready).
+    fn ready<F: Future>(f: F) -> F::Output {
+        let mut f = std::pin::pin!(f);
+        match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(v) => v,
+            Poll::Pending => panic!("the test store never waits"),
+        }
+    }
+
+    /// Sweeps the given numbers of records, one batch per call.
+    #[derive(Debug)]
+    struct Batches(Mutex<Vec<u64>>);
+
+    impl Store for Batches {
+        fn claim<'a>(
+            &'a self,
+            _: &'a ClaimRequest,
+        ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+            Box::pin(async { Err(StoreError::Backend("unused".into())) })
+        }
+        fn complete<'a>(
+            &'a self,
+            _: &'a Claim,
+            _: &'a StoredResponse,
+        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn release<'a>(&'a self, _: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn get<'a>(
+            &'a self,
+            _: &'a str,
+            _: &'a str,
+        ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+            Box::pin(async { Ok(None) })
+        }
+        fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+            let mut left = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            let n = if left.is_empty() { 0 } else { left.remove(0) };
+            assert!(n <= batch as u64);
+            Box::pin(async move { Ok(n) })
+        }
+    }
+
+    #[test]
+    fn sweep_all_sweeps_until_a_batch_comes_back_short() {
+        let store = Batches(Mutex::new(vec![3, 3, 2, 3]));
+        assert_eq!(ready(sweep_all(&store, 3)).unwrap(), 8);
+        // the last full-looking batch was never asked for
+        assert_eq!(*store.0.lock().unwrap(), vec![3]);
+        let exact = Batches(Mutex::new(vec![3, 3]));
+        assert_eq!(ready(sweep_all(&exact, 3)).unwrap(), 6);
+        // a batch of zero is one at a time, not an endless loop
+        let ones = Batches(Mutex::new(vec![1, 1, 0]));
+        assert_eq!(ready(sweep_all(&ones, 0)).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_shared_store_keeps_its_kind() {
+        #[derive(Debug)]
+        struct Named;
+        impl Store for Named {
+            fn claim<'a>(
+                &'a self,
+                _: &'a ClaimRequest,
+            ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+                Box::pin(async { Err(StoreError::Backend("unused".into())) })
+            }
+            fn complete<'a>(
+                &'a self,
+                _: &'a Claim,
+                _: &'a StoredResponse,
+            ) -> BoxFuture<'a, Result<(), StoreError>> {
+                Box::pin(async { Ok(()) })
+            }
+            fn release<'a>(&'a self, _: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+                Box::pin(async { Ok(()) })
+            }
+            fn get<'a>(
+                &'a self,
+                _: &'a str,
+                _: &'a str,
+            ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+                Box::pin(async { Ok(None) })
+            }
+            fn sweep(&self, _: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+                Box::pin(async { Ok(0) })
+            }
+            fn kind(&self) -> &'static str {
+                "named"
+            }
+        }
+        assert_eq!(Batches(Mutex::new(vec![])).kind(), "custom");
+        assert_eq!(Arc::new(Named).kind(), "named");
+        let shared: Arc<dyn Store> = Arc::new(Named);
+        assert_eq!(shared.kind(), "named");
+    }
+}
