@@ -277,9 +277,19 @@ async fn a_holder_stalled_past_its_lease_cannot_commit_and_the_retry_runs() {
             .await
         })
     };
-    // Once the holder's claim is there, a duplicate is in flight.
-    while store.get("t", "s").await.unwrap().is_none() {
-        tokio::time::sleep(Duration::from_millis(10)).await;
+    // Once the holder's transaction has locked its claim, a duplicate is in
+    // flight. (Between the claim's commit and that lock, a duplicate may
+    // take the claim over instead; the holder is then told 409.)
+    loop {
+        let locked = sqlx::query(
+            "SELECT 1 FROM idem_records WHERE scope = 't' AND key = 's' FOR UPDATE NOWAIT",
+        )
+        .fetch_optional(store.pool())
+        .await;
+        match locked {
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => break,
+            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
     }
     let (status, _, _) = send(&app, req("s").body(Body::from("{}")).unwrap()).await;
     assert_eq!(status, StatusCode::CONFLICT, "in flight");
