@@ -116,6 +116,26 @@ struct Target {
 }
 
 impl Target {
+    /// `--redis-url` for messages, each node's URL redacted.
+    fn redacted_redis_url(&self) -> String {
+        match &self.redis_url {
+            Some(url) if self.redis_cluster => {
+                url.split(',').map(redact).collect::<Vec<_>>().join(",")
+            }
+            Some(url) => redact(url),
+            None => String::new(),
+        }
+    }
+
+    /// The secrets of `--database-url` and `--redis-url`, for [`scrub`].
+    fn secrets(&self) -> Vec<String> {
+        let mut found = secrets(&self.database_url);
+        for url in self.redis_url.iter().flat_map(|u| u.split(',')) {
+            found.extend(secrets(url));
+        }
+        found
+    }
+
     /// The Redis in front of the database, if one was named.
     async fn redis(&self) -> Result<Option<idem_redis::RedisStore>, Failure> {
         let Some(url) = &self.redis_url else {
@@ -128,8 +148,27 @@ impl Target {
         };
         let store = idem_redis::RedisStore::connect(config.prefix(&self.redis_prefix))
             .await
-            .map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
+            .map_err(|e| {
+                format!(
+                    "cannot connect to Redis at {}: {e}",
+                    self.redacted_redis_url()
+                )
+            })?;
         Ok(Some(store))
+    }
+}
+
+impl Command {
+    /// The store the command works on.
+    fn target(&self) -> &Target {
+        match self {
+            Command::Migrate(target)
+            | Command::Sweep { target, .. }
+            | Command::Inspect { target, .. }
+            | Command::Release { target, .. }
+            | Command::Outbox { target, .. }
+            | Command::Stats { target, .. } => target,
+        }
     }
 }
 
@@ -175,7 +214,7 @@ impl Target {
                 .acquire_timeout(Duration::from_secs(5))
                 .connect_with(options)
                 .await
-                .map_err(|e| format!("cannot open {url}: {e}"))?;
+                .map_err(|e| format!("cannot open {}: {e}", redact(url)))?;
             Ok(Opened::Sqlite(SqliteStore::from_pool(pool)))
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let table = TableName::new(self.schema.as_deref(), &self.table)?;
@@ -197,18 +236,118 @@ impl Target {
     }
 }
 
-/// The URL without its password, for messages.
+/// What stands in for a secret in anything the CLI prints.
+const MASK: &str = "***";
+
+/// `url` with its secrets masked, for messages: the password of the
+/// userinfo (`postgres://user:***@host/db`) and the value of every query
+/// parameter whose name holds "password" in any case (`?password=***`,
+/// `&sslpassword=***`). `sqlite:` URLs carry no userinfo and keep theirs.
+///
+/// Passwords are often pasted unencoded, so the userinfo is taken to end at
+/// the last `@` of the URL: a raw `@`, `/`, `?` or `#` in a password is
+/// masked with it. An `@` elsewhere (in a query value) can only mask more
+/// than the password, never less.
 fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_owned(),
+    let url = redact_query(url);
+    if url.starts_with("sqlite:") {
+        return url;
+    }
+    match userinfo_password(&url) {
+        Some((start, end)) => format!("{}{MASK}{}", &url[..start], &url[end..]),
+        None => url,
+    }
+}
+
+/// The byte range of the userinfo's password in `url` (after the scheme's
+/// `://` if there is one, from the first `:` to the last `@`), if any.
+fn userinfo_password(url: &str) -> Option<(usize, usize)> {
+    let rest = url.find("://").map_or(0, |s| s + 3);
+    let at = rest + url.get(rest..)?.rfind('@')?;
+    let colon = rest + url.get(rest..at)?.find(':')?;
+    Some((colon + 1, at))
+}
+
+/// `url` with the value of every password-named query parameter masked.
+/// The query runs from the first `?` to the end (a fragment included: a
+/// `#` may be part of an unencoded password).
+fn redact_query(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|param| match param.split_once('=') {
+            Some((name, _)) if names_a_password(name) => format!("{name}={MASK}"),
+            _ => param.to_owned(),
+        })
+        .collect();
+    format!("{base}?{}", params.join("&"))
+}
+
+/// Whether a (percent-encoded) query parameter name carries a password.
+fn names_a_password(name: &str) -> bool {
+    percent_decode(name).to_lowercase().contains("password")
+}
+
+/// The secrets in `url` that [`redact`] masks, as written and decoded, for
+/// [`scrub`].
+fn secrets(url: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    if !url.starts_with("sqlite:") {
+        if let Some(password) = userinfo_password(url).and_then(|(s, e)| url.get(s..e)) {
+            found.push(password.to_owned());
+        }
+    }
+    if let Some((_, query)) = url.split_once('?') {
+        for (name, value) in query.split('&').filter_map(|p| p.split_once('=')) {
+            if names_a_password(name) {
+                found.push(value.to_owned());
             }
         }
-        _ => url.to_owned(),
     }
+    let decoded: Vec<String> = found.iter().map(|s| percent_decode(s)).collect();
+    found.extend(decoded);
+    found
+}
+
+/// `message` with every secret of [`secrets`] masked: the last line of
+/// defence should a driver's error ever quote one. Secrets shorter than
+/// four characters are left alone: masking every "a" or "1" would make
+/// the message unreadable, and [`redact`] has masked the URL already.
+fn scrub(message: &str, secrets: &[String]) -> String {
+    let mut message = message.to_owned();
+    for secret in secrets.iter().filter(|s| s.chars().count() >= 4) {
+        message = message.replace(secret.as_str(), MASK);
+    }
+    message
+}
+
+/// Decodes `%XX` escapes; anything else (a malformed escape included) is
+/// kept as it is, and invalid UTF-8 is replaced.
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        let escaped = (b == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(decoded) => {
+                out.push(decoded);
+                i += 3;
+            }
+            None => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 impl Opened {
@@ -571,11 +710,166 @@ fn stats_json(s: &StoreStats) -> serde_json::Value {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    let secrets = cli.command.target().secrets();
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("idem: {e}");
+            eprintln!("idem: {}", scrub(&e.to_string(), &secrets));
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_without_a_password_are_unchanged() {
+        for url in [
+            "postgres://host/db",
+            "postgres://host:5432/db?sslmode=require",
+            "postgres://user@host:5432/db",
+            "postgresql://user@host/db?application_name=ops",
+            "redis://127.0.0.1:6379/0",
+        ] {
+            assert_eq!(redact(url), url);
+        }
+    }
+
+    #[test]
+    fn the_userinfo_password_is_masked() {
+        let cases = [
+            (
+                "postgres://user:secret@host/db",
+                "postgres://user:***@host/db",
+            ),
+            (
+                "postgresql://user:secret@host:5432/db?sslmode=require",
+                "postgresql://user:***@host:5432/db?sslmode=require",
+            ),
+            // encoded `@` and `:` in the password
+            (
+                "postgres://user:p%40ss%3Aword@host/db",
+                "postgres://user:***@host/db",
+            ),
+            // pasted unencoded: `@`, `:`, `/`, `#` and `?` in the password
+            (
+                "postgres://user:p@ss:w/o#r?d@host/db",
+                "postgres://user:***@host/db",
+            ),
+            ("postgres://user:@host/db", "postgres://user:***@host/db"),
+            (
+                "redis://:secret@127.0.0.1:6379/0",
+                "redis://:***@127.0.0.1:6379/0",
+            ),
+            // no scheme: still a userinfo
+            ("user:secret@host/db", "user:***@host/db"),
+            ("mysql:user:secret@host", "mysql:***@host"),
+        ];
+        for (url, redacted) in cases {
+            assert_eq!(redact(url), redacted, "{url}");
+        }
+    }
+
+    #[test]
+    fn password_query_parameters_are_masked() {
+        let cases = [
+            (
+                "postgres://host/db?user=u&password=secret&sslmode=require",
+                "postgres://host/db?user=u&password=***&sslmode=require",
+            ),
+            (
+                "postgres://host/db?sslmode=verify-full&sslpassword=secret",
+                "postgres://host/db?sslmode=verify-full&sslpassword=***",
+            ),
+            // any case, and an encoded name
+            (
+                "postgres://host/db?SSLPassword=a&PASSWORD=b&pass%77ord=c",
+                "postgres://host/db?SSLPassword=***&PASSWORD=***&pass%77ord=***",
+            ),
+            // a `&`-free value runs to the end, a `#` included
+            (
+                "postgres://host/db?password=se#cret",
+                "postgres://host/db?password=***",
+            ),
+            (
+                "postgres://user:one@host/db?sslpassword=two&password=three",
+                "postgres://user:***@host/db?sslpassword=***&password=***",
+            ),
+            // a parameter without a value has nothing to hide
+            ("postgres://host/db?password", "postgres://host/db?password"),
+        ];
+        for (url, redacted) in cases {
+            assert_eq!(redact(url), redacted, "{url}");
+        }
+    }
+
+    #[test]
+    fn an_at_sign_in_the_query_masks_more_never_less() {
+        let url = "postgres://user:secret@host/db?application_name=me@work";
+        let redacted = redact(url);
+        assert!(!redacted.contains("secret"), "{redacted}");
+        assert!(redacted.starts_with("postgres://user:***@"), "{redacted}");
+    }
+
+    #[test]
+    fn sqlite_urls_are_untouched() {
+        for url in [
+            "sqlite:shop.db",
+            "sqlite::memory:",
+            "sqlite:/var/lib/a:b@c.db",
+            "sqlite:///srv/user:x@y/idem.db?mode=rwc",
+        ] {
+            assert_eq!(redact(url), url);
+        }
+    }
+
+    #[test]
+    fn secrets_are_found_as_written_and_decoded_and_scrubbed() {
+        let url = "postgres://u:p%40ssword@host/db?password=hunter22&sslpassword=ab";
+        let found = secrets(url);
+        for s in ["p%40ssword", "p@ssword", "hunter22", "ab"] {
+            assert!(found.iter().any(|f| f == s), "{s} in {found:?}");
+        }
+        assert!(secrets("postgres://u@host/db?sslmode=disable").is_empty());
+        assert!(secrets("sqlite:/a:b@c.db").is_empty());
+        let message = "password p@ssword rejected; hunter22 too; ab stays";
+        assert_eq!(
+            scrub(message, &found),
+            "password *** rejected; *** too; ab stays"
+        );
+    }
+
+    #[test]
+    fn percent_decoding_keeps_what_is_not_an_escape() {
+        assert_eq!(percent_decode("a%40b%3a"), "a@b:");
+        assert_eq!(percent_decode("%zz%+1%4"), "%zz%+1%4");
+        assert_eq!(percent_decode("%"), "%");
+        assert_eq!(percent_decode("caf%C3%A9"), "café");
+        assert_eq!(percent_decode("%FF"), "\u{fffd}");
+    }
+
+    #[test]
+    fn every_command_names_its_target() {
+        let cli = Cli::try_parse_from([
+            "idem",
+            "stats",
+            "--database-url",
+            "postgres://u:hunter22@h/db",
+            "--redis-url",
+            "redis://:redispass@h1,redis://:otherpass@h2",
+            "--redis-cluster",
+        ])
+        .expect("valid arguments");
+        let target = cli.command.target();
+        let found = target.secrets();
+        for s in ["hunter22", "redispass", "otherpass"] {
+            assert!(found.iter().any(|f| f == s), "{s} in {found:?}");
+        }
+        assert_eq!(
+            target.redacted_redis_url(),
+            "redis://:***@h1,redis://:***@h2"
+        );
     }
 }

@@ -261,6 +261,90 @@ fn bad_input_is_a_clear_error() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("not a valid identifier"));
 }
 
+/// Every secret of the URLs below, as written and decoded.
+const SECRETS: [&str; 5] = [
+    "Userinfo-S3cret",
+    "Encoded%40S3cret",
+    "Encoded@S3cret",
+    "Query-S3cret",
+    "Ssl-S3cret",
+];
+
+fn assert_no_secret(o: &Output) {
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for secret in SECRETS {
+        assert!(!out.contains(secret), "{secret} was printed: {out}");
+    }
+    assert!(
+        !out.contains("S3cret"),
+        "part of a secret was printed: {out}"
+    );
+}
+
+#[test]
+fn database_url_passwords_never_reach_the_output() {
+    // Nothing listens on port 1: the connection fails and the URL is reported.
+    for url in [
+        "postgres://ops:Userinfo-S3cret@127.0.0.1:1/db?sslmode=disable&password=Query-S3cret&sslpassword=Ssl-S3cret",
+        "postgresql://ops:Encoded%40S3cret@127.0.0.1:1/db?PassWord=Query-S3cret",
+    ] {
+        let o = idem(&["stats", "--database-url", url]);
+        assert_eq!(o.status.code(), Some(2), "{o:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("cannot connect to postgres"), "{err}");
+        assert!(err.contains("://ops:***@127.0.0.1:1/db?"), "{err}");
+        assert!(err.contains("=***"), "{err}");
+        assert_no_secret(&o);
+    }
+    // the same through DATABASE_URL
+    let o = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["migrate"])
+        .env(
+            "DATABASE_URL",
+            "postgres://ops:Userinfo-S3cret@127.0.0.1:1/db?sslpassword=Ssl-S3cret",
+        )
+        .env_remove("REDIS_URL")
+        .output()
+        .expect("run idem");
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    assert_no_secret(&o);
+    // an unsupported scheme is reported without its secrets too
+    let o = idem(&[
+        "stats",
+        "--database-url",
+        "mysql://ops:Userinfo-S3cret@db/x?password=Query-S3cret",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("unsupported database URL"), "{err}");
+    assert_no_secret(&o);
+}
+
+#[test]
+fn redis_url_passwords_never_reach_the_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("redacted.db").display());
+    stdout(&idem(&["migrate", "--database-url", &url]));
+    let o = idem(&[
+        "stats",
+        "--database-url",
+        &url,
+        "--redis-url",
+        "redis://:Userinfo-S3cret@127.0.0.1:1/0",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("cannot connect to Redis at redis://:***@127.0.0.1:1/0"),
+        "{err}"
+    );
+    assert_no_secret(&o);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shows_the_outbox_and_its_dead_letters() {
     let schema = TestSchema::create("idem_cli_outbox").await;
