@@ -53,13 +53,14 @@ impl ETag {
     pub fn new(opaque: &str) -> Option<Self> {
         opaque
             .bytes()
-            .all(|b| b == 0x21 || (0x23..=0x7e).contains(&b))
+            .all(is_etagc)
             .then(|| Self(opaque.to_owned()))
     }
 
-    /// The version this tag was made from, if it was.
+    /// The version this tag was made from, if it was (its opaque value is
+    /// exactly what [`ETag::from_version`] makes).
     pub fn version(&self) -> Option<i64> {
-        self.0.parse().ok()
+        version_of(&self.0)
     }
 
     /// The quoted header value.
@@ -92,54 +93,149 @@ struct Tag {
     opaque: String,
 }
 
-/// Parses `"*"` or a comma-separated list of entity tags; `Ok(None)` for `*`.
+/// Whether `b` may appear between an entity tag's quotes (RFC 9110's
+/// `etagc`, without `obs-text`, which no [`ETag`] holds).
+fn is_etagc(b: u8) -> bool {
+    b == 0x21 || (0x23..=0x7e).contains(&b)
+}
+
+/// Whether `b` is optional whitespace (`OWS`).
+fn is_ows(b: u8) -> bool {
+    b == b' ' || b == b'\t'
+}
+
+/// How much of a malformed element a problem detail quotes back.
+const QUOTED_MAX: usize = 64;
+
+/// One element of a precondition list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Element {
+    /// `*`.
+    Any,
+    /// An entity tag.
+    Tag(Tag),
+}
+
+/// Parses one field line of `"*" / #entity-tag` (RFC 9110 §13.1.1) into
+/// `out`. Empty list elements are skipped, as §5.6.1 asks; a comma inside
+/// an entity tag's quotes is part of the tag.
+fn parse_line(name: &header::HeaderName, line: &str, out: &mut Vec<Element>) -> Result<(), String> {
+    let bytes = line.as_bytes();
+    let skip_ows = |mut i: usize| {
+        while bytes.get(i).copied().is_some_and(is_ows) {
+            i += 1;
+        }
+        i
+    };
+    let malformed = |start: usize| {
+        let rest = line.get(start..).unwrap_or_default();
+        let element = rest.split(',').next().unwrap_or_default().trim();
+        let shown: String = element.chars().take(QUOTED_MAX).collect();
+        let ellipsis = if shown.len() < element.len() {
+            "…"
+        } else {
+            ""
+        };
+        format!("{name}: {shown:?}{ellipsis} is not an entity tag (expected \"…\", W/\"…\" or *)")
+    };
+    let mut i = skip_ows(0);
+    while let Some(&b) = bytes.get(i) {
+        if b == b',' {
+            i = skip_ows(i + 1);
+            continue;
+        }
+        let start = i;
+        let element = if b == b'*' {
+            i += 1;
+            Element::Any
+        } else {
+            let weak = line.get(i..).is_some_and(|r| r.starts_with("W/"));
+            if weak {
+                i += 2;
+            }
+            if bytes.get(i) != Some(&b'"') {
+                return Err(malformed(start));
+            }
+            let open = i + 1;
+            let Some(len) = bytes
+                .get(open..)
+                .and_then(|r| r.iter().position(|&c| c == b'"'))
+            else {
+                return Err(malformed(start));
+            };
+            let opaque = line.get(open..open + len).unwrap_or_default();
+            if !opaque.bytes().all(is_etagc) {
+                return Err(malformed(start));
+            }
+            i = open + len + 1;
+            Element::Tag(Tag {
+                weak,
+                opaque: opaque.to_owned(),
+            })
+        };
+        // An element ends at a comma or at the end of the line.
+        i = skip_ows(i);
+        match bytes.get(i) {
+            None => {}
+            Some(b',') => i = skip_ows(i + 1),
+            Some(_) => return Err(malformed(start)),
+        }
+        out.push(element);
+    }
+    Ok(())
+}
+
+/// Parses `"*"` or a list of entity tags, over every field line of `name`;
+/// `Ok(None)` when there is none, `Ok(Some(None))` for `*`.
 fn parse_list(
     headers: &HeaderMap,
     name: &header::HeaderName,
 ) -> Result<Option<Option<Vec<Tag>>>, String> {
     let mut seen = false;
-    let mut tags = Vec::new();
-    let mut any = false;
+    let mut elements = Vec::new();
     for value in headers.get_all(name) {
         seen = true;
-        let value = value
+        let line = value
             .to_str()
-            .map_err(|_| format!("{name} is not visible ASCII"))?;
-        for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            if item == "*" {
-                any = true;
-                continue;
-            }
-            let (weak, rest) = match item.strip_prefix("W/") {
-                Some(rest) => (true, rest),
-                None => (false, item),
-            };
-            let opaque = rest
-                .strip_prefix('"')
-                .and_then(|r| r.strip_suffix('"'))
-                .filter(|o| o.bytes().all(|b| b == 0x21 || (0x23..=0x7e).contains(&b)))
-                .ok_or_else(|| {
-                    format!("{name}: {item:?} is not an entity tag (expected \"…\" or W/\"…\")")
-                })?;
-            tags.push(Tag {
-                weak,
-                opaque: opaque.to_owned(),
-            });
-        }
+            .map_err(|_| format!("{name} holds bytes outside visible ASCII"))?;
+        parse_line(name, line, &mut elements)?;
     }
     if !seen {
         return Ok(None);
+    }
+    let mut any = false;
+    let mut tags = Vec::new();
+    for element in elements {
+        match element {
+            Element::Any => any = true,
+            Element::Tag(tag) => tags.push(tag),
+        }
     }
     if any && !tags.is_empty() {
         return Err(format!("{name}: \"*\" cannot be combined with entity tags"));
     }
     if !any && tags.is_empty() {
-        return Err(format!("{name} is empty"));
+        return Err(format!("{name} is empty: send \"*\" or an entity tag"));
     }
     Ok(Some(if any { None } else { Some(tags) }))
 }
 
+/// The version an entity tag names, if its opaque value is exactly what
+/// [`ETag::from_version`] makes (`"7"`, not `"07"` or `"+7"`), so that it
+/// agrees with strong comparison.
+fn version_of(opaque: &str) -> Option<i64> {
+    opaque
+        .parse::<i64>()
+        .ok()
+        .filter(|v| v.to_string() == opaque)
+}
+
 /// The `If-Match` precondition: `*` or the entity tags the client saw.
+///
+/// Per RFC 9110 §13.1.1, `*` matches any current representation, and a
+/// list (`If-Match: "1", "2"`, on one field line or several) matches when
+/// one of its strong tags equals the current `ETag`; weak tags (`W/"1"`)
+/// never match.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IfMatch(Option<Vec<Tag>>);
 
@@ -161,12 +257,30 @@ impl IfMatch {
     }
 
     /// The version named by the one strong tag sent, for `… WHERE version =
-    /// $v`; `None` for `*`, several tags, weak tags or foreign tags.
+    /// $v`; `None` for `*`, several tags, weak tags or foreign tags. For a
+    /// list, see [`IfMatch::versions`].
     pub fn version(&self) -> Option<i64> {
         match self.0.as_deref() {
-            Some([t]) if !t.weak => t.opaque.parse().ok(),
+            Some([t]) if !t.weak => version_of(&t.opaque),
             _ => None,
         }
+    }
+
+    /// The versions named by the strong tags sent, in order and without
+    /// repeats, for `… WHERE version = ANY($v)`: the write may go ahead if
+    /// the current version is one of them. Empty for `*` (check
+    /// [`IfMatch::is_any`] first) and when no strong tag names a version
+    /// (then nothing matches).
+    pub fn versions(&self) -> Vec<i64> {
+        let mut versions = Vec::new();
+        for tag in self.0.iter().flatten().filter(|t| !t.weak) {
+            if let Some(v) = version_of(&tag.opaque) {
+                if !versions.contains(&v) {
+                    versions.push(v);
+                }
+            }
+        }
+        versions
     }
 }
 
@@ -327,6 +441,121 @@ mod tests {
         for bad in ["3", "\"3", "*, \"3\"", "W/3", ""] {
             assert!(if_match(&[bad]).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn if_match_lists_span_field_lines_and_skip_empty_elements() {
+        let v2 = ETag::from_version(2);
+        for lines in [
+            &["\"1\", \"2\""][..],
+            &["\"1\"", "\"2\""],
+            &["\"1\",\"2\""],
+            &[" \"1\" ,\t\"2\" "],
+            &[", \"1\", , \"2\","],
+            &["W/\"2\", \"2\""],
+            &["\"1\"", "", "\"2\""],
+        ] {
+            let m = if_match(lines).unwrap().unwrap();
+            assert!(m.matches(Some(&v2)), "{lines:?}");
+            assert!(!m.matches(Some(&ETag::from_version(3))), "{lines:?}");
+            assert!(!m.matches(None), "{lines:?}");
+            assert!(!m.is_any());
+        }
+        let m = if_match(&["\"1\", \"2\"", "\"1\""]).unwrap().unwrap();
+        assert_eq!(m.versions(), vec![1, 2]);
+        assert_eq!(m.version(), None, "one version only for one tag");
+    }
+
+    #[test]
+    fn weak_tags_never_match_if_match() {
+        let v1 = ETag::from_version(1);
+        let m = if_match(&["W/\"1\"", "W/\"2\""]).unwrap().unwrap();
+        assert!(!m.matches(Some(&v1)));
+        assert!(m.versions().is_empty());
+        assert_eq!(m.version(), None);
+    }
+
+    #[test]
+    fn a_comma_inside_quotes_is_part_of_the_tag() {
+        let tag = ETag::new("a,b").unwrap();
+        let m = if_match(&["\"x\", \"a,b\""]).unwrap().unwrap();
+        assert!(m.matches(Some(&tag)));
+        assert!(!m.matches(Some(&ETag::new("a").unwrap())));
+        let inm = parse_list(
+            &headers(header::IF_NONE_MATCH, &["W/\"a,b\""]),
+            &header::IF_NONE_MATCH,
+        )
+        .unwrap()
+        .map(IfNoneMatch)
+        .unwrap();
+        assert!(!inm.holds(Some(&tag)), "weak comparison for If-None-Match");
+    }
+
+    #[test]
+    fn star_matches_any_current_representation() {
+        for lines in [&["*"][..], &[" * "], &["*", "*"], &["*,"]] {
+            let any = if_match(lines).unwrap().unwrap();
+            assert!(any.is_any(), "{lines:?}");
+            assert!(any.matches(Some(&ETag::new("anything").unwrap())));
+            assert!(!any.matches(None), "* needs a current representation");
+            assert_eq!(any.version(), None);
+            assert!(any.versions().is_empty());
+        }
+    }
+
+    #[test]
+    fn versions_agree_with_strong_comparison() {
+        for opaque in ["07", "+7", "7 ", "-0", "9223372036854775808"] {
+            let line = format!("\"{}\"", opaque.trim());
+            let m = if_match(&[&line]).unwrap().unwrap();
+            let v = m.version();
+            assert!(
+                v.is_none_or(|v| m.matches(Some(&ETag::from_version(v)))),
+                "{opaque:?} names {v:?} but does not match it"
+            );
+        }
+        assert_eq!(ETag::new("07").unwrap().version(), None);
+        assert_eq!(ETag::from_version(-3).version(), Some(-3));
+    }
+
+    #[test]
+    fn malformed_preconditions_are_errors_that_say_why() {
+        for bad in [
+            "\"1\" \"2\"",
+            "\"1\"\"2\"",
+            "\"1\" x",
+            "\"a\"b",
+            "w/\"1\"",
+            "W/ \"1\"",
+            "W/",
+            "\"",
+            "\"1\", \"2",
+            "**",
+            "*x",
+            "\"1\", *",
+            "1, 2",
+            "'1'",
+            ",",
+            " ",
+        ] {
+            let err = if_match(&[bad]).expect_err(bad);
+            assert!(err.starts_with("if-match"), "{bad:?}: {err}");
+        }
+        let err = if_match(&["\"1\", x"]).unwrap_err();
+        assert!(err.contains("\"x\" is not an entity tag"), "{err}");
+        let err = if_match(&["*", "\"1\""]).unwrap_err();
+        assert!(err.contains("cannot be combined"), "{err}");
+        let long = format!("x{}", "y".repeat(1000));
+        let err = if_match(&[&long]).unwrap_err();
+        assert!(err.len() < 200, "the detail quotes a bounded part: {err}");
+        let mut h = HeaderMap::new();
+        h.append(
+            header::IF_MATCH,
+            HeaderValue::from_bytes(b"\"caf\xe9\"").unwrap(),
+        );
+        assert!(parse_list(&h, &header::IF_MATCH)
+            .unwrap_err()
+            .contains("outside visible ASCII"));
     }
 
     #[test]
