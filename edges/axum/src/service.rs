@@ -248,7 +248,9 @@ where
         }
     };
 
-    let span = tracing::info_span!("idempotency", scope = %scope, key = %key);
+    // Scope and key come from the client: `?` (Debug) quotes and escapes
+    // them, so a newline or a `" level=error` cannot forge a log field.
+    let span = tracing::info_span!("idempotency", scope = ?scope, key = ?key.as_str());
     async {
         let too_large = || {
             rejection(
@@ -691,12 +693,12 @@ async fn release(store: &dyn Store, claim: &Claim) {
     let released = store.release(claim).await;
     timed(store.kind(), "release", started);
     match released {
-        Ok(()) => debug!(key = %claim.key, "released the claim"),
+        Ok(()) => debug!(key = ?claim.key, "released the claim"),
         Err(StoreError::ClaimLost) => {
-            debug!(key = %claim.key, "nothing to release: the claim had moved on")
+            debug!(key = ?claim.key, "nothing to release: the claim had moved on")
         }
         Err(e) => {
-            warn!(key = %claim.key, error = %e, "could not release the claim; it frees itself when its lease runs out")
+            warn!(key = ?claim.key, error = %e, "could not release the claim; it frees itself when its lease runs out")
         }
     }
 }
@@ -707,7 +709,7 @@ impl Drop for ReleaseGuard {
             return;
         }
         let panicking = std::thread::panicking();
-        warn!(key = %self.claim.key, panicking, "the handler did not finish; releasing the claim");
+        warn!(key = ?self.claim.key, panicking, "the handler did not finish; releasing the claim");
         // The decision table's "handler panicked or was dropped" row: release.
         let store = self.store.clone();
         let claim = self.claim.clone();
@@ -758,5 +760,109 @@ mod tests {
         assert!(
             matches!(record.state, RecordState::InProgress { token, .. } if token == again.token)
         );
+    }
+
+    /// A subscriber that keeps every span and event field as `Debug` shows
+    /// it (a `%` field shows its `Display` there, a `?` field its `Debug`).
+    #[derive(Debug, Default)]
+    struct Capture {
+        fields: std::sync::Mutex<Vec<(String, String)>>,
+        next_id: std::sync::atomic::AtomicU64,
+    }
+
+    impl tracing::field::Visit for &Capture {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn fmt::Debug) {
+            self.fields
+                .lock()
+                .unwrap()
+                .push((field.name().to_owned(), format!("{value:?}")));
+        }
+    }
+
+    impl tracing::Subscriber for Capture {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            span.record(&mut &*self);
+            let id = self
+                .next_id
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::span::Id::from_u64(id + 1)
+        }
+        fn record(&self, _: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+            values.record(&mut &*self);
+        }
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            event.record(&mut &*self);
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    impl Capture {
+        /// Every value logged under `name`.
+        fn values(&self, name: &str) -> Vec<String> {
+            self.fields
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+                .collect()
+        }
+    }
+
+    #[tokio::test]
+    async fn client_controlled_scopes_and_keys_are_logged_escaped() {
+        let capture = Arc::new(Capture::default());
+        let _default = tracing::subscriber::set_default(capture.clone());
+        let scope = "tenant\n level=error msg=\"forged\"";
+        let key = "k\"level=error";
+
+        // the request's span
+        let layer = crate::IdempotencyLayer::new(
+            Arc::new(MemoryStore::new()),
+            Policy::default(),
+            move |_: &http::request::Parts| Ok(scope.to_owned()),
+        );
+        let app = axum::Router::new()
+            .route("/", axum::routing::post(|| async { "ok" }))
+            .layer(layer);
+        let request = Request::post("/")
+            .header("idempotency-key", key)
+            .body(Body::empty())
+            .unwrap();
+        let response = tower::ServiceExt::oneshot(app, request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(capture.values("scope"), vec![format!("{scope:?}")]);
+        assert_eq!(capture.values("key"), vec![format!("{key:?}")]);
+
+        // the release of an abandoned claim
+        let store = Arc::new(MemoryStore::new());
+        let newline_key = "k\nlevel=error";
+        let request = ClaimRequest {
+            scope: "s".into(),
+            key: newline_key.into(),
+            fingerprint: Fingerprint::of_request("POST", "/", None, b""),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(600),
+        };
+        let ClaimOutcome::Acquired(claim) = store.claim(&request).await.unwrap() else {
+            panic!("expected to acquire")
+        };
+        drop(ReleaseGuard::new(store.clone(), claim));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let logged = capture.values("key");
+        assert_eq!(
+            logged.len(),
+            3,
+            "the span, the guard's warning, the release: {logged:?}"
+        );
+        for value in &logged[1..] {
+            assert_eq!(value, &format!("{newline_key:?}"));
+            assert!(!value.contains('\n'), "{value}");
+        }
     }
 }
