@@ -18,6 +18,7 @@ use crate::bank::{Bank, BankError, ChargeRequest};
 use crate::db::{
     on_backend, BeginWrite, Database, Payment, PaymentRow, INSERT_PAYMENT, PAYMENT_COLUMNS,
 };
+use crate::input::{self, validation};
 use idem_sql::{create_once, transition, Created, Transition};
 
 /// Shared state of the handlers.
@@ -32,27 +33,9 @@ pub(crate) struct AppState {
     pub(crate) transactional: bool,
     /// Whether `POST /payments` claims inside its own transaction.
     pub(crate) claim_in_transaction: bool,
+    /// The secret the bank signs its webhooks with, if one is configured.
+    pub(crate) webhook_secret: Option<Arc<[u8]>>,
     pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
-}
-
-impl AppState {
-    pub(crate) fn new(
-        db: Database,
-        bank: Bank,
-        messaging: Arc<crate::messaging::Messaging>,
-        transactional: bool,
-        claim_in_transaction: bool,
-        metrics: metrics_exporter_prometheus::PrometheusHandle,
-    ) -> Self {
-        Self {
-            db,
-            bank,
-            messaging,
-            transactional,
-            claim_in_transaction,
-            metrics,
-        }
-    }
 }
 
 /// The routes. Only `POST /payments` is guarded by the idempotency layer.
@@ -70,12 +53,19 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
         // unreachable: the settings came from a valid policy
         Err(_) => key_required.clone(),
     };
+    // A client's routes that read a JSON body: credentials first (401),
+    // then anything but JSON is 415, before the idempotency layer
+    // fingerprints it.
+    let json = || axum::middleware::from_fn(input::require_client_json);
     Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(get_metrics))
         .route("/", get(demo_page))
-        .route("/payments", payments)
-        .route("/bare/payments", post(create_payment_bare))
+        .route("/payments", payments.route_layer(json()))
+        .route(
+            "/bare/payments",
+            post(create_payment_bare).route_layer(json()),
+        )
         .route("/payments/{id}", get(get_payment))
         .route("/payments/{id}/capture", post(capture_payment))
         .route(
@@ -85,50 +75,38 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
         .route("/accounts/{account_id}", get(get_account))
         .route(
             "/orders",
-            post(crate::orders::create_order).route_layer(key_optional),
+            post(crate::orders::create_order)
+                .route_layer(key_optional)
+                .route_layer(json()),
         )
         .route("/orders/{id}", get(crate::orders::get_order))
         .route(
             "/products/{sku}",
-            get(crate::catalog::get_product).put(crate::catalog::put_product),
+            get(crate::catalog::get_product).put(axum::handler::Handler::layer(
+                crate::catalog::put_product,
+                json(),
+            )),
         )
-        .route("/webhooks/bank", post(crate::webhooks::bank_event))
+        .route(
+            "/webhooks/bank",
+            post(crate::webhooks::bank_event)
+                .route_layer(axum::middleware::from_fn(input::require_json)),
+        )
         .route("/stock/{sku}", get(get_stock))
         .route("/emails", get(get_emails))
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn(input::problems_everywhere))
         .with_state(state)
+}
+
+async fn not_found() -> Response {
+    Problem::new(StatusCode::NOT_FOUND, "not-found", "No such resource").into_response()
 }
 
 /// Demo authentication: `Authorization: Bearer <client-id>`. The client id
 /// is the idempotency scope, so clients never see each other's keys.
 fn bearer_client_id(parts: &axum::http::request::Parts) -> Result<String, Response> {
-    bearer_client_id_of(&parts.headers)
-}
-
-/// The client id in `Authorization: Bearer <client-id>`, or a `401`.
-pub(crate) fn bearer_client_id_of(headers: &HeaderMap) -> Result<String, Response> {
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .filter(|t| !t.is_empty() && t.len() <= 255 && t.bytes().all(|b| b.is_ascii_graphic()));
-    match token {
-        Some(t) => Ok(t.to_owned()),
-        None => {
-            let mut response = Problem::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "Authentication required",
-            )
-            .detail("send Authorization: Bearer <client-id>")
-            .into_response();
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer"),
-            );
-            Err(response)
-        }
-    }
+    input::client_id(&parts.headers)
 }
 
 /// `GET /`: the live demo page, embedded in the binary.
@@ -172,16 +150,6 @@ struct NewPayment {
     currency: String,
 }
 
-pub(crate) fn validation(detail: impl Into<String>) -> Response {
-    Problem::new(
-        StatusCode::BAD_REQUEST,
-        "validation",
-        "The request body is invalid",
-    )
-    .detail(detail)
-    .into_response()
-}
-
 fn parse_payment(body: &[u8]) -> Result<NewPayment, Response> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| validation(format!("the body is not JSON: {e}")))?;
@@ -193,43 +161,21 @@ fn parse_payment(body: &[u8]) -> Result<NewPayment, Response> {
         .find(|k| !matches!(k.as_str(), "account_id" | "amount" | "currency"))
     {
         return Err(validation(format!(
-            "unknown field {extra:?}; expected account_id, amount, currency"
+            "unknown field {:?}; expected account_id, amount, currency",
+            extra
         )));
     }
     let account_id = match map.get("account_id") {
-        Some(Value::String(s)) if !s.is_empty() && s.len() <= 128 => s.clone(),
-        Some(Value::String(_)) => return Err(validation("account_id must be 1 to 128 characters")),
+        Some(Value::String(s)) => {
+            input::identifier("account_id", s)?;
+            s.clone()
+        }
         _ => return Err(validation("account_id is required and must be a string")),
-    };
-    let amount = match map.get("amount") {
-        Some(Value::Number(n)) => match n.as_i64() {
-            Some(a) if a > 0 => a,
-            _ => {
-                return Err(validation(
-                    "amount must be a positive integer in minor units",
-                ))
-            }
-        },
-        _ => {
-            return Err(validation(
-                "amount is required and must be a positive integer in minor units",
-            ))
-        }
-    };
-    let currency = match map.get("currency") {
-        Some(Value::String(c)) if c.len() == 3 && c.bytes().all(|b| b.is_ascii_alphabetic()) => {
-            c.clone()
-        }
-        _ => {
-            return Err(validation(
-                "currency is required and must be three letters, e.g. \"EUR\"",
-            ))
-        }
     };
     Ok(NewPayment {
         account_id,
-        amount,
-        currency,
+        amount: input::amount(map.get("amount"))?,
+        currency: input::currency(map.get("currency"))?,
     })
 }
 
@@ -281,7 +227,7 @@ async fn create_payment(
     body: Body,
 ) -> Response {
     let operation_id = idem.operation_id();
-    match charge(&state, operation_id, &headers, &body).await {
+    match charge(&state, idem.scope(), operation_id, &headers, &body).await {
         Ok(payment) => {
             record_payment(
                 &state,
@@ -318,7 +264,7 @@ async fn create_payment_in_tx(
         Err(answered) => return answered.into_response(),
     };
     let operation_id = idem.operation_id();
-    match charge(&state, operation_id, &headers, &body).await {
+    match charge(&state, idem.scope(), operation_id, &headers, &body).await {
         Ok(payment) => {
             record_payment(
                 &state,
@@ -368,12 +314,12 @@ async fn create_payment_bare(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let client_id = match bearer_client_id_of(&headers) {
+    let client_id = match input::client_id(&headers) {
         Ok(c) => c,
         Err(r) => return r,
     };
     let operation_id = idem_core::OperationId::generate();
-    match charge(&state, operation_id, &headers, &body).await {
+    match charge(&state, &client_id, operation_id, &headers, &body).await {
         Ok(payment) => record_payment(&state, None, &client_id, operation_id, &payment, None).await,
         Err(response) => response,
     }
@@ -383,6 +329,7 @@ async fn create_payment_bare(
 /// is the answer to send, with nothing of ours written.
 async fn charge(
     state: &AppState,
+    client_id: &str,
     operation_id: idem_core::OperationId,
     headers: &HeaderMap,
     body: &[u8],
@@ -396,6 +343,7 @@ async fn charge(
         return Err(bank_failed(&BankError::Simulated));
     }
     let charge = ChargeRequest {
+        client_id,
         operation_id,
         account_id: &new.account_id,
         amount: new.amount,
@@ -523,6 +471,9 @@ fn payment_created(payment: &Payment) -> Response {
 
 /// `GET /stock/{sku}`: units reserved so far by the reserve-stock consumer.
 async fn get_stock(State(state): State<AppState>, Path(sku): Path<String>) -> Response {
+    if let Err(r) = input::identifier("the sku", &sku) {
+        return r;
+    }
     match state.db.reserved(&sku).await {
         Ok(reserved) => Json(serde_json::json!({"sku": sku, "reserved": reserved})).into_response(),
         Err(e) => database_unavailable(&e),
@@ -533,12 +484,20 @@ async fn get_stock(State(state): State<AppState>, Path(sku): Path<String>) -> Re
 /// consumer, one per payment.
 async fn get_emails(
     State(state): State<AppState>,
+    headers: HeaderMap,
     axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
 ) -> Response {
     let Some(account_id) = q.get("account_id") else {
-        return validation("the account_id query parameter is required");
+        return match input::client_id(&headers) {
+            Ok(_) => validation("the account_id query parameter is required"),
+            Err(r) => r,
+        };
     };
-    match state.db.emails(account_id).await {
+    let client = match caller_and(&headers, "account_id", account_id) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    match state.db.emails(&client, account_id).await {
         Ok(emails) => {
             let emails: Vec<_> = emails
                 .into_iter()
@@ -595,31 +554,64 @@ pub(crate) fn database_unavailable(e: &sqlx::Error) -> Response {
     .into_response()
 }
 
-async fn get_payment(State(state): State<AppState>, Path(id): Path<String>) -> Response {
-    match state.db.payment(&id).await {
+/// The calling client, and an identifier from the path checked: `401`
+/// without credentials, `400` for an id that cannot exist.
+pub(crate) fn caller_and(headers: &HeaderMap, name: &str, id: &str) -> Result<String, Response> {
+    let client = input::client_id(headers)?;
+    input::identifier(name, id)?;
+    Ok(client)
+}
+
+pub(crate) fn no_such_payment(id: &str) -> Response {
+    Problem::new(StatusCode::NOT_FOUND, "not-found", "No such payment")
+        .detail(format!("no payment {id:?}"))
+        .into_response()
+}
+
+/// `GET /payments/{id}`: the calling client's payment; another client's
+/// is `404`, as if it did not exist.
+async fn get_payment(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let client = match caller_and(&headers, "the payment id", &id) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    match state.db.payment(&client, &id).await {
         Ok(Some(p)) => Json(p).into_response(),
-        Ok(None) => Problem::new(StatusCode::NOT_FOUND, "not-found", "No such payment")
-            .detail(format!("no payment {id:?}"))
-            .into_response(),
+        Ok(None) => no_such_payment(&id),
         Err(e) => database_unavailable(&e),
     }
 }
 
 /// `POST /payments/{id}/capture`: authorized → captured, once. A repeat
 /// answers `200` with the captured payment; another state is `409`.
-async fn capture_payment(State(state): State<AppState>, Path(id): Path<String>) -> Response {
+async fn capture_payment(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let client = match caller_and(&headers, "the payment id", &id) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    // Another client's payment is not found: it is neither moved nor shown.
     let update = format!(
-        "UPDATE shop_payments SET status = 'captured' WHERE id = $1 AND status = 'authorized' RETURNING {PAYMENT_COLUMNS}"
+        "UPDATE shop_payments SET status = 'captured'
+         WHERE id = $1 AND client_id = $2 AND status = 'authorized' RETURNING {PAYMENT_COLUMNS}"
     );
-    let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1");
+    let fetch =
+        format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1 AND client_id = $2");
     let moved: Result<Transition<PaymentRow>, sqlx::Error> = on_backend!(&state.db, store => async {
         let mut conn = store.pool().acquire().await?;
         transition(
             &mut *conn,
             "captured",
             |p: &PaymentRow| p.4.clone(),
-            || sqlx::query_as(&update).bind(&id),
-            || sqlx::query_as(&fetch).bind(&id),
+            || sqlx::query_as(&update).bind(&id).bind(&client),
+            || sqlx::query_as(&fetch).bind(&id).bind(&client),
         )
         .await
     }
@@ -628,11 +620,7 @@ async fn capture_payment(State(state): State<AppState>, Path(id): Path<String>) 
         Ok(Transition::Applied(p) | Transition::AlreadyDone(p)) => {
             Json(Payment::from(p)).into_response()
         }
-        Ok(Transition::NotFound) => {
-            Problem::new(StatusCode::NOT_FOUND, "not-found", "No such payment")
-                .detail(format!("no payment {id:?}"))
-                .into_response()
-        }
+        Ok(Transition::NotFound) => no_such_payment(&id),
         Ok(Transition::Conflict { current, .. }) => Problem::new(
             StatusCode::CONFLICT,
             "payment-state-conflict",
@@ -646,8 +634,18 @@ async fn capture_payment(State(state): State<AppState>, Path(id): Path<String>) 
     }
 }
 
-async fn get_account(State(state): State<AppState>, Path(account_id): Path<String>) -> Response {
-    match state.db.account(&account_id).await {
+/// `GET /accounts/{account_id}`: what the calling client's payments
+/// charged the account (another client's payments are not counted).
+async fn get_account(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(account_id): Path<String>,
+) -> Response {
+    let client = match caller_and(&headers, "account_id", &account_id) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    match state.db.account(&client, &account_id).await {
         Ok(account) => Json(account).into_response(),
         Err(e) => database_unavailable(&e),
     }

@@ -22,6 +22,8 @@ pub(crate) enum BankError {
 /// What to charge.
 #[derive(Debug)]
 pub(crate) struct ChargeRequest<'a> {
+    /// The merchant: the shop's client the charge is made for.
+    pub(crate) client_id: &'a str,
     pub(crate) operation_id: OperationId,
     pub(crate) account_id: &'a str,
     pub(crate) amount: i64,
@@ -55,7 +57,7 @@ impl Bank {
         let op = req.operation_id.to_string();
         let id = self
             .db
-            .bank_charge(&op, req.account_id, req.amount, req.currency)
+            .bank_charge(req.client_id, &op, req.account_id, req.amount, req.currency)
             .await?;
         Ok(id)
     }

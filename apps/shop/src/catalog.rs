@@ -12,8 +12,9 @@ use idem_axum::Problem;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::api::{database_unavailable, validation, AppState};
+use crate::api::{database_unavailable, AppState};
 use crate::db::on_backend;
+use crate::input::{self, validation};
 
 /// A product as the API shows it.
 #[derive(Debug, Serialize)]
@@ -53,6 +54,9 @@ pub(crate) async fn get_product(
     State(state): State<AppState>,
     Path(sku): Path<String>,
 ) -> Response {
+    if let Err(r) = input::identifier("the sku", &sku) {
+        return r;
+    }
     match current(&state, &sku).await {
         Ok(Some(row)) => answer(StatusCode::OK, product(row)),
         Ok(None) => {
@@ -74,19 +78,19 @@ fn parse_product(body: &[u8]) -> Result<(String, i64), Response> {
         )));
     }
     let name = match map.get("name") {
-        Some(Value::String(s)) if !s.is_empty() && s.len() <= 255 => s.clone(),
-        _ => {
-            return Err(validation(
-                "name is required: a string of 1 to 255 characters",
-            ))
+        Some(Value::String(s)) => {
+            input::text("name", s, 255)?;
+            s.clone()
         }
+        _ => return Err(validation("name is required: a string")),
     };
     let price = match map.get("price").and_then(Value::as_i64) {
-        Some(p) if p >= 0 => p,
+        Some(p) if (0..=input::MAX_AMOUNT).contains(&p) => p,
         _ => {
-            return Err(validation(
-                "price is required: a non-negative integer in minor units",
-            ))
+            return Err(validation(format!(
+                "price is required: an integer from 0 to {} (minor units)",
+                input::MAX_AMOUNT
+            )))
         }
     };
     Ok((name, price))
@@ -98,20 +102,25 @@ fn parse_product(body: &[u8]) -> Result<(String, i64), Response> {
 /// - without it (or with `If-None-Match: *`): create if absent (`201`); if
 ///   the product exists, `428` (updates need `If-Match`), or `412` under
 ///   `If-None-Match: *`.
+///
+/// `If-Match` may list several tags: the update applies if the current
+/// version is any of them. The catalog is shared: anyone reads it, a
+/// signed-in client writes it.
 pub(crate) async fn put_product(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     Path(sku): Path<String>,
     if_match: Option<IfMatch>,
     if_none_match: Option<IfNoneMatch>,
     body: axum::body::Bytes,
 ) -> Response {
+    if let Err(r) = crate::api::caller_and(&headers, "the sku", &sku) {
+        return r;
+    }
     let (name, price) = match parse_product(&body) {
         Ok(p) => p,
         Err(r) => return r,
     };
-    if sku.is_empty() || sku.len() > 64 {
-        return validation("the sku must be 1 to 64 characters");
-    }
     if let Some(inm) = &if_none_match {
         if !inm.is_any() {
             return validation("only If-None-Match: * is supported on PUT");
@@ -119,28 +128,30 @@ pub(crate) async fn put_product(
     }
     const RETURNING: &str = "RETURNING sku, name, price, version";
     if let Some(if_match) = if_match {
-        // `*` matches any existing version; a tag names the one seen.
-        let (sql, version) = match (if_match.is_any(), if_match.version()) {
-            (true, _) => (
-                format!("UPDATE shop_products SET name = $2, price = $3, version = version + 1 WHERE sku = $1 {RETURNING}"),
-                None,
-            ),
-            (false, Some(v)) => (
-                format!("UPDATE shop_products SET name = $2, price = $3, version = version + 1 WHERE sku = $1 AND version = $4 {RETURNING}"),
-                Some(v),
-            ),
+        // `*` matches any existing version; tags name the ones seen.
+        let versions = if_match.versions();
+        if versions.len() > 64 {
+            return validation("If-Match may list at most 64 entity tags");
+        }
+        let sql = if if_match.is_any() {
+            format!("UPDATE shop_products SET name = $2, price = $3, version = version + 1 WHERE sku = $1 {RETURNING}")
+        } else if versions.is_empty() {
             // Tags we did not issue never match.
-            (false, None) => {
-                return match current(&state, &sku).await {
-                    Ok(row) => precondition_failed(row.map(|r| ETag::from_version(r.3)).as_ref()),
-                    Err(e) => database_unavailable(&e),
-                }
-            }
+            return match current(&state, &sku).await {
+                Ok(row) => precondition_failed(row.map(|r| ETag::from_version(r.3)).as_ref()),
+                Err(e) => database_unavailable(&e),
+            };
+        } else {
+            let listed: Vec<String> = (0..versions.len()).map(|i| format!("${}", i + 4)).collect();
+            format!(
+                "UPDATE shop_products SET name = $2, price = $3, version = version + 1 WHERE sku = $1 AND version IN ({}) {RETURNING}",
+                listed.join(", ")
+            )
         };
         let updated: Result<Option<ProductRow>, sqlx::Error> = on_backend!(&state.db, store => {
             let mut q = sqlx::query_as(&sql).bind(&sku).bind(&name).bind(price);
-            if let Some(v) = version {
-                q = q.bind(v);
+            for v in &versions {
+                q = q.bind(*v);
             }
             q.fetch_optional(store.pool()).await
         });

@@ -66,6 +66,11 @@ pub(crate) struct Config {
     #[arg(long, env = "IDEM_RETRY_AFTER_SECS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) retry_after_secs: u64,
 
+    /// The secret the bank signs its webhooks with: `POST /webhooks/bank` then
+    /// requires `X-Bank-Signature: sha256=<hex HMAC-SHA256 of the raw body>`.
+    #[arg(long, env = "SHOP_WEBHOOK_SECRET", hide_env_values = true)]
+    pub(crate) webhook_secret: Option<String>,
+
     /// How long a duplicate of an in-flight request waits for its answer before getting 409, in milliseconds (0: don't wait).
     #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0)]
     pub(crate) wait_ms: u64,

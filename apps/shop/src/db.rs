@@ -26,21 +26,24 @@ CREATE TABLE IF NOT EXISTS shop_payments (
     created_at     BIGINT NOT NULL,
     CONSTRAINT shop_payments_operation_id_key UNIQUE (operation_id)
 );
-CREATE INDEX IF NOT EXISTS shop_payments_account ON shop_payments (account_id);
+CREATE INDEX IF NOT EXISTS shop_payments_account ON shop_payments (client_id, account_id);
 
 -- The fake bank's ledger. It stands for an external system: it commits on
 -- its own and deduplicates on the operation id it is given.
 CREATE TABLE IF NOT EXISTS bank_charges (
     id           TEXT   PRIMARY KEY,
+    -- the merchant the charge was made for: the shop's client
+    client_id    TEXT   NOT NULL,
     operation_id TEXT   NOT NULL UNIQUE,
     account_id   TEXT   NOT NULL,
     amount       BIGINT NOT NULL,
     currency     TEXT   NOT NULL,
     created_at   BIGINT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS bank_charges_account ON bank_charges (account_id);
+CREATE INDEX IF NOT EXISTS bank_charges_account ON bank_charges (client_id, account_id);
 
--- Orders are created once per natural key, with or without an Idempotency-Key.
+-- Orders are created once per natural key, with or without an Idempotency-Key;
+-- natural keys are per client: two clients may use the same reference.
 CREATE TABLE IF NOT EXISTS shop_orders (
     id               TEXT   PRIMARY KEY,
     client_id        TEXT   NOT NULL,
@@ -49,7 +52,7 @@ CREATE TABLE IF NOT EXISTS shop_orders (
     items            TEXT   NOT NULL,
     status           TEXT   NOT NULL,
     created_at       BIGINT NOT NULL,
-    CONSTRAINT shop_orders_natural_key UNIQUE (customer_id, client_reference)
+    CONSTRAINT shop_orders_natural_key UNIQUE (client_id, customer_id, client_reference)
 );
 
 -- Products are written with optimistic concurrency (ETag / If-Match).
@@ -251,6 +254,19 @@ impl Database {
         if url.starts_with("sqlite:") {
             let store = SqliteStore::connect(url).await?;
             sqlx::raw_sql(SCHEMA).execute(store.pool()).await?;
+            // A database made before charges named their merchant.
+            let has_client: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pragma_table_info('bank_charges') WHERE name = 'client_id'",
+            )
+            .fetch_one(store.pool())
+            .await?;
+            if has_client == 0 {
+                sqlx::query(
+                    "ALTER TABLE bank_charges ADD COLUMN client_id TEXT NOT NULL DEFAULT ''",
+                )
+                .execute(store.pool())
+                .await?;
+            }
             idem_outbox::inbox::migrate_sqlite(store.pool()).await?;
             idem_outbox::outbox::migrate_sqlite(store.pool()).await?;
             Ok(Self::Sqlite(store))
@@ -262,6 +278,12 @@ impl Database {
                 .execute(&mut *tx)
                 .await?;
             sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
+            // A database made before charges named their merchant.
+            sqlx::query(
+                "ALTER TABLE bank_charges ADD COLUMN IF NOT EXISTS client_id TEXT NOT NULL DEFAULT ''",
+            )
+            .execute(&mut *tx)
+            .await?;
             tx.commit().await?;
             idem_outbox::inbox::migrate_postgres(store.pool()).await?;
             idem_outbox::outbox::migrate(store.pool()).await?;
@@ -279,9 +301,15 @@ impl Database {
         on_backend!(self, store => sqlx::query("SELECT 1").execute(store.pool()).await.map(drop))
     }
 
-    pub(crate) async fn payment(&self, id: &str) -> Result<Option<Payment>, sqlx::Error> {
-        let sql = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1");
-        let row: Option<PaymentRow> = on_backend!(self, store => sqlx::query_as(&sql).bind(id).fetch_optional(store.pool()).await?);
+    /// The calling client's payment `id`; another client's is `None`.
+    pub(crate) async fn payment(
+        &self,
+        client_id: &str,
+        id: &str,
+    ) -> Result<Option<Payment>, sqlx::Error> {
+        let sql =
+            format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1 AND client_id = $2");
+        let row: Option<PaymentRow> = on_backend!(self, store => sqlx::query_as(&sql).bind(id).bind(client_id).fetch_optional(store.pool()).await?);
         Ok(row.map(Payment::from))
     }
 
@@ -292,14 +320,18 @@ impl Database {
         Ok(found.unwrap_or(0))
     }
 
-    /// The confirmation emails sent for an account: (payment id, subject).
+    /// The confirmation emails sent for the calling client's payments on an
+    /// account: (payment id, subject).
     pub(crate) async fn emails(
         &self,
+        client_id: &str,
         account_id: &str,
     ) -> Result<Vec<(String, String)>, sqlx::Error> {
-        const SQL: &str = "SELECT payment_id, subject FROM shop_emails WHERE account_id = $1
-                           ORDER BY created_at, id";
-        on_backend!(self, store => sqlx::query_as(SQL).bind(account_id).fetch_all(store.pool()).await)
+        const SQL: &str = "SELECT e.payment_id, e.subject FROM shop_emails e
+                           JOIN shop_payments p ON p.id = e.payment_id
+                           WHERE e.account_id = $1 AND p.client_id = $2
+                           ORDER BY e.created_at, e.id";
+        on_backend!(self, store => sqlx::query_as(SQL).bind(account_id).bind(client_id).fetch_all(store.pool()).await)
     }
 
     /// The bank events processed for a payment, oldest first: (event id, type).
@@ -312,13 +344,21 @@ impl Database {
         on_backend!(self, store => sqlx::query_as(SQL).bind(payment_id).fetch_all(store.pool()).await)
     }
 
-    pub(crate) async fn account(&self, account_id: &str) -> Result<Account, sqlx::Error> {
+    /// What the calling client's payments charged an account.
+    pub(crate) async fn account(
+        &self,
+        client_id: &str,
+        account_id: &str,
+    ) -> Result<Account, sqlx::Error> {
+        // Amounts are at most 10^9: a sum overflows only past 9 * 10^9
+        // payments on one account.
         const PAYMENTS: &str = "SELECT count(*), CAST(coalesce(sum(amount), 0) AS BIGINT)
-                                FROM shop_payments WHERE account_id = $1";
-        const CHARGES: &str = "SELECT count(DISTINCT id) FROM bank_charges WHERE account_id = $1";
+                                FROM shop_payments WHERE account_id = $1 AND client_id = $2";
+        const CHARGES: &str =
+            "SELECT count(DISTINCT id) FROM bank_charges WHERE account_id = $1 AND client_id = $2";
         let ((payments, charged_total), bank_charges): ((i64, i64), i64) = on_backend!(self, store => (
-            sqlx::query_as(PAYMENTS).bind(account_id).fetch_one(store.pool()).await?,
-            sqlx::query_scalar(CHARGES).bind(account_id).fetch_one(store.pool()).await?,
+            sqlx::query_as(PAYMENTS).bind(account_id).bind(client_id).fetch_one(store.pool()).await?,
+            sqlx::query_scalar(CHARGES).bind(account_id).bind(client_id).fetch_one(store.pool()).await?,
         ));
         Ok(Account {
             account_id: account_id.to_owned(),
@@ -332,14 +372,15 @@ impl Database {
     /// and returns the charge id.
     pub(crate) async fn bank_charge(
         &self,
+        client_id: &str,
         operation_id: &str,
         account_id: &str,
         amount: i64,
         currency: &str,
     ) -> Result<String, sqlx::Error> {
         const CHARGE: &str =
-            "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at)
-                              VALUES ($1, $2, $3, $4, $5, $6)
+            "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at, client_id)
+                              VALUES ($1, $2, $3, $4, $5, $6, $7)
                               ON CONFLICT (operation_id) DO NOTHING";
         const FIND: &str = "SELECT id FROM bank_charges WHERE operation_id = $1";
         let id = format!("ch_{}", uuid::Uuid::now_v7().simple());
@@ -352,6 +393,7 @@ impl Database {
                 .bind(amount)
                 .bind(currency)
                 .bind(now)
+                .bind(client_id)
                 .execute(store.pool())
                 .await?;
             sqlx::query_scalar(FIND).bind(operation_id).fetch_one(store.pool()).await

@@ -9,6 +9,7 @@ mod bank;
 mod catalog;
 mod config;
 mod db;
+mod input;
 mod messaging;
 mod orders;
 mod webhooks;
@@ -134,14 +135,18 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         .await?,
     );
     let app = api::router(
-        api::AppState::new(
-            database,
+        api::AppState {
+            db: database,
             bank,
-            messaging.clone(),
+            messaging: messaging.clone(),
             transactional,
-            config.claim_in_transaction,
+            claim_in_transaction: config.claim_in_transaction,
+            webhook_secret: config
+                .webhook_secret
+                .as_ref()
+                .map(|s| Arc::from(s.as_bytes())),
             metrics,
-        ),
+        },
         store,
         policy,
     );

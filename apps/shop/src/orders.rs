@@ -11,8 +11,9 @@ use idem_sql::{create_once, Created};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::api::{bearer_client_id_of, database_unavailable, validation, AppState};
+use crate::api::{caller_and, database_unavailable, AppState};
 use crate::db::{on_backend, BeginWrite};
+use crate::input::{self, validation};
 
 /// One line of an order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,10 +78,8 @@ fn parse_order(body: &[u8]) -> Result<NewOrder, Response> {
         )));
     }
     let text = |name: &str| match map.get(name) {
-        Some(Value::String(s)) if !s.is_empty() && s.len() <= 255 => Ok(s.clone()),
-        _ => Err(validation(format!(
-            "{name} is required: a string of 1 to 255 characters"
-        ))),
+        Some(Value::String(s)) => input::identifier(name, s).map(|()| s.clone()),
+        _ => Err(validation(format!("{name} is required: a string"))),
     };
     let customer_id = text("customer_id")?;
     let client_reference = text("client_reference")?;
@@ -97,8 +96,11 @@ fn parse_order(body: &[u8]) -> Result<NewOrder, Response> {
         let sku = line
             .get("sku")
             .and_then(Value::as_str)
-            .filter(|s| !s.is_empty() && s.len() <= 64);
-        let qty = line.get("qty").and_then(Value::as_i64).filter(|q| *q > 0);
+            .filter(|s| input::is_identifier(s));
+        let qty = line
+            .get("qty")
+            .and_then(Value::as_i64)
+            .filter(|q| (1..=1_000_000).contains(q));
         let extra = line
             .as_object()
             .is_some_and(|o| o.keys().any(|k| k != "sku" && k != "qty"));
@@ -109,7 +111,7 @@ fn parse_order(body: &[u8]) -> Result<NewOrder, Response> {
             }),
             _ => {
                 return Err(validation(format!(
-                    "items[{i}] must be {{\"sku\": string, \"qty\": positive integer}}"
+                    "items[{i}] must be {{\"sku\": 1 to 64 of A-Z a-z 0-9 _ . : -, \"qty\": 1 to 1000000}}"
                 )))
             }
         }
@@ -128,7 +130,7 @@ pub(crate) async fn create_order(
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let client_id = match bearer_client_id_of(&headers) {
+    let client_id = match input::client_id(&headers) {
         Ok(c) => c,
         Err(r) => return r,
     };
@@ -145,11 +147,12 @@ pub(crate) async fn create_order(
     let insert = format!(
         "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
          VALUES ($1, $2, $3, $4, $5, 'placed', $6)
-         ON CONFLICT (customer_id, client_reference) DO NOTHING
+         ON CONFLICT (client_id, customer_id, client_reference) DO NOTHING
          RETURNING {COLUMNS}"
     );
     let fetch = format!(
-        "SELECT {COLUMNS} FROM shop_orders WHERE customer_id = $1 AND client_reference = $2"
+        "SELECT {COLUMNS} FROM shop_orders
+         WHERE client_id = $1 AND customer_id = $2 AND client_reference = $3"
     );
     let created: Result<Created<OrderRow>, sqlx::Error> = on_backend!(&state.db, store => async {
         let mut tx = store.pool().begin_write().await?;
@@ -165,7 +168,7 @@ pub(crate) async fn create_order(
                         .bind(&items)
                         .bind(now)
                 },
-                || sqlx::query_as(&fetch).bind(&new.customer_id).bind(&new.client_reference),
+                || sqlx::query_as(&fetch).bind(&client_id).bind(&new.customer_id).bind(&new.client_reference),
             )
             .await?;
             // The event commits with the order, and only when the order is new.
@@ -211,9 +214,18 @@ pub(crate) async fn create_order(
 }
 
 /// `GET /orders/{id}`.
-pub(crate) async fn get_order(State(state): State<AppState>, Path(id): Path<String>) -> Response {
-    let sql = format!("SELECT {COLUMNS} FROM shop_orders WHERE id = $1");
-    let row: Result<Option<OrderRow>, sqlx::Error> = on_backend!(&state.db, store => sqlx::query_as(&sql).bind(&id).fetch_optional(store.pool()).await);
+/// `GET /orders/{id}`: the calling client's order; another client's is `404`.
+pub(crate) async fn get_order(
+    State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let client = match caller_and(&headers, "the order id", &id) {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let sql = format!("SELECT {COLUMNS} FROM shop_orders WHERE id = $1 AND client_id = $2");
+    let row: Result<Option<OrderRow>, sqlx::Error> = on_backend!(&state.db, store => sqlx::query_as(&sql).bind(&id).bind(&client).fetch_optional(store.pool()).await);
     match row {
         Ok(Some(row)) => match order_of(row) {
             Ok(o) => Json(o).into_response(),

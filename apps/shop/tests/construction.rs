@@ -30,7 +30,7 @@ fn order(client: &reqwest::Client, shop: &Shop, body: &str) -> reqwest::RequestB
 
 async fn fifty_racing_order_creates_make_one_order(db: Db) {
     let shop = Shop::start(&db, &[]).await;
-    let client = reqwest::Client::new();
+    let client = common::signed_in();
     let mut tasks = Vec::new();
     for _ in 0..50 {
         tasks.push(tokio::spawn(read(order(&client, &shop, ORDER))));
@@ -63,7 +63,7 @@ async fn fifty_racing_order_creates_make_one_order(db: Db) {
     let replay = read(order(&client, &shop, ORDER).header("idempotency-key", "ord-k1")).await;
     assert!(replay.replayed);
     // and credentials are still required
-    let anonymous = read(client.post(shop.url("/orders")).body(ORDER)).await;
+    let anonymous = read(reqwest::Client::new().post(shop.url("/orders")).body(ORDER)).await;
     assert_eq!(anonymous.status, 401);
     let invalid = read(order(
         &client,
@@ -77,7 +77,7 @@ async fn fifty_racing_order_creates_make_one_order(db: Db) {
 
 async fn captures_apply_once_and_explain_refusals(db: Db) {
     let shop = Shop::start(&db, &[]).await;
-    let client = reqwest::Client::new();
+    let client = common::signed_in();
     let paid = read(pay(&client, &shop, Some("cap-1"), BODY)).await;
     let id = paid.json()["id"].as_str().unwrap().to_owned();
     let capture = |id: &str| read(client.post(shop.url(&format!("/payments/{id}/capture"))));
@@ -113,7 +113,7 @@ async fn captures_apply_once_and_explain_refusals(db: Db) {
 
 async fn if_match_races_let_one_writer_win(db: Db) {
     let shop = Shop::start(&db, &[]).await;
-    let client = reqwest::Client::new();
+    let client = common::signed_in();
     let url = shop.url("/products/tea");
     let created = read(
         client
@@ -195,7 +195,7 @@ async fn if_match_races_let_one_writer_win(db: Db) {
 
 async fn a_webhook_delivered_three_times_acts_once(db: Db) {
     let shop = Shop::start(&db, &[]).await;
-    let client = reqwest::Client::new();
+    let client = common::signed_in();
     let paid = read(pay(&client, &shop, Some("wh-1"), BODY)).await;
     let id = paid.json()["id"].as_str().unwrap().to_owned();
     let event =

@@ -23,7 +23,7 @@ async fn events_act_once(db: Db, broker: &[&str]) {
         Shop::start(&db, broker).await,
         Shop::start(&db, broker).await,
     ];
-    let client = reqwest::Client::new();
+    let client = common::signed_in();
     let order = || {
         client
             .post(shops[0].url("/orders"))

@@ -207,9 +207,11 @@ pub async fn read(r: reqwest::RequestBuilder) -> Answer {
     }
 }
 
+/// What client-1's payments charged account `id`.
 pub async fn account(client: &reqwest::Client, shop: &Shop, id: &str) -> Value {
     client
         .get(shop.url(&format!("/accounts/{id}")))
+        .header("authorization", "Bearer client-1")
         .send()
         .await
         .expect("account")
@@ -416,4 +418,18 @@ macro_rules! in_every_mode {
             }
         )*
     };
+}
+
+/// An HTTP client that signs in as `client-1` on every request that does
+/// not name its own credentials.
+pub fn signed_in() -> reqwest::Client {
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert(
+        reqwest::header::AUTHORIZATION,
+        reqwest::header::HeaderValue::from_static("Bearer client-1"),
+    );
+    reqwest::Client::builder()
+        .default_headers(headers)
+        .build()
+        .expect("an HTTP client")
 }
