@@ -42,6 +42,7 @@ pub(crate) struct AppState {
 pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> Router {
     // Payments need a key; orders are deduplicated by their natural key
     // anyway, so a key there is optional (but honoured when sent).
+    let max_body = policy.max_body();
     let key_required = IdempotencyLayer::new(store.clone(), policy.clone(), bearer_client_id);
     let payments = if state.claim_in_transaction {
         post(create_payment_in_tx).route_layer(key_required.clone().claim_in_transaction())
@@ -95,6 +96,13 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
         .route("/stock/{sku}", get(get_stock))
         .route("/emails", get(get_emails))
         .fallback(not_found)
+        // One body limit for every route, the idempotency layer's: declared
+        // sizes are refused before any read, streamed ones when they pass it.
+        .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(
+            max_body,
+            input::refuse_oversized,
+        ))
         .layer(axum::middleware::from_fn(input::problems_everywhere))
         .with_state(state)
 }

@@ -71,6 +71,22 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_WEBHOOK_SECRET", hide_env_values = true)]
     pub(crate) webhook_secret: Option<String>,
 
+    /// How long a client may take to send a request's headers, in seconds; a slower one is disconnected.
+    #[arg(long, env = "SHOP_HEADER_TIMEOUT_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub(crate) header_timeout_secs: u64,
+
+    /// How long a request body may stall between two chunks, in seconds, before the request fails.
+    #[arg(long, env = "SHOP_BODY_TIMEOUT_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub(crate) body_timeout_secs: u64,
+
+    /// How many connections are served at once; more are closed at once.
+    #[arg(long, env = "SHOP_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub(crate) max_connections: u64,
+
+    /// On SIGTERM or Ctrl-C: how long in-flight requests may finish, in seconds, before the process exits anyway.
+    #[arg(long, env = "SHOP_SHUTDOWN_GRACE_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub(crate) shutdown_grace_secs: u64,
+
     /// How long a duplicate of an in-flight request waits for its answer before getting 409, in milliseconds (0: don't wait).
     #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0)]
     pub(crate) wait_ms: u64,

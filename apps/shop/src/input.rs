@@ -162,6 +162,50 @@ pub(crate) async fn require_json(request: Request, next: Next) -> Response {
     }
 }
 
+/// Middleware over every route: a body declared (`Content-Length`) larger
+/// than `max` bytes is `413`. With `Expect: 100-continue` the answer goes at
+/// once and the body is never read, so the client is never told to go on;
+/// without it, what the client is still sending is read and dropped (up to
+/// 32 MiB, for at most 5 s) so that it reads the answer instead of a broken
+/// pipe.
+pub(crate) async fn refuse_oversized(
+    axum::extract::State(max): axum::extract::State<usize>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_none_or(|n| n <= max as u64) {
+        return next.run(request).await;
+    }
+    let expects_continue = request
+        .headers()
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if !expects_continue {
+        use http_body_util::BodyExt;
+        let mut body = request.into_body();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut drained: u64 = 0;
+        while let Ok(Some(Ok(frame))) = tokio::time::timeout_at(deadline, body.frame()).await {
+            drained += frame.data_ref().map_or(0, |d| d.len() as u64);
+            if drained > 32 * 1024 * 1024 {
+                break;
+            }
+        }
+    }
+    Problem::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload-too-large",
+        "The body is too large",
+    )
+    .detail(format!("the body must not exceed {max} bytes"))
+    .into_response()
+}
+
 /// Middleware over every route: an error answer that is not problem+json
 /// yet (an unknown route, a method not allowed, a body too large, an
 /// extractor's rejection) becomes one, with its status and headers (such as

@@ -12,6 +12,7 @@ mod db;
 mod input;
 mod messaging;
 mod orders;
+mod serve;
 mod webhooks;
 
 use std::process::ExitCode;
@@ -158,9 +159,13 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     // Tests and scripts read this line to learn the port (with --listen …:0).
     println!("shop listening on http://{addr}");
 
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    let limits = serve::Limits {
+        header_timeout: Duration::from_secs(config.header_timeout_secs),
+        body_timeout: Duration::from_secs(config.body_timeout_secs),
+        max_connections: usize::try_from(config.max_connections).unwrap_or(usize::MAX),
+        grace: Duration::from_secs(config.shutdown_grace_secs),
+    };
+    serve::serve(listener, app, limits, shutdown_signal()).await;
     sweeper.abort();
     upkeep.abort();
     // In-flight messages finish and are acknowledged before the consumers stop.

@@ -263,6 +263,16 @@ where
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
+        // A client that asked to be told before sending (`Expect:
+        // 100-continue`) a body declared too large gets `413` at once: the
+        // body is never polled, so hyper never sends `100 Continue`.
+        let expects_continue = parts
+            .headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if expects_continue && declared.is_some_and(|n| n > policy.max_body() as u64) {
+            return Ok(too_large());
+        }
         let bytes: Bytes = match read_body(body, policy.max_body(), declared).await {
             Ok(bytes) => bytes,
             Err(BodyError::TooLarge) => return Ok(too_large()),

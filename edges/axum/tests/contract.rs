@@ -529,3 +529,34 @@ async fn requests_without_a_scope_are_refused_by_the_scope_extractor() {
     assert_eq!(send(&h.app, r).await.0, StatusCode::UNAUTHORIZED);
     assert!(h.store.is_empty());
 }
+
+/// A body whose sender waits for `100 Continue`: polling it would hang.
+struct AwaitingContinue;
+
+impl http_body::Body for AwaitingContinue {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Pending
+    }
+}
+
+#[tokio::test]
+async fn expect_continue_with_a_body_declared_too_large_is_413_without_reading_it() {
+    let h = harness(Policy::builder().max_body(1024).build().unwrap());
+    let r = post_req(Some("k-expect"), "")
+        .header("expect", "100-continue")
+        .header("content-length", "5000")
+        .body(Body::new(AwaitingContinue))
+        .unwrap();
+    let (status, headers, body) = tokio::time::timeout(Duration::from_secs(10), send(&h.app, r))
+        .await
+        .expect("answered without polling the body");
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(problem_type(&headers, &body).ends_with("payload-too-large"));
+    assert!(h.store.is_empty());
+}

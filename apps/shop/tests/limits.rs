@@ -1,0 +1,191 @@
+//! Slow and stalled clients against the real `shop`: they are cut off by
+//! the server's limits, never hold it open, never starve other clients.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Db, Shop};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn addr(shop: &Shop) -> String {
+    shop.base.trim_start_matches("http://").to_owned()
+}
+
+/// Reads until the server closes the connection (or answers), within `within`.
+async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            // An answer (408 or the like) before the close is fine too.
+            Ok(Ok(_)) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stalls_in_its_headers_is_disconnected() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &["--header-timeout-secs", "1"]).await;
+    let mut stream = TcpStream::connect(addr(&shop)).await.unwrap();
+    stream
+        .write_all(b"POST /payments HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer a\r\n")
+        .await
+        .unwrap();
+    // The timeout is 1 s; the margin is the test's patience, not the server's speed.
+    assert!(
+        closed_within(&mut stream, Duration::from_secs(20)).await,
+        "the half-sent request was never cut off"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_upload_fails_its_request_and_frees_the_handler() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &["--body-timeout-secs", "1"]).await;
+    let mut stream = TcpStream::connect(addr(&shop)).await.unwrap();
+    stream
+        .write_all(
+            b"POST /payments HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer a\r\n\
+              Content-Type: application/json\r\nIdempotency-Key: k-stall\r\n\
+              Content-Length: 100\r\n\r\n{\"account_id\"",
+        )
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "the stalled upload held its request open");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 4"),
+        "a client error or a closed connection, never a 5xx: {text}"
+    );
+    // The key was not left claimed: the same request, whole, runs.
+    let client = reqwest::Client::new();
+    let retry = common::read(common::pay(&client, &shop, Some("k-stall"), common::BODY)).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_stalled_sockets_do_not_stop_healthz() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &["--header-timeout-secs", "30"]).await;
+    let mut stalled = Vec::new();
+    for _ in 0..1000 {
+        let mut s = TcpStream::connect(addr(&shop)).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHo").await.unwrap();
+        stalled.push(s);
+    }
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let health = client
+        .get(shop.url("/healthz"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .expect("healthz answers beside 1000 stalled sockets");
+    assert_eq!(health.status(), 200);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    drop(stalled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_the_connection_limit_new_connections_are_closed_not_queued() {
+    let db = Db::sqlite();
+    let shop = Shop::start(
+        &db,
+        &["--max-connections", "5", "--header-timeout-secs", "30"],
+    )
+    .await;
+    let mut stalled = Vec::new();
+    for _ in 0..5 {
+        let mut s = TcpStream::connect(addr(&shop)).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHo").await.unwrap();
+        stalled.push(s);
+    }
+    // Let the server accept them all.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut extra = TcpStream::connect(addr(&shop)).await.unwrap();
+    let _ = extra
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: shop\r\n\r\n")
+        .await;
+    assert!(
+        closed_within(&mut extra, Duration::from_secs(20)).await,
+        "a connection over the limit is closed"
+    );
+    // Once the stalled ones go, the service is whole again.
+    drop(stalled);
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(r) = client.get(shop.url("/healthz")).send().await {
+            if r.status() == 200 {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "the slots were never freed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_upload_never_keeps_the_process_alive_past_the_grace_period() {
+    let db = Db::sqlite();
+    let mut shop = Shop::start(
+        &db,
+        &["--shutdown-grace-secs", "1", "--body-timeout-secs", "600"],
+    )
+    .await;
+    let mut stream = TcpStream::connect(addr(&shop)).await.unwrap();
+    stream
+        .write_all(
+            b"POST /payments HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer a\r\n\
+              Content-Type: application/json\r\nIdempotency-Key: k-grace\r\n\
+              Content-Length: 100\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sent = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(shop.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    // Grace 1 s; the rest is margin for a loaded machine.
+    let status = shop.wait_exit(Duration::from_secs(20));
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expect_continue_with_a_body_too_large_is_413_without_100_continue() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &[]).await;
+    for path in ["/payments", "/orders"] {
+        let mut stream = TcpStream::connect(addr(&shop)).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer a\r\n\
+             Content-Type: application/json\r\nIdempotency-Key: k-expect\r\n\
+             Expect: 100-continue\r\nContent-Length: 50000000\r\n\r\n"
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut first = vec![0u8; 512];
+        let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut first))
+            .await
+            .expect("an answer without sending the body")
+            .unwrap();
+        let text = String::from_utf8_lossy(&first[..n]);
+        assert!(text.starts_with("HTTP/1.1 413"), "{path}: {text}");
+        assert!(!text.contains("100 Continue"), "{path}: {text}");
+        assert!(
+            text.to_ascii_lowercase()
+                .contains("application/problem+json"),
+            "{path}: {text}"
+        );
+    }
+}
