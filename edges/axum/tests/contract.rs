@@ -59,11 +59,17 @@ async fn handler(
             ("x-run", n.to_string()),
         ],
         format!(
-            r#"{{"run":{n},"operation_id":"{}","takeover":{},"echo":{}}}"#,
+            r#"{{"run":{n},"operation_id":"{}","takeover":{},"scope":"{}","key":"{}","echo":{}}}"#,
             idem.as_ref()
                 .map(|i| i.operation_id().to_string())
                 .unwrap_or_default(),
             idem.as_ref().is_some_and(|i| i.is_takeover()),
+            idem.as_ref()
+                .map(|i| i.scope().to_owned())
+                .unwrap_or_default(),
+            idem.as_ref()
+                .map(|i| i.key().to_owned())
+                .unwrap_or_default(),
             String::from_utf8_lossy(&body).len()
         ),
     )
@@ -159,6 +165,16 @@ async fn new_key_runs_the_handler_and_stores_the_answer() {
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(h.runs.get(), 1);
     assert!(headers.get("idempotent-replayed").is_none());
+    // the handler ran under the request's own scope and key, as the first
+    let ran = json(&body);
+    assert_eq!(
+        (&ran["scope"], &ran["key"], &ran["takeover"]),
+        (
+            &serde_json::json!("client-a"),
+            &serde_json::json!("k-new"),
+            &serde_json::json!(false)
+        )
+    );
     // the first answer is sent whole, session headers included
     assert_eq!(headers["set-cookie"], "session=secret");
     let record = h.store.get("client-a", "k-new").await.unwrap().unwrap();
@@ -283,6 +299,10 @@ async fn expired_lease_is_taken_over_with_the_same_operation_id() {
     assert_eq!(h.runs.get(), 2);
     let (_, _, zbody) = zombie.await.unwrap();
     let zombie = json(&zbody);
+    assert_eq!(
+        zombie["takeover"], false,
+        "the first attempt took nothing over"
+    );
     assert_eq!(
         zombie["operation_id"], retry["operation_id"],
         "the operation id survives the takeover"

@@ -40,7 +40,14 @@ async fn create(
         .unwrap_or(0);
     let (mut tx, idem) = match pending.begin(&store).await {
         Ok(held) => held,
-        Err(answered) => return answered.into_response(),
+        Err(answered) => {
+            let status = answered.status();
+            let mut response = answered.into_response();
+            response
+                .headers_mut()
+                .insert("x-answered", status.as_str().parse().unwrap());
+            return response;
+        }
     };
     sqlx::query("INSERT INTO effects (operation_id, token) VALUES ($1, $2)")
         .bind(idem.operation_id().to_string())
@@ -56,6 +63,16 @@ async fn create(
         }
         Some("panic") => panic!("the handler panics holding its claim"),
         _ => {}
+    }
+    assert_eq!((pending.scope(), pending.key()), (idem.scope(), idem.key()));
+    if header(&headers, "x-layer-completes").is_some() {
+        // Commit the effect and leave the record to the layer.
+        tx.commit().await.unwrap();
+        return (
+            StatusCode::CREATED,
+            format!("op {} by layer", idem.operation_id()),
+        )
+            .into_response();
     }
     let response = (StatusCode::CREATED, format!("op {}", idem.operation_id())).into_response();
     match idem.complete_in(&store, &mut *tx, response).await {
@@ -122,6 +139,7 @@ async fn a_new_key_commits_once_and_replays() {
     let (status, headers, again) = send(&app, req("a").body(Body::from("{}")).unwrap()).await;
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(headers["x-answered"], "201", "the answer knows its status");
     assert_eq!(again, body);
     assert_eq!(effects(&store).await.len(), 1);
     assert!(matches!(
@@ -316,4 +334,26 @@ async fn the_idempotency_extractor_is_missing_on_such_routes() {
     let (status, _, body) = send(&app, r).await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(body.contains("idempotency-layer-missing"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_commits_without_completing_is_completed_by_the_layer() {
+    let (app, store, _schema) = setup(Policy::default()).await;
+    let first = || {
+        req("by-layer")
+            .header("x-layer-completes", "1")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let (status, _, body) = send(&app, first()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(matches!(
+        store.get("t", "by-layer").await.unwrap().unwrap().state,
+        RecordState::Completed { .. }
+    ));
+    let (status, headers, again) = send(&app, first()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(again, body);
+    assert_eq!(effects(&store).await.len(), 1, "the handler ran once");
 }

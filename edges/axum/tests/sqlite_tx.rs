@@ -135,3 +135,77 @@ async fn an_unreachable_store_answers_503_and_runs_nothing() {
     assert_eq!(resp.headers()["content-type"], "application/problem+json");
     assert!(resp.headers().contains_key("retry-after"));
 }
+
+/// The layer's view of the store, counting the completions it makes itself.
+#[derive(Debug, Clone)]
+struct CountingCompletions {
+    inner: SqliteStore,
+    completes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Store for CountingCompletions {
+    fn claim<'a>(
+        &'a self,
+        r: &'a idem_core::ClaimRequest,
+    ) -> idem_core::BoxFuture<'a, Result<idem_core::ClaimOutcome, idem_core::StoreError>> {
+        self.inner.claim(r)
+    }
+    fn complete<'a>(
+        &'a self,
+        c: &'a idem_core::Claim,
+        r: &'a idem_core::StoredResponse,
+    ) -> idem_core::BoxFuture<'a, Result<(), idem_core::StoreError>> {
+        self.completes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.complete(c, r)
+    }
+    fn release<'a>(
+        &'a self,
+        c: &'a idem_core::Claim,
+    ) -> idem_core::BoxFuture<'a, Result<(), idem_core::StoreError>> {
+        self.inner.release(c)
+    }
+    fn get<'a>(
+        &'a self,
+        s: &'a str,
+        k: &'a str,
+    ) -> idem_core::BoxFuture<'a, Result<Option<idem_core::Record>, idem_core::StoreError>> {
+        self.inner.get(s, k)
+    }
+    fn sweep(&self, b: usize) -> idem_core::BoxFuture<'_, Result<u64, idem_core::StoreError>> {
+        self.inner.sweep(b)
+    }
+}
+
+#[tokio::test]
+async fn a_record_completed_in_the_transaction_is_not_completed_again_by_the_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("c.db").display());
+    let store = SqliteStore::connect(&url).await.unwrap();
+    sqlx::query("CREATE TABLE effects (operation_id TEXT NOT NULL, token INTEGER NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let counting = CountingCompletions {
+        inner: store.clone(),
+        completes: Arc::default(),
+    };
+    let layer = IdempotencyLayer::new(
+        Arc::new(counting.clone()),
+        Policy::default(),
+        SingleScope("t".into()),
+    );
+    let app = Router::new()
+        .route("/effects", post(create))
+        .layer(layer)
+        .with_state(store.clone());
+    let response = app.clone().oneshot(req("once", 0)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(
+        counting.completes.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the handler's transaction completed the record; the layer must not try again"
+    );
+    let replay = app.oneshot(req("once", 0)).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+}
