@@ -84,6 +84,8 @@ struct Attempt {
     key: String,
     epoch: u32,
     variant: Variant,
+    /// The amount in the body this attempt sent.
+    amount: u64,
     simulate: Option<String>,
     outcome: Outcome,
 }
@@ -180,11 +182,19 @@ fn body(amount: u64) -> String {
 struct Intent {
     key: String,
     epoch: u32,
+    amount: u64,
     main: String,
     other: String,
 }
 
 impl Intent {
+    fn amount(&self, v: Variant) -> u64 {
+        match v {
+            Variant::Main => self.amount,
+            Variant::Other => self.amount + 1,
+        }
+    }
+
     fn body(&self, v: Variant) -> &str {
         match v {
             Variant::Main => &self.main,
@@ -251,6 +261,7 @@ async fn send(
         key: intent.key.clone(),
         epoch: intent.epoch,
         variant,
+        amount: intent.amount(variant),
         simulate,
         outcome,
     };
@@ -294,6 +305,7 @@ async fn client(shared: Arc<Shared>, id: usize, seed: u64, until: Instant) {
         let intent = Intent {
             key: key.clone(),
             epoch,
+            amount,
             main: body(amount),
             other: body(amount + 1),
         };
@@ -379,11 +391,13 @@ fn payment_id(body: &[u8]) -> Option<String> {
     v["id"].as_str().map(str::to_owned)
 }
 
-/// What the database holds: payment ids, and bank charges without a payment.
+/// What the database holds: payment ids, bank charges without a payment (or
+/// whose payment differs from what the bank charged), and all charges.
 async fn database(db: &Db) -> (BTreeSet<String>, i64, i64) {
     const PAYMENTS: &str = "SELECT id FROM shop_payments";
     const ORPHANS: &str = "SELECT count(*) FROM bank_charges b
-        WHERE NOT EXISTS (SELECT 1 FROM shop_payments p WHERE p.operation_id = b.operation_id)";
+        WHERE NOT EXISTS (SELECT 1 FROM shop_payments p WHERE p.operation_id = b.operation_id
+                          AND p.amount = b.amount AND p.account_id = b.account_id)";
     const CHARGES: &str = "SELECT count(*) FROM bank_charges";
     match db {
         Db::Sqlite(..) => {
@@ -429,6 +443,17 @@ fn check(
                 _ => None,
             })
             .collect();
+        for (a, b) in &created {
+            let answered = serde_json::from_slice::<serde_json::Value>(b)
+                .ok()
+                .and_then(|v| v["amount"].as_u64());
+            if answered != Some(a.amount) {
+                violations.push(format!(
+                    "{key} (epoch {epoch}): a request for {} was answered 201 for {answered:?}",
+                    a.amount
+                ));
+            }
+        }
         if let Some((_, first)) = created.first() {
             for (a, b) in &created {
                 if b != first {
@@ -501,7 +526,9 @@ fn check(
         ));
     }
     if orphans != 0 {
-        violations.push(format!("{orphans} bank charges have no payment"));
+        violations.push(format!(
+            "{orphans} bank charges have no payment for the same amount"
+        ));
     }
     if charges != db_payments.len() as i64 {
         violations.push(format!(

@@ -369,6 +369,15 @@ where
         let Some(handle) = pending.claimed() else {
             return result;
         };
+        if handle.completion() == Completion::ByLayer
+            && result.as_ref().is_ok_and(|r| !r.status().is_server_error())
+        {
+            // Its transaction ended without completing the record: until the
+            // layer completes it below, the claim looks abandoned, and a
+            // duplicate arriving now would run again.
+            count("completed_outside_transaction");
+            warn!("the handler answered without completing its record in its transaction (Idempotency::complete_in); the layer completes it now");
+        }
         let guard = ReleaseGuard::new(settle_config.store.clone(), handle.claim().clone());
         settle_result(&settle_config, &handle, guard, result).await
     };

@@ -59,19 +59,31 @@
 //!
 //! [`ClaimInTransaction::claim_and_begin`] commits the claim first (the plain
 //! insert, or on a conflict a deciding `UPDATE`), so the key is bound to the
-//! request and its operation id before any effect; then it begins the
-//! caller's transaction and locks the claim's row in it (`SELECT … FOR
-//! UPDATE`, fenced by the token), setting the transaction's
-//! `idle_in_transaction_session_timeout` to the lease. The row lock is the
-//! claim's liveness: the deciding statement looks for the row with `FOR
-//! UPDATE SKIP LOCKED`, so a duplicate never waits on a holder. A locked row
-//! is [`TxClaimOutcome::Busy`] (`409`); an unlocked one in progress belongs
-//! to a holder whose transaction ended (committed elsewhere, rolled back, or
-//! died with its connection), so the same request takes it over at once
-//! under the same operation id, and another request finds its fingerprint
-//! (`422`). A takeover between the claim's commit and the lock is caught by
-//! the token: the holder is told the key is busy before it ran anything.
-//! It needs READ COMMITTED (PostgreSQL's default).
+//! request and its operation id before any effect; the committed claim's
+//! lease has already run out, for the transaction is its lease. Then it
+//! begins the caller's transaction and locks the claim's row in it (`FOR
+//! UPDATE NOWAIT`, fenced by the token; a lock, not an update, so claimers'
+//! unique checks never wait on it), setting the transaction's
+//! `idle_in_transaction_session_timeout` to the lease. The deciding
+//! statement looks for the row with `FOR UPDATE SKIP LOCKED`, so a duplicate
+//! never waits on a holder:
+//!
+//! - locked by an open transaction: [`TxClaimOutcome::Busy`] (`409`);
+//! - unlocked, lease run out: its holder's transaction ended without
+//!   completing it (rolled back, or died with its connection), so the same
+//!   request takes it over at once, under the same operation id;
+//! - unlocked with a live lease: a default-mode claim in flight: busy;
+//! - another request's claim, or a completed record: its fingerprint is
+//!   there to judge (`422`, or a replay).
+//!
+//! The handler must complete the record in its transaction: one that
+//! commits without completing leaves the claim looking abandoned until the
+//! layer completes it, and a duplicate arriving in that moment runs again
+//! (under the same operation id).
+//!
+//! A takeover between the claim's commit and the lock is caught by the
+//! token: the holder is told the key is busy before it ran anything. It
+//! needs READ COMMITTED (PostgreSQL's default).
 
 mod unique;
 
@@ -272,17 +284,24 @@ WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
                 upsert = upsert(&table, VALUES),
             ),
             // The deciding claim of a transaction-held claim (autocommit,
-            // after the plain insert met a row): a record in progress is
-            // free only if no open transaction holds its row lock (its
-            // holder ended: committed, rolled back, or died with its
-            // connection); then the same request takes it over, and
-            // another request learns its fingerprint (422). A locked row is
-            // busy. Past its retention, an unlocked record is replaced.
+            // after the plain insert met a row). Such a claim commits with
+            // its lease already run out (bound $6 = 0): the holder's
+            // transaction, which locks the row, is its lease. So a row is
+            // free to the same request only if no transaction holds its lock
+            // (SKIP LOCKED) and its lease has run out: its holder's
+            // transaction ended without completing it (rolled back, or died
+            // with its connection), or it is a default-mode claim whose
+            // lease ended (a live one is busy). Another request's live claim or a
+            // live completed record is `existing` (422 or a replay); past
+            // its retention and abandoned, a record is replaced whole. A
+            // takeover keeps the record for at least another retention.
             // Same binds as `claim`.
             claim_held: format!(
                 "WITH free AS MATERIALIZED (
     SELECT scope AS free_scope, key AS free_key FROM {table}
-    WHERE scope = $1 AND key = $2 AND (state = 'in_progress' OR expires_at <= now())
+    WHERE scope = $1 AND key = $2
+      AND ((state = 'in_progress' AND locked_until <= now() AND fingerprint = $3)
+           OR {EXPIRED})
     FOR UPDATE SKIP LOCKED
 ),
 claimed AS (
@@ -294,38 +313,43 @@ claimed AS (
         fingerprint  = CASE WHEN r.expires_at <= now() THEN $3          ELSE r.fingerprint  END,
         operation_id = CASE WHEN r.expires_at <= now() THEN $4::uuid    ELSE r.operation_id END,
         created_at   = CASE WHEN r.expires_at <= now() THEN now()       ELSE r.created_at   END,
-        expires_at   = CASE WHEN r.expires_at <= now()
-                            THEN now() + $7 * interval '1 millisecond' ELSE r.expires_at   END,
+        expires_at   = greatest(r.expires_at, now() + $7 * interval '1 millisecond'),
         completed_at = NULL,
         status       = NULL,
         headers      = NULL,
         body         = NULL
     FROM free
     WHERE r.scope = free.free_scope AND r.key = free.free_key
-      AND (r.expires_at <= now() OR r.fingerprint = $3)
     RETURNING {COLUMNS}
+),
+live_other AS (
+    -- a live completed record, or another request's claim
+    SELECT {COLUMNS} FROM {table}
+    WHERE scope = $1 AND key = $2 AND expires_at > now()
+      AND (state = 'completed' OR fingerprint <> $3)
 )
 SELECT 'won' AS outcome, * FROM claimed
 UNION ALL
-SELECT 'existing', {COLUMNS} FROM {table}
-WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
-  AND ((state = 'completed' AND expires_at > now()) OR EXISTS (SELECT 1 FROM free))
+SELECT 'existing', * FROM live_other WHERE NOT EXISTS (SELECT 1 FROM claimed)
 UNION ALL
 SELECT 'busy', {nulls} FROM {table}
-WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM free)
-  AND (state = 'in_progress' OR expires_at <= now())",
+WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
+  AND NOT EXISTS (SELECT 1 FROM live_other)",
                 nulls = vec!["NULL"; COLUMN_COUNT].join(", "),
             ),
             // The first statement of the holder's transaction: lock the
-            // claimed row for as long as the transaction lasts, and end the
-            // session if the transaction sits idle longer than the lease.
-            // $1 scope, $2 key, $3 token, $4 the idle timeout (ms). No row:
-            // another attempt took the claim over in between.
+            // claimed row for as long as the transaction lasts (NOWAIT:
+            // another transaction holding it means the key is busy, never a
+            // wait; a lock, not an update, so that claimers' unique checks
+            // never wait on it), and end the session if the transaction sits
+            // idle longer than the lease. $1 scope, $2 key, $3 token, $4 the
+            // idle timeout (ms, text). No row: another attempt took the
+            // claim over in between.
             hold: format!(
                 "SELECT set_config('idle_in_transaction_session_timeout', $4, true) AS lease
 FROM {table}
 WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'
-FOR UPDATE"
+FOR UPDATE NOWAIT"
             ),
             select: format!("SELECT {COLUMNS} FROM {table} WHERE scope = $1 AND key = $2"),
             get: format!(
@@ -624,6 +648,13 @@ impl<'q> ClaimBinds<'q> {
         }
     }
 
+    /// The same binds with the lease run out at once: a claim that its
+    /// holder's transaction will lock and lease (uncommitted).
+    fn lease_held_by_transaction(mut self) -> Self {
+        self.lease = 0;
+        self
+    }
+
     fn query<'s>(
         &'s self,
         sql: &'s str,
@@ -742,7 +773,7 @@ impl PostgresStore {
     /// The durable half of a transaction-held claim: the plain insert, then
     /// (on a conflict) the deciding statement that respects row locks.
     async fn claim_held_inner(&self, req: &ClaimRequest) -> Result<TxClaimOutcome<()>, StoreError> {
-        let binds = ClaimBinds::new(req);
+        let binds = ClaimBinds::new(req).lease_held_by_transaction();
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         // A row swept, or committed after a statement's snapshot, between
         // the two statements: try again (see the crate docs).
@@ -819,6 +850,12 @@ impl PostgresStore {
         match held {
             Ok(Some(_)) => Ok(Some(tx)),
             Ok(None) => {
+                tx.rollback().await.map_err(store_error)?;
+                Ok(None)
+            }
+            // Locked by another transaction (NOWAIT): a takeover got in
+            // between and holds it; the key is busy.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
                 tx.rollback().await.map_err(store_error)?;
                 Ok(None)
             }

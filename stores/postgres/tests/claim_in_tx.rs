@@ -340,3 +340,22 @@ async fn different_keys_do_not_block_each_other() {
     a.rollback().await.unwrap();
     b.rollback().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_default_claim_is_busy_for_a_transaction_held_one() {
+    let (store, _schema, _effects) = fresh().await;
+    let req = request(Duration::from_secs(30));
+    let idem_core::ClaimOutcome::Acquired(_) = store.claim(&req).await.unwrap() else {
+        panic!()
+    };
+    let outcome = store.claim_and_begin(&req).await.unwrap();
+    assert!(matches!(outcome, TxClaimOutcome::Busy), "{outcome:?}");
+    // Another request is told why at once.
+    let other = request_with(
+        r#"{"amount":500}"#,
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    );
+    let record = existing(&store, &other).await;
+    assert_eq!(decision(&record, &other), Decision::Mismatch);
+}
