@@ -344,12 +344,6 @@ impl Mode {
         }
         v
     }
-
-    /// Whether a claim whose holder crashed is free at once (it is held by
-    /// the holder's transaction), rather than after its lease.
-    pub fn crash_frees_at_once(self) -> bool {
-        self == Mode::ClaimInTx
-    }
 }
 
 /// The Redis Cluster the tests use (`bash scripts/test` starts it).
