@@ -435,10 +435,25 @@ impl RedisStore {
             else {
                 continue;
             };
-            if !flags.split(',').any(|f| f == "master") || flags.contains("fail") {
+            let flags: Vec<&str> = flags.split(',').collect();
+            if !flags.contains(&"master") {
                 continue;
             }
             let addr = addr.split('@').next().unwrap_or(addr);
+            // A primary that is down (or has no address) would be skipped
+            // silently: say so instead, so a count or a clear is never
+            // reported whole when it is not.
+            if flags.contains(&"fail") || flags.contains(&"noaddr") || addr.starts_with(':') {
+                return Err(StoreError::Unavailable(
+                    format!("the cluster's primary {addr} is not reachable").into(),
+                ));
+            }
+            // An IPv6 host is written bare in CLUSTER NODES; a URL brackets it.
+            let addr = match addr.rsplit_once(':') {
+                Some((host, port)) if host.contains(':') => format!("[{host}]:{port}"),
+                _ => addr.to_owned(),
+            };
+            let addr = addr.as_str();
             let client = redis::Client::open(node_url(seed, addr).as_str())
                 .map_err(|e| StoreError::Backend(Box::new(e)))?;
             let manager = ConnectionManagerConfig::new()
@@ -467,6 +482,19 @@ fn node_url(seed: &str, addr: &str) -> String {
     format!("{scheme}://{userinfo}{addr}{tail}")
 }
 
+/// `s` with the characters SCAN's MATCH treats as a pattern escaped, so a
+/// prefix holding `*`, `?`, `[` or `\\` matches only itself.
+fn glob_escaped(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Counts (and with `delete`, deletes) the keys under `prefix` on one server.
 async fn scan(conn: &mut Conn, prefix: &str, delete: bool) -> Result<u64, StoreError> {
     let mut cursor: u64 = 0;
@@ -475,7 +503,7 @@ async fn scan(conn: &mut Conn, prefix: &str, delete: bool) -> Result<u64, StoreE
         let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
             .arg(cursor)
             .arg("MATCH")
-            .arg(format!("{prefix}:*"))
+            .arg(format!("{}:*", glob_escaped(prefix)))
             .arg("COUNT")
             .arg(500)
             .query_async(conn)
@@ -636,5 +664,49 @@ impl Store for RedisStore {
     /// retention, or of a live lease if later): nothing is left to sweep.
     fn sweep(&self, _batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async { Ok(0) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn patterns_in_a_prefix_match_only_themselves() {
+        assert_eq!(glob_escaped("idem"), "idem");
+        assert_eq!(glob_escaped("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
+    }
+
+    /// Against the Redis the tests use (`bash scripts/test` starts it).
+    #[tokio::test]
+    async fn a_claim_sent_twice_is_won_twice_not_a_conflict_with_itself() {
+        let url = std::env::var("IDEM_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+        let store = RedisStore::connect(
+            RedisConfig::new(url).prefix(format!("idem-unit-{}", uuid::Uuid::new_v4().simple())),
+        )
+        .await
+        .expect("Redis is up");
+        let key = store.record_key("s", "k");
+        let token = FencingToken::generate();
+        let claim_once = || {
+            let mut conn = store.conn.clone();
+            let mut inv = store.claim.key(&key);
+            inv.arg("s")
+                .arg("k")
+                .arg(b"fp".as_slice())
+                .arg(OperationId::generate().0.to_string())
+                .arg(token.0)
+                .arg(30_000)
+                .arg(600_000);
+            async move { inv.invoke_async::<Vec<Value>>(&mut conn).await.unwrap() }
+        };
+        let first = claim_once().await;
+        let again = claim_once().await;
+        assert_eq!(bytes_of(&first[0]), Some(&b"won"[..]));
+        assert_eq!(bytes_of(&again[0]), Some(&b"won"[..]), "{again:?}");
+        assert_eq!(first[1], again[1], "the same operation id");
+        store.clear().await.unwrap();
     }
 }

@@ -9,7 +9,13 @@
 pub(crate) const CLAIM: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local st, fp, lu, ea = unpack(redis.call('HMGET', KEYS[1], 'st', 'fp', 'lu', 'ea'))
+local st, fp, lu, ea, tok = unpack(redis.call('HMGET', KEYS[1], 'st', 'fp', 'lu', 'ea', 'tok'))
+if st == 'p' and tok == ARGV[5] then
+  -- This very claim, sent again (a retried command whose reply was lost):
+  -- the same answer, not a conflict with itself.
+  local op = redis.call('HGET', KEYS[1], 'op')
+  return {'won', op, tostring(lu), op == ARGV[4] and '0' or '1'}
+end
 local lease_until = now + tonumber(ARGV[6])
 local function fresh()
   local expires = now + tonumber(ARGV[7])

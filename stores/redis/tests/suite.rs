@@ -256,3 +256,25 @@ async fn an_unreachable_redis_is_an_error_at_connect_not_a_panic() {
         .await
         .is_err());
 }
+
+#[tokio::test]
+async fn clearing_a_prefix_with_pattern_characters_clears_only_it() {
+    let base = format!("idem-glob-{}", uuid::Uuid::new_v4().simple());
+    let url = redis_url();
+    let starred = RedisStore::connect(RedisConfig::new(&url).prefix(format!("{base}*")))
+        .await
+        .unwrap();
+    let other = RedisStore::connect(RedisConfig::new(&url).prefix(format!("{base}x")))
+        .await
+        .unwrap();
+    let _guard = Prefix(other.clone());
+    starred.claim(&req("a")).await.unwrap();
+    other.claim(&req("b")).await.unwrap();
+    assert_eq!(starred.count_keys().await.unwrap(), 1);
+    assert_eq!(starred.clear().await.unwrap(), 1);
+    assert_eq!(
+        other.count_keys().await.unwrap(),
+        1,
+        "another prefix's key stays"
+    );
+}
