@@ -521,13 +521,54 @@ async fn get_emails(
 
 fn db_error(e: sqlx::Error) -> Response {
     error!(error = %e, "could not record the payment");
+    if is_unavailable(&e) {
+        return Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "database-unavailable",
+            "The payment could not be recorded",
+        )
+        .detail("retry with the same Idempotency-Key; the bank will not charge twice")
+        .retry_after(1)
+        .into_response();
+    }
+    sql_failure(&e)
+}
+
+/// Whether `e` means the database could not be reached or is busy: the
+/// only failure a retry helps with.
+fn is_unavailable(e: &sqlx::Error) -> bool {
+    idem_postgres::is_unavailable(e)
+        || idem_sqlite::is_unavailable(e)
+        // the session ended for sitting idle in its transaction past the
+        // lease (a claim held by the transaction): the retry takes over
+        || matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("25P03"))
+}
+
+/// A statement that reached the database and failed: a constraint or a
+/// value it refused is the request's fault (4xx, no `Retry-After`); the
+/// rest is ours (500, no `Retry-After`: the same request would fail again).
+fn sql_failure(e: &sqlx::Error) -> Response {
+    if let sqlx::Error::Database(d) = e {
+        if d.is_unique_violation() {
+            return Problem::new(
+                StatusCode::CONFLICT,
+                "conflict",
+                "The request conflicts with what exists",
+            )
+            .into_response();
+        }
+        if d.is_check_violation()
+            || d.is_foreign_key_violation()
+            || d.code().is_some_and(|c| c.starts_with("22"))
+        {
+            return validation("a value was refused by the database");
+        }
+    }
     Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "database-unavailable",
-        "The payment could not be recorded",
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "The request failed",
     )
-    .detail("retry with the same Idempotency-Key; the bank will not charge twice")
-    .retry_after(1)
     .into_response()
 }
 
@@ -536,11 +577,7 @@ fn bank_failed(e: &BankError) -> Response {
     match e {
         // The fake bank keeps its ledger in our database: when that is down,
         // say so, as every other path does.
-        BankError::Ledger(e)
-            if idem_postgres::is_unavailable(e) || idem_sqlite::is_unavailable(e) =>
-        {
-            database_unavailable(e)
-        }
+        BankError::Ledger(e) if is_unavailable(e) => database_unavailable(e),
         _ => Problem::new(
             StatusCode::BAD_GATEWAY,
             "bank-unavailable",
@@ -553,6 +590,9 @@ fn bank_failed(e: &BankError) -> Response {
 
 pub(crate) fn database_unavailable(e: &sqlx::Error) -> Response {
     error!(error = %e, "database query failed");
+    if !is_unavailable(e) {
+        return sql_failure(e);
+    }
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "database-unavailable",
@@ -656,5 +696,43 @@ async fn get_account(
     match state.db.account(&client, &account_id).await {
         Ok(account) => Json(account).into_response(),
         Err(e) => database_unavailable(&e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Database failures are told apart: only an unreachable database is a
+    /// 503 with Retry-After.
+    #[tokio::test]
+    async fn refused_values_are_4xx_and_only_an_outage_says_retry() {
+        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+        sqlx::query("CREATE TABLE t (id TEXT PRIMARY KEY, n INTEGER CHECK (n > 0))")
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO t VALUES ('a', 1)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let fail = |sql: &'static str| {
+            let pool = pool.clone();
+            async move { sqlx::query(sql).execute(&pool).await.unwrap_err() }
+        };
+        let unique = database_unavailable(&fail("INSERT INTO t VALUES ('a', 2)").await);
+        assert_eq!(unique.status(), StatusCode::CONFLICT);
+        let check = database_unavailable(&fail("INSERT INTO t VALUES ('b', 0)").await);
+        assert_eq!(check.status(), StatusCode::BAD_REQUEST);
+        let ours = database_unavailable(&fail("SELECT * FROM missing").await);
+        assert_eq!(ours.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        for r in [&unique, &check, &ours] {
+            assert!(r.headers().get(header::RETRY_AFTER).is_none());
+        }
+        pool.close().await;
+        let closed = database_unavailable(&fail("SELECT 1").await);
+        assert_eq!(closed.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(closed.headers().get(header::RETRY_AFTER).is_some());
     }
 }
