@@ -580,3 +580,36 @@ async fn expect_continue_with_a_body_declared_too_large_is_413_without_reading_i
     assert!(problem_type(&headers, &body).ends_with("payload-too-large"));
     assert!(h.store.is_empty());
 }
+
+#[tokio::test]
+async fn an_in_flight_duplicate_is_told_the_policys_retry_after() {
+    let policy = Policy::builder()
+        .retry_after(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let h = harness(policy);
+    let app = h.app.clone();
+    let first =
+        tokio::spawn(async move { send(&app, req_with("k-hint", "{}", "sleep=500")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, headers, _) = send(&h.app, req("k-hint", "{}")).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(headers["retry-after"], "3");
+    assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn a_declared_length_at_the_limit_passes_and_one_byte_more_is_413() {
+    let h = harness(Policy::builder().max_body(16).build().unwrap());
+    let at = post_req(Some("k-at"), "")
+        .header("content-length", "16")
+        .body(Body::from("x".repeat(16)))
+        .unwrap();
+    assert_eq!(send(&h.app, at).await.0, StatusCode::CREATED);
+    let over = post_req(Some("k-over"), "")
+        .header("content-length", "17")
+        .body(Body::from("x".repeat(17)))
+        .unwrap();
+    assert_eq!(send(&h.app, over).await.0, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(h.runs.get(), 1);
+}
