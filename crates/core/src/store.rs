@@ -308,42 +308,10 @@ mod tests {
 
     #[test]
     fn a_shared_store_keeps_its_kind() {
-        #[derive(Debug)]
-        struct Named;
-        impl Store for Named {
-            fn claim<'a>(
-                &'a self,
-                _: &'a ClaimRequest,
-            ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
-                Box::pin(async { Err(StoreError::Backend("unused".into())) })
-            }
-            fn complete<'a>(
-                &'a self,
-                _: &'a Claim,
-                _: &'a StoredResponse,
-            ) -> BoxFuture<'a, Result<(), StoreError>> {
-                Box::pin(async { Ok(()) })
-            }
-            fn release<'a>(&'a self, _: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
-                Box::pin(async { Ok(()) })
-            }
-            fn get<'a>(
-                &'a self,
-                _: &'a str,
-                _: &'a str,
-            ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-                Box::pin(async { Ok(None) })
-            }
-            fn sweep(&self, _: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
-                Box::pin(async { Ok(0) })
-            }
-            fn kind(&self) -> &'static str {
-                "named"
-            }
-        }
-        assert_eq!(Batches(Mutex::new(vec![])).kind(), "custom");
-        assert_eq!(Arc::new(Named).kind(), "named");
-        let shared: Arc<dyn Store> = Arc::new(Named);
-        assert_eq!(shared.kind(), "named");
+        let store = || Batches(Mutex::new(vec![]));
+        assert_eq!(store().kind(), "custom", "the trait's default");
+        assert_eq!(Arc::new(store()).kind(), "custom");
+        let shared: Arc<dyn Store> = Arc::new(store());
+        assert_eq!(shared.kind(), "custom");
     }
 }
