@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use idem_core::{Policy, PolicyError};
 
 /// A demo payments service that cannot charge twice.
@@ -33,11 +33,9 @@ pub(crate) struct Config {
     #[arg(long, env = "IDEM_REDIS_CLUSTER")]
     pub(crate) redis_cluster: bool,
 
-    /// Where idempotency records live: `database` (default; completed in the
-    /// handler's transaction) or `redis` (Redis alone, needs --redis-url;
-    /// completed after the handler returns).
-    #[arg(long, env = "IDEM_STORE", default_value = "database", value_parser = ["database", "redis"])]
-    pub(crate) idem_store: String,
+    /// Where idempotency records live.
+    #[arg(long, env = "IDEM_STORE", value_enum, default_value_t = IdemStore::Database)]
+    pub(crate) idem_store: IdemStore,
 
     /// The prefix of idem's keys in Redis (two services sharing a Redis need different ones).
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
@@ -87,9 +85,38 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_SHUTDOWN_GRACE_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub(crate) shutdown_grace_secs: u64,
 
+    /// What the demo's `X-Simulate` header may ask for. `all` (the demo's
+    /// default) includes crashing the process: expose shop with `off`.
+    #[arg(long, env = "SHOP_FAULT_INJECTION", value_enum, default_value_t = FaultInjection::All)]
+    pub(crate) fault_injection: FaultInjection,
+
     /// How long a duplicate of an in-flight request waits for its answer before getting 409, in milliseconds (0: don't wait).
     #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0)]
     pub(crate) wait_ms: u64,
+}
+
+/// Where idempotency records live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum IdemStore {
+    /// In the database (SQLite or PostgreSQL), completed in the handler's
+    /// transaction; with --redis-url, Redis in front of it.
+    Database,
+    /// In Redis alone (needs --redis-url), completed after the handler
+    /// returns.
+    Redis,
+}
+
+/// What `X-Simulate` may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum FaultInjection {
+    /// Everything, crashes included: a demo's and a test's setting, never a
+    /// deployment's (any client could abort the process).
+    All,
+    /// A slow bank (`bank-delay`) and a failing one (`bank-error`); crash
+    /// directives are refused with 400.
+    Safe,
+    /// None: a request with `X-Simulate` is refused with 400.
+    Off,
 }
 
 impl Config {
@@ -98,7 +125,7 @@ impl Config {
         if self.claim_in_transaction {
             let postgres = self.database_url.starts_with("postgres://")
                 || self.database_url.starts_with("postgresql://");
-            if !postgres || self.idem_store != "database" {
+            if !postgres || self.idem_store != IdemStore::Database {
                 return Err("--claim-in-transaction needs a PostgreSQL --database-url holding the records (--idem-store database)".into());
             }
             if self.redis_url.is_some() || self.replay_cache > 0 {

@@ -210,43 +210,59 @@ pub(crate) enum OpenError {
     Schema(#[from] sqlx::Error),
 }
 
-/// A payment as the API shows it.
-#[derive(Debug, Clone, Serialize)]
+/// A payment as the API shows it, read from its row by column name.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub(crate) struct Payment {
+    /// The payment's id (`pay_…`).
     pub(crate) id: String,
+    /// The account charged.
     pub(crate) account_id: String,
+    /// In minor units (cents).
     pub(crate) amount: i64,
+    /// Three letters, e.g. `EUR`.
     pub(crate) currency: String,
+    /// `authorized`, `captured` or `settled`.
     pub(crate) status: String,
+    /// The bank's charge (`ch_…`): one per payment, whatever the retries.
     pub(crate) bank_charge_id: String,
 }
 
-/// The columns a [`Payment`] is read from, in [`PaymentRow`] order.
+/// The columns a [`Payment`] is read from.
 pub(crate) const PAYMENT_COLUMNS: &str = "id, account_id, amount, currency, status, bank_charge_id";
 
-/// A payment row: id, account, amount, currency, status, bank charge.
-pub(crate) type PaymentRow = (String, String, i64, String, String, String);
-
-impl From<PaymentRow> for Payment {
-    fn from((id, account_id, amount, currency, status, bank_charge_id): PaymentRow) -> Self {
-        Payment {
-            id,
-            account_id,
-            amount,
-            currency,
-            status,
-            bank_charge_id,
-        }
-    }
+/// What an account has been charged.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct Account {
+    /// The account.
+    pub(crate) account_id: String,
+    /// The calling client's payments on it.
+    pub(crate) payments: i64,
+    /// Their sum, in minor units.
+    pub(crate) charged_total: i64,
+    /// The bank's charges for them: equal to `payments` when nothing ran twice.
+    pub(crate) bank_charges: i64,
 }
 
-/// What an account has been charged.
-#[derive(Debug, Serialize)]
-pub(crate) struct Account {
+/// A confirmation email the send-email consumer sent.
+#[derive(Debug, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+pub(crate) struct Email {
+    /// The payment it confirms.
+    pub(crate) payment_id: String,
+    /// The account charged.
     pub(crate) account_id: String,
-    pub(crate) payments: i64,
-    pub(crate) charged_total: i64,
-    pub(crate) bank_charges: i64,
+    /// Its subject line.
+    pub(crate) subject: String,
+}
+
+/// A bank event processed for a payment.
+#[derive(Debug, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+pub(crate) struct BankEvent {
+    /// The bank's event id.
+    pub(crate) event_id: String,
+    /// Its type, e.g. `charge.settled`.
+    #[serde(rename = "type")]
+    #[sqlx(rename = "type")]
+    pub(crate) kind: String,
 }
 
 impl Database {
@@ -309,8 +325,7 @@ impl Database {
     ) -> Result<Option<Payment>, sqlx::Error> {
         let sql =
             format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1 AND client_id = $2");
-        let row: Option<PaymentRow> = on_backend!(self, store => sqlx::query_as(&sql).bind(id).bind(client_id).fetch_optional(store.pool()).await?);
-        Ok(row.map(Payment::from))
+        on_backend!(self, store => sqlx::query_as(&sql).bind(id).bind(client_id).fetch_optional(store.pool()).await)
     }
 
     /// Units reserved so far for a SKU.
@@ -321,24 +336,24 @@ impl Database {
     }
 
     /// The confirmation emails sent for the calling client's payments on an
-    /// account: (payment id, subject).
+    /// account, oldest first.
     pub(crate) async fn emails(
         &self,
         client_id: &str,
         account_id: &str,
-    ) -> Result<Vec<(String, String)>, sqlx::Error> {
-        const SQL: &str = "SELECT e.payment_id, e.subject FROM shop_emails e
+    ) -> Result<Vec<Email>, sqlx::Error> {
+        const SQL: &str = "SELECT e.payment_id, e.account_id, e.subject FROM shop_emails e
                            JOIN shop_payments p ON p.id = e.payment_id
                            WHERE e.account_id = $1 AND p.client_id = $2
                            ORDER BY e.created_at, e.id";
         on_backend!(self, store => sqlx::query_as(SQL).bind(account_id).bind(client_id).fetch_all(store.pool()).await)
     }
 
-    /// The bank events processed for a payment, oldest first: (event id, type).
+    /// The bank events processed for a payment, oldest first.
     pub(crate) async fn bank_events(
         &self,
         payment_id: &str,
-    ) -> Result<Vec<(String, String)>, sqlx::Error> {
+    ) -> Result<Vec<BankEvent>, sqlx::Error> {
         const SQL: &str = "SELECT event_id, type FROM shop_bank_events WHERE payment_id = $1
                            ORDER BY received_at, event_id";
         on_backend!(self, store => sqlx::query_as(SQL).bind(payment_id).fetch_all(store.pool()).await)
@@ -400,8 +415,3 @@ impl Database {
         })
     }
 }
-
-/// The statement that records a payment, for both backends.
-pub(crate) const INSERT_PAYMENT: &str = "INSERT INTO shop_payments
-    (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";

@@ -4,16 +4,12 @@
 //! bank under the claim's operation id, then writes the payment and completes
 //! the idempotency record in one transaction. See the README for a tour.
 
-mod api;
 mod bank;
-mod catalog;
 mod config;
 mod db;
-mod input;
+mod http;
 mod messaging;
-mod orders;
 mod serve;
-mod webhooks;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -25,7 +21,7 @@ use idem_memory::ReplayCache;
 use idem_redis::{RedisConfig, RedisStore, TieredStore};
 use tracing::{error, info, warn};
 
-use crate::config::Config;
+use crate::config::{Config, IdemStore};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -100,7 +96,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         }
         None => None,
     };
-    let transactional = config.idem_store == "database";
+    let transactional = config.idem_store == IdemStore::Database;
     match (transactional, redis) {
         (true, Some(redis)) => {
             info!(prefix = %config.redis_prefix, "Redis in front of the database");
@@ -135,13 +131,14 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         )
         .await?,
     );
-    let app = api::router(
-        api::AppState {
+    let app = http::router(
+        http::AppState {
             db: database,
             bank,
             messaging: messaging.clone(),
             transactional,
             claim_in_transaction: config.claim_in_transaction,
+            fault_injection: config.fault_injection,
             webhook_secret: config
                 .webhook_secret
                 .as_ref()

@@ -1,0 +1,236 @@
+//! The HTTP API: one module per resource, each owning its routes and its
+//! part of the OpenAPI document (`GET /openapi.json`).
+//!
+//! - [`payments`]: `POST /payments` (guarded by idem's layer), reading and
+//!   capturing payments, `/accounts/{id}`, `/emails`;
+//! - [`orders`]: `POST /orders`, deduplicated by its natural key;
+//! - [`catalog`]: products with `ETag`/`If-Match`, and stock;
+//! - [`webhooks`]: the bank's events, once per event id;
+//! - [`auth`]: who is calling; [`input`]: what a request may hold;
+//!   [`error`]: the one error type every handler returns.
+
+pub(crate) mod auth;
+pub(crate) mod catalog;
+pub(crate) mod error;
+pub(crate) mod input;
+pub(crate) mod orders;
+pub(crate) mod payments;
+pub(crate) mod webhooks;
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use idem_axum::{IdempotencyLayer, Problem};
+use idem_core::{Policy, Store};
+use serde::Serialize;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, OpenApi, RefOr, ResponseBuilder};
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::bank::Bank;
+use crate::config::FaultInjection;
+use crate::db::Database;
+use error::Result;
+
+/// Shared state of the handlers.
+#[derive(Debug, Clone)]
+pub(crate) struct AppState {
+    pub(crate) db: Database,
+    /// The fake bank, with connections of its own.
+    pub(crate) bank: Bank,
+    pub(crate) messaging: Arc<crate::messaging::Messaging>,
+    /// Whether idempotency records live in `db`, so that handlers complete
+    /// them in their own transaction (not so with Redis alone).
+    pub(crate) transactional: bool,
+    /// Whether `POST /payments` claims inside its own transaction.
+    pub(crate) claim_in_transaction: bool,
+    /// What `X-Simulate` may ask for.
+    pub(crate) fault_injection: FaultInjection,
+    /// The secret the bank signs its webhooks with, if one is configured.
+    pub(crate) webhook_secret: Option<Arc<[u8]>>,
+    pub(crate) metrics: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+/// An RFC 9457 problem, as every error of shop is answered
+/// (`application/problem+json`).
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Problem)]
+pub(crate) struct ProblemDoc {
+    /// A URI naming the kind of problem.
+    #[serde(rename = "type")]
+    kind: String,
+    /// A short, human-readable summary of the kind.
+    title: String,
+    /// The HTTP status code.
+    status: u16,
+    /// What went wrong with this request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+}
+
+/// The whole API, with its OpenAPI document at `GET /openapi.json`.
+///
+/// `POST /payments` requires an `Idempotency-Key`; `POST /orders` honours
+/// one when sent (orders are deduplicated by their natural key anyway).
+pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> Router {
+    let max_body = policy.max_body();
+    let key_required = IdempotencyLayer::new(store.clone(), policy.clone(), auth::scope);
+    let key_optional = match policy.to_builder().require_key(false).build() {
+        Ok(p) => IdempotencyLayer::new(store, p, auth::scope),
+        // unreachable: the settings came from a valid policy
+        Err(_) => key_required.clone(),
+    };
+    let (api, doc) = OpenApiRouter::with_openapi(base_document())
+        .routes(routes!(healthz))
+        .routes(routes!(get_metrics))
+        .routes(routes!(demo_page))
+        .routes(routes!(openapi_json))
+        .merge(payments::router(&state, key_required))
+        .merge(orders::router(key_optional))
+        .merge(catalog::router())
+        .merge(webhooks::router())
+        .split_for_parts();
+    let doc = Arc::new(finish_document(doc));
+    api.layer(axum::Extension(doc))
+        .fallback(not_found)
+        // One body limit for every route, the idempotency layer's: declared
+        // sizes are refused before any read, streamed ones when they pass it.
+        .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn_with_state(
+            max_body,
+            input::refuse_oversized,
+        ))
+        .layer(axum::middleware::from_fn(error::problems_everywhere))
+        .with_state(state)
+}
+
+/// The document's title, version and security scheme.
+fn base_document() -> OpenApi {
+    let mut doc = OpenApi::default();
+    doc.info.title = "shop".into();
+    doc.info.version = env!("CARGO_PKG_VERSION").into();
+    doc.info.description = Some(
+        "A demo payments service that cannot charge twice, built on idem. \
+         Every error is application/problem+json."
+            .into(),
+    );
+    doc.components
+        .get_or_insert_with(Default::default)
+        .add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "The token is the client id: 1 to 255 visible ASCII characters.",
+                    ))
+                    .build(),
+            ),
+        );
+    doc
+}
+
+/// Adds what every operation may answer, whatever its own responses: a
+/// malformed request (`400`), credentials missing where required (`401`),
+/// a body over the limit (`413`), a failure of ours (`500`) and an outage
+/// (`503`, with `Retry-After`); all problem+json.
+fn finish_document(mut doc: OpenApi) -> OpenApi {
+    let problem = |description: &str| {
+        ResponseBuilder::new()
+            .description(description)
+            .content(
+                "application/problem+json",
+                ContentBuilder::new()
+                    .schema(Some(RefOr::Ref(utoipa::openapi::Ref::from_schema_name(
+                        "Problem",
+                    ))))
+                    .build(),
+            )
+            .build()
+    };
+    for item in doc.paths.paths.values_mut() {
+        for op in [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let secured = op.security.as_ref().is_some_and(|s| !s.is_empty());
+            let responses = &mut op.responses.responses;
+            let mut add = |status: &str, description: &str| {
+                responses
+                    .entry(status.to_owned())
+                    .or_insert_with(|| RefOr::T(problem(description)));
+            };
+            add(
+                "400",
+                "The request is malformed or a value is out of range; nothing was written",
+            );
+            if secured {
+                add(
+                    "401",
+                    "Authorization: Bearer <client-id> is missing or unusable",
+                );
+            }
+            add("413", "The body is over the limit");
+            add("500", "A failure of ours");
+            add(
+                "503",
+                "The database is unavailable; retry after Retry-After",
+            );
+        }
+    }
+    doc
+}
+
+async fn not_found() -> Response {
+    Problem::new(StatusCode::NOT_FOUND, "not-found", "No such resource")
+        .detail("no route here; GET /openapi.json lists them")
+        .into_response()
+}
+
+/// The live demo page, embedded in the binary.
+#[utoipa::path(get, path = "/", tag = "operations",
+    responses((status = 200, description = "The demo page", content_type = "text/html", body = String)))]
+async fn demo_page() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        include_str!("../../assets/index.html"),
+    )
+        .into_response()
+}
+
+/// Metrics in Prometheus' text format.
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "The metrics", content_type = "text/plain", body = String)))]
+async fn get_metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Whether the database answers.
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "Healthy", content_type = "text/plain", body = String)))]
+async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
+    state.db.ping().await?;
+    Ok("ok")
+}
+
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations",
+    responses((status = 200, description = "The OpenAPI 3.1 document", body = Object)))]
+async fn openapi_json(axum::Extension(doc): axum::Extension<Arc<OpenApi>>) -> Response {
+    axum::Json(&*doc).into_response()
+}

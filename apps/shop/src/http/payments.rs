@@ -1,0 +1,584 @@
+//! Payments: `POST /payments` (guarded by the idempotency layer), reading,
+//! capturing, and what payments did to an account (`/accounts`, `/emails`).
+
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use idem_axum::{Idempotency, IdempotencyLayer, PendingClaim, Problem};
+use idem_core::{OperationId, UnixMillis};
+use idem_sql::{create_once, transition, Created, Transition};
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::router::UtoipaMethodRouterExt;
+use utoipa_axum::routes;
+
+use super::auth::Client;
+use super::error::{Error, Result};
+use super::{input, AppState, ProblemDoc};
+use crate::bank::{BankError, ChargeRequest};
+use crate::db::{on_backend, Account, BeginWrite, Database, Email, Payment, PAYMENT_COLUMNS};
+
+/// The payment routes. `POST /payments` needs an `Idempotency-Key`
+/// (`layer`); with `claim_in_transaction` its handler claims the key in the
+/// transaction that records the payment.
+pub(super) fn router(state: &AppState, layer: IdempotencyLayer) -> OpenApiRouter<AppState> {
+    // Credentials first (401), then anything but JSON is 415, before the
+    // idempotency layer fingerprints the body. Layers go on the method
+    // router, so that another method still gets 405.
+    let json = || axum::middleware::from_fn(super::auth::require_client_json);
+    let create = if state.claim_in_transaction {
+        routes!(create_payment_in_tx).map(|r| r.route_layer(layer.claim_in_transaction()))
+    } else {
+        routes!(create_payment).map(|r| r.route_layer(layer))
+    };
+    OpenApiRouter::new()
+        .routes(create.map(|r| r.route_layer(json())))
+        .routes(routes!(create_payment_bare).map(|r| r.route_layer(json())))
+        .routes(routes!(get_payment))
+        .routes(routes!(capture_payment))
+        .routes(routes!(get_account))
+        .routes(routes!(get_emails))
+}
+
+/// A payment to make.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NewPayment {
+    /// The account to charge.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,64}$", example = "acc_1")]
+    account_id: String,
+    /// In minor units (cents).
+    #[schema(minimum = 1, maximum = 1_000_000_000, example = 1000)]
+    amount: i64,
+    /// Three letters.
+    #[schema(pattern = "^[A-Za-z]{3}$", example = "EUR")]
+    currency: String,
+}
+
+impl NewPayment {
+    fn parse(body: &[u8]) -> Result<Self> {
+        let new: Self = input::json(body)?;
+        input::identifier("account_id", &new.account_id)?;
+        input::amount(new.amount)?;
+        input::currency(&new.currency)?;
+        Ok(new)
+    }
+}
+
+/// The longest bank delay `X-Simulate` may ask for.
+const MAX_SIMULATED_DELAY: Duration = Duration::from_secs(60);
+
+/// Demo-only fault injection from the `X-Simulate` header, as far as
+/// `--fault-injection` allows it.
+#[derive(Debug, Default)]
+struct Simulate {
+    bank_delay: Option<Duration>,
+    bank_error: bool,
+    crash_before_bank: bool,
+    crash_after_bank: bool,
+}
+
+impl Simulate {
+    fn parse(headers: &HeaderMap, allowed: crate::config::FaultInjection) -> Result<Self> {
+        use crate::config::FaultInjection;
+        let mut sim = Simulate::default();
+        for value in headers.get_all("x-simulate") {
+            if allowed == FaultInjection::Off {
+                return Err(Error::validation(
+                    "X-Simulate is refused: this shop runs with --fault-injection off",
+                ));
+            }
+            let value = value
+                .to_str()
+                .map_err(|_| Error::validation("X-Simulate must be ASCII"))?;
+            for directive in value.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+                match directive {
+                    "bank-error" => sim.bank_error = true,
+                    "crash-before-bank" => sim.crash_before_bank = true,
+                    "crash-after-bank" => sim.crash_after_bank = true,
+                    d => match d.strip_prefix("bank-delay=").map(str::parse::<u64>) {
+                        Some(Ok(ms)) if Duration::from_millis(ms) <= MAX_SIMULATED_DELAY => {
+                            sim.bank_delay = Some(Duration::from_millis(ms))
+                        }
+                        _ => {
+                            return Err(Error::validation(format!(
+                                "unknown X-Simulate directive {d:?}; expected bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank"
+                            )))
+                        }
+                    },
+                }
+            }
+        }
+        if (sim.crash_before_bank || sim.crash_after_bank) && allowed != FaultInjection::All {
+            return Err(Error::validation(
+                "X-Simulate crashes are refused: this shop runs with --fault-injection safe",
+            ));
+        }
+        Ok(sim)
+    }
+}
+
+/// Aborts the process at once, as a killed pod would: no unwinding, no
+/// response, no cleanup.
+fn crash(at: &str) -> ! {
+    eprintln!("shop: simulated crash {at}");
+    std::process::abort()
+}
+
+/// Charges an account, once per `Idempotency-Key`.
+///
+/// The bank is charged under the claim's operation id; the payment and the
+/// idempotency record commit in one transaction. A retry with the same key
+/// and body replays the first answer (`Idempotent-Replayed: true`); while
+/// the first runs it is `409`; with another body `422`.
+#[utoipa::path(
+    post,
+    path = "/payments",
+    tag = "payments",
+    operation_id = "create_payment",
+    security(("bearer" = [])),
+    params(
+        ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key."),
+        ("X-Simulate" = Option<String>, Header, description = "Demo fault injection (see --fault-injection): bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank; comma-separated.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
+    ),
+    request_body(content = NewPayment, content_type = "application/json"),
+    responses(
+        (status = 201, description = "Charged; a replay answers the same with `Idempotent-Replayed: true`", body = Payment,
+            headers(("Location" = String, description = "The payment"))),
+        (status = 409, description = "The same key is in flight (`Retry-After`), or another attempt holds it", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "The key was used for another request", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error); retry with the same key", body = ProblemDoc, content_type = "application/problem+json"),
+    )
+)]
+async fn create_payment(
+    State(state): State<AppState>,
+    idem: Idempotency,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response> {
+    let operation_id = idem.operation_id();
+    let payment = charge(&state, idem.scope(), operation_id, &headers, &body).await?;
+    record_payment(
+        &state,
+        Some(&idem),
+        idem.scope(),
+        operation_id,
+        &payment,
+        None,
+    )
+    .await
+}
+
+/// `POST /payments` with `--claim-in-transaction`: the claim commits
+/// first (binding the key to this request and its operation id before the
+/// bank is called), then the transaction that records the payment holds it:
+/// duplicates get 409 while it is open, and a crash or rollback frees it at
+/// once for a retry of the same request.
+#[utoipa::path(
+    post,
+    path = "/payments",
+    tag = "payments",
+    operation_id = "create_payment",
+    security(("bearer" = [])),
+    params(
+        ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key."),
+        ("X-Simulate" = Option<String>, Header, description = "Demo fault injection (see --fault-injection): bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank; comma-separated.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
+    ),
+    request_body(content = NewPayment, content_type = "application/json"),
+    responses(
+        (status = 201, description = "Charged; a replay answers the same with `Idempotent-Replayed: true`", body = Payment,
+            headers(("Location" = String, description = "The payment"))),
+        (status = 409, description = "The same key is in flight (`Retry-After`), or another attempt holds it", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "The key was used for another request", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error); retry with the same key", body = ProblemDoc, content_type = "application/problem+json"),
+    )
+)]
+async fn create_payment_in_tx(
+    State(state): State<AppState>,
+    pending: PendingClaim,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response> {
+    let Database::Postgres(store) = &state.db else {
+        // `Config::check` refuses the flag without PostgreSQL.
+        return Err(Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "--claim-in-transaction needs PostgreSQL",
+        )
+        .into());
+    };
+    // A replay, 409, 422 or 503; no transaction was begun.
+    let (mut tx, idem) = pending
+        .begin(store)
+        .await
+        .map_err(|answered| Error::Answered(answered.into_response()))?;
+    let operation_id = idem.operation_id();
+    match charge(&state, idem.scope(), operation_id, &headers, &body).await {
+        Ok(payment) => {
+            record_payment(
+                &state,
+                Some(&idem),
+                idem.scope(),
+                operation_id,
+                &payment,
+                Some(tx),
+            )
+            .await
+        }
+        Err(refused) => {
+            let response = refused.into_response();
+            if !response.status().is_client_error() {
+                // Anything else rolls back: the claim is free for the retry.
+                rollback(tx).await;
+                return Ok(response);
+            }
+            // A client error is an answer: it commits with the claim, for replay.
+            match idem.complete_in(store, &mut *tx, response).await {
+                Ok(response) => {
+                    tx.commit().await.map_err(Error::Recording)?;
+                    Ok(response)
+                }
+                Err(e) => {
+                    rollback(tx).await;
+                    Err(Error::Answered(e.into_response()))
+                }
+            }
+        }
+    }
+}
+
+/// Ends a transaction that must not commit, now, before the answer leaves:
+/// a transaction left to its drop ends later, holding its locks (and, with
+/// `--claim-in-transaction`, the claim) until it does.
+async fn rollback<DB: sqlx::Database>(tx: sqlx::Transaction<'static, DB>) {
+    if let Err(e) = tx.rollback().await {
+        // The connection broke: the server ended the transaction with it.
+        warn!(error = %e, "rollback failed");
+    }
+}
+
+/// The same work as `POST /payments` with no idempotency at all: the
+/// baseline the benchmarks compare against. A retry here charges again.
+#[utoipa::path(
+    post,
+    path = "/bare/payments",
+    tag = "payments",
+    security(("bearer" = [])),
+    params(
+        ("X-Simulate" = Option<String>, Header, description = "Demo fault injection, as on POST /payments.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
+    ),
+    request_body(content = NewPayment, content_type = "application/json"),
+    responses(
+        (status = 201, description = "Charged", body = Payment,
+            headers(("Location" = String, description = "The payment"))),
+        (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error)", body = ProblemDoc, content_type = "application/problem+json"),
+    )
+)]
+async fn create_payment_bare(
+    State(state): State<AppState>,
+    Client(client_id): Client,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response> {
+    let operation_id = OperationId::generate();
+    let payment = charge(&state, &client_id, operation_id, &headers, &body).await?;
+    record_payment(&state, None, &client_id, operation_id, &payment, None).await
+}
+
+/// Validates the request and charges the bank under `operation_id`. `Err`
+/// is the answer to send, with nothing of ours written.
+async fn charge(
+    state: &AppState,
+    client_id: &str,
+    operation_id: OperationId,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Payment> {
+    let simulate = Simulate::parse(headers, state.fault_injection)?;
+    let new = NewPayment::parse(body)?;
+    if simulate.crash_before_bank {
+        crash("before the bank call");
+    }
+    if simulate.bank_error {
+        return Err(BankError::Simulated.into());
+    }
+    let charge = ChargeRequest {
+        client_id,
+        operation_id,
+        account_id: &new.account_id,
+        amount: new.amount,
+        currency: &new.currency,
+    };
+    let bank_charge_id = state.bank.charge(&charge).await?;
+    // The bank charged; its answer is slow to come back.
+    if let Some(d) = simulate.bank_delay {
+        tokio::time::sleep(d).await;
+    }
+    if simulate.crash_after_bank {
+        crash("after the bank call");
+    }
+    Ok(Payment {
+        id: format!("pay_{}", uuid::Uuid::now_v7().simple()),
+        account_id: new.account_id,
+        amount: new.amount,
+        currency: new.currency,
+        status: "authorized".to_owned(),
+        bank_charge_id,
+    })
+}
+
+/// The statement that records a payment, for both backends; a second
+/// attempt of the same operation inserts nothing.
+const INSERT_PAYMENT: &str = "INSERT INTO shop_payments
+    (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+    ON CONFLICT (operation_id) DO NOTHING";
+
+/// Writes the payment and completes the idempotency record in one
+/// transaction — `open`, if the handler claimed in it, or a new one: both
+/// commit, or neither.
+///
+/// The payment is created once per operation id: if another attempt of the
+/// same operation recorded it already (an attempt that outlived its lease,
+/// with records outside this database), this one answers with that payment,
+/// the effect that exists, instead of an error.
+async fn record_payment(
+    state: &AppState,
+    idem: Option<&Idempotency>,
+    client_id: &str,
+    operation_id: OperationId,
+    payment: &Payment,
+    open: crate::db::OpenTx,
+) -> Result<Response> {
+    let operation_id = operation_id.to_string();
+    let now = UnixMillis::now().0;
+    let insert = format!("{INSERT_PAYMENT} RETURNING {PAYMENT_COLUMNS}");
+    let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE operation_id = $1");
+    let response = on_backend!(&state.db, store => async {
+        let mut tx = store.pool().begin_in(open).await.map_err(Error::Recording)?;
+        let staged = async {
+            let created = create_once(
+                &mut *tx,
+                || {
+                    sqlx::query_as::<_, Payment>(&insert)
+                        .bind(&payment.id)
+                        .bind(client_id)
+                        .bind(&payment.account_id)
+                        .bind(payment.amount)
+                        .bind(&payment.currency)
+                        .bind(&payment.status)
+                        .bind(&payment.bank_charge_id)
+                        .bind(&operation_id)
+                        .bind(now)
+                },
+                || sqlx::query_as::<_, Payment>(&fetch).bind(&operation_id),
+            )
+            .await
+            .map_err(Error::Recording)?;
+            let recorded = match created {
+                Created::Created(recorded) => {
+                    // The event commits with the payment.
+                    let event = crate::messaging::payment_authorized(&state.messaging, payment);
+                    idem_outbox::OutboxConnection::enqueue(&mut *tx, &event)
+                        .await
+                        .map_err(Error::Recording)?;
+                    recorded
+                }
+                // The safety net caught a second attempt of this operation:
+                // converge on the payment that exists (its event went with it).
+                Created::Existing(recorded) => {
+                    warn!(operation_id = %operation_id, "payment recorded by another attempt of this operation; answering with it");
+                    recorded
+                }
+            };
+            let response = payment_created(&recorded);
+            // Fenced by the claim's token: if a retry took this request
+            // over, this fails and the transaction rolls back.
+            // With a store outside this database (Redis alone), the layer
+            // completes the record after the handler returns instead.
+            match idem {
+                Some(idem) if state.transactional => idem
+                    .complete_in(store, &mut *tx, response)
+                    .await
+                    .map_err(|e| Error::Answered(e.into_response())),
+                _ => Ok(response),
+            }
+        }
+        .await;
+        match staged {
+            Ok(response) => {
+                tx.commit().await.map_err(Error::Recording)?;
+                state.messaging.wake();
+                Ok(response)
+            }
+            Err(refused) => {
+                rollback(tx).await;
+                Err(refused)
+            }
+        }
+    }.await)?;
+    Ok(response)
+}
+
+/// `201 Created` with the payment and its `Location`.
+fn payment_created(payment: &Payment) -> Response {
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, format!("/payments/{}", payment.id))],
+        Json(payment),
+    )
+        .into_response()
+}
+
+/// The calling client's payment; another client's is `404`, as if it did
+/// not exist.
+#[utoipa::path(
+    get,
+    path = "/payments/{id}",
+    tag = "payments",
+    security(("bearer" = [])),
+    params(("id" = String, Path, description = "The payment id", pattern = "^[A-Za-z0-9_.:-]{1,64}$")),
+    responses(
+        (status = 200, description = "The payment", body = Payment),
+        (status = 404, description = "No such payment for this client", body = ProblemDoc, content_type = "application/problem+json"),
+    )
+)]
+async fn get_payment(
+    State(state): State<AppState>,
+    Client(client): Client,
+    Path(id): Path<String>,
+) -> Result<Json<Payment>> {
+    input::identifier("the payment id", &id)?;
+    match state.db.payment(&client, &id).await? {
+        Some(p) => Ok(Json(p)),
+        None => Err(no_such_payment(id)),
+    }
+}
+
+/// `404` for a payment id.
+pub(super) fn no_such_payment(id: String) -> Error {
+    Error::NotFound {
+        what: "payment",
+        id,
+    }
+}
+
+/// Authorized → captured, once. A repeat answers `200` with the captured
+/// payment; another state is `409`.
+#[utoipa::path(
+    post,
+    path = "/payments/{id}/capture",
+    tag = "payments",
+    security(("bearer" = [])),
+    params(("id" = String, Path, description = "The payment id", pattern = "^[A-Za-z0-9_.:-]{1,64}$")),
+    responses(
+        (status = 200, description = "The captured payment (also on a repeat)", body = Payment),
+        (status = 404, description = "No such payment for this client", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "The payment is in a state that cannot be captured", body = ProblemDoc, content_type = "application/problem+json"),
+    )
+)]
+async fn capture_payment(
+    State(state): State<AppState>,
+    Client(client): Client,
+    Path(id): Path<String>,
+) -> Result<Json<Payment>> {
+    input::identifier("the payment id", &id)?;
+    // Another client's payment is not found: it is neither moved nor shown.
+    let update = format!(
+        "UPDATE shop_payments SET status = 'captured'
+         WHERE id = $1 AND client_id = $2 AND status = 'authorized' RETURNING {PAYMENT_COLUMNS}"
+    );
+    let fetch =
+        format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1 AND client_id = $2");
+    let moved: Transition<Payment> = on_backend!(&state.db, store => async {
+        let mut conn = store.pool().acquire().await?;
+        transition(
+            &mut *conn,
+            "captured",
+            |p: &Payment| p.status.clone(),
+            || sqlx::query_as(&update).bind(&id).bind(&client),
+            || sqlx::query_as(&fetch).bind(&id).bind(&client),
+        )
+        .await
+    }
+    .await)?;
+    match moved {
+        Transition::Applied(p) | Transition::AlreadyDone(p) => Ok(Json(p)),
+        Transition::NotFound => Err(no_such_payment(id)),
+        Transition::Conflict { current, .. } => Err(Problem::new(
+            StatusCode::CONFLICT,
+            "payment-state-conflict",
+            "The payment cannot be captured in its current state",
+        )
+        .detail(format!(
+            "payment {id} is {current}; only an authorized payment can be captured"
+        ))
+        .into()),
+    }
+}
+
+/// What the calling client's payments charged the account (another
+/// client's payments are not counted).
+#[utoipa::path(
+    get,
+    path = "/accounts/{account_id}",
+    tag = "payments",
+    security(("bearer" = [])),
+    params(("account_id" = String, Path, description = "The account", pattern = "^[A-Za-z0-9_.:-]{1,64}$")),
+    responses((status = 200, description = "The account's charges", body = Account))
+)]
+async fn get_account(
+    State(state): State<AppState>,
+    Client(client): Client,
+    Path(account_id): Path<String>,
+) -> Result<Json<Account>> {
+    input::identifier("account_id", &account_id)?;
+    Ok(Json(state.db.account(&client, &account_id).await?))
+}
+
+/// The query of `GET /emails`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+struct EmailsQuery {
+    /// The account whose confirmations to list.
+    #[param(pattern = "^[A-Za-z0-9_.:-]{1,64}$")]
+    account_id: String,
+}
+
+/// The confirmation emails sent for an account.
+#[derive(Debug, Serialize, ToSchema)]
+struct Emails {
+    /// One per payment, oldest first.
+    emails: Vec<Email>,
+}
+
+/// The confirmation emails the send-email consumer sent for the calling
+/// client's payments on an account, one per payment.
+#[utoipa::path(
+    get,
+    path = "/emails",
+    tag = "payments",
+    security(("bearer" = [])),
+    params(EmailsQuery),
+    responses((status = 200, description = "The emails", body = Emails))
+)]
+async fn get_emails(
+    State(state): State<AppState>,
+    Client(client): Client,
+    Query(query): Query<EmailsQuery>,
+) -> Result<Json<Emails>> {
+    let account_id = query.account_id;
+    input::identifier("account_id", &account_id)?;
+    let emails = state.db.emails(&client, &account_id).await?;
+    Ok(Json(Emails { emails }))
+}

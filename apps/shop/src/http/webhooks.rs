@@ -1,0 +1,289 @@
+//! The bank's webhooks: `POST /webhooks/bank`, acted on once per event id,
+//! and `GET /payments/{id}/events`, what was processed for a payment.
+//!
+//! Providers send no `Idempotency-Key` and no bearer token: the event id is
+//! the key. The event row is created with [`create_once`] in the same
+//! transaction as its effect, so a delivery repeated any number of times
+//! acts once and answers `200` every time.
+//!
+//! With `--webhook-secret` (`SHOP_WEBHOOK_SECRET`), an event must carry
+//! `X-Bank-Signature: sha256=<hex HMAC-SHA256 of the raw body>` made with
+//! that secret, as payment providers sign theirs; a missing or wrong
+//! signature is `401` and changes nothing. Without a secret, events are
+//! trusted as they come (a demo convenience, never a deployment's).
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::Json;
+use idem_axum::Problem;
+use idem_core::UnixMillis;
+use idem_sql::{create_once, transition, Created, Transition};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::router::UtoipaMethodRouterExt;
+use utoipa_axum::routes;
+
+use super::auth::Client;
+use super::error::Result;
+use super::payments::no_such_payment;
+use super::{input, AppState, ProblemDoc};
+use crate::db::{on_backend, BankEvent, BeginWrite, Payment, PAYMENT_COLUMNS};
+
+/// The webhook routes.
+pub(super) fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(payment_events)).routes(
+        routes!(bank_event).map(|r| r.route_layer(axum::middleware::from_fn(input::require_json))),
+    )
+}
+
+/// The event type with an effect; others are recorded and acknowledged.
+const SETTLED: &str = "charge.settled";
+
+/// An event the bank sends.
+#[derive(Debug, Deserialize, ToSchema)]
+struct Event {
+    /// The bank's id for it: the same event is acted on once.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,64}$", example = "evt_1")]
+    event_id: String,
+    /// `charge.settled` settles the payment; other types are recorded.
+    #[serde(rename = "type")]
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,64}$", example = "charge.settled")]
+    kind: String,
+    /// The payment it is about.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,64}$")]
+    payment_id: String,
+}
+
+impl Event {
+    fn parse(body: &[u8]) -> Result<Self> {
+        let event: Self = input::json(body)?;
+        input::identifier("event_id", &event.event_id)?;
+        input::identifier("type", &event.kind)?;
+        input::identifier("payment_id", &event.payment_id)?;
+        Ok(event)
+    }
+}
+
+/// What processing an event did.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+enum Outcome {
+    /// Acted on now.
+    Processed,
+    /// Acted on before: nothing done.
+    Duplicate,
+}
+
+/// The answer to an event.
+#[derive(Debug, Serialize, ToSchema)]
+struct Receipt {
+    /// The event.
+    event_id: String,
+    /// What was done.
+    status: Outcome,
+}
+
+/// Whether `signature` (`sha256=<hex>`) is the HMAC-SHA256 of `body` under
+/// `secret`, compared in constant time.
+fn signature_valid(secret: &[u8], body: &[u8], signature: &str) -> bool {
+    use hmac::Mac;
+    let Some(hex) = signature.trim().strip_prefix("sha256=") else {
+        return false;
+    };
+    if hex.len() != 64 {
+        return false;
+    }
+    let mut expected = [0u8; 32];
+    for (i, byte) in expected.iter_mut().enumerate() {
+        match u8::from_str_radix(&hex[2 * i..2 * i + 2], 16) {
+            Ok(b) => *byte = b,
+            Err(_) => return false,
+        }
+    }
+    let Ok(mut mac) = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret) else {
+        return false;
+    };
+    mac.update(body);
+    mac.verify_slice(&expected).is_ok()
+}
+
+/// Receives a bank event, acted on once per `event_id`; every delivery of
+/// it answers `200`.
+#[utoipa::path(
+    post,
+    path = "/webhooks/bank",
+    tag = "webhooks",
+    params(("X-Bank-Signature" = Option<String>, Header, description = "`sha256=<hex HMAC-SHA256 of the raw body>`; required with --webhook-secret")),
+    request_body(content = Event, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Processed now, or a duplicate", body = Receipt),
+        (status = 401, description = "The signature is missing or wrong (with --webhook-secret)", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 404, description = "No such payment (yet): the bank retries later", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
+    )
+)]
+async fn bank_event(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Receipt>> {
+    if let Some(secret) = &state.webhook_secret {
+        let mut signatures = headers.get_all("x-bank-signature").iter();
+        let valid = match (signatures.next(), signatures.next()) {
+            (Some(sig), None) => sig
+                .to_str()
+                .is_ok_and(|sig| signature_valid(secret, &body, sig)),
+            _ => false,
+        };
+        if !valid {
+            return Err(Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "bad-signature",
+                "The event's signature is missing or wrong",
+            )
+            .detail("send X-Bank-Signature: sha256=<hex HMAC-SHA256 of the raw body>")
+            .into());
+        }
+    }
+    let event = Event::parse(&body)?;
+    let now = UnixMillis::now().0;
+    let update = format!(
+        "UPDATE shop_payments SET status = 'settled'
+         WHERE id = $1 AND status IN ('authorized', 'captured') RETURNING {PAYMENT_COLUMNS}"
+    );
+    let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1");
+    let outcome: Option<Outcome> = on_backend!(&state.db, store => async {
+        let mut tx = store.pool().begin_write().await?;
+        let staged = async {
+            let exists: Option<(String,)> = sqlx::query_as("SELECT id FROM shop_payments WHERE id = $1")
+                .bind(&event.payment_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if exists.is_none() {
+                return Ok(None);
+            }
+            let recorded: Created<(String,)> = create_once(
+                &mut *tx,
+                || {
+                    sqlx::query_as(
+                        "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at) VALUES ($1, $2, $3, $4)
+                         ON CONFLICT (event_id) DO NOTHING RETURNING event_id",
+                    )
+                    .bind(&event.event_id)
+                    .bind(&event.kind)
+                    .bind(&event.payment_id)
+                    .bind(now)
+                },
+                || sqlx::query_as("SELECT event_id FROM shop_bank_events WHERE event_id = $1").bind(&event.event_id),
+            )
+            .await?;
+            if !recorded.is_created() {
+                return Ok(Some(Outcome::Duplicate));
+            }
+            if event.kind == SETTLED {
+                let moved: Transition<Payment> = transition(
+                    &mut *tx,
+                    "settled",
+                    |p: &Payment| p.status.clone(),
+                    || sqlx::query_as(&update).bind(&event.payment_id),
+                    || sqlx::query_as(&fetch).bind(&event.payment_id),
+                )
+                .await?;
+                if let Transition::Conflict { current, .. } = moved {
+                    tracing::warn!(payment = %event.payment_id, %current, "settlement for a payment in another state");
+                }
+            }
+            Ok(Some(Outcome::Processed))
+        }
+        .await;
+        crate::db::finish(tx, staged).await
+    }
+    .await)?;
+    match outcome {
+        Some(status) => Ok(Json(Receipt {
+            event_id: event.event_id,
+            status,
+        })),
+        // The bank may send an event before our payment commits: it retries
+        // later rather than the event being dropped.
+        None => Err(no_such_payment(event.payment_id)),
+    }
+}
+
+/// The bank events processed for a payment.
+#[derive(Debug, Serialize, ToSchema)]
+struct PaymentEvents {
+    /// The payment.
+    payment_id: String,
+    /// Oldest first.
+    events: Vec<BankEvent>,
+}
+
+/// The bank events processed for the calling client's payment.
+#[utoipa::path(
+    get,
+    path = "/payments/{id}/events",
+    tag = "webhooks",
+    security(("bearer" = [])),
+    params(("id" = String, Path, description = "The payment id", pattern = "^[A-Za-z0-9_.:-]{1,64}$")),
+    responses(
+        (status = 200, description = "The events", body = PaymentEvents),
+        (status = 404, description = "No such payment for this client", body = ProblemDoc, content_type = "application/problem+json"),
+    )
+)]
+async fn payment_events(
+    State(state): State<AppState>,
+    Client(client): Client,
+    Path(id): Path<String>,
+) -> Result<Json<PaymentEvents>> {
+    input::identifier("the payment id", &id)?;
+    if state.db.payment(&client, &id).await?.is_none() {
+        return Err(no_such_payment(id));
+    }
+    let events = state.db.bank_events(&id).await?;
+    Ok(Json(PaymentEvents {
+        payment_id: id,
+        events,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::signature_valid;
+    use hmac::Mac;
+
+    fn sign(secret: &[u8], body: &[u8]) -> String {
+        let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
+        mac.update(body);
+        let hex: String = mac
+            .finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!("sha256={hex}")
+    }
+
+    #[test]
+    fn signatures() {
+        let body = br#"{"event_id":"e1"}"#;
+        let good = sign(b"s3cret", body);
+        assert!(signature_valid(b"s3cret", body, &good));
+        assert!(!signature_valid(b"other", body, &good));
+        assert!(!signature_valid(b"s3cret", b"{}", &good));
+        assert!(!signature_valid(
+            b"s3cret",
+            body,
+            &good.replace("sha256=", "sha1=")
+        ));
+        assert!(!signature_valid(b"s3cret", body, "sha256=zz"));
+        assert!(!signature_valid(
+            b"s3cret",
+            body,
+            &format!("{}é", &good[..good.len() - 2])
+        ));
+        assert!(!signature_valid(b"s3cret", body, ""));
+    }
+}
