@@ -53,8 +53,13 @@ struct Product {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ProductBody {
-    /// 1 to 255 bytes, no control characters.
-    #[schema(min_length = 1, max_length = 255, example = "Tea")]
+    /// 1 to 255 bytes of UTF-8, no control characters.
+    #[schema(
+        min_length = 1,
+        max_length = 255,
+        pattern = "^[^\\u0000-\\u001f\\u007f-\\u009f]+$",
+        example = "Tea"
+    )]
     name: String,
     /// In minor units, 0 to 1,000,000,000.
     #[schema(minimum = 0, maximum = 1_000_000_000)]

@@ -135,7 +135,7 @@ impl TryFrom<OrderRow> for Order {
     tag = "orders",
     security(("bearer" = [])),
     params(
-        ("Idempotency-Key" = Option<String>, Header, description = "Optional: the natural key deduplicates anyway."),
+        ("Idempotency-Key" = Option<String>, Header, description = "Optional: the natural key deduplicates anyway. 1 to 255 visible ASCII characters.", pattern = "^[!-~]{1,255}$"),
     ),
     request_body(content = NewOrder, content_type = "application/json"),
     responses(

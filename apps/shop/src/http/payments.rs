@@ -144,7 +144,7 @@ fn crash(at: &str) -> ! {
     operation_id = "create_payment",
     security(("bearer" = [])),
     params(
-        ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key."),
+        ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key.", pattern = "^[!-~]{1,255}$"),
         ("X-Simulate" = Option<String>, Header, description = "Demo fault injection (see --fault-injection): bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank; comma-separated.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
     ),
     request_body(content = NewPayment, content_type = "application/json"),
@@ -188,7 +188,7 @@ async fn create_payment(
     operation_id = "create_payment",
     security(("bearer" = [])),
     params(
-        ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key."),
+        ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key.", pattern = "^[!-~]{1,255}$"),
         ("X-Simulate" = Option<String>, Header, description = "Demo fault injection (see --fault-injection): bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank; comma-separated.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
     ),
     request_body(content = NewPayment, content_type = "application/json"),
