@@ -66,6 +66,10 @@ pub(crate) async fn serve(
         let _ = stream.set_nodelay(true);
         let connection = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
+            // Above the app's own limit (100 fields, answered 431
+            // problem+json), so that hyper's bare 431 is left for the
+            // grossly oversized.
+            .max_headers(1000)
             .header_read_timeout(limits.header_timeout)
             .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
         let connection = graceful.watch(connection);

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Db, Shop};
+use common::{read, Db, Shop};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -188,4 +188,42 @@ async fn expect_continue_with_a_body_too_large_is_413_without_100_continue() {
             "{path}: {text}"
         );
     }
+}
+
+/// Too many header fields, or too many bytes of them, is a 431 problem
+/// that reaches no handler; what stays within the limits is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_headers_are_a_431_problem() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+
+    let mut many = client.get(shop.url("/healthz"));
+    for i in 0..150 {
+        many = many.header(format!("x-filler-{i}"), "1");
+    }
+    let mut large = client.get(shop.url("/healthz"));
+    large = large.header("x-filler", "a".repeat(20 * 1024));
+    for request in [many, large] {
+        let a = read(request).await;
+        assert_eq!(a.status, 431, "{a:?}");
+        assert_eq!(a.headers["content-type"], "application/problem+json");
+        assert_eq!(a.json()["status"], 431);
+    }
+    // A payment's headers past the limit charge nothing.
+    let mut pay = common::pay(&client, &shop, Some("k-431"), common::BODY);
+    for i in 0..150 {
+        pay = pay.header(format!("x-filler-{i}"), "1");
+    }
+    assert_eq!(read(pay).await.status, 431);
+    assert_eq!(
+        common::account(&client, &shop, "acc_1").await["bank_charges"],
+        0
+    );
+
+    let mut fine = client.get(shop.url("/healthz"));
+    for i in 0..80 {
+        fine = fine.header(format!("x-filler-{i}"), "1");
+    }
+    assert_eq!(read(fine).await.status, 200);
 }

@@ -73,6 +73,38 @@ pub(crate) fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
         .map_err(|e| Error::validation(format!("the body is not valid: {e}")))
 }
 
+/// The most header fields a request may carry.
+pub(crate) const MAX_HEADER_FIELDS: usize = 100;
+
+/// The most bytes a request's header fields (names and values) may hold.
+pub(crate) const MAX_HEADER_BYTES: usize = 16 * 1024;
+
+/// Middleware over every route: more than [`MAX_HEADER_FIELDS`] header
+/// fields, or more than [`MAX_HEADER_BYTES`] of them, is `431` problem+json.
+///
+/// hyper's own limits sit above these (`serve`: 1,000 fields, its read
+/// buffer of about 400 KiB); a request past *those* is answered by hyper, a
+/// bare `431` before any of shop's code runs, and the connection closed.
+pub(crate) async fn refuse_large_headers(request: Request, next: Next) -> Response {
+    let headers = request.headers();
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if headers.len() <= MAX_HEADER_FIELDS && bytes <= MAX_HEADER_BYTES {
+        return next.run(request).await;
+    }
+    Problem::new(
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        "header-fields-too-large",
+        "The request headers are too large",
+    )
+    .detail(format!(
+        "send at most {MAX_HEADER_FIELDS} header fields and {MAX_HEADER_BYTES} bytes of them"
+    ))
+    .into_response()
+}
+
 /// Whether a `Content-Type` names JSON: `application/json` or any
 /// `application/*+json`, parameters allowed.
 pub(crate) fn is_json(content_type: &str) -> bool {

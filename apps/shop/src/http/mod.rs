@@ -106,6 +106,7 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
             input::refuse_oversized,
         ))
         .layer(axum::middleware::from_fn(error::problems_everywhere))
+        .layer(axum::middleware::from_fn(input::refuse_large_headers))
         .with_state(state)
 }
 
