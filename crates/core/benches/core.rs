@@ -6,8 +6,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use idem_core::{
-    decide, FencingToken, Fingerprint, IdempotencyKey, OperationId, Policy, Record, RecordState,
-    Situation, UnixMillis,
+    on_arrival, FencingToken, Fingerprint, IdempotencyKey, OperationId, Policy, Record,
+    RecordState, UnixMillis,
 };
 
 fn json_body(bytes: usize) -> Vec<u8> {
@@ -76,13 +76,11 @@ fn benches(c: &mut Criterion) {
     };
     c.bench_function("decide/in-flight", |b| {
         b.iter(|| {
-            decide(
+            on_arrival(
                 black_box(&policy),
-                Situation::Arrived {
-                    stored: Some(black_box(&record)),
-                    fingerprint: &fp,
-                    now: UnixMillis(1),
-                },
+                Some(black_box(&record)),
+                &fp,
+                UnixMillis(1),
             )
         })
     });

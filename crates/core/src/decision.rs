@@ -1,72 +1,54 @@
-//! The decision table of the HTTP contract, as one pure function.
+//! The decision table of the HTTP contract, as three pure functions, one
+//! per phase of a request; each answers with an enum of its own, so that
+//! every `match` on a decision is exhaustive.
 //!
-//! | situation | decision |
-//! |---|---|
-//! | key missing where required | [`Decision::RejectMissingKey`] (`400`) |
-//! | key missing where optional | [`Decision::PassThrough`] |
-//! | key malformed | [`Decision::RejectInvalidKey`] (`400`) |
-//! | body over the limit | [`Decision::RejectTooLarge`] (`413`, nothing stored) |
-//! | new key, or record past its retention | [`Decision::Run`] |
-//! | same key, same fingerprint, completed | [`Decision::Replay`] |
-//! | same key, in progress, lease alive | [`Decision::Conflict`] (`409`) or [`Decision::Wait`] |
-//! | same key, in progress, lease expired | [`Decision::TakeOver`] |
-//! | same key, different fingerprint | [`Decision::Mismatch`] (`422`) |
-//! | handler answered `2xx`/`3xx` | [`Decision::Store`] |
-//! | handler answered `4xx` | [`Decision::Store`] (or [`Decision::Release`] if the policy says so) |
-//! | handler answered `5xx`, panicked, or was dropped | [`Decision::Release`] |
+//! | phase | situation | decision |
+//! |---|---|---|
+//! | reading | key missing where required | [`MissingKey::Reject`] (`400`) |
+//! | reading | key missing where optional | [`MissingKey::PassThrough`] |
+//! | reading | key malformed, body over the limit | always refused (`400`, `413`, nothing stored) |
+//! | claiming | new key, or record past its retention | [`Arrival::Run`] |
+//! | claiming | same key, same fingerprint, completed | [`Arrival::Replay`] |
+//! | claiming | same key, in progress, lease alive | [`Arrival::Conflict`] (`409`) or [`Arrival::Wait`] |
+//! | claiming | same key, in progress, lease expired | [`Arrival::TakeOver`] |
+//! | claiming | same key, different fingerprint | [`Arrival::Mismatch`] (`422`) |
+//! | finishing | handler answered `2xx`/`3xx` | [`Settlement::Store`] |
+//! | finishing | handler answered `4xx` | [`Settlement::Store`] (or [`Settlement::Release`] if the policy says so) |
+//! | finishing | handler answered `5xx`, panicked, or was dropped | [`Settlement::Release`] |
 //!
-//! Stores apply the "arrived" rows atomically (the memory store calls
-//! [`decide`] under its lock; the SQL stores spell the same rows in SQL);
-//! the HTTP edge applies the rest.
+//! Stores apply the claiming rows atomically (the memory store calls
+//! [`on_arrival`] under its lock; the SQL stores spell the same rows in
+//! SQL); the HTTP edge applies the rest.
 
 use std::time::Duration;
 
 use crate::fingerprint::Fingerprint;
-use crate::key::KeyError;
 use crate::policy::Policy;
 use crate::record::{Record, RecordState, UnixMillis};
 
-/// What is known at one step of handling a request.
-#[derive(Debug, Clone, Copy)]
-#[non_exhaustive]
-pub enum Situation<'a> {
-    /// A guarded request came without an `Idempotency-Key`.
-    KeyMissing,
-    /// The `Idempotency-Key` header could not be parsed.
-    KeyInvalid(&'a KeyError),
-    /// The body is larger than the policy allows.
-    BodyTooLarge,
-    /// A request with a valid key and body arrived; `stored` is what the store
-    /// holds under its `(scope, key)`, if anything.
-    Arrived {
-        /// The record under the same scope and key, if any.
-        stored: Option<&'a Record>,
-        /// The arriving request's fingerprint.
-        fingerprint: &'a Fingerprint,
-        /// The current time.
-        now: UnixMillis,
-    },
-    /// The handler produced a response with this status.
-    HandlerAnswered {
-        /// The HTTP status code.
-        status: u16,
-    },
-    /// The handler panicked, or its future was dropped before it answered.
-    HandlerAbandoned,
+/// What to do with a guarded request that came without an
+/// `Idempotency-Key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissingKey {
+    /// Answer `400`: the policy requires a key.
+    Reject,
+    /// Run the request without idempotency.
+    PassThrough,
 }
 
-/// What to do.
+/// The reading phase: a guarded request came without a key.
+pub fn on_missing_key(policy: &Policy) -> MissingKey {
+    if policy.require_key() {
+        MissingKey::Reject
+    } else {
+        MissingKey::PassThrough
+    }
+}
+
+/// What to do with a request whose key and body are valid, given what the
+/// store holds under its scope and key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Decision {
-    /// Answer `400`: the key is required and missing.
-    RejectMissingKey,
-    /// Answer `400`: the key is malformed.
-    RejectInvalidKey,
-    /// Answer `413`: the body is too large; store nothing.
-    RejectTooLarge,
-    /// Run the request without idempotency (no key, and none required).
-    PassThrough,
+pub enum Arrival {
     /// Claim the key afresh and run the handler.
     Run,
     /// Take the expired claim over (new token, same operation id) and run.
@@ -75,7 +57,8 @@ pub enum Decision {
     Replay,
     /// Answer `409` with `Retry-After`: another request holds the key.
     Conflict {
-        /// How long until the holder's lease runs out (at least one second).
+        /// The `Retry-After`: the policy's hint, capped by the rest of the
+        /// holder's lease, at least one second.
         retry_after: Duration,
     },
     /// Wait (at most this long) for the holder to finish, then decide again.
@@ -85,46 +68,65 @@ pub enum Decision {
     },
     /// Answer `422`: the key was used for a different request.
     Mismatch,
+}
+
+/// The claiming phase: a request with `fingerprint` arrived at `now`, and
+/// the store holds `stored` (if anything) under the same scope and key.
+pub fn on_arrival(
+    policy: &Policy,
+    stored: Option<&Record>,
+    fingerprint: &Fingerprint,
+    now: UnixMillis,
+) -> Arrival {
+    match stored {
+        None => Arrival::Run,
+        Some(r) if r.is_expired(now) => Arrival::Run,
+        Some(r) if r.fingerprint != *fingerprint => Arrival::Mismatch,
+        Some(r) => match &r.state {
+            RecordState::Completed { .. } => Arrival::Replay,
+            RecordState::InProgress { locked_until, .. } if *locked_until <= now => {
+                Arrival::TakeOver
+            }
+            RecordState::InProgress { locked_until, .. } => match policy.wait() {
+                Some(at_most) => Arrival::Wait { at_most },
+                None => Arrival::Conflict {
+                    retry_after: retry_after(now, *locked_until, policy.retry_after()),
+                },
+            },
+        },
+    }
+}
+
+/// How the handler ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandlerEnd {
+    /// It answered with this HTTP status.
+    Answered {
+        /// The HTTP status code.
+        status: u16,
+    },
+    /// It panicked, or its future was dropped before it answered.
+    Abandoned,
+}
+
+/// What to do with the claim once the handler ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
     /// Complete the record with the handler's response.
     Store,
     /// Release the claim so that the next retry runs afresh.
     Release,
 }
 
-/// Decides what happens in `situation` under `policy`. Pure: no I/O, no clock.
-pub fn decide(policy: &Policy, situation: Situation<'_>) -> Decision {
-    match situation {
-        Situation::KeyMissing if policy.require_key() => Decision::RejectMissingKey,
-        Situation::KeyMissing => Decision::PassThrough,
-        Situation::KeyInvalid(_) => Decision::RejectInvalidKey,
-        Situation::BodyTooLarge => Decision::RejectTooLarge,
-        Situation::Arrived {
-            stored,
-            fingerprint,
-            now,
-        } => match stored {
-            None => Decision::Run,
-            Some(r) if r.is_expired(now) => Decision::Run,
-            Some(r) if r.fingerprint != *fingerprint => Decision::Mismatch,
-            Some(r) => match &r.state {
-                RecordState::Completed { .. } => Decision::Replay,
-                RecordState::InProgress { locked_until, .. } if *locked_until <= now => {
-                    Decision::TakeOver
-                }
-                RecordState::InProgress { locked_until, .. } => match policy.wait() {
-                    Some(at_most) => Decision::Wait { at_most },
-                    None => Decision::Conflict {
-                        retry_after: retry_after(now, *locked_until, policy.retry_after()),
-                    },
-                },
-            },
-        },
-        Situation::HandlerAnswered { status } => match status {
-            500..=599 => Decision::Release,
-            400..=499 if !policy.store_client_errors() => Decision::Release,
-            _ => Decision::Store,
-        },
-        Situation::HandlerAbandoned => Decision::Release,
+/// The finishing phase: the handler ended as `end`.
+pub fn on_handler_end(policy: &Policy, end: HandlerEnd) -> Settlement {
+    match end {
+        HandlerEnd::Answered { status: 500..=599 } => Settlement::Release,
+        HandlerEnd::Answered { status: 400..=499 } if !policy.store_client_errors() => {
+            Settlement::Release
+        }
+        HandlerEnd::Answered { .. } => Settlement::Store,
+        HandlerEnd::Abandoned => Settlement::Release,
     }
 }
 
@@ -178,22 +180,15 @@ mod tests {
         }
     }
 
-    fn arrived(p: &Policy, stored: Option<&Record>, body: &str) -> Decision {
-        decide(
-            p,
-            Situation::Arrived {
-                stored,
-                fingerprint: &fp(body),
-                now: NOW,
-            },
-        )
+    fn arrived(p: &Policy, stored: Option<&Record>, body: &str) -> Arrival {
+        on_arrival(p, stored, &fp(body), NOW)
     }
 
     const LATER: UnixMillis = UnixMillis(NOW.0 + 86_400_000);
 
     #[test]
     fn row_new_key_runs() {
-        assert_eq!(arrived(&Policy::default(), None, "{}"), Decision::Run);
+        assert_eq!(arrived(&Policy::default(), None, "{}"), Arrival::Run);
     }
 
     #[test]
@@ -201,7 +196,7 @@ mod tests {
         let r = record(r#"{"a":1}"#, completed(), LATER);
         assert_eq!(
             arrived(&Policy::default(), Some(&r), r#"{ "a" : 1 }"#),
-            Decision::Replay
+            Arrival::Replay
         );
     }
 
@@ -211,7 +206,7 @@ mod tests {
         let r = record("{}", in_progress(NOW.0 + 29_000), LATER);
         assert_eq!(
             arrived(&Policy::default(), Some(&r), "{}"),
-            Decision::Conflict {
+            Arrival::Conflict {
                 retry_after: Duration::from_secs(1)
             }
         );
@@ -221,7 +216,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             arrived(&p, Some(&r), "{}"),
-            Decision::Conflict {
+            Arrival::Conflict {
                 retry_after: Duration::from_secs(5)
             }
         );
@@ -229,14 +224,14 @@ mod tests {
         let r = record("{}", in_progress(NOW.0 + 2_500), LATER);
         assert_eq!(
             arrived(&p, Some(&r), "{}"),
-            Decision::Conflict {
+            Arrival::Conflict {
                 retry_after: Duration::from_secs(3)
             }
         );
         let almost = record("{}", in_progress(NOW.0 + 1), LATER);
         assert_eq!(
             arrived(&Policy::default(), Some(&almost), "{}"),
-            Decision::Conflict {
+            Arrival::Conflict {
                 retry_after: Duration::from_secs(1)
             }
         );
@@ -251,7 +246,7 @@ mod tests {
         let r = record("{}", in_progress(NOW.0 + 2_500), LATER);
         assert_eq!(
             arrived(&p, Some(&r), "{}"),
-            Decision::Wait {
+            Arrival::Wait {
                 at_most: Duration::from_secs(2)
             }
         );
@@ -262,7 +257,7 @@ mod tests {
         let r = record("{}", in_progress(NOW.0), LATER);
         assert_eq!(
             arrived(&Policy::default(), Some(&r), "{}"),
-            Decision::TakeOver
+            Arrival::TakeOver
         );
     }
 
@@ -270,59 +265,39 @@ mod tests {
     fn row_different_fingerprint_mismatches() {
         let p = Policy::default();
         let done = record(r#"{"a":1}"#, completed(), LATER);
-        assert_eq!(arrived(&p, Some(&done), r#"{"a":2}"#), Decision::Mismatch);
+        assert_eq!(arrived(&p, Some(&done), r#"{"a":2}"#), Arrival::Mismatch);
         let live = record(r#"{"a":1}"#, in_progress(NOW.0 + 5_000), LATER);
-        assert_eq!(arrived(&p, Some(&live), r#"{"a":2}"#), Decision::Mismatch);
+        assert_eq!(arrived(&p, Some(&live), r#"{"a":2}"#), Arrival::Mismatch);
         // an expired lease is not taken over by a different request
         let dead = record(r#"{"a":1}"#, in_progress(NOW.0 - 1), LATER);
-        assert_eq!(arrived(&p, Some(&dead), r#"{"a":2}"#), Decision::Mismatch);
+        assert_eq!(arrived(&p, Some(&dead), r#"{"a":2}"#), Arrival::Mismatch);
     }
 
     #[test]
     fn row_key_missing_where_required() {
-        assert_eq!(
-            decide(&Policy::default(), Situation::KeyMissing),
-            Decision::RejectMissingKey
-        );
+        assert_eq!(on_missing_key(&Policy::default()), MissingKey::Reject);
         let optional = Policy::builder().require_key(false).build().unwrap();
-        assert_eq!(
-            decide(&optional, Situation::KeyMissing),
-            Decision::PassThrough
-        );
-    }
-
-    #[test]
-    fn row_key_malformed() {
-        assert_eq!(
-            decide(&Policy::default(), Situation::KeyInvalid(&KeyError::Empty)),
-            Decision::RejectInvalidKey
-        );
-    }
-
-    #[test]
-    fn row_body_too_large() {
-        assert_eq!(
-            decide(&Policy::default(), Situation::BodyTooLarge),
-            Decision::RejectTooLarge
-        );
+        assert_eq!(on_missing_key(&optional), MissingKey::PassThrough);
     }
 
     #[test]
     fn row_handler_answers() {
         let p = Policy::default();
         for (status, want) in [
-            (200, Decision::Store),
-            (201, Decision::Store),
-            (303, Decision::Store),
-            (400, Decision::Store),
-            (404, Decision::Store),
-            (422, Decision::Store),
-            (500, Decision::Release),
-            (502, Decision::Release),
-            (503, Decision::Release),
+            (200, Settlement::Store),
+            (201, Settlement::Store),
+            (303, Settlement::Store),
+            (400, Settlement::Store),
+            (404, Settlement::Store),
+            (422, Settlement::Store),
+            (499, Settlement::Store),
+            (500, Settlement::Release),
+            (502, Settlement::Release),
+            (503, Settlement::Release),
+            (599, Settlement::Release),
         ] {
             assert_eq!(
-                decide(&p, Situation::HandlerAnswered { status }),
+                on_handler_end(&p, HandlerEnd::Answered { status }),
                 want,
                 "{status}"
             );
@@ -331,21 +306,27 @@ mod tests {
             .store_client_errors(false)
             .build()
             .unwrap();
-        assert_eq!(
-            decide(&no4xx, Situation::HandlerAnswered { status: 409 }),
-            Decision::Release
-        );
-        assert_eq!(
-            decide(&no4xx, Situation::HandlerAnswered { status: 201 }),
-            Decision::Store
-        );
+        for (status, want) in [
+            (399, Settlement::Store),
+            (400, Settlement::Release),
+            (409, Settlement::Release),
+            (499, Settlement::Release),
+            (201, Settlement::Store),
+            (500, Settlement::Release),
+        ] {
+            assert_eq!(
+                on_handler_end(&no4xx, HandlerEnd::Answered { status }),
+                want,
+                "{status}"
+            );
+        }
     }
 
     #[test]
     fn row_handler_panicked_or_dropped_releases() {
         assert_eq!(
-            decide(&Policy::default(), Situation::HandlerAbandoned),
-            Decision::Release
+            on_handler_end(&Policy::default(), HandlerEnd::Abandoned),
+            Settlement::Release
         );
     }
 
@@ -353,14 +334,14 @@ mod tests {
     fn row_record_past_retention_is_new_again() {
         let p = Policy::default();
         let old = record(r#"{"a":1}"#, completed(), NOW);
-        assert_eq!(arrived(&p, Some(&old), r#"{"a":1}"#), Decision::Run);
+        assert_eq!(arrived(&p, Some(&old), r#"{"a":1}"#), Arrival::Run);
         // ... even with another body
-        assert_eq!(arrived(&p, Some(&old), r#"{"a":2}"#), Decision::Run);
+        assert_eq!(arrived(&p, Some(&old), r#"{"a":2}"#), Arrival::Run);
         // but a live holder is never evicted by retention
         let held = record("{}", in_progress(NOW.0 + 1_000), NOW);
         assert!(matches!(
             arrived(&p, Some(&held), "{}"),
-            Decision::Conflict { .. }
+            Arrival::Conflict { .. }
         ));
     }
 }

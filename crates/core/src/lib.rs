@@ -6,20 +6,20 @@
 //!   canonicalised (RFC 8785);
 //! - [`Record`], [`Claim`], [`FencingToken`], [`OperationId`]: the record and
 //!   its states;
-//! - [`decide`]: the decision table of the HTTP contract as one pure function;
+//! - [`on_missing_key`], [`on_arrival`], [`on_handler_end`]: the decision
+//!   table of the HTTP contract, one pure function per phase;
 //! - [`Policy`]: retention, lease, waiting, body limit, replayed headers;
 //! - [`Store`]: the trait every store implements.
 //!
 //! ```
-//! use idem_core::{decide, Decision, Fingerprint, IdempotencyKey, Policy, Situation, UnixMillis};
+//! use idem_core::{on_arrival, Arrival, Fingerprint, IdempotencyKey, Policy, UnixMillis};
 //!
 //! let key = IdempotencyKey::parse(br#""8e03978e-40d5-43e8-bc93-6894a57f9324""#)?;
 //! let fingerprint = Fingerprint::of_request("POST", "/payments", Some("application/json"),
 //!     br#"{"amount": 1000, "currency": "EUR"}"#);
 //! let policy = Policy::default();
 //! // Nothing stored under the key yet: run the handler.
-//! let decision = decide(&policy, Situation::Arrived { stored: None, fingerprint: &fingerprint, now: UnixMillis::now() });
-//! assert_eq!(decision, Decision::Run);
+//! assert_eq!(on_arrival(&policy, None, &fingerprint, UnixMillis::now()), Arrival::Run);
 //! assert_eq!(key.as_str(), "8e03978e-40d5-43e8-bc93-6894a57f9324");
 //! # Ok::<(), idem_core::KeyError>(())
 //! ```
@@ -32,7 +32,9 @@ pub mod policy;
 pub mod record;
 pub mod store;
 
-pub use decision::{decide, Decision, Situation};
+pub use decision::{
+    on_arrival, on_handler_end, on_missing_key, Arrival, HandlerEnd, MissingKey, Settlement,
+};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use ops::{Inspection, StoreStats};

@@ -56,7 +56,7 @@ pub enum ClaimOutcome {
     Acquired(Claim),
     /// Someone else's record is there: completed, in flight under a live
     /// lease, or made by a request with another fingerprint. Pass it to
-    /// [`decide`](crate::decide) to learn what to answer.
+    /// [`on_arrival`](crate::on_arrival) to learn what to answer.
     Existing(Record),
 }
 
@@ -209,7 +209,7 @@ pub enum TxClaimOutcome<T> {
         /// The open transaction that holds the claim.
         transaction: T,
     },
-    /// Someone else's record is there: pass it to [`decide`](crate::decide).
+    /// Someone else's record is there: pass it to [`on_arrival`](crate::on_arrival).
     Existing(Record),
     /// An open transaction holds the key: the request is in flight.
     Busy,

@@ -35,9 +35,9 @@ use std::fmt;
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::{IntoResponse, IntoResponseParts, Response, ResponseParts};
 use http::request::Parts;
-use http::{header, HeaderMap, HeaderValue, StatusCode};
+use http::{header, HeaderMap, HeaderValue};
 
-use crate::problem::Problem;
+use crate::rejection::IdempotencyRejection;
 
 /// A strong entity tag, quoted per RFC 9110 (`"42"`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -320,48 +320,27 @@ pub enum PreconditionRejection {
 impl IntoResponse for PreconditionRejection {
     fn into_response(self) -> Response {
         match self {
-            PreconditionRejection::Missing => precondition_required(),
-            PreconditionRejection::Malformed(detail) => Problem::new(
-                StatusCode::BAD_REQUEST,
-                "precondition-invalid",
-                "The precondition header is invalid",
-            )
-            .detail(detail)
-            .into_response(),
+            PreconditionRejection::Missing => IdempotencyRejection::PreconditionRequired,
+            PreconditionRejection::Malformed(detail) => {
+                IdempotencyRejection::PreconditionInvalid(detail)
+            }
         }
+        .into_response()
     }
 }
 
 /// `428 Precondition Required`: updates need `If-Match`.
 pub fn precondition_required() -> Response {
-    Problem::new(
-        StatusCode::PRECONDITION_REQUIRED,
-        "precondition-required",
-        "This write requires If-Match",
-    )
-    .detail("read the resource, then send its ETag in If-Match")
-    .into_response()
+    IdempotencyRejection::PreconditionRequired.into_response()
 }
 
 /// `412 Precondition Failed`, with the current `ETag` when the resource
 /// exists, so the client can re-read and decide.
 pub fn precondition_failed(current: Option<&ETag>) -> Response {
-    let mut response = Problem::new(
-        StatusCode::PRECONDITION_FAILED,
-        "precondition-failed",
-        "The resource changed since it was read",
-    )
-    .detail(match current {
-        Some(_) => "the version in If-Match is not the current one; read it again",
-        None => "the resource does not exist",
-    })
-    .into_response();
-    if let Some(tag) = current {
-        response
-            .headers_mut()
-            .insert(header::ETAG, tag.header_value());
+    IdempotencyRejection::PreconditionFailed {
+        current: current.map(ETag::header_value),
     }
-    response
+    .into_response()
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for IfMatch {

@@ -6,13 +6,12 @@ use axum::body::Body;
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
-use http::StatusCode;
 use http_body_util::BodyExt;
 use idem_core::{
     Claim, FencingToken, OperationId, Policy, StoreError, StoredResponse, TransactionalStore,
 };
 
-use crate::problem::Problem;
+use crate::rejection::IdempotencyRejection;
 
 /// How the handler left the record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,28 +67,11 @@ pub enum CompleteError {
 impl IntoResponse for CompleteError {
     fn into_response(self) -> Response {
         match self {
-            CompleteError::ClaimLost => Problem::new(
-                StatusCode::CONFLICT,
-                "idempotency-key-in-use",
-                "Another attempt took this request over",
-            )
-            .detail("this attempt ran past its lease and was rolled back; retry to get the answer of the attempt that took over")
-            .retry_after(1)
-            .into_response(),
-            CompleteError::Store(_) => Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                "The idempotency store is unavailable",
-            )
-            .retry_after(1)
-            .into_response(),
-            CompleteError::Body(_) => Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "response-unreadable",
-                "The response could not be stored",
-            )
-            .into_response(),
+            CompleteError::ClaimLost => IdempotencyRejection::TakenOver,
+            CompleteError::Store(_) => IdempotencyRejection::StoreUnavailable,
+            CompleteError::Body(_) => IdempotencyRejection::ResponseUnreadable,
         }
+        .into_response()
     }
 }
 
@@ -154,7 +136,7 @@ impl Idempotency {
     /// Buffers `response` and returns what the store keeps of it (status,
     /// allow-listed headers, body) with the response rebuilt for sending.
     /// The building block of transactional completion for any SQL store.
-    pub async fn stage(
+    pub(crate) async fn stage(
         &self,
         response: Response,
     ) -> Result<(StoredResponse, Response), CompleteError> {
@@ -172,7 +154,7 @@ impl Idempotency {
     /// a store's own transactional API: `Ok` tells the layer not to complete
     /// the record again; [`StoreError::ClaimLost`] tells it to store nothing.
     /// Returns the error for the handler to act on (roll back).
-    pub fn record_transactional_completion(
+    pub(crate) fn record_transactional_completion(
         &self,
         result: Result<(), StoreError>,
     ) -> Result<(), CompleteError> {
@@ -232,31 +214,15 @@ pub(crate) fn stored_response(
     }
 }
 
-/// The [`Idempotency`] extractor was used on a route the layer does not guard.
-#[derive(Debug, Clone, Copy)]
-pub struct MissingIdempotency;
-
-impl IntoResponse for MissingIdempotency {
-    fn into_response(self) -> Response {
-        tracing::error!("Idempotency extracted on a route without IdempotencyLayer, a method it does not guard, or a layer that leaves the claim to the handler (extract PendingClaim there)");
-        Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "idempotency-layer-missing",
-            "This route is not guarded by IdempotencyLayer",
-        )
-        .into_response()
-    }
-}
-
 impl<S: Send + Sync> FromRequestParts<S> for Idempotency {
-    type Rejection = MissingIdempotency;
+    type Rejection = IdempotencyRejection;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
         parts
             .extensions
             .get::<Idempotency>()
             .cloned()
-            .ok_or(MissingIdempotency)
+            .ok_or(IdempotencyRejection::LayerMissing)
     }
 }
 

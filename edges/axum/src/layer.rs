@@ -7,16 +7,9 @@ use http::Method;
 use idem_core::{Policy, Store};
 use tower::Layer;
 
+use crate::config::Config;
 use crate::scope::ScopeExtractor;
 use crate::service::IdempotencyService;
-
-pub(crate) struct Config {
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) policy: Policy,
-    pub(crate) scope: Arc<dyn ScopeExtractor>,
-    pub(crate) methods: Vec<Method>,
-    pub(crate) claim_in_handler: bool,
-}
 
 /// A tower [`Layer`] that makes `POST` and `PATCH` requests idempotent; see
 /// the [crate docs](crate) for the contract it implements.
@@ -65,19 +58,12 @@ impl IdempotencyLayer {
     ///     .methods([Method::POST, Method::PUT, Method::PATCH, Method::DELETE]);
     /// ```
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        let c = &self.config;
-        self.config = Arc::new(Config {
-            store: c.store.clone(),
-            policy: c.policy.clone(),
-            scope: c.scope.clone(),
-            methods: methods.into_iter().collect(),
-            claim_in_handler: c.claim_in_handler,
-        });
+        Arc::make_mut(&mut self.config).methods = methods.into_iter().collect();
         self
     }
 
     /// Leaves the claim to the handler, which makes it with
-    /// [`PendingClaim::begin`](crate::PendingClaim::begin) and gets the
+    /// [`DeferredClaim::begin`](crate::DeferredClaim::begin) and gets the
     /// business transaction that holds it: the claim commits first (the key
     /// is bound to this request and its operation id before any effect),
     /// and the transaction holds it until it ends, so a crash or a rollback
@@ -85,21 +71,14 @@ impl IdempotencyLayer {
     /// the key and the body size, fingerprints the request, and settles the
     /// claim after the handler answers.
     ///
-    /// Handlers extract [`PendingClaim`](crate::PendingClaim) instead of
+    /// Handlers extract [`DeferredClaim`](crate::DeferredClaim) instead of
     /// [`Idempotency`](crate::Idempotency). The trade-off is in
     /// [`ClaimInTransaction`](idem_core::ClaimInTransaction): the
     /// transaction stays open for the whole handler, holding a connection;
     /// a holder idle in it longer than the lease has its session ended by
     /// the database. Meant for short handlers.
     pub fn claim_in_transaction(mut self) -> Self {
-        let c = &self.config;
-        self.config = Arc::new(Config {
-            store: c.store.clone(),
-            policy: c.policy.clone(),
-            scope: c.scope.clone(),
-            methods: c.methods.clone(),
-            claim_in_handler: true,
-        });
+        Arc::make_mut(&mut self.config).claim_in_handler = true;
         self
     }
 

@@ -63,24 +63,39 @@
 //! # Holding the claim in the business transaction
 //!
 //! With [`IdempotencyLayer::claim_in_transaction`], the handler claims the
-//! key itself with [`PendingClaim::begin`] and gets the transaction that
+//! key itself with [`DeferredClaim::begin`] and gets the transaction that
 //! holds the claim. The claim commits first, binding the key to the request
 //! and its operation id before any effect; while the transaction is open,
 //! duplicates get `409`; when it ends (a commit, a rollback, a crash) the
 //! claim is free at once, with no lease to wait out. See
 //! [`ClaimInTransaction`](idem_core::ClaimInTransaction) for the trade-off.
 
-pub mod conditional;
-mod extract;
+// Configuration, and the tower `Service` it makes.
+mod config;
 mod layer;
-mod pending;
-pub mod problem;
-mod scope;
 mod service;
+// One request's way through the layer, phase by phase: reading, claiming
+// (in the layer, or deferred to the handler's transaction), finishing.
+mod claim;
+mod deferred;
+mod finish;
+mod handle;
+mod request;
+// What handlers extract, and what the layer answers instead of them.
+mod extract;
+mod metrics;
+pub mod problem;
+mod rejection;
+mod scope;
 
-pub use extract::{CompleteError, Idempotency, MissingIdempotency};
+pub mod conditional;
+
+pub use claim::IDEMPOTENT_REPLAYED;
+pub use deferred::{ClaimRefused, DeferredClaim};
+pub use extract::{CompleteError, Idempotency};
 pub use layer::IdempotencyLayer;
-pub use pending::{Answered, PendingClaim};
 pub use problem::Problem;
+pub use rejection::IdempotencyRejection;
+pub use request::IDEMPOTENCY_KEY;
 pub use scope::{ScopeExtractor, SingleScope};
-pub use service::{IdempotencyService, ResponseFuture, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use service::{IdempotencyService, ResponseFuture};

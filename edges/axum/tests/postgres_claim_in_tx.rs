@@ -13,7 +13,7 @@ use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use idem_axum::{Idempotency, IdempotencyLayer, PendingClaim, SingleScope};
+use idem_axum::{DeferredClaim, Idempotency, IdempotencyLayer, SingleScope};
 use idem_core::{Policy, RecordState, Store};
 use idem_postgres::PostgresStore;
 use idem_store_suite::postgres::TestSchema;
@@ -32,7 +32,7 @@ fn header(headers: &http::HeaderMap, name: &str) -> Option<String> {
 /// panic` panics while holding the claim.
 async fn create(
     State(store): State<PostgresStore>,
-    pending: PendingClaim,
+    pending: DeferredClaim,
     headers: http::HeaderMap,
 ) -> Response {
     let delay: u64 = header(&headers, "x-delay-ms")

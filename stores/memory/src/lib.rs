@@ -32,8 +32,8 @@ pub use cache::ReplayCache;
 use std::sync::{Mutex, MutexGuard};
 
 use idem_core::{
-    decide, BoxFuture, Claim, ClaimOutcome, ClaimRequest, Decision, FencingToken, OperationId,
-    Policy, Record, RecordState, Situation, Store, StoreError, StoredResponse, UnixMillis,
+    on_arrival, Arrival, BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId,
+    Policy, Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
 };
 
 type Records = HashMap<(String, String), Record>;
@@ -70,25 +70,18 @@ impl MemoryStore {
         let mut records = self.lock();
         let id = (req.scope.clone(), req.key.clone());
         let stored = records.get(&id).cloned();
-        let decision = decide(
-            &Policy::default(),
-            Situation::Arrived {
-                stored: stored.as_ref(),
-                fingerprint: &req.fingerprint,
-                now,
-            },
-        );
+        let arrival = on_arrival(&Policy::default(), stored.as_ref(), &req.fingerprint, now);
         let locked_until = now.plus(req.lease);
         let token = FencingToken::generate();
-        let (record, takeover) = match (decision, stored) {
-            (Decision::TakeOver, Some(mut record)) => {
+        let (record, takeover) = match (arrival, stored) {
+            (Arrival::TakeOver, Some(mut record)) => {
                 record.state = RecordState::InProgress {
                     token,
                     locked_until,
                 };
                 (record, true)
             }
-            (Decision::Run, _) | (_, None) => (
+            (Arrival::Run, _) | (_, None) => (
                 Record {
                     scope: req.scope.clone(),
                     key: req.key.clone(),
@@ -103,7 +96,13 @@ impl MemoryStore {
                 },
                 false,
             ),
-            (_, Some(existing)) => return ClaimOutcome::Existing(existing),
+            (
+                Arrival::Replay
+                | Arrival::Conflict { .. }
+                | Arrival::Wait { .. }
+                | Arrival::Mismatch,
+                Some(existing),
+            ) => return ClaimOutcome::Existing(existing),
         };
         let claim = Claim {
             scope: req.scope.clone(),

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{
-    decide, Claim, ClaimInTransaction, ClaimRequest, Decision, Policy, Record, RecordState,
-    Situation, Store, StoredResponse, TransactionalStore, TxClaimOutcome, UnixMillis,
+    on_arrival, Arrival, Claim, ClaimInTransaction, ClaimRequest, Policy, Record, RecordState,
+    Store, StoredResponse, TransactionalStore, TxClaimOutcome, UnixMillis,
 };
 use idem_postgres::{PostgresStore, TableName};
 use idem_store_suite::postgres::{database_url, TestSchema};
@@ -69,14 +69,12 @@ async fn existing(store: &PostgresStore, req: &ClaimRequest) -> Record {
     }
 }
 
-fn decision(record: &Record, req: &ClaimRequest) -> Decision {
-    decide(
+fn decision(record: &Record, req: &ClaimRequest) -> Arrival {
+    on_arrival(
         &Policy::default(),
-        Situation::Arrived {
-            stored: Some(record),
-            fingerprint: &req.fingerprint,
-            now: UnixMillis::now(),
-        },
+        Some(record),
+        &req.fingerprint,
+        UnixMillis::now(),
     )
 }
 
@@ -119,7 +117,7 @@ async fn the_claim_is_durable_before_the_handler_runs_and_busy_while_its_transac
     assert!(
         matches!(record.state, RecordState::Completed { response: ref stored, .. } if stored.body == response().body)
     );
-    assert_eq!(decision(&record, &req), Decision::Replay);
+    assert_eq!(decision(&record, &req), Arrival::Replay);
     assert_eq!(count(&store, &effects).await, 1);
 }
 
@@ -140,7 +138,7 @@ async fn a_rollback_frees_the_claim_at_once_for_the_same_request_only() {
         Duration::from_secs(3600),
     );
     let record = existing(&store, &other).await;
-    assert_eq!(decision(&record, &other), Decision::Mismatch);
+    assert_eq!(decision(&record, &other), Arrival::Mismatch);
 
     // The same request takes it over at once (no lease to wait out), under
     // the same operation id, with a new token.
@@ -189,7 +187,7 @@ async fn a_holder_whose_connection_dies_frees_the_key_and_binds_it_to_its_reques
             o => panic!("{o:?}"),
         }
     };
-    assert_eq!(decision(&record, &other), Decision::Mismatch);
+    assert_eq!(decision(&record, &other), Arrival::Mismatch);
     let (retry, mut tx) = acquire(&store, &req).await;
     assert!(retry.takeover);
     assert_eq!(retry.operation_id, claim.operation_id);
@@ -242,9 +240,9 @@ async fn a_replay_holds_nothing_so_the_next_request_is_never_busy() {
     // A strictly sequential client: each answer before the next request.
     for _ in 0..50 {
         let r = existing(&store, &req).await;
-        assert_eq!(decision(&r, &req), Decision::Replay);
+        assert_eq!(decision(&r, &req), Arrival::Replay);
         let r = existing(&store, &other).await;
-        assert_eq!(decision(&r, &other), Decision::Mismatch);
+        assert_eq!(decision(&r, &other), Arrival::Mismatch);
     }
 }
 
@@ -357,5 +355,5 @@ async fn a_live_default_claim_is_busy_for_a_transaction_held_one() {
         Duration::from_secs(3600),
     );
     let record = existing(&store, &other).await;
-    assert_eq!(decision(&record, &other), Decision::Mismatch);
+    assert_eq!(decision(&record, &other), Arrival::Mismatch);
 }

@@ -8,7 +8,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use idem_axum::{Idempotency, IdempotencyLayer, PendingClaim, Problem};
+use idem_axum::{DeferredClaim, Idempotency, IdempotencyLayer, Problem};
 use idem_core::{OperationId, UnixMillis};
 use idem_sql::{create_once, transition, Created, Transition};
 use serde::{Deserialize, Serialize};
@@ -203,7 +203,7 @@ async fn create_payment(
 )]
 async fn create_payment_in_tx(
     State(state): State<AppState>,
-    pending: PendingClaim,
+    deferred: DeferredClaim,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response> {
@@ -217,7 +217,7 @@ async fn create_payment_in_tx(
         .into());
     };
     // A replay, 409, 422 or 503; no transaction was begun.
-    let (mut tx, idem) = pending
+    let (mut tx, idem) = deferred
         .begin(store)
         .await
         .map_err(|answered| Error::Answered(answered.into_response()))?;

@@ -1,4 +1,4 @@
-//! [`PendingClaim`]: the key a handler claims itself, inside its own
+//! [`DeferredClaim`]: the key a handler claims itself, inside its own
 //! transaction (see [`IdempotencyLayer::claim_in_transaction`](crate::IdempotencyLayer::claim_in_transaction)).
 
 use std::sync::{Arc, Mutex};
@@ -8,11 +8,10 @@ use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::StatusCode;
 use idem_core::{ClaimInTransaction, ClaimRequest, Fingerprint, Policy, TxClaimOutcome};
-use tracing::{debug, info};
 
-use crate::extract::{Idempotency, MissingIdempotency};
-use crate::problem::Problem;
-use crate::service::{count, store_unavailable, timed, Step, Turns};
+use crate::claim::{claim_until_decided, claimed, Found};
+use crate::extract::Idempotency;
+use crate::rejection::IdempotencyRejection;
 
 #[derive(Debug)]
 struct Inner {
@@ -23,7 +22,7 @@ struct Inner {
 
 /// A request the layer has checked (key, body size, fingerprint) but not
 /// claimed: the handler claims it and gets the transaction that holds the
-/// claim, with [`begin`](PendingClaim::begin). Given to handlers by a layer
+/// claim, with [`begin`](DeferredClaim::begin). Given to handlers by a layer
 /// built with [`IdempotencyLayer::claim_in_transaction`](crate::IdempotencyLayer::claim_in_transaction).
 ///
 /// The claim commits before `begin` returns, so the key is bound to this
@@ -34,10 +33,10 @@ struct Inner {
 /// ```no_run
 /// use axum::response::{IntoResponse, Response};
 /// use http::StatusCode;
-/// use idem_axum::PendingClaim;
+/// use idem_axum::DeferredClaim;
 /// use idem_postgres::PostgresStore;
 ///
-/// async fn pay(store: PostgresStore, pending: PendingClaim) -> Response {
+/// async fn pay(store: PostgresStore, pending: DeferredClaim) -> Response {
 ///     let (mut tx, idem) = match pending.begin(&store).await {
 ///         Ok(held) => held,
 ///         // a replay, 409, 422 or 503: answer it as it is (no transaction)
@@ -58,32 +57,33 @@ struct Inner {
 /// }
 /// ```
 #[derive(Debug, Clone)]
-pub struct PendingClaim {
+pub struct DeferredClaim {
     inner: Arc<Inner>,
 }
 
-/// What the layer answers instead of the handler: the stored response (a
-/// replay), `409` (in flight), `422` (key reused with another request) or
-/// `503` (store unavailable). Return it as it is: no transaction was begun.
+/// What [`DeferredClaim::begin`] answers instead of running the handler: the
+/// stored response (a replay), `409` (in flight), `422` (key reused with
+/// another request) or `503` (store unavailable). Return it as it is: no
+/// transaction was begun.
 #[derive(Debug)]
-pub struct Answered {
+pub struct ClaimRefused {
     response: Response,
 }
 
-impl Answered {
+impl ClaimRefused {
     /// The status of the answer.
     pub fn status(&self) -> StatusCode {
         self.response.status()
     }
 }
 
-impl IntoResponse for Answered {
+impl IntoResponse for ClaimRefused {
     fn into_response(self) -> Response {
         self.response
     }
 }
 
-impl PendingClaim {
+impl DeferredClaim {
     pub(crate) fn new(request: ClaimRequest, policy: Policy) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -126,64 +126,47 @@ impl PendingClaim {
     /// or roll back (the claim is then free for a retry of the same request
     /// at once). `Err` is the answer to send instead of running. A second
     /// call after `Ok` answers `500`: the claim has its transaction already.
-    pub async fn begin<S>(&self, store: &S) -> Result<(S::Transaction, Idempotency), Answered>
+    pub async fn begin<S>(&self, store: &S) -> Result<(S::Transaction, Idempotency), ClaimRefused>
     where
         S: ClaimInTransaction,
     {
         if self.claimed().is_some() {
-            return Err(Answered {
-                response: Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "claimed-twice",
-                    "The request was claimed twice",
-                )
-                .detail("PendingClaim::begin was called again after it succeeded")
-                .into_response(),
+            return Err(ClaimRefused {
+                response: IdempotencyRejection::ClaimedTwice.into_response(),
             });
         }
         let request = &self.inner.request;
-        let mut turns = Turns::new(&self.inner.policy);
-        loop {
-            let started = std::time::Instant::now();
-            let outcome = store.claim_and_begin(request).await;
-            timed(store.kind(), "claim", started);
-            let step = match outcome {
-                Ok(TxClaimOutcome::Acquired { claim, transaction }) => {
-                    count(if claim.takeover { "takeover" } else { "fresh" });
-                    if claim.takeover {
-                        info!(operation_id = %claim.operation_id, "took over a released or abandoned claim");
-                    } else {
-                        debug!(operation_id = %claim.operation_id, "claimed; the handler's transaction holds it");
+        let (claim, transaction) = claim_until_decided(
+            &self.inner.policy,
+            &request.fingerprint,
+            store.kind(),
+            || async {
+                Ok(match store.claim_and_begin(request).await? {
+                    TxClaimOutcome::Acquired { claim, transaction } => {
+                        Found::Acquired((claim, transaction))
                     }
-                    let handle = Idempotency::new(claim, self.inner.policy.clone());
-                    *self.inner.claimed.lock().unwrap_or_else(|e| e.into_inner()) =
-                        Some(handle.clone());
-                    return Ok((transaction, handle));
-                }
-                Ok(TxClaimOutcome::Existing(record)) => turns.judge(&record, &request.fingerprint),
-                Ok(TxClaimOutcome::Busy) => turns.busy(),
-                Err(e) => {
-                    return Err(Answered {
-                        response: store_unavailable(&e),
-                    })
-                }
-            };
-            match step {
-                Step::Answer(response) => return Err(Answered { response }),
-                Step::Again(pause) => tokio::time::sleep(pause).await,
-            }
-        }
+                    TxClaimOutcome::Existing(record) => Found::Existing(record),
+                    TxClaimOutcome::Busy => Found::Busy,
+                })
+            },
+        )
+        .await
+        .map_err(|response| ClaimRefused { response })?;
+        claimed(&claim, true);
+        let handle = Idempotency::new(claim, self.inner.policy.clone());
+        *self.inner.claimed.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle.clone());
+        Ok((transaction, handle))
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for PendingClaim {
-    type Rejection = MissingIdempotency;
+impl<S: Send + Sync> FromRequestParts<S> for DeferredClaim {
+    type Rejection = IdempotencyRejection;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
         parts
             .extensions
-            .get::<PendingClaim>()
+            .get::<DeferredClaim>()
             .cloned()
-            .ok_or(MissingIdempotency)
+            .ok_or(IdempotencyRejection::LayerMissing)
     }
 }

@@ -1,0 +1,19 @@
+//! What the layer shares with every service it wraps.
+
+use std::sync::Arc;
+
+use http::Method;
+use idem_core::{Policy, Store};
+
+use crate::scope::ScopeExtractor;
+
+/// What every service the layer wraps shares; cloned on write
+/// ([`Arc::make_mut`]) by the builder methods.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) policy: Policy,
+    pub(crate) scope: Arc<dyn ScopeExtractor>,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) claim_in_handler: bool,
+}

@@ -1,0 +1,216 @@
+//! Finishing: after the handler, the claim is completed with its answer or
+//! released, per the decision table; a guard releases it if the handler
+//! never finishes (it panicked, or its task was dropped).
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
+use idem_core::{on_handler_end, Claim, HandlerEnd, Settlement, Store, StoreError};
+use tracing::{debug, info, warn};
+
+use crate::config::Config;
+use crate::extract::{stored_response, Completion, Idempotency};
+use crate::metrics::{count, timed};
+use crate::rejection::IdempotencyRejection;
+
+/// After the inner service returned: finish with its response, or release
+/// the claim if the service failed.
+pub(crate) async fn finish_result<E>(
+    config: &Config,
+    handle: &Idempotency,
+    mut guard: ReleaseGuard,
+    result: Result<Response, E>,
+) -> Result<Response, E> {
+    match result {
+        Ok(response) => Ok(finish(config, handle, &mut guard, response).await),
+        Err(e) => {
+            guard.release_now().await;
+            Err(e)
+        }
+    }
+}
+
+/// After the handler answered: complete the record with its answer, or
+/// release the claim, per the decision table.
+async fn finish(
+    config: &Config,
+    handle: &Idempotency,
+    guard: &mut ReleaseGuard,
+    response: Response,
+) -> Response {
+    let status = response.status().as_u16();
+    match on_handler_end(&config.policy, HandlerEnd::Answered { status }) {
+        Settlement::Store => {}
+        Settlement::Release => {
+            info!(status, "handler failed; releasing the claim");
+            count("released");
+            guard.release_now().await;
+            return response;
+        }
+    }
+    match handle.completion() {
+        Completion::InTransaction => {
+            debug!(status, "completed in the handler's transaction");
+            guard.disarm();
+            config.store.settled(&guard.claim).await;
+            return response;
+        }
+        Completion::Lost => {
+            count("claim_lost");
+            warn!("the handler's claim was taken over; nothing stored");
+            guard.disarm();
+            config.store.settled(&guard.claim).await;
+            return response;
+        }
+        Completion::ByLayer => {}
+    }
+    let (parts, body) = response.into_parts();
+    let bytes = match body.collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => {
+            warn!(error = %e, "the handler's response body failed; releasing the claim");
+            guard.release_now().await;
+            return IdempotencyRejection::ResponseUnreadable.into_response();
+        }
+    };
+    let stored = stored_response(&config.policy, &parts, bytes.clone());
+    let started = std::time::Instant::now();
+    let completed = config.store.complete(&guard.claim, &stored).await;
+    timed(config.store.kind(), "complete", started);
+    match completed {
+        Ok(()) => debug!(status, "stored the response"),
+        Err(StoreError::ClaimLost) => {
+            count("claim_lost");
+            warn!("the claim was taken over while the handler ran, or rolled back with its transaction; its response is not stored")
+        }
+        // The effect happened but its record did not complete: keep the
+        // claim (do not release), so that only a retry after the lease runs
+        // out can run again, under the same operation id.
+        Err(e) => {
+            warn!(error = %e, "could not store the response; the claim stays until its lease runs out")
+        }
+    }
+    guard.disarm();
+    Response::from_parts(parts, Body::from(bytes))
+}
+
+/// The answer when the handler's task panicked or was cancelled; its claim
+/// was released.
+pub(crate) fn handler_failed(e: &tokio::task::JoinError) -> Response {
+    count("released");
+    warn!(
+        panicked = e.is_panic(),
+        "the handler did not finish; its claim was released"
+    );
+    IdempotencyRejection::HandlerFailed.into_response()
+}
+
+/// Releases the claim if the request ends without finishing it: the
+/// handler panicked, or its task was dropped.
+pub(crate) struct ReleaseGuard {
+    store: Arc<dyn Store>,
+    claim: Claim,
+    armed: bool,
+}
+
+impl ReleaseGuard {
+    pub(crate) fn new(store: Arc<dyn Store>, claim: Claim) -> Self {
+        Self {
+            store,
+            claim,
+            armed: true,
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+
+    async fn release_now(&mut self) {
+        self.armed = false;
+        release(&*self.store, &self.claim).await;
+    }
+}
+
+/// Releases `claim` so that the next retry runs afresh.
+pub(crate) async fn release(store: &dyn Store, claim: &Claim) {
+    let started = std::time::Instant::now();
+    let released = store.release(claim).await;
+    timed(store.kind(), "release", started);
+    match released {
+        Ok(()) => debug!(key = ?claim.key, "released the claim"),
+        Err(StoreError::ClaimLost) => {
+            debug!(key = ?claim.key, "nothing to release: the claim had moved on")
+        }
+        Err(e) => {
+            warn!(key = ?claim.key, error = %e, "could not release the claim; it frees itself when its lease runs out")
+        }
+    }
+}
+
+impl Drop for ReleaseGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let panicking = std::thread::panicking();
+        warn!(key = ?self.claim.key, panicking, "the handler did not finish; releasing the claim");
+        // The decision table's "handler panicked or was dropped" row: release.
+        let store = self.store.clone();
+        let claim = self.claim.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move { release(&*store, &claim).await });
+            }
+            Err(_) => warn!(
+                "no tokio runtime to release the claim on; it frees itself when its lease runs out"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use idem_core::{ClaimOutcome, ClaimRequest, Fingerprint, RecordState};
+    use idem_memory::MemoryStore;
+
+    #[tokio::test]
+    async fn dropping_an_unfinished_guard_releases_the_claim() {
+        let store = Arc::new(MemoryStore::new());
+        let request = ClaimRequest {
+            scope: "s".into(),
+            key: "k".into(),
+            fingerprint: Fingerprint::of_request("POST", "/", None, b""),
+            lease: Duration::from_secs(60),
+            retention: Duration::from_secs(600),
+        };
+        let ClaimOutcome::Acquired(claim) = store.claim(&request).await.unwrap() else {
+            panic!("expected to acquire")
+        };
+        drop(ReleaseGuard::new(store.clone(), claim.clone()));
+        let again = loop {
+            match store.claim(&request).await.unwrap() {
+                ClaimOutcome::Acquired(again) => break again,
+                // the release runs on a task of its own
+                ClaimOutcome::Existing(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        assert!(again.takeover);
+        assert_eq!(again.operation_id, claim.operation_id);
+
+        // a disarmed guard leaves the claim alone
+        let mut kept = ReleaseGuard::new(store.clone(), again.clone());
+        kept.disarm();
+        drop(kept);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let record = store.get("s", "k").await.unwrap().unwrap();
+        assert!(
+            matches!(record.state, RecordState::InProgress { token, .. } if token == again.token)
+        );
+    }
+}

@@ -1,0 +1,160 @@
+//! One guarded request's way through the phases: reading it
+//! ([`request`](crate::request)), claiming its key ([`claim`](crate::claim)),
+//! running the handler on a task of its own, and finishing
+//! ([`finish`](crate::finish)).
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http::Request;
+use idem_core::{ClaimOutcome, ClaimRequest};
+use tower::Service;
+use tracing::{warn, Instrument};
+
+use crate::claim::{claim_until_decided, claimed, Found};
+use crate::config::Config;
+use crate::deferred::DeferredClaim;
+use crate::extract::{Completion, Idempotency};
+use crate::finish::{finish_result, handler_failed, release, ReleaseGuard};
+use crate::metrics::count;
+use crate::request::{self, Identified};
+
+/// Serves one request the layer guards.
+pub(crate) async fn handle<S>(
+    config: Arc<Config>,
+    mut inner: S,
+    request: Request<Body>,
+) -> Result<Response, S::Error>
+where
+    S: Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    let (parts, body) = request.into_parts();
+    let (scope, key) = match request::identify(&config, &parts) {
+        Identified::Guarded { scope, key } => (scope, key),
+        Identified::PassThrough => return inner.call(Request::from_parts(parts, body)).await,
+        Identified::Refused(refused) => return Ok(refused),
+    };
+    // Scope and key come from the client: `?` (Debug) quotes and escapes
+    // them, so a newline or a `" level=error` cannot forge a log field.
+    let span = tracing::info_span!("idempotency", scope = ?scope, key = ?key.as_str());
+    async move {
+        let (claim_request, bytes) =
+            match request::read_guarded(&config, &parts, body, scope, key).await {
+                Ok(read) => read,
+                Err(refused) => return Ok(refused),
+            };
+        if config.claim_in_handler {
+            run_deferred(config, inner, parts, bytes, claim_request).await
+        } else {
+            run_claimed(config, inner, parts, bytes, claim_request).await
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Claims the key, then runs the handler holding the claim and finishes.
+async fn run_claimed<S>(
+    config: Arc<Config>,
+    mut inner: S,
+    mut parts: http::request::Parts,
+    bytes: Bytes,
+    request: ClaimRequest,
+) -> Result<Response, S::Error>
+where
+    S: Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    let store = config.store.clone();
+    let found = claim_until_decided(
+        &config.policy,
+        &request.fingerprint,
+        store.kind(),
+        || async {
+            Ok(match store.claim(&request).await? {
+                ClaimOutcome::Acquired(claim) => Found::Acquired(claim),
+                ClaimOutcome::Existing(record) => Found::Existing(record),
+            })
+        },
+    )
+    .await;
+    let claim = match found {
+        Ok(claim) => claim,
+        Err(answer) => return Ok(answer),
+    };
+    claimed(&claim, false);
+    let handle = Idempotency::new(claim.clone(), config.policy.clone());
+    parts.extensions.insert(handle.clone());
+    // The handler runs on a task of its own: a client that disconnects (or
+    // times out) does not cancel it half-way, so its answer is stored and
+    // the client's retry gets the replay. If the task itself is dropped or
+    // panics, the guard releases the claim.
+    let run = async move {
+        let guard = ReleaseGuard::new(config.store.clone(), claim);
+        let result = inner
+            .call(Request::from_parts(parts, Body::from(bytes)))
+            .await;
+        finish_result(&config, &handle, guard, result).await
+    };
+    match tokio::spawn(run.in_current_span()).await {
+        Ok(result) => result,
+        Err(e) => Ok(handler_failed(&e)),
+    }
+}
+
+/// Runs a handler that claims the key itself, inside its transaction
+/// ([`DeferredClaim::begin`]), then finishes whatever it claimed.
+async fn run_deferred<S>(
+    config: Arc<Config>,
+    mut inner: S,
+    mut parts: http::request::Parts,
+    bytes: Bytes,
+    request: ClaimRequest,
+) -> Result<Response, S::Error>
+where
+    S: Service<Request<Body>, Response = Response> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    let deferred = DeferredClaim::new(request, config.policy.clone());
+    parts.extensions.insert(deferred.clone());
+    let watched = deferred.clone();
+    let finish_config = config.clone();
+    let run = async move {
+        let result = inner
+            .call(Request::from_parts(parts, Body::from(bytes)))
+            .await;
+        // No claim: the handler answered before claiming, or returned what
+        // `begin` answered for it (a replay, 409, 422); nothing to finish.
+        let Some(handle) = deferred.claimed() else {
+            return result;
+        };
+        if handle.completion() == Completion::ByLayer
+            && result.as_ref().is_ok_and(|r| !r.status().is_server_error())
+        {
+            // Its transaction ended without completing the record: until the
+            // layer completes it below, the claim looks abandoned, and a
+            // duplicate arriving now would run again.
+            count("completed_outside_transaction");
+            warn!("the handler answered without completing its record in its transaction (Idempotency::complete_in); the layer completes it now");
+        }
+        let guard = ReleaseGuard::new(finish_config.store.clone(), handle.claim().clone());
+        finish_result(&finish_config, &handle, guard, result).await
+    };
+    match tokio::spawn(run.in_current_span()).await {
+        Ok(result) => result,
+        Err(e) => {
+            // The handler's transaction rolled back with it; a claim it had
+            // committed is released.
+            if let Some(handle) = watched.claimed() {
+                release(&*config.store, handle.claim()).await;
+            }
+            Ok(handler_failed(&e))
+        }
+    }
+}
