@@ -11,6 +11,7 @@
 use std::time::Duration;
 
 use idem_core::BoxFuture;
+use idem_sql::migrate::Migration;
 
 /// What happened to a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,43 +46,34 @@ pub const INBOX_KEY: &str = "idem_inbox_pkey";
 /// window.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idem_inbox (
-    consumer     TEXT   NOT NULL,
-    message_id   TEXT   NOT NULL,
-    processed_at BIGINT NOT NULL,
-    CONSTRAINT idem_inbox_pkey PRIMARY KEY (consumer, message_id)
-);
-CREATE INDEX IF NOT EXISTS idem_inbox_processed_at ON idem_inbox (processed_at);
-";
-
 fn now_ms() -> i64 {
     idem_core::UnixMillis::now().0
 }
 
-/// Creates the inbox table on PostgreSQL (idempotent).
+/// The inbox table's migrations (the same DDL on both backends), in order.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    sql: include_str!("../migrations/0001_inbox.sql"),
+}];
+
+/// Creates or upgrades the inbox table on PostgreSQL, in the search path's
+/// first schema (see [`idem_sql::migrate`]).
 pub async fn migrate_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem-inbox-migrate'))")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
-    tx.commit().await
+    idem_sql::migrate::migrate_postgres(pool, None, INBOX_TABLE, MIGRATIONS).await
 }
 
-/// Creates the inbox table on SQLite (idempotent).
+/// Creates or upgrades the inbox table on SQLite.
 pub async fn migrate_sqlite(pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql(SCHEMA).execute(pool).await.map(drop)
+    idem_sql::migrate::migrate_sqlite(pool, INBOX_TABLE, MIGRATIONS).await
 }
 
-fn is_duplicate_pg(e: &sqlx::Error) -> bool {
-    idem_postgres::DuplicateKey::of(e).is_some_and(|d| d.constraint == INBOX_KEY)
-}
-
-fn is_duplicate_sqlite(e: &sqlx::Error) -> bool {
-    // SQLite names the columns of the violated key, not the constraint.
-    matches!(e, sqlx::Error::Database(d)
-        if d.is_unique_violation() && d.message().contains("idem_inbox.consumer, idem_inbox.message_id"))
+/// Whether `e` is the violation of the inbox's key: the message was
+/// processed before. PostgreSQL names the constraint; SQLite names the
+/// key's columns.
+fn is_duplicate(e: &sqlx::Error) -> bool {
+    idem_sql::DuplicateKey::of(e).is_some_and(|d| {
+        d.constraint == INBOX_KEY || d.constraint == "idem_inbox.consumer, idem_inbox.message_id"
+    })
 }
 
 const MARK: &str =
@@ -125,7 +117,7 @@ where
     // drop ends later, holding its locks until it does.
     match marked {
         Ok(_) => {}
-        Err(e) if is_duplicate_pg(&e) => {
+        Err(e) if is_duplicate(&e) => {
             tx.rollback().await.map_err(InboxError::Database)?;
             return Ok(Handled::Duplicate);
         }
@@ -143,7 +135,7 @@ where
     };
     match tx.commit().await {
         Ok(()) => Ok(Handled::Processed(value)),
-        Err(e) if is_duplicate_pg(&e) => Ok(Handled::Duplicate),
+        Err(e) if is_duplicate(&e) => Ok(Handled::Duplicate),
         Err(e) => Err(InboxError::Database(e)),
     }
 }
@@ -175,7 +167,7 @@ where
     // drop ends later, holding its locks until it does.
     match marked {
         Ok(_) => {}
-        Err(e) if is_duplicate_sqlite(&e) => {
+        Err(e) if is_duplicate(&e) => {
             tx.rollback().await.map_err(InboxError::Database)?;
             return Ok(Handled::Duplicate);
         }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::BoxFuture;
+use idem_sql::migrate::Migration;
 use sqlx::postgres::{PgListener, PgPool};
 use sqlx::sqlite::SqlitePool;
 use sqlx::Row;
@@ -16,50 +17,22 @@ use tracing::{debug, info, warn};
 /// The channel `enqueue` notifies on commit, and relays listen to.
 pub const NOTIFY_CHANNEL: &str = "idem_outbox";
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idem_outbox (
-    seq             BIGSERIAL   PRIMARY KEY,
-    message_id      TEXT        NOT NULL CONSTRAINT idem_outbox_message_id_key UNIQUE,
-    destination     TEXT        NOT NULL,
-    ordering_key    TEXT,
-    payload         BYTEA       NOT NULL,
-    headers         BYTEA       NOT NULL,
-    state           TEXT        NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'sent', 'dead')),
-    attempts        INTEGER     NOT NULL DEFAULT 0,
-    next_attempt_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-    claimed_until   TIMESTAMPTZ,
-    claim_token     BIGINT,
-    last_error      TEXT,
-    created_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
-    sent_at         TIMESTAMPTZ
-);
-CREATE INDEX IF NOT EXISTS idem_outbox_pending ON idem_outbox (seq) WHERE state = 'pending';
-CREATE INDEX IF NOT EXISTS idem_outbox_ordering ON idem_outbox (ordering_key, seq) WHERE state = 'pending';
-";
+/// The outbox table's migrations on PostgreSQL, in order.
+pub const POSTGRES_MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    sql: include_str!("../migrations/postgres/0001_outbox.sql"),
+}];
 
-const SQLITE_SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idem_outbox (
-    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
-    message_id      TEXT    NOT NULL CONSTRAINT idem_outbox_message_id_key UNIQUE,
-    destination     TEXT    NOT NULL,
-    ordering_key    TEXT,
-    payload         BLOB    NOT NULL,
-    headers         BLOB    NOT NULL,
-    state           TEXT    NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'sent', 'dead')),
-    attempts        INTEGER NOT NULL DEFAULT 0,
-    next_attempt_at INTEGER NOT NULL DEFAULT 0,
-    claimed_until   INTEGER,
-    claim_token     INTEGER,
-    last_error      TEXT,
-    created_at      INTEGER NOT NULL,
-    sent_at         INTEGER
-);
-CREATE INDEX IF NOT EXISTS idem_outbox_state_seq ON idem_outbox (state, seq);
-";
+/// The outbox table's migrations on SQLite, in order.
+pub const SQLITE_MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    sql: include_str!("../migrations/sqlite/0001_outbox.sql"),
+}];
 
-/// Creates the outbox table on SQLite (idempotent).
+/// Creates or upgrades the outbox table on SQLite (see
+/// [`idem_sql::migrate`]).
 pub async fn migrate_sqlite(pool: &SqlitePool) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql(SQLITE_SCHEMA).execute(pool).await.map(drop)
+    idem_sql::migrate::migrate_sqlite(pool, "idem_outbox", SQLITE_MIGRATIONS).await
 }
 
 /// Enqueues a message inside the caller's SQLite transaction; see
@@ -88,14 +61,10 @@ fn now_ms() -> i64 {
     idem_core::UnixMillis::now().0
 }
 
-/// Creates the outbox table on PostgreSQL (idempotent).
+/// Creates or upgrades the outbox table on PostgreSQL, in the search
+/// path's first schema (see [`idem_sql::migrate`]).
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem-outbox-migrate'))")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
-    tx.commit().await
+    idem_sql::migrate::migrate_postgres(pool, None, "idem_outbox", POSTGRES_MIGRATIONS).await
 }
 
 /// A message to send.

@@ -49,6 +49,22 @@
 //!
 //! Both helpers take closures that build their queries, because a query is
 //! consumed when it runs and the helpers may need to run one again.
+//!
+//! Beneath them, what every SQL part of idem shares (the SQLite and
+//! PostgreSQL stores, the outbox, the inbox, and `shop`):
+//!
+//! - [`is_unavailable`], [`store_error`]: a failed statement told apart
+//!   (an outage is worth a retry; nothing else is), on either backend;
+//!   [`DuplicateKey`], [`insert_unique`]: a unique violation as an answer;
+//! - [`decode_record`]: a stored idempotency record read back from a row;
+//! - [`migrate`]: one migration runner with one version table.
+
+mod errors;
+pub mod migrate;
+mod record;
+
+pub use errors::{insert_unique, is_unavailable, store_error, DuplicateKey, Inserted};
+pub use record::decode_record;
 
 use sqlx::query::QueryAs;
 use sqlx::{Database, Executor, FromRow, IntoArguments};

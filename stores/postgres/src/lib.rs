@@ -85,25 +85,27 @@
 //! token: the holder is told the key is busy before it ran anything. It
 //! needs READ COMMITTED (PostgreSQL's default).
 
-mod unique;
-
 use std::fmt;
 use std::time::Duration;
 
 use idem_core::{
     BoxFuture, Claim, ClaimInTransaction, ClaimOutcome, ClaimRequest, FencingToken, Inspection,
-    OperationId, Record, RecordRow, RecordState, Store, StoreError, StoreStats, StoredResponse,
+    OperationId, Record, RecordState, Store, StoreError, StoreStats, StoredResponse,
     TransactionalStore, TxClaimOutcome, UnixMillis,
 };
+use idem_sql::decode_record;
+use idem_sql::migrate::Migration;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
 
-pub use unique::{insert_unique, DuplicateKey, Inserted};
+pub use idem_sql::{is_unavailable, store_error};
 
-/// The embedded migrations, in order: `(version, SQL)`. The SQL names the
+/// The embedded migrations of the records' table, in order. The SQL names the
 /// table `{table}` and its index `{index}`; see [`TableName`].
-pub const MIGRATIONS: &[(i64, &str)] =
-    &[(1, include_str!("../migrations/postgres/0001_records.sql"))];
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    sql: include_str!("../migrations/postgres/0001_records.sql"),
+}];
 
 /// How long a request waits for a pooled connection before the store
 /// answers [`StoreError::Unavailable`]: an outage becomes a prompt `503`,
@@ -162,13 +164,6 @@ impl TableName {
         }
     }
 
-    fn sibling(&self, name: &str) -> String {
-        match &self.schema {
-            Some(s) => format!("\"{s}\".\"{name}\""),
-            None => format!("\"{name}\""),
-        }
-    }
-
     /// The schema, if one was given.
     pub fn schema(&self) -> Option<&str> {
         self.schema.as_deref()
@@ -216,7 +211,7 @@ const COLUMNS: &str = "scope, key, fingerprint, operation_id::text AS operation_
     (extract(epoch FROM created_at) * 1000)::bigint AS created_at,
     (extract(epoch FROM expires_at) * 1000)::bigint AS expires_at,
     (extract(epoch FROM completed_at) * 1000)::bigint AS completed_at,
-    status, headers, body";
+    status::int8 AS status, headers, body";
 
 /// How many columns [`COLUMNS`] selects.
 const COLUMN_COUNT: usize = 13;
@@ -398,35 +393,6 @@ pub struct PostgresStore {
     sql: std::sync::Arc<Sql>,
 }
 
-/// Turns a sqlx error into a store error: connection trouble (I/O, pool
-/// time-outs, PostgreSQL shutting down or refusing connections) is
-/// [`StoreError::Unavailable`], the rest [`StoreError::Backend`].
-pub fn store_error(e: sqlx::Error) -> StoreError {
-    if is_unavailable(&e) {
-        StoreError::Unavailable(Box::new(e))
-    } else {
-        StoreError::Backend(Box::new(e))
-    }
-}
-
-/// Whether an error means the database could not be reached or is going
-/// away (as opposed to rejecting a statement).
-pub fn is_unavailable(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Tls(_) => true,
-        sqlx::Error::Database(d) => d.code().is_some_and(|c| {
-            // 08: connection exception; 57P01-03: shutdown, crash, cannot
-            // connect now; 53300: too many connections.
-            c.starts_with("08") || matches!(c.as_ref(), "57P01" | "57P02" | "57P03" | "53300")
-        }),
-        _ => false,
-    }
-}
-
 /// Opens a pool with idem's defaults: a bounded acquire time-out, and every
 /// connection checked before use (so a restarted server is picked up).
 pub async fn open_pool(url: &str) -> Result<PgPool, sqlx::Error> {
@@ -579,56 +545,10 @@ async fn db_now(pool: &PgPool) -> Result<UnixMillis, StoreError> {
     Ok(UnixMillis(ms))
 }
 
-/// Applies idem's [`MIGRATIONS`] to `table`, under an advisory lock.
+/// Applies idem's [`MIGRATIONS`] to `table`, under an advisory lock (see
+/// [`idem_sql::migrate`]).
 pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
-    let qualified = table.qualified();
-    let versions = table.sibling("idem_schema_migrations");
-    let lock_name = format!("idem-migrate:{qualified}");
-    let create_schema = table
-        .schema()
-        .map(|s| format!("CREATE SCHEMA IF NOT EXISTS \"{s}\""));
-    let create_versions = format!(
-        "CREATE TABLE IF NOT EXISTS {versions} (
-            table_name text        NOT NULL,
-            version    bigint      NOT NULL,
-            applied_at timestamptz NOT NULL DEFAULT now(),
-            PRIMARY KEY (table_name, version)
-        )"
-    );
-    let applied = format!("SELECT 1 FROM {versions} WHERE table_name = $1 AND version = $2");
-    let record = format!("INSERT INTO {versions} (table_name, version) VALUES ($1, $2)");
-    let index = format!("\"{}_expires_at\"", table.table());
-
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-        .bind(lock_name)
-        .execute(&mut *tx)
-        .await?;
-    if let Some(sql) = create_schema {
-        sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
-    }
-    sqlx::Executor::execute(&mut *tx, create_versions.as_str()).await?;
-    for (version, sql) in MIGRATIONS {
-        let done = sqlx::query(&applied)
-            .bind(table.table().to_owned())
-            .bind(*version)
-            .fetch_optional(&mut *tx)
-            .await?
-            .is_some();
-        if done {
-            continue;
-        }
-        let sql = sql
-            .replace("{table}", &qualified)
-            .replace("{index}", &index);
-        sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
-        sqlx::query(&record)
-            .bind(table.table().to_owned())
-            .bind(*version)
-            .execute(&mut *tx)
-            .await?;
-    }
-    tx.commit().await
+    idem_sql::migrate::migrate_postgres(pool, table.schema(), table.table(), MIGRATIONS).await
 }
 
 /// What every claim statement binds: $1 scope, $2 key, $3 fingerprint, $4
@@ -695,28 +615,6 @@ fn fresh_claim(
 
 fn corrupt(what: &str, e: sqlx::Error) -> StoreError {
     StoreError::Corrupt(format!("{what}: {e}"))
-}
-
-fn decode_record(row: &PgRow) -> Result<Record, StoreError> {
-    let fields = || -> Result<RecordRow, sqlx::Error> {
-        Ok(RecordRow {
-            scope: row.try_get("scope")?,
-            key: row.try_get("key")?,
-            fingerprint: row.try_get("fingerprint")?,
-            operation_id: row.try_get("operation_id")?,
-            state: row.try_get("state")?,
-            token: row.try_get("token")?,
-            locked_until: row.try_get("locked_until")?,
-            created_at: row.try_get("created_at")?,
-            expires_at: row.try_get("expires_at")?,
-            completed_at: row.try_get("completed_at")?,
-            status: row.try_get::<Option<i32>, _>("status")?.map(i64::from),
-            headers: row.try_get("headers")?,
-            body: row.try_get("body")?,
-        })
-    };
-    let fields = fields().map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    Ok(fields.into_record()?)
 }
 
 /// Completes `claim` with `response` on `conn`, usually the handler's open

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{ClaimOutcome, RecordState, Store, StoreError, StoredResponse, TransactionalStore};
-use idem_postgres::{complete_in_tx, insert_unique, Inserted, PostgresStore, TableName};
+use idem_postgres::{complete_in_tx, PostgresStore, TableName};
+use idem_sql::{insert_unique, DuplicateKey, Inserted};
 use idem_store_suite::postgres::{database_url, TestSchema};
 
 async fn fresh() -> (PostgresStore, TestSchema) {
@@ -209,10 +210,7 @@ async fn unique_violations_name_their_constraint() {
     }
     // a unique violation of another constraint is a real failure
     let err = insert_unique(insert(1, "b").await, "orders_ref_key").unwrap_err();
-    assert_eq!(
-        idem_postgres::DuplicateKey::of(&err).unwrap().constraint,
-        "orders_pkey"
-    );
+    assert_eq!(DuplicateKey::of(&err).unwrap().constraint, "orders_pkey");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,21 +44,25 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
-    RecordRow, Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
+    Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
 };
+use idem_sql::decode_record;
+use idem_sql::migrate::Migration;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteRow, SqliteSynchronous,
+    SqliteSynchronous,
 };
 use sqlx::Row;
 
-/// The embedded migrations, in order: `(version, SQL)`.
+/// The embedded migrations of the records' table, in order.
 ///
 /// idem keeps its own version table (`idem_schema_migrations`) rather than
 /// sqlx's `_sqlx_migrations`, so that it never collides with the
 /// application's own sqlx migrations in the same database.
-pub const MIGRATIONS: &[(i64, &str)] =
-    &[(1, include_str!("../migrations/sqlite/0001_records.sql"))];
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    sql: include_str!("../migrations/sqlite/0001_records.sql"),
+}];
 
 /// How long a connection waits for SQLite's write lock before failing.
 pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,31 +73,7 @@ pub struct SqliteStore {
     pool: SqlitePool,
 }
 
-/// Turns a sqlx error into a store error: connection and pool trouble is
-/// [`StoreError::Unavailable`], the rest [`StoreError::Backend`].
-pub fn store_error(e: sqlx::Error) -> StoreError {
-    if is_unavailable(&e) {
-        StoreError::Unavailable(Box::new(e))
-    } else {
-        StoreError::Backend(Box::new(e))
-    }
-}
-
-/// Whether an error means the database could not be had (I/O, pool
-/// trouble, or SQLite still busy or locked after the busy timeout), as
-/// opposed to rejecting a statement.
-pub fn is_unavailable(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Tls(_) => true,
-        // SQLITE_BUSY, SQLITE_LOCKED, SQLITE_BUSY_SNAPSHOT
-        sqlx::Error::Database(d) => matches!(d.code().as_deref(), Some("5" | "6" | "517")),
-        _ => false,
-    }
-}
+pub use idem_sql::{is_unavailable, store_error};
 
 /// Connection options idem uses for a SQLite URL: the file created if
 /// missing, WAL journal, `synchronous = FULL` (a committed record survives a
@@ -247,34 +227,9 @@ impl SqliteStore {
     }
 }
 
-/// Applies idem's [`MIGRATIONS`] on `pool`.
+/// Applies idem's [`MIGRATIONS`] on `pool` (see [`idem_sql::migrate`]).
 pub async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS idem_schema_migrations (
-            version INTEGER PRIMARY KEY,
-            applied_at INTEGER NOT NULL
-        )",
-    )
-    .execute(pool)
-    .await?;
-    for (version, sql) in MIGRATIONS {
-        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        let done = sqlx::query("SELECT 1 FROM idem_schema_migrations WHERE version = ?1")
-            .bind(version)
-            .fetch_optional(&mut *tx)
-            .await?
-            .is_some();
-        if !done {
-            sqlx::raw_sql(sql).execute(&mut *tx).await?;
-            sqlx::query("INSERT INTO idem_schema_migrations (version, applied_at) VALUES (?1, ?2)")
-                .bind(version)
-                .bind(UnixMillis::now().0)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-    }
-    Ok(())
+    idem_sql::migrate::migrate_sqlite(pool, "idem_records", MIGRATIONS).await
 }
 
 /// The claim, in one statement. Parameters: ?1 scope, ?2 key, ?3 fingerprint,
@@ -334,28 +289,6 @@ fn parse_operation_id(s: &str) -> Result<OperationId, StoreError> {
     uuid::Uuid::parse_str(s)
         .map(OperationId)
         .map_err(|e| StoreError::Corrupt(format!("operation id {s:?}: {e}")))
-}
-
-fn decode_record(row: &SqliteRow) -> Result<Record, StoreError> {
-    let fields = || -> Result<RecordRow, sqlx::Error> {
-        Ok(RecordRow {
-            scope: row.try_get("scope")?,
-            key: row.try_get("key")?,
-            fingerprint: row.try_get("fingerprint")?,
-            operation_id: row.try_get("operation_id")?,
-            state: row.try_get("state")?,
-            token: row.try_get("token")?,
-            locked_until: row.try_get("locked_until")?,
-            created_at: row.try_get("created_at")?,
-            expires_at: row.try_get("expires_at")?,
-            completed_at: row.try_get("completed_at")?,
-            status: row.try_get("status")?,
-            headers: row.try_get("headers")?,
-            body: row.try_get("body")?,
-        })
-    };
-    let fields = fields().map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    Ok(fields.into_record()?)
 }
 
 /// Completes `claim` with `response` on `conn`, usually the handler's open

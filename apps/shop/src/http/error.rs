@@ -135,8 +135,7 @@ impl IntoResponse for Error {
 /// Whether `e` means the database could not be reached or is busy: the
 /// only failure a retry helps with.
 fn is_unavailable(e: &sqlx::Error) -> bool {
-    idem_postgres::is_unavailable(e)
-        || idem_sqlite::is_unavailable(e)
+    idem_sql::is_unavailable(e)
         // the session ended for sitting idle in its transaction past the
         // lease (a claim held by the transaction): the retry takes over
         || matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("25P03"))
@@ -158,7 +157,7 @@ fn database(e: &sqlx::Error) -> Response {
         .into_response();
     }
     if let sqlx::Error::Database(d) = e {
-        if d.is_unique_violation() {
+        if idem_sql::DuplicateKey::of(e).is_some() {
             return Problem::new(
                 StatusCode::CONFLICT,
                 "conflict",

@@ -1,0 +1,19 @@
+-- The outbox: messages enqueued in the business transaction, published
+-- by a relay after the commit.
+CREATE TABLE IF NOT EXISTS idem_outbox (
+    seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+    message_id      TEXT    NOT NULL CONSTRAINT idem_outbox_message_id_key UNIQUE,
+    destination     TEXT    NOT NULL,
+    ordering_key    TEXT,
+    payload         BLOB    NOT NULL,
+    headers         BLOB    NOT NULL,
+    state           TEXT    NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'sent', 'dead')),
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    next_attempt_at INTEGER NOT NULL DEFAULT 0,
+    claimed_until   INTEGER,
+    claim_token     INTEGER,
+    last_error      TEXT,
+    created_at      INTEGER NOT NULL,
+    sent_at         INTEGER
+);
+CREATE INDEX IF NOT EXISTS idem_outbox_state_seq ON idem_outbox (state, seq);

@@ -1,0 +1,118 @@
+//! Telling failed statements apart, the same way on PostgreSQL and SQLite:
+//! the database could not be had (retrying may help), a unique violation
+//! (the natural key exists already), or anything else.
+
+use idem_core::StoreError;
+
+/// Whether `e` means the database could not be reached, is going away, or
+/// stayed busy (as opposed to rejecting the statement): the only failure a
+/// retry of the same request may get past.
+///
+/// I/O and pool trouble on either backend; on PostgreSQL, SQLSTATE class
+/// `08` (connection exception), `57P01`–`57P03` (shutdown, crash, cannot
+/// connect now) and `53300` (too many connections); on SQLite,
+/// `SQLITE_BUSY`, `SQLITE_LOCKED` and `SQLITE_BUSY_SNAPSHOT` after the busy
+/// timeout.
+pub fn is_unavailable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Database(d) => d.code().is_some_and(|c| {
+            c.starts_with("08")
+                || matches!(
+                    c.as_ref(),
+                    "57P01" | "57P02" | "57P03" | "53300" | "5" | "6" | "517"
+                )
+        }),
+        _ => false,
+    }
+}
+
+/// A sqlx error as a store error: [`StoreError::Unavailable`] when
+/// [`is_unavailable`], [`StoreError::Backend`] otherwise.
+pub fn store_error(e: sqlx::Error) -> StoreError {
+    if is_unavailable(&e) {
+        StoreError::Unavailable(Box::new(e))
+    } else {
+        StoreError::Backend(Box::new(e))
+    }
+}
+
+/// A unique violation, with what it hit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DuplicateKey {
+    /// PostgreSQL: the violated constraint (or unique index) name. SQLite,
+    /// which names no constraint: the columns its message names, as
+    /// `table.column, table.column`.
+    pub constraint: String,
+    /// The table, when the database says.
+    pub table: Option<String>,
+}
+
+impl DuplicateKey {
+    /// The unique violation inside `e`, if that is what it is: SQLSTATE
+    /// `23505` on PostgreSQL, `SQLITE_CONSTRAINT_UNIQUE` (2067) or
+    /// `SQLITE_CONSTRAINT_PRIMARYKEY` (1555) on SQLite.
+    pub fn of(e: &sqlx::Error) -> Option<Self> {
+        let sqlx::Error::Database(db) = e else {
+            return None;
+        };
+        match db.code().as_deref() {
+            Some("23505") => Some(Self {
+                constraint: db.constraint()?.to_owned(),
+                table: db.table().map(str::to_owned),
+            }),
+            Some("2067" | "1555") => {
+                let columns = db.message().split_once("constraint failed: ")?.1.trim();
+                let table = columns
+                    .split_once('.')
+                    .map(|(table, _)| table.trim().to_owned());
+                Some(Self {
+                    constraint: columns.to_owned(),
+                    table,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The outcome of a write guarded by a unique constraint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inserted<T> {
+    /// The write went through.
+    New(T),
+    /// The expected constraint said the natural key exists already.
+    Duplicate(DuplicateKey),
+}
+
+/// Turns a unique violation of `constraint` (see
+/// [`DuplicateKey::constraint`] for what names it on each backend) into
+/// [`Inserted::Duplicate`]; passes every other error through, unique
+/// violations of other constraints included (those are real failures).
+///
+/// ```
+/// use idem_sql::{insert_unique, Inserted};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
+/// sqlx::query("CREATE TABLE orders (order_ref TEXT UNIQUE)").execute(&pool).await?;
+/// let insert = || sqlx::query("INSERT INTO orders (order_ref) VALUES ($1)").bind("ord-42").execute(&pool);
+/// assert!(matches!(insert_unique(insert().await, "orders.order_ref")?, Inserted::New(_)));
+/// assert!(matches!(insert_unique(insert().await, "orders.order_ref")?, Inserted::Duplicate(_)));
+/// # Ok(()) }
+/// ```
+pub fn insert_unique<T>(
+    result: Result<T, sqlx::Error>,
+    constraint: &str,
+) -> Result<Inserted<T>, sqlx::Error> {
+    match result {
+        Ok(v) => Ok(Inserted::New(v)),
+        Err(e) => match DuplicateKey::of(&e) {
+            Some(d) if d.constraint == constraint => Ok(Inserted::Duplicate(d)),
+            _ => Err(e),
+        },
+    }
+}
