@@ -143,19 +143,11 @@ impl SqliteStore {
     /// Counts records by state, for operators.
     pub async fn stats(&self) -> Result<StoreStats, StoreError> {
         let now = UnixMillis::now();
-        let row = sqlx::query(
-            "SELECT
-                count(*) FILTER (WHERE state = 'in_progress'),
-                count(*) FILTER (WHERE state = 'in_progress' AND locked_until <= ?1),
-                count(*) FILTER (WHERE state = 'completed'),
-                count(*) FILTER (WHERE expires_at <= ?1 AND (state = 'completed' OR locked_until <= ?1)),
-                min(created_at)
-             FROM idem_records",
-        )
-        .bind(now.0)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(store_error)?;
+        let row = sqlx::query(STATS_SQL)
+            .bind(now.0)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
         let count = |i: usize| -> Result<u64, StoreError> {
             let n: i64 = row
                 .try_get(i)
@@ -232,58 +224,13 @@ pub async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
     idem_sql::migrate::migrate_sqlite(pool, "idem_records", MIGRATIONS).await
 }
 
-/// The claim, in one statement. Parameters: ?1 scope, ?2 key, ?3 fingerprint,
-/// ?4 proposed operation id, ?5 new token, ?6 locked_until, ?7 now,
-/// ?8 expires_at. Returns the record's operation id when the caller won:
-/// the proposed one for a fresh claim, the kept one for a takeover.
-const CLAIM_SQL: &str = "
-INSERT INTO idem_records
-    (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
-VALUES (?1, ?2, ?3, ?4, ?5, 'in_progress', ?6, ?7, ?8)
-ON CONFLICT (scope, key) DO UPDATE SET
-    token        = excluded.token,
-    locked_until = excluded.locked_until,
-    state        = 'in_progress',
-    -- past its retention the record is replaced whole; a takeover keeps it
-    fingerprint  = iif(idem_records.expires_at <= ?7, excluded.fingerprint,  idem_records.fingerprint),
-    operation_id = iif(idem_records.expires_at <= ?7, excluded.operation_id, idem_records.operation_id),
-    created_at   = iif(idem_records.expires_at <= ?7, excluded.created_at,   idem_records.created_at),
-    expires_at   = iif(idem_records.expires_at <= ?7, excluded.expires_at,   idem_records.expires_at),
-    completed_at = NULL,
-    status       = NULL,
-    headers      = NULL,
-    body         = NULL
-WHERE
-    -- past its retention, and not held under a live lease
-    (idem_records.expires_at <= ?7
-        AND (idem_records.state = 'completed' OR idem_records.locked_until <= ?7))
-    -- or an expired or released lease of the same request: take it over
-    OR (idem_records.state = 'in_progress'
-        AND idem_records.locked_until <= ?7
-        AND idem_records.fingerprint = excluded.fingerprint)
-RETURNING operation_id";
-
-const SELECT_SQL: &str = "
-SELECT scope, key, fingerprint, operation_id, token, state, locked_until,
-       created_at, expires_at, completed_at, status, headers, body
-FROM idem_records WHERE scope = ?1 AND key = ?2";
-
-const COMPLETE_SQL: &str = "
-UPDATE idem_records
-SET state = 'completed', locked_until = NULL, completed_at = ?4,
-    status = ?5, headers = ?6, body = ?7
-WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'";
-
-const RELEASE_SQL: &str = "
-UPDATE idem_records SET locked_until = min(locked_until, ?4)
-WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'";
-
-const SWEEP_SQL: &str = "
-DELETE FROM idem_records WHERE rowid IN (
-    SELECT rowid FROM idem_records
-    WHERE expires_at <= ?1 AND (state = 'completed' OR locked_until <= ?1)
-    ORDER BY expires_at
-    LIMIT ?2)";
+// The statements, as they run, from `sql/` (each file says its parameters).
+const CLAIM_SQL: &str = include_str!("../sql/claim.sql");
+const SELECT_SQL: &str = include_str!("../sql/select.sql");
+const COMPLETE_SQL: &str = include_str!("../sql/complete.sql");
+const RELEASE_SQL: &str = include_str!("../sql/release.sql");
+const SWEEP_SQL: &str = include_str!("../sql/sweep.sql");
+const STATS_SQL: &str = include_str!("../sql/stats.sql");
 
 fn parse_operation_id(s: &str) -> Result<OperationId, StoreError> {
     uuid::Uuid::parse_str(s)

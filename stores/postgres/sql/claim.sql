@@ -1,0 +1,33 @@
+-- The deciding claim: insert the row, or take over an expired or released
+-- one (see the crate docs for why this is safe under READ COMMITTED); the
+-- loser reads the record that beat it. Same binds as claim_new.sql.
+WITH claimed AS (
+    INSERT INTO {table} AS r
+        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
+    VALUES ($1, $2, $3, $4::uuid, $5, 'in_progress',
+            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond')
+    ON CONFLICT (scope, key) DO UPDATE SET
+        token        = excluded.token,
+        locked_until = excluded.locked_until,
+        state        = 'in_progress',
+        -- past its retention the record is replaced whole; a takeover keeps it
+        fingerprint  = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint  ELSE r.fingerprint  END,
+        operation_id = CASE WHEN r.expires_at <= now() THEN excluded.operation_id ELSE r.operation_id END,
+        created_at   = CASE WHEN r.expires_at <= now() THEN excluded.created_at   ELSE r.created_at   END,
+        expires_at   = CASE WHEN r.expires_at <= now() THEN excluded.expires_at   ELSE r.expires_at   END,
+        completed_at = NULL,
+        status       = NULL,
+        headers      = NULL,
+        body         = NULL
+    WHERE
+        -- past its retention, and not held under a live lease (expired.sql,
+        -- spelled with the row's alias: `excluded` has the same columns)
+        (r.expires_at <= now() AND (r.state = 'completed' OR r.locked_until <= now()))
+        -- or an expired or released lease of the same request: take it over
+        OR (r.state = 'in_progress' AND r.locked_until <= now() AND r.fingerprint = excluded.fingerprint)
+    RETURNING {columns}
+)
+SELECT true AS won, * FROM claimed
+UNION ALL
+SELECT false AS won, {columns} FROM {table}
+WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)

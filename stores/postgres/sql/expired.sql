@@ -1,0 +1,1 @@
+(expires_at <= now() AND (state = 'completed' OR locked_until <= now()))

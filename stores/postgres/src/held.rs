@@ -1,0 +1,120 @@
+//! The claim held by the business transaction ([`ClaimInTransaction`]):
+//! committed first, then locked by the transaction that does the work.
+
+use std::time::Duration;
+
+use idem_core::{
+    BoxFuture, Claim, ClaimInTransaction, ClaimRequest, FencingToken, OperationId, StoreError,
+    TxClaimOutcome,
+};
+use idem_sql::decode_record;
+use sqlx::Row;
+
+use crate::{
+    corrupt, fresh_claim, kept_racing, store_error, won_claim, ClaimBinds, PostgresStore,
+    CLAIM_TURNS,
+};
+
+impl PostgresStore {
+    /// The durable half of a transaction-held claim: the plain insert, then
+    /// (on a conflict) the deciding statement that respects row locks.
+    async fn claim_held_inner(&self, req: &ClaimRequest) -> Result<TxClaimOutcome<()>, StoreError> {
+        let binds = ClaimBinds::new(req).lease_held_by_transaction();
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        // A row swept, or committed after a statement's snapshot, between
+        // the two statements: try again (see the crate docs).
+        for _ in 0..CLAIM_TURNS {
+            let token = FencingToken::generate();
+            let proposed = OperationId::generate();
+            let fresh = binds
+                .query(&self.sql.claim_new, proposed, token)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(store_error)?;
+            if let Some(row) = fresh {
+                return Ok(TxClaimOutcome::Acquired {
+                    claim: fresh_claim(req, token, proposed, &row)?,
+                    transaction: (),
+                });
+            }
+            let token = FencingToken::generate();
+            let row = binds
+                .query(&self.sql.claim_held, proposed, token)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(store_error)?;
+            let Some(row) = row else { continue };
+            let outcome: String = row.try_get("outcome").map_err(|e| corrupt("outcome", e))?;
+            match outcome.as_str() {
+                "busy" => return Ok(TxClaimOutcome::Busy),
+                "existing" => return Ok(TxClaimOutcome::Existing(decode_record(&row)?)),
+                _ => {}
+            }
+            return Ok(TxClaimOutcome::Acquired {
+                claim: won_claim(decode_record(&row)?, token, proposed)?,
+                transaction: (),
+            });
+        }
+        Err(kept_racing())
+    }
+
+    /// Begins the holder's transaction and locks the claimed row in it.
+    /// `None`: another attempt took the claim over in between.
+    async fn hold(
+        &self,
+        claim: &Claim,
+        lease: Duration,
+    ) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        // The idle timeout is an int of milliseconds; 0 would mean "none".
+        let idle_ms = i64::try_from(lease.as_millis())
+            .unwrap_or(i64::MAX)
+            .clamp(1, i64::from(i32::MAX));
+        let held = sqlx::query(&self.sql.hold)
+            .bind(&claim.scope)
+            .bind(&claim.key)
+            .bind(claim.token.0)
+            .bind(idle_ms.to_string())
+            .fetch_optional(&mut *tx)
+            .await;
+        match held {
+            Ok(Some(_)) => Ok(Some(tx)),
+            Ok(None) => {
+                tx.rollback().await.map_err(store_error)?;
+                Ok(None)
+            }
+            // Locked by another transaction (NOWAIT): a takeover got in
+            // between and holds it; the key is busy.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+                tx.rollback().await.map_err(store_error)?;
+                Ok(None)
+            }
+            Err(e) => {
+                // Best effort: the error may have broken the connection.
+                let _ = tx.rollback().await;
+                Err(store_error(e))
+            }
+        }
+    }
+}
+
+impl ClaimInTransaction for PostgresStore {
+    type Transaction = sqlx::Transaction<'static, sqlx::Postgres>;
+
+    fn claim_and_begin<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<TxClaimOutcome<Self::Transaction>, StoreError>> {
+        Box::pin(async move {
+            let claim = match self.claim_held_inner(request).await? {
+                TxClaimOutcome::Acquired { claim, .. } => claim,
+                TxClaimOutcome::Existing(record) => return Ok(TxClaimOutcome::Existing(record)),
+                TxClaimOutcome::Busy => return Ok(TxClaimOutcome::Busy),
+            };
+            match self.hold(&claim, request.lease).await? {
+                Some(transaction) => Ok(TxClaimOutcome::Acquired { claim, transaction }),
+                None => Ok(TxClaimOutcome::Busy),
+            }
+        })
+    }
+}

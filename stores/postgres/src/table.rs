@@ -1,0 +1,82 @@
+//! [`TableName`]: where the records live.
+
+use std::fmt;
+
+/// A (possibly schema-qualified) table name, validated and quoted, so that
+/// two services can keep their records apart in one database.
+///
+/// ```
+/// let t = idem_postgres::TableName::new(Some("billing"), "idem_records").unwrap();
+/// assert_eq!(t.qualified(), r#""billing"."idem_records""#);
+/// assert!(idem_postgres::TableName::new(None, "bad name; DROP TABLE x").is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    schema: Option<String>,
+    table: String,
+}
+
+/// A schema or table name that is not a plain SQL identifier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a valid identifier: use 1 to 63 letters, digits or underscores, not starting with a digit")]
+pub struct InvalidIdentifier(String);
+
+fn valid_identifier(s: &str) -> Result<(), InvalidIdentifier> {
+    let ok = !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && !s.as_bytes()[0].is_ascii_digit();
+    if ok {
+        Ok(())
+    } else {
+        Err(InvalidIdentifier(s.to_owned()))
+    }
+}
+
+impl TableName {
+    /// A table in `schema` (or, with `None`, wherever `search_path` finds it).
+    pub fn new(schema: Option<&str>, table: &str) -> Result<Self, InvalidIdentifier> {
+        if let Some(s) = schema {
+            valid_identifier(s)?;
+        }
+        valid_identifier(table)?;
+        Ok(Self {
+            schema: schema.map(str::to_owned),
+            table: table.to_owned(),
+        })
+    }
+
+    /// The quoted, qualified name for SQL.
+    pub fn qualified(&self) -> String {
+        match &self.schema {
+            Some(s) => format!("\"{s}\".\"{}\"", self.table),
+            None => format!("\"{}\"", self.table),
+        }
+    }
+
+    /// The schema, if one was given.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// The bare table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+}
+
+impl Default for TableName {
+    /// `idem_records`, found through `search_path`.
+    fn default() -> Self {
+        Self {
+            schema: None,
+            table: "idem_records".to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.qualified())
+    }
+}
