@@ -26,7 +26,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, AckKind};
 use futures_core::Stream;
 use idem_core::BoxFuture;
-use idem_outbox::outbox::{OutgoingMessage, PublishError, Publisher};
+use idem_outbox::outbox::{OutgoingMessage, PublishError, Published, Publisher};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -112,10 +112,7 @@ impl NatsPublisher {
 
 impl Publisher for NatsPublisher {
     /// Sends the whole batch, then waits for every ack.
-    fn publish<'a>(
-        &'a self,
-        batch: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+    fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         Box::pin(async move {
             let mut pending = Vec::with_capacity(batch.len());
             for m in batch {
@@ -127,14 +124,17 @@ impl Publisher for NatsPublisher {
                 }
                 pending.push(self.js.send_publish(m.destination.clone(), message).await);
             }
-            let mut results = Vec::with_capacity(batch.len());
-            for sent in pending {
-                results.push(match sent {
-                    Ok(ack) => ack.await.map(drop).map_err(|e| PublishError(e.to_string())),
-                    Err(e) => Err(PublishError(e.to_string())),
-                });
+            let mut published = Published::default();
+            for (m, sent) in batch.iter().zip(pending) {
+                published.record(
+                    &m.message_id,
+                    match sent {
+                        Ok(ack) => ack.await.map(drop).map_err(|e| PublishError(e.to_string())),
+                        Err(e) => Err(PublishError(e.to_string())),
+                    },
+                );
             }
-            results
+            published
         })
     }
 }

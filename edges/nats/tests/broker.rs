@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use idem_core::BoxFuture;
 use idem_nats::{Incoming, NatsConsumer, NatsPublisher, StreamSpec};
-use idem_outbox::outbox::{self, OutgoingMessage, PublishError, Publisher, Relay, RelayConfig};
+use idem_outbox::outbox::{self, OutgoingMessage, Published, Publisher, Relay, RelayConfig};
 use idem_store_suite::messaging::{effects, message, outbox_schema, record_effect, wait_for, Seen};
 use idem_store_suite::postgres::TestSchema;
 use tokio::sync::watch;
@@ -103,8 +103,8 @@ async fn a_consumer_killed_after_commit_before_ack_gets_a_duplicate_on_redeliver
     assert!(s
         .publisher
         .publish(&[message("m-1", s.spec.subject())])
-        .await[0]
-        .is_ok());
+        .await
+        .confirmed("m-1"));
     let first = Arc::new(Seen::default());
     let wait = Duration::from_secs(1);
     let (_stop, task) = consumer(&s, first, wait, NO_HOLD, true, None, 5).await;
@@ -145,12 +145,10 @@ async fn a_relay_killed_after_the_ack_publishes_again_and_the_message_is_consume
     tx.commit().await.unwrap();
     struct DiesAfterAck(Arc<NatsPublisher>);
     impl Publisher for DiesAfterAck {
-        fn publish<'a>(
-            &'a self,
-            batch: &'a [OutgoingMessage],
-        ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+        fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
             Box::pin(async move {
-                assert!(self.0.publish(batch).await.iter().all(Result::is_ok));
+                let published = self.0.publish(batch).await;
+                assert!(published.all_confirmed(batch));
                 panic!("the relay died after JetStream acked, before marking the rows");
             })
         }
@@ -228,7 +226,7 @@ async fn a_message_redelivered_to_a_second_instance_while_the_first_works_acts_o
     let batch: Vec<_> = (0..5)
         .map(|i| message(&format!("twin-{i}"), s.spec.subject()))
         .collect();
-    assert!(s.publisher.publish(&batch).await.iter().all(Result::is_ok));
+    assert!(s.publisher.publish(&batch).await.all_confirmed(&batch));
     let watch_seen = seen.clone();
     wait_for("redeliveries", Duration::from_secs(30), move || {
         let seen = watch_seen.clone();
@@ -324,7 +322,7 @@ async fn a_poison_message_is_dead_lettered_without_blocking_the_rest() {
     for i in 0..10 {
         batch.push(message(&format!("fine-{i}"), s.spec.subject()));
     }
-    assert!(s.publisher.publish(&batch).await.iter().all(Result::is_ok));
+    assert!(s.publisher.publish(&batch).await.all_confirmed(&batch));
     let seen = Arc::new(Seen::default());
     let (stop, task) = consumer(
         &s,

@@ -8,10 +8,13 @@
 
 pub mod inbox;
 pub mod outbox;
+mod relay;
 pub mod transport;
 
 pub use inbox::{Handled, InboxError};
-pub use outbox::{enqueue, OutgoingMessage, PublishError, Publisher, Relay, RelayConfig};
+pub use outbox::{
+    enqueue, OutgoingMessage, PublishError, Published, Publisher, Relay, RelayConfig,
+};
 
 use std::future::Future;
 

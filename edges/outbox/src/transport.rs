@@ -12,7 +12,7 @@ use std::time::Duration;
 use idem_core::BoxFuture;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::outbox::{OutgoingMessage, PublishError, Publisher};
+use crate::outbox::{OutgoingMessage, PublishError, Published, Publisher};
 
 /// A message handed to an in-process consumer, to acknowledge or fail.
 #[derive(Debug)]
@@ -77,10 +77,7 @@ impl InProcess {
 }
 
 impl Publisher for InProcess {
-    fn publish<'a>(
-        &'a self,
-        batch: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+    fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         let pending: Vec<Result<oneshot::Receiver<Result<(), String>>, PublishError>> = {
             let senders = self.senders.lock().unwrap_or_else(|e| e.into_inner());
             batch
@@ -104,21 +101,24 @@ impl Publisher for InProcess {
         };
         let timeout = self.ack_timeout;
         Box::pin(async move {
-            let mut results = Vec::with_capacity(pending.len());
-            for p in pending {
-                results.push(match p {
-                    Err(e) => Err(e),
-                    Ok(acked) => match tokio::time::timeout(timeout, acked).await {
-                        Ok(Ok(Ok(()))) => Ok(()),
-                        Ok(Ok(Err(reason))) => Err(PublishError(reason)),
-                        Ok(Err(_)) => Err(PublishError(
-                            "the consumer dropped the message unacknowledged".into(),
-                        )),
-                        Err(_) => Err(PublishError("no acknowledgement in time".into())),
+            let mut published = Published::default();
+            for (m, p) in batch.iter().zip(pending) {
+                published.record(
+                    &m.message_id,
+                    match p {
+                        Err(e) => Err(e),
+                        Ok(acked) => match tokio::time::timeout(timeout, acked).await {
+                            Ok(Ok(Ok(()))) => Ok(()),
+                            Ok(Ok(Err(reason))) => Err(PublishError(reason)),
+                            Ok(Err(_)) => Err(PublishError(
+                                "the consumer dropped the message unacknowledged".into(),
+                            )),
+                            Err(_) => Err(PublishError("no acknowledgement in time".into())),
+                        },
                     },
-                });
+                );
             }
-            results
+            published
         })
     }
 }

@@ -10,7 +10,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::BoxFuture;
 use idem_outbox::inbox::{self, Handled};
-use idem_outbox::outbox::{self, OutgoingMessage, PublishError, Publisher, Relay, RelayConfig};
+use idem_outbox::outbox::{
+    self, OutgoingMessage, PublishError, Published, Publisher, Relay, RelayConfig,
+};
 use idem_store_suite::postgres::TestSchema;
 
 async fn pg() -> (sqlx::PgPool, TestSchema) {
@@ -145,7 +147,8 @@ async fn racing_consumers_act_once_on_sqlite() {
     );
 }
 
-/// Records what it published; fails for destinations named `poison`.
+/// Records what it published; fails for destinations named `poison`, and
+/// says nothing of those named `silent`.
 #[derive(Default)]
 struct Recording {
     published: Mutex<Vec<String>>,
@@ -153,21 +156,21 @@ struct Recording {
 }
 
 impl Publisher for Recording {
-    fn publish<'a>(
-        &'a self,
-        batch: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+    fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         let mut published = self.published.lock().unwrap();
         let results = batch
             .iter()
+            // A publisher that says nothing of a message: it is not sent.
+            .filter(|m| m.destination != "silent")
             .map(|m| {
-                if m.destination == "poison" {
+                let result = if m.destination == "poison" {
                     Err(PublishError("the broker refused it".into()))
                 } else {
                     published.push(m.message_id.clone());
                     Ok(())
-                }
+                };
+                (m.message_id.clone(), result)
             })
             .collect();
         Box::pin(async move { results })
@@ -245,10 +248,7 @@ async fn a_relay_that_dies_before_marking_republishes_and_the_inbox_absorbs_it()
     /// Publishes (the broker confirms), then the relay dies before marking.
     struct DiesAfterPublish(Arc<Recording>);
     impl Publisher for DiesAfterPublish {
-        fn publish<'a>(
-            &'a self,
-            batch: &'a [OutgoingMessage],
-        ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+        fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
             let inner = self.0.publish(batch);
             Box::pin(async move {
                 let _ = inner.await;
@@ -289,6 +289,27 @@ async fn a_relay_that_dies_before_marking_republishes_and_the_inbox_absorbs_it()
         consume(&pool, "orders-consumer", id).await;
     }
     assert_eq!(effects(&pool).await, 50);
+}
+
+/// Results go by message id: a message the publisher says nothing of is
+/// not marked sent (it is retried), whatever its place in the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_publisher_says_nothing_of_is_not_marked_sent() {
+    let (pool, _s) = pg().await;
+    let mut tx = pool.begin().await.unwrap();
+    for (id, destination) in [("a", "orders"), ("b", "silent"), ("c", "orders")] {
+        outbox::enqueue(&mut tx, &message(id, destination, None))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let publisher = Arc::new(Recording::default());
+    let relay = Relay::new(pool.clone(), publisher.clone(), RelayConfig::default());
+    let round = relay.round().await.unwrap();
+    assert_eq!((round.sent, round.failed), (2, 1));
+    assert_eq!(*publisher.published.lock().unwrap(), vec!["a", "c"]);
+    let s = outbox::stats(&pool).await.unwrap();
+    assert_eq!((s.sent, s.pending), (2, 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,7 +27,7 @@ use std::task::Poll;
 
 use futures_core::Stream;
 use idem_core::BoxFuture;
-use idem_outbox::outbox::{OutgoingMessage, PublishError, Publisher};
+use idem_outbox::outbox::{OutgoingMessage, PublishError, Published, Publisher};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions,
@@ -159,10 +159,7 @@ fn properties(m: &OutgoingMessage) -> BasicProperties {
 impl Publisher for RabbitPublisher {
     /// Publishes the whole batch, then waits for every confirm: one round of
     /// confirms per batch, not per message.
-    fn publish<'a>(
-        &'a self,
-        batch: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+    fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         Box::pin(async move {
             let _one_batch_at_a_time = self.lock.lock().await;
             let mut pending = Vec::with_capacity(batch.len());
@@ -179,20 +176,23 @@ impl Publisher for RabbitPublisher {
                     .await;
                 pending.push(sent);
             }
-            let mut results = Vec::with_capacity(batch.len());
-            for sent in pending {
-                results.push(match sent {
-                    Ok(confirm) => match confirm.await {
-                        Ok(Confirmation::Ack(_)) => Ok(()),
-                        Ok(other) => {
-                            Err(PublishError(format!("the broker did not ack: {other:?}")))
-                        }
+            let mut published = Published::default();
+            for (m, sent) in batch.iter().zip(pending) {
+                published.record(
+                    &m.message_id,
+                    match sent {
+                        Ok(confirm) => match confirm.await {
+                            Ok(Confirmation::Ack(_)) => Ok(()),
+                            Ok(other) => {
+                                Err(PublishError(format!("the broker did not ack: {other:?}")))
+                            }
+                            Err(e) => Err(PublishError(e.to_string())),
+                        },
                         Err(e) => Err(PublishError(e.to_string())),
                     },
-                    Err(e) => Err(PublishError(e.to_string())),
-                });
+                );
             }
-            results
+            published
         })
     }
 }

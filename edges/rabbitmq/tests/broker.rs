@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idem_core::BoxFuture;
-use idem_outbox::outbox::{self, OutgoingMessage, PublishError, Publisher, Relay, RelayConfig};
+use idem_outbox::outbox::{self, OutgoingMessage, Published, Publisher, Relay, RelayConfig};
 use idem_rabbitmq::{Incoming, QueueSpec, RabbitConsumer, RabbitPublisher};
 use idem_store_suite::messaging::{effects, message, outbox_schema, record_effect, wait_for, Seen};
 use idem_store_suite::postgres::TestSchema;
@@ -100,7 +100,7 @@ async fn consumer(
 async fn a_consumer_killed_after_commit_before_ack_gets_a_duplicate_on_redelivery() {
     let s = setup(5).await;
     let results = s.publisher.publish(&[message("m-1", s.spec.name())]).await;
-    assert!(results[0].is_ok());
+    assert!(results.confirmed("m-1"));
     let first = Arc::new(Seen::default());
     let (_stop, task) = consumer(&s, first.clone(), true, None).await;
     let pool = s.pool.clone();
@@ -141,13 +141,10 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_message_is_con
     tx.commit().await.unwrap();
     struct DiesAfterConfirm(Arc<RabbitPublisher>);
     impl Publisher for DiesAfterConfirm {
-        fn publish<'a>(
-            &'a self,
-            batch: &'a [OutgoingMessage],
-        ) -> BoxFuture<'a, Vec<Result<(), PublishError>>> {
+        fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
             Box::pin(async move {
-                let results = self.0.publish(batch).await;
-                assert!(results.iter().all(Result::is_ok));
+                let published = self.0.publish(batch).await;
+                assert!(published.all_confirmed(batch));
                 panic!("the relay died after the broker confirmed, before marking the rows");
             })
         }
@@ -198,7 +195,7 @@ async fn the_same_message_delivered_to_two_consumers_at_once_acts_once() {
         batch.push(message(&format!("twin-{i}"), s.spec.name()));
         batch.push(message(&format!("twin-{i}"), s.spec.name()));
     }
-    assert!(s.publisher.publish(&batch).await.iter().all(Result::is_ok));
+    assert!(s.publisher.publish(&batch).await.all_confirmed(&batch));
     let watch_seen = seen.clone();
     wait_for(
         "all 60 deliveries, handled",
@@ -288,7 +285,7 @@ async fn a_poison_message_ends_in_the_dead_letter_queue_without_blocking_the_res
     for i in 0..10 {
         batch.push(message(&format!("fine-{i}"), s.spec.name()));
     }
-    assert!(s.publisher.publish(&batch).await.iter().all(Result::is_ok));
+    assert!(s.publisher.publish(&batch).await.all_confirmed(&batch));
     let seen = Arc::new(Seen::default());
     let (stop, task) = consumer(&s, seen.clone(), false, Some("poison")).await;
     let pool = s.pool.clone();
