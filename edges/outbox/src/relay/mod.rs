@@ -8,13 +8,19 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::BoxFuture;
-use sqlx::postgres::{PgListener, PgPool};
+use sqlx::postgres::PgPool;
 use sqlx::sqlite::SqlitePool;
 use sqlx::Row;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use crate::outbox::{decode_headers, now_ms, OutgoingMessage, PublishError, Publisher};
+mod postgres;
+mod sqlite;
+
+use postgres::Postgres;
+use sqlite::Sqlite;
+
+use crate::outbox::{decode_headers, OutgoingMessage, PublishError, Publisher};
 
 /// The channel `enqueue` notifies on commit, and relays listen to.
 pub const NOTIFY_CHANNEL: &str = "idem_outbox";
@@ -64,7 +70,7 @@ pub(crate) struct Claimed {
     message: OutgoingMessage,
 }
 
-fn claimed_row<R>(r: &R) -> Result<Claimed, sqlx::Error>
+pub(super) fn claimed_row<R>(r: &R) -> Result<Claimed, sqlx::Error>
 where
     R: Row,
     for<'c> &'c str: sqlx::ColumnIndex<R>,
@@ -90,14 +96,6 @@ where
 pub(crate) trait Wakeups: Send {
     /// Resolves at the next notification (or when the source fails).
     fn next(&mut self) -> BoxFuture<'_, ()>;
-}
-
-impl Wakeups for PgListener {
-    fn next(&mut self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            let _ = self.recv().await;
-        })
-    }
 }
 
 /// Where an outbox table lives: the statements a relay needs, one
@@ -133,237 +131,8 @@ pub(crate) trait OutboxBackend: Send + Sync + 'static {
     fn wakeups(&self) -> BoxFuture<'_, Option<Box<dyn Wakeups>>>;
 }
 
-fn millis(d: Duration) -> i64 {
+pub(super) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// The outbox on PostgreSQL: rows claimed with `FOR UPDATE SKIP LOCKED`,
-/// times from the database's clock, `LISTEN` for wake-ups.
-struct Postgres(PgPool);
-
-impl OutboxBackend for Postgres {
-    fn claim(
-        &self,
-        batch: i64,
-        lease: Duration,
-        token: i64,
-    ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>> {
-        Box::pin(async move {
-            // Only the oldest pending row of each ordering key is claimable,
-            // so a key's messages go out one after another, in order.
-            let rows = sqlx::query(
-                "UPDATE idem_outbox o
-                 SET claimed_until = now() + $2 * interval '1 millisecond', claim_token = $3, attempts = o.attempts + 1
-                 WHERE o.seq IN (
-                     SELECT c.seq FROM idem_outbox c
-                     WHERE c.state = 'pending' AND c.next_attempt_at <= now()
-                       AND (c.claimed_until IS NULL OR c.claimed_until < now())
-                       AND (c.ordering_key IS NULL OR NOT EXISTS (
-                            SELECT 1 FROM idem_outbox p
-                            WHERE p.ordering_key = c.ordering_key AND p.state = 'pending' AND p.seq < c.seq))
-                     ORDER BY c.seq
-                     LIMIT $1
-                     FOR UPDATE SKIP LOCKED)
-                 RETURNING o.seq, o.message_id, o.destination, o.ordering_key, o.payload, o.headers, o.attempts",
-            )
-            .bind(batch)
-            .bind(millis(lease))
-            .bind(token)
-            .fetch_all(&self.0)
-            .await?;
-            let mut claimed = rows
-                .iter()
-                .map(claimed_row)
-                .collect::<Result<Vec<_>, _>>()?;
-            claimed.sort_by_key(|c| c.seq);
-            Ok(claimed)
-        })
-    }
-
-    fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>> {
-        Box::pin(async move {
-            let lag: Option<f64> = sqlx::query_scalar(
-                "SELECT extract(epoch FROM now() - min(created_at))::float8 FROM idem_outbox WHERE state = 'pending'",
-            )
-            .fetch_one(&self.0)
-            .await?;
-            Ok(lag.unwrap_or(0.0))
-        })
-    }
-
-    fn mark_failed<'a>(
-        &'a self,
-        seq: i64,
-        token: i64,
-        error: &'a str,
-        backoff: Duration,
-        dead: bool,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(
-                "UPDATE idem_outbox SET claimed_until = NULL, last_error = $3,
-                     next_attempt_at = now() + $4 * interval '1 millisecond',
-                     state = CASE WHEN $5 THEN 'dead' ELSE 'pending' END
-                 WHERE seq = $1 AND claim_token = $2",
-            )
-            .bind(seq)
-            .bind(token)
-            .bind(error)
-            .bind(millis(backoff))
-            .bind(dead)
-            .execute(&self.0)
-            .await
-            .map(drop)
-        })
-    }
-
-    fn mark_sent<'a>(
-        &'a self,
-        seqs: &'a [i64],
-        token: i64,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(
-                "UPDATE idem_outbox SET state = 'sent', sent_at = now(), claimed_until = NULL
-                 WHERE seq = ANY($1) AND claim_token = $2",
-            )
-            .bind(seqs)
-            .bind(token)
-            .execute(&self.0)
-            .await
-            .map(drop)
-        })
-    }
-
-    fn wakeups(&self) -> BoxFuture<'_, Option<Box<dyn Wakeups>>> {
-        Box::pin(async move {
-            let mut listener = match PgListener::connect_with(&self.0).await {
-                Ok(l) => l,
-                Err(e) => {
-                    warn!(error = %e, "no listener connection; polling only");
-                    return None;
-                }
-            };
-            match listener.listen(NOTIFY_CHANNEL).await {
-                Ok(()) => Some(Box::new(listener) as Box<dyn Wakeups>),
-                Err(e) => {
-                    warn!(error = %e, "LISTEN failed; polling only");
-                    None
-                }
-            }
-        })
-    }
-}
-
-/// The outbox on SQLite: one writer at a time (so one relay per database
-/// is enough), times from this process's clock, no notifications (the
-/// application calls [`Relay::wake`] after its commit, or the relay polls).
-struct Sqlite(SqlitePool);
-
-impl OutboxBackend for Sqlite {
-    fn claim(
-        &self,
-        batch: i64,
-        lease: Duration,
-        token: i64,
-    ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(
-                "UPDATE idem_outbox
-                 SET claimed_until = $2 + $3, claim_token = $4, attempts = attempts + 1
-                 WHERE seq IN (
-                     SELECT c.seq FROM idem_outbox c
-                     WHERE c.state = 'pending' AND c.next_attempt_at <= $2
-                       AND (c.claimed_until IS NULL OR c.claimed_until < $2)
-                       AND (c.ordering_key IS NULL OR NOT EXISTS (
-                            SELECT 1 FROM idem_outbox p
-                            WHERE p.ordering_key = c.ordering_key AND p.state = 'pending' AND p.seq < c.seq))
-                     ORDER BY c.seq
-                     LIMIT $1)
-                 RETURNING seq, message_id, destination, ordering_key, payload, headers, attempts",
-            )
-            .bind(batch)
-            .bind(now_ms())
-            .bind(millis(lease))
-            .bind(token)
-            .fetch_all(&self.0)
-            .await?;
-            let mut claimed = rows
-                .iter()
-                .map(claimed_row)
-                .collect::<Result<Vec<_>, _>>()?;
-            claimed.sort_by_key(|c| c.seq);
-            Ok(claimed)
-        })
-    }
-
-    fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>> {
-        Box::pin(async move {
-            let oldest: Option<i64> = sqlx::query_scalar(
-                "SELECT min(created_at) FROM idem_outbox WHERE state = 'pending'",
-            )
-            .fetch_one(&self.0)
-            .await?;
-            Ok(oldest.map_or(0.0, |ms| (now_ms() - ms) as f64 / 1000.0))
-        })
-    }
-
-    fn mark_failed<'a>(
-        &'a self,
-        seq: i64,
-        token: i64,
-        error: &'a str,
-        backoff: Duration,
-        dead: bool,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(
-                "UPDATE idem_outbox SET claimed_until = NULL, last_error = $3,
-                     next_attempt_at = $4,
-                     state = CASE WHEN $5 THEN 'dead' ELSE 'pending' END
-                 WHERE seq = $1 AND claim_token = $2",
-            )
-            .bind(seq)
-            .bind(token)
-            .bind(error)
-            .bind(now_ms().saturating_add(millis(backoff)))
-            .bind(dead)
-            .execute(&self.0)
-            .await
-            .map(drop)
-        })
-    }
-
-    fn mark_sent<'a>(
-        &'a self,
-        seqs: &'a [i64],
-        token: i64,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            // SQLite has no arrays: the sequence numbers go as a JSON list.
-            let list = format!(
-                "[{}]",
-                seqs.iter()
-                    .map(i64::to_string)
-                    .collect::<Vec<_>>()
-                    .join(",")
-            );
-            sqlx::query(
-                "UPDATE idem_outbox SET state = 'sent', sent_at = $3, claimed_until = NULL
-                 WHERE seq IN (SELECT value FROM json_each($1)) AND claim_token = $2",
-            )
-            .bind(list)
-            .bind(token)
-            .bind(now_ms())
-            .execute(&self.0)
-            .await
-            .map(drop)
-        })
-    }
-
-    fn wakeups(&self) -> BoxFuture<'_, Option<Box<dyn Wakeups>>> {
-        Box::pin(async { None })
-    }
 }
 
 /// A relay over the outbox table. Several may run at once: each claims rows
