@@ -12,10 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::UnixMillis;
+use idem_outbox::consumer::{handler, Consumer, Delivery};
 use idem_outbox::transport::InProcess;
 use idem_outbox::{Handled, InboxPool, OutgoingMessage, Publisher, Relay, RelayConfig};
 use serde::Deserialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
@@ -156,18 +157,14 @@ impl Messaging {
             format!("{prefix}.{ORDER_PLACED}"),
             format!("{prefix}.{PAYMENT_AUTHORIZED}"),
         ];
-        let mut tasks = Vec::new();
+        // Each event's consumer, on whatever carries the events; the
+        // handler and its wiring are the same for all.
+        let mut consumers: Vec<(Box<dyn Consumer>, &'static str)> = Vec::new();
         let publisher: Arc<dyn Publisher> = match broker_url {
             None => {
                 let transport = Arc::new(InProcess::new());
                 for (dest, suffix) in destinations.iter().zip([ORDER_PLACED, PAYMENT_AUTHORIZED]) {
-                    let rx = transport.subscribe(dest);
-                    tasks.push(tokio::spawn(consume_in_process(
-                        db.clone(),
-                        suffix,
-                        rx,
-                        stop_rx.clone(),
-                    )));
+                    consumers.push((Box::new(transport.consumer(dest)), suffix));
                 }
                 info!("messaging in process (no --broker-url)");
                 transport
@@ -178,20 +175,7 @@ impl Messaging {
                     let spec = idem_rabbitmq::QueueSpec::new(dest.clone()).max_deliveries(5);
                     spec.declare(publisher.channel()).await?;
                     let consumer = idem_rabbitmq::RabbitConsumer::connect(url, spec, 32).await?;
-                    let db = db.clone();
-                    let stop = stop_rx.clone();
-                    tasks.push(tokio::spawn(async move {
-                        let handler = |m: idem_rabbitmq::Incoming| {
-                            let db = db.clone();
-                            async move {
-                                let id = m.message_id.ok_or("a message without message_id")?;
-                                act(&db, suffix, &id, &m.payload).await
-                            }
-                        };
-                        if let Err(e) = consumer.run(handler, stop).await {
-                            warn!(error = %e, "RabbitMQ consumer ended");
-                        }
-                    }));
+                    consumers.push((Box::new(consumer), suffix));
                 }
                 info!(url, "messaging over RabbitMQ");
                 Arc::new(publisher)
@@ -224,20 +208,7 @@ impl Messaging {
                     (PAYMENT_AUTHORIZED, "send-email"),
                 ]) {
                     let consumer = idem_nats::NatsConsumer::connect(url, spec, durable, 5).await?;
-                    let db = db.clone();
-                    let stop = stop_rx.clone();
-                    tasks.push(tokio::spawn(async move {
-                        let handler = |m: idem_nats::Incoming| {
-                            let db = db.clone();
-                            async move {
-                                let id = m.message_id.ok_or("a message without Nats-Msg-Id")?;
-                                act(&db, suffix, &id, &m.payload).await
-                            }
-                        };
-                        if let Err(e) = consumer.run(handler, stop).await {
-                            warn!(error = %e, "NATS consumer ended");
-                        }
-                    }));
+                    consumers.push((Box::new(consumer), suffix));
                 }
                 info!(url, "messaging over NATS JetStream");
                 Arc::new(publisher)
@@ -248,6 +219,24 @@ impl Messaging {
                 )
             }
         };
+        let mut tasks = Vec::new();
+        for (consumer, suffix) in consumers {
+            let db = db.clone();
+            let on_message = handler(move |d: Delivery| {
+                let db = db.clone();
+                async move {
+                    let id = d.message_id.ok_or("a message without a message id")?;
+                    act(&db, suffix, &id, &d.payload).await?;
+                    Ok(())
+                }
+            });
+            let stop = stop_rx.clone();
+            tasks.push(tokio::spawn(async move {
+                if let Err(e) = consumer.consume(on_message, stop).await {
+                    warn!(event = suffix, error = %e, "consumer ended");
+                }
+            }));
+        }
         let config = RelayConfig {
             poll: Duration::from_millis(500),
             ..RelayConfig::default()
@@ -287,32 +276,6 @@ impl Messaging {
         let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
         for t in tasks {
             let _ = t.await;
-        }
-    }
-}
-
-/// Consumes an in-process destination until `stop`.
-async fn consume_in_process(
-    db: Database,
-    suffix: &'static str,
-    mut rx: mpsc::UnboundedReceiver<idem_outbox::transport::Delivery>,
-    mut stop: watch::Receiver<bool>,
-) {
-    loop {
-        let message = tokio::select! {
-            m = rx.recv() => m,
-            _ = stop.changed() => None,
-        };
-        let Some(delivery) = message else { return };
-        // Acknowledged only once processed: the relay marks the row sent
-        // then, and retries it (with backoff, then dead-letters it) if not.
-        let m = &delivery.message;
-        match act(&db, suffix, &m.message_id, &m.payload).await {
-            Ok(()) => delivery.ack(),
-            Err(e) => {
-                warn!(message_id = %m.message_id, error = %e, "consumer failed; the relay will retry");
-                delivery.fail(e);
-            }
         }
     }
 }

@@ -26,6 +26,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, AckKind};
 use futures_core::Stream;
 use idem_core::BoxFuture;
+use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler};
 use idem_outbox::outbox::{OutgoingMessage, PublishError, Published, Publisher};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -139,6 +140,26 @@ impl Publisher for NatsPublisher {
     }
 }
 
+impl Consumer for NatsConsumer {
+    fn consume(
+        self: Box<Self>,
+        handler: Handler,
+        stop: watch::Receiver<bool>,
+    ) -> BoxFuture<'static, Result<(), ConsumeError>> {
+        Box::pin(async move {
+            let on_message = |m: Incoming| {
+                handler(Delivery {
+                    message_id: m.message_id,
+                    payload: m.payload,
+                    headers: m.headers,
+                    redelivered: m.delivered > 1,
+                })
+            };
+            self.run(on_message, stop).await.map_err(Into::into)
+        })
+    }
+}
+
 /// A delivered message, as a handler sees it.
 #[derive(Debug, Clone)]
 pub struct Incoming {
@@ -148,6 +169,8 @@ pub struct Incoming {
     pub payload: bytes::Bytes,
     /// How many times JetStream has delivered it, this time included.
     pub delivered: i64,
+    /// The message's headers (the first value of each).
+    pub headers: Vec<(String, String)>,
 }
 
 /// A durable pull consumer; see the [crate docs](crate).
@@ -251,6 +274,17 @@ impl NatsConsumer {
                     .map(|v| v.as_str().to_owned()),
                 payload: message.payload.clone(),
                 delivered,
+                headers: message
+                    .headers
+                    .as_ref()
+                    .map(|h| {
+                        h.iter()
+                            .filter_map(|(k, vs)| {
+                                vs.first().map(|v| (k.to_string(), v.as_str().to_owned()))
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             };
             match handler(incoming.clone()).await {
                 Ok(()) => message.ack().await.map_err(err)?,

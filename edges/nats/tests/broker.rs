@@ -364,3 +364,39 @@ async fn a_poison_message_is_dead_lettered_without_blocking_the_rest() {
     stop.send(true).unwrap();
     task.await.unwrap();
 }
+
+/// Through the transport-neutral `Consumer` trait, a handler sees the
+/// message id, the body and the headers the sender set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_trait_hands_over_id_body_and_headers() {
+    use idem_outbox::consumer::{handler, Consumer, Delivery};
+    let s = setup().await;
+    assert!(s
+        .publisher
+        .publish(&[message("h-1", s.spec.subject())])
+        .await
+        .confirmed("h-1"));
+    let c = NatsConsumer::connect(&nats(), &s.spec, "trait-consumer", 5)
+        .await
+        .unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (stop_tx, stop) = watch::channel(false);
+    let on_message = handler(move |d: Delivery| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(d);
+            Ok(())
+        }
+    });
+    let task = tokio::spawn(Box::new(c).consume(on_message, stop));
+    let d = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.message_id.as_deref(), Some("h-1"));
+    assert_eq!(d.header("type"), Some("OrderPlaced"));
+    assert_eq!(&d.payload[..], br#"{"id":"h-1"}"#);
+    assert!(!d.redelivered);
+    stop_tx.send(true).unwrap();
+    task.await.unwrap().unwrap();
+}

@@ -6,11 +6,13 @@
 //! message (and no uncommitted one); the inbox makes every message act once
 //! however often it arrives. Together: effect once, end to end.
 
+pub mod consumer;
 pub mod inbox;
 pub mod outbox;
 mod relay;
 pub mod transport;
 
+pub use consumer::{Consumer, Delivery};
 pub use inbox::{Handled, InboxError};
 pub use outbox::{
     enqueue, OutgoingMessage, PublishError, Published, Publisher, Relay, RelayConfig,

@@ -10,19 +10,21 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use idem_core::BoxFuture;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::warn;
 
+use crate::consumer::{ConsumeError, Consumer, Delivery, Handler};
 use crate::outbox::{OutgoingMessage, PublishError, Published, Publisher};
 
-/// A message handed to an in-process consumer, to acknowledge or fail.
+/// A message handed to an in-process subscriber, to acknowledge or fail.
 #[derive(Debug)]
-pub struct Delivery {
+pub struct InProcessDelivery {
     /// The message.
     pub message: OutgoingMessage,
     done: oneshot::Sender<Result<(), String>>,
 }
 
-impl Delivery {
+impl InProcessDelivery {
     /// The message was processed: the relay may mark it sent.
     pub fn ack(self) {
         let _ = self.done.send(Ok(()));
@@ -38,7 +40,7 @@ impl Delivery {
 /// Channels per destination; see the [module docs](self).
 #[derive(Debug)]
 pub struct InProcess {
-    senders: Mutex<HashMap<String, mpsc::UnboundedSender<Delivery>>>,
+    senders: Mutex<HashMap<String, mpsc::UnboundedSender<InProcessDelivery>>>,
     ack_timeout: Duration,
 }
 
@@ -66,7 +68,7 @@ impl InProcess {
     }
 
     /// Subscribes to `destination`, replacing an earlier subscriber.
-    pub fn subscribe(&self, destination: &str) -> mpsc::UnboundedReceiver<Delivery> {
+    pub fn subscribe(&self, destination: &str) -> mpsc::UnboundedReceiver<InProcessDelivery> {
         let (tx, rx) = mpsc::unbounded_channel();
         self.senders
             .lock()
@@ -90,7 +92,7 @@ impl Publisher for InProcess {
                         )));
                     };
                     let (done, acked) = oneshot::channel();
-                    tx.send(Delivery {
+                    tx.send(InProcessDelivery {
                         message: m.clone(),
                         done,
                     })
@@ -119,6 +121,58 @@ impl Publisher for InProcess {
                 );
             }
             published
+        })
+    }
+}
+
+impl InProcess {
+    /// A [`Consumer`] of `destination` (subscribing to it, replacing an
+    /// earlier subscriber).
+    pub fn consumer(&self, destination: &str) -> InProcessConsumer {
+        InProcessConsumer {
+            destination: destination.to_owned(),
+            rx: self.subscribe(destination),
+        }
+    }
+}
+
+/// The in-process [`Consumer`] of one destination: a delivery is
+/// acknowledged (and its outbox row marked sent) only once its handler
+/// succeeded; a failure goes back to the relay, which retries it later.
+#[derive(Debug)]
+pub struct InProcessConsumer {
+    destination: String,
+    rx: mpsc::UnboundedReceiver<InProcessDelivery>,
+}
+
+impl Consumer for InProcessConsumer {
+    fn consume(
+        mut self: Box<Self>,
+        handler: Handler,
+        mut stop: watch::Receiver<bool>,
+    ) -> BoxFuture<'static, Result<(), ConsumeError>> {
+        Box::pin(async move {
+            loop {
+                let next = tokio::select! {
+                    d = self.rx.recv() => d,
+                    _ = stop.changed() => None,
+                };
+                let Some(delivery) = next else { return Ok(()) };
+                let m = &delivery.message;
+                let seen = Delivery {
+                    message_id: Some(m.message_id.clone()),
+                    payload: m.payload.clone(),
+                    headers: m.headers.clone(),
+                    redelivered: false,
+                };
+                match handler(seen).await {
+                    Ok(()) => delivery.ack(),
+                    Err(e) => {
+                        warn!(destination = %self.destination, message_id = %m.message_id, error = %e, "handler failed; the relay will retry");
+                        delivery.fail(e.to_string());
+                    }
+                }
+            }
         })
     }
 }

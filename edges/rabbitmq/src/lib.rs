@@ -27,6 +27,7 @@ use std::task::Poll;
 
 use futures_core::Stream;
 use idem_core::BoxFuture;
+use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler};
 use idem_outbox::outbox::{OutgoingMessage, PublishError, Published, Publisher};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
@@ -197,6 +198,45 @@ impl Publisher for RabbitPublisher {
     }
 }
 
+/// The text-valued entries of an AMQP header table.
+fn text_headers(table: Option<&FieldTable>) -> Vec<(String, String)> {
+    let Some(table) = table else {
+        return Vec::new();
+    };
+    table
+        .inner()
+        .iter()
+        .filter_map(|(k, v)| match v {
+            AMQPValue::LongString(s) => Some((
+                k.as_str().to_owned(),
+                String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            )),
+            AMQPValue::ShortString(s) => Some((k.as_str().to_owned(), s.as_str().to_owned())),
+            _ => None,
+        })
+        .collect()
+}
+
+impl Consumer for RabbitConsumer {
+    fn consume(
+        self: Box<Self>,
+        handler: Handler,
+        stop: watch::Receiver<bool>,
+    ) -> BoxFuture<'static, Result<(), ConsumeError>> {
+        Box::pin(async move {
+            let on_message = |m: Incoming| {
+                handler(Delivery {
+                    message_id: m.message_id,
+                    payload: m.payload.into(),
+                    headers: m.headers,
+                    redelivered: m.redelivered,
+                })
+            };
+            self.run(on_message, stop).await.map_err(Into::into)
+        })
+    }
+}
+
 /// A delivered message, as a handler sees it.
 #[derive(Debug, Clone)]
 pub struct Incoming {
@@ -206,6 +246,8 @@ pub struct Incoming {
     pub payload: Vec<u8>,
     /// Whether the broker says it delivered this before.
     pub redelivered: bool,
+    /// The message's headers whose values are text.
+    pub headers: Vec<(String, String)>,
 }
 
 /// Consumes a queue with manual acks; see the [crate docs](crate).
@@ -278,6 +320,7 @@ impl RabbitConsumer {
                     .map(|s| s.as_str().to_owned()),
                 payload: delivery.data.clone(),
                 redelivered: delivery.redelivered,
+                headers: text_headers(delivery.properties.headers().as_ref()),
             };
             match handler(incoming).await {
                 Ok(()) => {

@@ -323,3 +323,39 @@ async fn a_poison_message_ends_in_the_dead_letter_queue_without_blocking_the_res
     stop.send(true).unwrap();
     task.await.unwrap();
 }
+
+/// Through the transport-neutral `Consumer` trait, a handler sees the
+/// message id, the body and the headers the sender set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_trait_hands_over_id_body_and_headers() {
+    use idem_outbox::consumer::{handler, Consumer, Delivery};
+    let s = setup(5).await;
+    assert!(s
+        .publisher
+        .publish(&[message("h-1", s.spec.name())])
+        .await
+        .confirmed("h-1"));
+    let c = RabbitConsumer::connect(&amqp(), s.spec.clone(), 10)
+        .await
+        .unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (stop_tx, stop) = watch::channel(false);
+    let on_message = handler(move |d: Delivery| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(d);
+            Ok(())
+        }
+    });
+    let task = tokio::spawn(Box::new(c).consume(on_message, stop));
+    let d = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.message_id.as_deref(), Some("h-1"));
+    assert_eq!(d.header("type"), Some("OrderPlaced"));
+    assert_eq!(&d.payload[..], br#"{"id":"h-1"}"#);
+    assert!(!d.redelivered);
+    stop_tx.send(true).unwrap();
+    task.await.unwrap().unwrap();
+}
