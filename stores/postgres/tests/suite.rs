@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{ClaimOutcome, RecordState, Store, StoreError, StoredResponse, TransactionalStore};
-use idem_postgres::{complete_in_tx, PostgresStore, TableName};
+use idem_core::{ClaimOutcome, Store, StoreError, StoredResponse};
+use idem_postgres::{PostgresStore, TableName};
 use idem_sql::{insert_unique, DuplicateKey, Inserted};
 use idem_store_suite::postgres::{database_url, TestSchema};
 
@@ -21,6 +21,16 @@ async fn fresh() -> (PostgresStore, TestSchema) {
 
 mod suite {
     idem_store_suite::store_suite!(|| super::fresh());
+}
+
+mod transactional {
+    // Business transactions on a pool whose search path is the test's
+    // schema, so that their tables are the test's own.
+    idem_store_suite::transactional_suite!(|| async {
+        let (store, schema) = super::fresh().await;
+        let pool = sqlx::PgPool::connect(&schema.url()).await.expect("pool");
+        (store, pool, schema)
+    });
 }
 
 fn request() -> idem_core::ClaimRequest {
@@ -39,78 +49,6 @@ fn response() -> StoredResponse {
         headers: vec![],
         body: Bytes::from_static(b"{}"),
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn completion_commits_and_rolls_back_with_the_business_transaction() {
-    let (store, schema) = fresh().await;
-    let effects = format!("\"{}\".effects", schema.name());
-    sqlx::query(&format!("CREATE TABLE {effects} (id int PRIMARY KEY)"))
-        .execute(store.pool())
-        .await
-        .unwrap();
-    let ClaimOutcome::Acquired(claim) = store.claim(&request()).await.unwrap() else {
-        panic!("expected to acquire")
-    };
-    let mut tx = store.pool().begin().await.unwrap();
-    sqlx::query(&format!("INSERT INTO {effects} VALUES (1)"))
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    complete_in_tx(&mut tx, store.table(), &claim, &response())
-        .await
-        .unwrap();
-    tx.rollback().await.unwrap();
-    let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {effects}"))
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-    assert_eq!(n, 0);
-    assert!(matches!(
-        store.get("s", "k").await.unwrap().unwrap().state,
-        RecordState::InProgress { .. }
-    ));
-
-    let mut tx = store.pool().begin().await.unwrap();
-    sqlx::query(&format!("INSERT INTO {effects} VALUES (1)"))
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    store
-        .complete_in_tx(&mut tx, &claim, &response())
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {effects}"))
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-    assert_eq!(n, 1);
-    assert!(matches!(
-        store.get("s", "k").await.unwrap().unwrap().state,
-        RecordState::Completed { .. }
-    ));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_zombie_completion_in_its_transaction_is_refused() {
-    let (store, _schema) = fresh().await;
-    let mut short = request();
-    short.lease = Duration::from_millis(200);
-    let ClaimOutcome::Acquired(zombie) = store.claim(&short).await.unwrap() else {
-        panic!()
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let ClaimOutcome::Acquired(fresh_claim) = store.claim(&request()).await.unwrap() else {
-        panic!()
-    };
-    assert!(fresh_claim.takeover);
-    let mut tx = store.pool().begin().await.unwrap();
-    let err = store
-        .complete_in_tx(&mut tx, &zombie, &response())
-        .await
-        .unwrap_err();
-    assert!(matches!(err, StoreError::ClaimLost));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -347,8 +347,6 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
-    use idem_core::RecordState;
 
     async fn fresh() -> (SqliteStore, tempfile::TempDir) {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -361,94 +359,12 @@ mod tests {
         idem_store_suite::store_suite!(|| super::fresh());
     }
 
-    fn request() -> ClaimRequest {
-        idem_store_suite::request(
-            "s",
-            "k",
-            "{}",
-            Duration::from_secs(60),
-            Duration::from_secs(3600),
-        )
-    }
-
-    #[tokio::test]
-    async fn completion_commits_and_rolls_back_with_the_business_transaction() {
-        let (store, _dir) = fresh().await;
-        sqlx::query("CREATE TABLE effects (id INTEGER PRIMARY KEY)")
-            .execute(store.pool())
-            .await
-            .unwrap();
-        let ClaimOutcome::Acquired(claim) = store.claim(&request()).await.unwrap() else {
-            panic!("expected to acquire");
-        };
-        let response = StoredResponse {
-            status: 201,
-            headers: vec![],
-            body: Bytes::from_static(b"{}"),
-        };
-        // rolled back: neither the effect nor the completion is there
-        {
-            let mut tx = store.pool().begin().await.unwrap();
-            sqlx::query("INSERT INTO effects (id) VALUES (1)")
-                .execute(&mut *tx)
-                .await
-                .unwrap();
-            complete_in_tx(&mut tx, &claim, &response).await.unwrap();
-            tx.rollback().await.unwrap();
-        }
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
-            .fetch_one(store.pool())
-            .await
-            .unwrap();
-        assert_eq!(n, 0);
-        assert!(matches!(
-            store.get("s", "k").await.unwrap().unwrap().state,
-            RecordState::InProgress { .. }
-        ));
-        // committed: both are there
-        let mut tx = store.pool().begin().await.unwrap();
-        sqlx::query("INSERT INTO effects (id) VALUES (1)")
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        complete_in_tx(&mut tx, &claim, &response).await.unwrap();
-        tx.commit().await.unwrap();
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
-            .fetch_one(store.pool())
-            .await
-            .unwrap();
-        assert_eq!(n, 1);
-        assert!(matches!(
-            store.get("s", "k").await.unwrap().unwrap().state,
-            RecordState::Completed { .. }
-        ));
-    }
-
-    #[tokio::test]
-    async fn zombie_completion_touches_nothing() {
-        let (store, _dir) = fresh().await;
-        let mut r = request();
-        r.lease = Duration::from_millis(100);
-        let ClaimOutcome::Acquired(zombie) = store.claim(&r).await.unwrap() else {
-            panic!("expected to acquire");
-        };
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        let ClaimOutcome::Acquired(_fresh) = store.claim(&request()).await.unwrap() else {
-            panic!("expected a takeover");
-        };
-        let mut tx = store.pool().begin().await.unwrap();
-        let err = complete_in_tx(
-            &mut tx,
-            &zombie,
-            &StoredResponse {
-                status: 201,
-                headers: vec![],
-                body: Bytes::new(),
-            },
-        )
-        .await
-        .unwrap_err();
-        assert!(matches!(err, StoreError::ClaimLost));
+    mod transactional {
+        idem_store_suite::transactional_suite!(|| async {
+            let (store, dir) = super::fresh().await;
+            let pool = store.pool().clone();
+            (store, pool, dir)
+        });
     }
 
     #[tokio::test]

@@ -15,6 +15,7 @@
 
 pub mod messaging;
 pub mod postgres;
+pub mod transactional;
 
 use std::sync::Arc;
 use std::time::Duration;
