@@ -9,6 +9,10 @@ use std::fmt;
 /// The longest key accepted, in characters.
 pub const MAX_KEY_LEN: usize = 255;
 
+/// The name of the header that carries the key (RFC 9110 names are
+/// case-insensitive; this is the lower-case spelling HTTP/2 requires).
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+
 /// A validated idempotency key: 1 to [`MAX_KEY_LEN`] characters of visible
 /// ASCII (0x21 to 0x7E).
 ///

@@ -36,7 +36,7 @@ pub use decision::{
     on_arrival, on_handler_end, on_missing_key, Arrival, HandlerEnd, MissingKey, Settlement,
 };
 pub use fingerprint::Fingerprint;
-pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use key::{IdempotencyKey, KeyError, IDEMPOTENCY_KEY_HEADER, MAX_KEY_LEN};
 pub use ops::{Inspection, StoreStats};
 pub use policy::{Policy, PolicyBuilder, PolicyError};
 pub use record::{

@@ -17,7 +17,7 @@ use crate::metrics::count;
 use crate::rejection::IdempotencyRejection;
 
 /// The request header carrying the key.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(idem_core::IDEMPOTENCY_KEY_HEADER);
 
 /// Who a request belongs to and under which key, as its headers say.
 pub(crate) enum Identified {

@@ -3,7 +3,7 @@
 //! which answers to retry.
 //!
 //! ```no_run
-//! use idem_client::{IdempotencyKey, IdempotentRetry, RetryOutcomeExt};
+//! use idem_client::{IntentKey, IdempotentRetry, RetryOutcomeExt};
 //! use reqwest_middleware::ClientBuilder;
 //!
 //! # async fn pay() -> Result<(), reqwest_middleware::Error> {
@@ -16,7 +16,7 @@
 //!     .header("content-type", "application/json")
 //!     .body(r#"{"account_id":"acc_1","amount":1000,"currency":"EUR"}"#)
 //!     // one key for this intent; omit it and one is generated (UUID v4)
-//!     .with_extension(IdempotencyKey::new("order-42-payment"))
+//!     .with_extension(IntentKey::new("order-42-payment"))
 //!     .timeout(std::time::Duration::from_secs(2))
 //!     .send()
 //!     .await?;
@@ -38,21 +38,22 @@
 
 use std::time::{Duration, Instant};
 
-use http::{Extensions, HeaderValue, Method, StatusCode};
+use http::{Extensions, HeaderName, HeaderValue, Method, StatusCode};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next, Result};
 use tracing::debug;
 
 /// The request header carrying the key.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(idem_core::IDEMPOTENCY_KEY_HEADER);
 
-/// A caller-chosen key for one logical request, passed with
+/// The key of one intent (one logical request, whatever its retries), chosen
+/// by the caller and passed with
 /// `RequestBuilder::with_extension`. Without one (and without an
 /// `Idempotency-Key` header), the middleware generates a key.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IdempotencyKey(String);
+pub struct IntentKey(String);
 
-impl IdempotencyKey {
+impl IntentKey {
     /// A key from the caller: 1 to 255 visible ASCII characters.
     pub fn new(key: impl Into<String>) -> Self {
         Self(key.into())
@@ -265,12 +266,12 @@ impl Middleware for IdempotentRetry {
                 .get(IDEMPOTENCY_KEY)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned);
-            let key = match (existing, extensions.get::<IdempotencyKey>()) {
+            let key = match (existing, extensions.get::<IntentKey>()) {
                 (Some(k), _) => k,
                 (None, Some(k)) => k.0.clone(),
                 (None, None) => match self.key_kind {
-                    KeyKind::V4 => IdempotencyKey::random().0,
-                    KeyKind::V7 => IdempotencyKey::time_ordered().0,
+                    KeyKind::V4 => IntentKey::random().0,
+                    KeyKind::V7 => IntentKey::time_ordered().0,
                 },
             };
             let value = HeaderValue::from_str(&key).map_err(|e| {

@@ -9,7 +9,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
-use idem_client::{IdempotencyKey, IdempotentRetry, RetryOutcomeExt};
+use idem_client::{IdempotentRetry, IntentKey, RetryOutcomeExt};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 
 /// One scripted answer: a status and extra headers.
@@ -99,7 +99,7 @@ async fn a_caller_supplied_key_is_kept() {
     let url = serve(s.clone()).await;
     let r = client(fast())
         .post(&url)
-        .with_extension(IdempotencyKey::new("intent-7"))
+        .with_extension(IntentKey::new("intent-7"))
         .send()
         .await
         .unwrap();
