@@ -1,0 +1,217 @@
+//! `canonical_json` (RFC 8785) and `Fingerprint::of_request` on arbitrary
+//! bodies.
+//!
+//! Properties:
+//! - never panics;
+//! - the canonical output is valid JSON whose value equals the input's value
+//!   (numbers compared as JSON numbers: integers exactly, anything with a
+//!   fraction or exponent as the IEEE double it denotes);
+//! - canonicalising the canonical output gives it back (a fixed point);
+//! - a JSON body and other spellings of the same value (re-serialised pretty
+//!   by serde_json; and written with object keys in reverse order, random
+//!   insignificant whitespace and every string character `\u`-escaped) get
+//!   the same fingerprint;
+//! - the fingerprint reads the body as JSON exactly when the content type is
+//!   JSON and the body canonicalises;
+//! - a request with arbitrary method, path and content type never panics.
+#![no_main]
+
+use idem_core::fingerprint::{canonical_json, is_json_media_type, BodyForm};
+use idem_core::Fingerprint;
+use libfuzzer_sys::fuzz_target;
+use serde_json::Value;
+
+const JSON: Option<&str> = Some("application/json");
+
+/// Equality of JSON values, numbers compared by the number they denote.
+fn same_value(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            if let (Some(x), Some(y)) = (x.as_i64(), y.as_i64()) {
+                x == y
+            } else if let (Some(x), Some(y)) = (x.as_u64(), y.as_u64()) {
+                x == y
+            } else {
+                x.as_f64() == y.as_f64()
+            }
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_value(x, y))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| same_value(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+/// Writes `v` as JSON in an unusual but equivalent spelling: object members
+/// in reverse order, whitespace between tokens chosen by `ws`, every string
+/// character past ASCII letters and digits `\u`-escaped (surrogate pairs
+/// included).
+fn write_variant(v: &Value, ws: &mut impl Iterator<Item = u8>, out: &mut Vec<u8>) {
+    fn space(ws: &mut impl Iterator<Item = u8>, out: &mut Vec<u8>) {
+        let b = ws.next().unwrap_or(0);
+        for i in 0..(b % 4) {
+            out.push([b' ', b'\n', b'\t', b'\r'][usize::from((b >> (2 + i)) & 3)]);
+        }
+    }
+    fn string(s: &str, out: &mut Vec<u8>) {
+        out.push(b'"');
+        for c in s.chars() {
+            if c.is_ascii_alphanumeric() {
+                out.push(c as u8);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.extend_from_slice(format!("\\u{u:04X}").as_bytes());
+                }
+            }
+        }
+        out.push(b'"');
+    }
+    space(ws, out);
+    match v {
+        Value::Null | Value::Bool(_) | Value::Number(_) => {
+            out.extend_from_slice(serde_json::to_string(v).unwrap().as_bytes())
+        }
+        Value::String(s) => string(s, out),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_variant(item, ws, out);
+            }
+            space(ws, out);
+            out.push(b']');
+        }
+        Value::Object(members) => {
+            out.push(b'{');
+            for (i, (k, item)) in members.iter().rev().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                space(ws, out);
+                string(k, out);
+                space(ws, out);
+                out.push(b':');
+                write_variant(item, ws, out);
+            }
+            space(ws, out);
+            out.push(b'}');
+        }
+    }
+    space(ws, out);
+}
+
+fn check_body(body: &[u8]) {
+    let parsed: Result<Value, _> = serde_json::from_slice(body);
+    let canonical = canonical_json(body);
+    let (fingerprint, form) = Fingerprint::of_request_with_form("POST", "/p", JSON, body);
+    assert_eq!(
+        fingerprint,
+        Fingerprint::of_request("POST", "/p", JSON, body)
+    );
+    let canonical = match (canonical, parsed) {
+        (Ok(c), Ok(v)) => {
+            assert_eq!(form, BodyForm::CanonicalJson);
+            (c, v)
+        }
+        (Err(_), _) => {
+            assert_eq!(form, BodyForm::Raw);
+            // Fingerprinted raw: the same as any raw body with these bytes.
+            assert_eq!(
+                fingerprint,
+                Fingerprint::of_request("POST", "/p", Some("text/plain"), body)
+            );
+            return;
+        }
+        (Ok(c), Err(e)) => panic!(
+            "canonicalised {:?} into {:?}, but it does not parse: {e}",
+            String::from_utf8_lossy(body),
+            String::from_utf8_lossy(&c)
+        ),
+    };
+    let (c, value) = canonical;
+    let reparsed: Value = serde_json::from_slice(&c).unwrap_or_else(|e| {
+        panic!(
+            "canonical output {:?} is not JSON: {e}",
+            String::from_utf8_lossy(&c)
+        )
+    });
+    assert!(
+        same_value(&value, &reparsed),
+        "canonical output changes the value: {value:?} became {:?} ({reparsed:?})",
+        String::from_utf8_lossy(&c)
+    );
+    assert!(std::str::from_utf8(&c).is_ok());
+    let again = canonical_json(&c).expect("the canonical output canonicalises");
+    assert_eq!(
+        String::from_utf8_lossy(&again),
+        String::from_utf8_lossy(&c),
+        "not a fixed point (input {:?})",
+        String::from_utf8_lossy(body)
+    );
+
+    // Other spellings of the same value, the same fingerprint.
+    let pretty = serde_json::to_vec_pretty(&value).expect("a Value serialises");
+    assert_eq!(
+        Fingerprint::of_request("POST", "/p", JSON, &pretty),
+        fingerprint,
+        "{:?} and its pretty spelling {:?} differ",
+        String::from_utf8_lossy(body),
+        String::from_utf8_lossy(&pretty)
+    );
+    let mut variant = Vec::new();
+    write_variant(&value, &mut body.iter().copied().cycle(), &mut variant);
+    assert_eq!(
+        Fingerprint::of_request(
+            "POST",
+            "/p",
+            Some("application/problem+json; charset=utf-8"),
+            &variant
+        ),
+        fingerprint,
+        "{:?} and its variant spelling {:?} differ",
+        String::from_utf8_lossy(body),
+        String::from_utf8_lossy(&variant)
+    );
+}
+
+fuzz_target!(|data: &[u8]| {
+    check_body(data);
+
+    // The whole request from the same bytes: "method\npath\ncontent-type\nbody".
+    let mut parts = data.splitn(4, |b| *b == b'\n');
+    let (Some(method), Some(path), Some(ct), Some(body)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return;
+    };
+    let (Ok(method), Ok(path), Ok(ct)) = (
+        std::str::from_utf8(method),
+        std::str::from_utf8(path),
+        std::str::from_utf8(ct),
+    ) else {
+        return;
+    };
+    let (f, form) = Fingerprint::of_request_with_form(method, path, Some(ct), body);
+    let json = is_json_media_type(ct);
+    assert_eq!(
+        form == BodyForm::CanonicalJson,
+        json && canonical_json(body).is_ok()
+    );
+    if form == BodyForm::CanonicalJson {
+        let pretty =
+            serde_json::to_vec_pretty(&serde_json::from_slice::<Value>(body).unwrap()).unwrap();
+        assert_eq!(f, Fingerprint::of_request(method, path, JSON, &pretty));
+    } else {
+        assert_eq!(f, Fingerprint::of_request(method, path, None, body));
+    }
+    assert_eq!(f.to_hex().len(), 64);
+    assert_eq!(Fingerprint::from_slice(f.as_bytes()), Some(f));
+});
