@@ -1,9 +1,8 @@
 //! Replaying stored headers: `StoredResponse::decode_headers` on what a store
 //! gave back, then the `http::HeaderMap` the axum layer builds from it at
-//! replay (`replay` in edges/axum/src/claim.rs, replicated here: append
-//! every pair whose name and value `HeaderName::from_bytes` /
-//! `HeaderValue::from_bytes` accept, skip the others, then insert
-//! `idempotent-replayed: true`).
+//! replay (`idem_axum::replayed_headers`, the function `replay` calls: the
+//! stored pairs the policy replays, valid as a name and a value, at most
+//! 1,024 of them, then `idempotent-replayed: true`).
 //!
 //! The first input byte picks the mode: 0 a stored header blob (the rest of
 //! the input), 1 (name, value) pairs built with `arbitrary`, 2 a blob of
@@ -12,8 +11,9 @@
 //!
 //! Properties:
 //! - never panics, whatever the stored bytes;
-//! - the replayed map holds exactly the valid stored pairs, in order, plus
-//!   `idempotent-replayed: true` (once, whatever was stored under that name);
+//! - the replayed map holds exactly the valid, allow-listed stored pairs, in
+//!   order, the first 1,024 of them, plus `idempotent-replayed: true` (once,
+//!   whatever was stored under that name);
 //! - valid (name, value) pairs survive encode -> decode unchanged, and so do
 //!   arbitrary ones.
 #![no_main]
@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 
 use arbitrary::{Arbitrary, Unstructured};
 use http::{HeaderMap, HeaderName, HeaderValue};
-use idem_core::StoredResponse;
+use idem_core::{Policy, StoredResponse};
 use libfuzzer_sys::fuzz_target;
 
 const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -41,8 +41,12 @@ struct Pairs {
     raw: Vec<(String, Vec<u8>)>,
 }
 
-/// Maps arbitrary bytes onto a valid header name (never empty).
+/// Maps arbitrary bytes onto a valid header name (never empty): half the
+/// time one the policy replays.
 fn valid_name(raw: &[u8]) -> String {
+    if let Some(first) = raw.first().filter(|b| *b % 2 == 0) {
+        return PICKED[usize::from(*first / 2) % PICKED.len()].to_owned();
+    }
     let mut name: String = raw
         .iter()
         .map(|b| char::from(TCHAR[usize::from(*b) % TCHAR.len()]))
@@ -73,22 +77,44 @@ fn encode(headers: &[(String, Vec<u8>)]) -> Vec<u8> {
     .encode_headers()
 }
 
-/// What `replay` in edges/axum/src/claim.rs does with stored headers.
-fn replay(stored: &[(String, Vec<u8>)]) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    for (name, value) in stored {
-        match (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_bytes(value),
-        ) {
-            (Ok(n), Ok(v)) => {
-                headers.append(n, v);
-            }
-            _ => {} // warn!(...) and skip
+/// The names the fuzz policy replays beyond the defaults.
+const ALLOWED: &[&str] = &["x-h0", "x-h1", "x-h2", "x-h3", "x-a"];
+
+/// Names `valid_name` picks from half the time: allow-listed ones, the
+/// defaults, and ones no policy ever replays.
+const PICKED: &[&str] = &[
+    "x-h0",
+    "x-h1",
+    "x-h2",
+    "x-h3",
+    "x-a",
+    "location",
+    "etag",
+    "set-cookie",
+    "transfer-encoding",
+    "content-length",
+    "idempotent-replayed",
+];
+
+/// The most stored headers a replay sends.
+const MAX_REPLAYED: usize = 1024;
+
+fn policy() -> &'static Policy {
+    static POLICY: OnceLock<Policy> = OnceLock::new();
+    POLICY.get_or_init(|| {
+        let mut builder = Policy::builder();
+        for name in ALLOWED {
+            builder = builder.replay_header(*name);
         }
-    }
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    headers
+        builder
+            .build()
+            .expect("the fuzz policy is valid: a misconfigured one would fuzz less")
+    })
+}
+
+/// What the axum layer replays of stored headers.
+fn replay(stored: &[(String, Vec<u8>)]) -> HeaderMap {
+    idem_axum::replayed_headers(stored, policy())
 }
 
 /// Decodes a stored blob and replays it, checking the map against the pairs.
@@ -105,7 +131,8 @@ fn replay_blob(blob: &[u8]) {
                 HeaderValue::from_bytes(v).ok()?,
             ))
         })
-        .filter(|(n, _)| *n != IDEMPOTENT_REPLAYED)
+        .filter(|(n, _)| policy().replays_header(n.as_str()))
+        .take(MAX_REPLAYED)
         .collect();
     assert_eq!(map.len(), expected.len() + 1);
     let replayed: Vec<_> = map.get_all(&IDEMPOTENT_REPLAYED).iter().collect();

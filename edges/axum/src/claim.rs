@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
-use http::{HeaderName, HeaderValue, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use idem_core::{
     decision::retry_after, on_arrival, Arrival, Claim, Fingerprint, Policy, Record, RecordState,
     StoreError, UnixMillis,
@@ -118,7 +118,7 @@ impl<'p> ClaimRetry<'p> {
     fn on_existing(&mut self, record: &Record, fingerprint: &Fingerprint) -> ClaimStep {
         let now = UnixMillis::now();
         match on_arrival(self.policy, Some(record), fingerprint, now) {
-            Arrival::Replay => ClaimStep::Answer(replay(record)),
+            Arrival::Replay => ClaimStep::Answer(replay(record, self.policy)),
             Arrival::Mismatch => {
                 info!("key reused with a different request");
                 count("mismatch");
@@ -184,7 +184,7 @@ fn conflict(retry_after: Duration) -> Response {
 }
 
 /// The stored response, as first sent, marked `Idempotent-Replayed: true`.
-fn replay(record: &Record) -> Response {
+fn replay(record: &Record, policy: &Policy) -> Response {
     let RecordState::Completed {
         response: stored, ..
     } = &record.state
@@ -196,18 +196,83 @@ fn replay(record: &Record) -> Response {
     let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut response = Response::new(Body::from(stored.body.clone()));
     *response.status_mut() = status;
-    let headers = response.headers_mut();
-    for (name, value) in &stored.headers {
-        match (
+    *response.headers_mut() = replayed_headers(&stored.headers, policy);
+    response
+}
+
+/// The headers a replay sends: the stored ones the policy still replays
+/// (a record is read from a store, which may hold what this code never
+/// wrote: a corrupt row, a shared Redis, an allow-list narrowed since),
+/// as far as a `HeaderMap` holds them, and `Idempotent-Replayed: true`.
+#[doc(hidden)]
+pub fn replayed_headers(stored: &[(String, Vec<u8>)], policy: &Policy) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, value) in stored {
+        if !policy.replays_header(name) {
+            warn!(header = ?name, "skipping a stored header the policy does not replay");
+            continue;
+        }
+        let (Ok(n), Ok(v)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_bytes(value),
-        ) {
-            (Ok(n), Ok(v)) => {
-                headers.append(n, v);
-            }
-            _ => warn!(header = %name, "skipping a stored header that is no longer valid"),
+        ) else {
+            warn!(header = ?name, "skipping a stored header that is no longer valid");
+            continue;
+        };
+        if headers.len() >= MAX_REPLAYED_HEADERS || headers.try_append(n, v).is_err() {
+            warn!("a stored response holds more headers than a replay sends; replaying the first ones");
+            break;
         }
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    response
+    headers
+}
+
+/// The most stored headers a replay sends (a `HeaderMap` panics past about
+/// 24,000 distinct names; a real response carries a handful).
+const MAX_REPLAYED_HEADERS: usize = 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by the `header_replay` fuzz target: a stored record with tens
+    /// of thousands of distinct header names made `HeaderMap::append` panic.
+    #[test]
+    fn a_record_with_too_many_headers_replays_without_panicking() {
+        let many: Vec<(String, Vec<u8>)> = (0..30_000)
+            .map(|i| (format!("x-h{i}"), b"v".to_vec()))
+            .collect();
+        // Not allow-listed: none is replayed.
+        let headers = replayed_headers(&many, &Policy::default());
+        assert_eq!(headers.len(), 1);
+        assert_eq!(headers[IDEMPOTENT_REPLAYED], "true");
+        // Allow-listed: at most the cap, and the marker.
+        let mut builder = Policy::builder();
+        for (name, _) in &many[..2_000] {
+            builder = builder.replay_header(name.clone());
+        }
+        let policy = builder.build().unwrap_or_default();
+        let headers = replayed_headers(&many, &policy);
+        assert_eq!(headers.len(), MAX_REPLAYED_HEADERS + 1);
+        assert_eq!(headers[IDEMPOTENT_REPLAYED], "true");
+    }
+
+    /// What the policy never replays stays out, whatever the store holds.
+    #[test]
+    fn stored_headers_the_policy_does_not_replay_stay_out() {
+        let stored = vec![
+            ("location".to_owned(), b"/p/1".to_vec()),
+            ("set-cookie".to_owned(), b"session=x".to_vec()),
+            ("transfer-encoding".to_owned(), b"chunked".to_vec()),
+            ("content-length".to_owned(), b"999".to_vec()),
+            ("bad name".to_owned(), b"x".to_vec()),
+        ];
+        let headers = replayed_headers(&stored, &Policy::default());
+        assert_eq!(headers["location"], "/p/1");
+        for absent in ["set-cookie", "transfer-encoding", "content-length"] {
+            assert!(headers.get(absent).is_none(), "{absent}");
+        }
+        assert_eq!(headers.len(), 2);
+    }
 }

@@ -90,6 +90,8 @@ mod scope;
 
 pub mod conditional;
 
+#[doc(hidden)]
+pub use claim::replayed_headers;
 pub use claim::IDEMPOTENT_REPLAYED;
 pub use deferred::{ClaimRefused, DeferredClaim};
 pub use extract::{CompleteError, Idempotency};
