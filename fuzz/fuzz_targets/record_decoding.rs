@@ -15,7 +15,7 @@
 //! - `decode_headers` accepts exactly the blobs `encode_headers` can write:
 //!   decoding then encoding gives the same bytes back;
 //! - a row is accepted exactly when it is well formed (32-byte fingerprint,
-//!   a UUID, a known state with its fields, a status that fits `u16`,
+//!   a UUID, a known state with its fields, a status of three digits (100 to 999),
 //!   decodable headers), and the record says what the row said;
 //! - record -> row (as the stores write it) -> record is the identity.
 #![no_main]
@@ -175,7 +175,7 @@ fn check_row(row: RecordRow) {
     let state_ok = match row.state.as_str() {
         "in_progress" => row.token.is_some() && row.locked_until.is_some(),
         "completed" => {
-            row.status.is_some_and(|s| u16::try_from(s).is_ok())
+            row.status.is_some_and(|s| (100..=999).contains(&s))
                 && matches!(decoded_headers, Some(Some(_)))
                 && row.body.is_some()
                 && row.completed_at.is_some()
@@ -249,7 +249,8 @@ fn check_record(rec: Rec) {
                 completed_at,
             } => RecordState::Completed {
                 response: StoredResponse {
-                    status,
+                    // what a handler can answer: three digits
+                    status: 100 + status % 900,
                     headers,
                     body: body.into(),
                 },

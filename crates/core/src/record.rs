@@ -241,8 +241,11 @@ impl RecordRow {
                 let status = self.status.ok_or_else(|| missing("status"))?;
                 RecordState::Completed {
                     response: StoredResponse {
+                        // An HTTP status is three digits (RFC 9110 §15).
                         status: u16::try_from(status)
-                            .map_err(|_| CorruptRecord(format!("status {status}")))?,
+                            .ok()
+                            .filter(|s| (100..=999).contains(s))
+                            .ok_or_else(|| CorruptRecord(format!("status {status}")))?,
                         headers: StoredResponse::decode_headers(
                             self.headers.as_deref().ok_or_else(|| missing("headers"))?,
                         )
@@ -347,6 +350,21 @@ mod tests {
             ..row.clone()
         };
         assert!(no_status.into_record().unwrap_err().0.contains("status"));
+        // a status is three digits: what no handler answered is corrupt
+        for status in [0, 99, 1000, 65_535, -1] {
+            let odd = RecordRow {
+                status: Some(status),
+                ..row.clone()
+            };
+            assert!(odd.into_record().is_err(), "{status}");
+        }
+        for status in [100, 999] {
+            let fine = RecordRow {
+                status: Some(status),
+                ..row.clone()
+            };
+            assert!(fine.into_record().is_ok(), "{status}");
+        }
         let bad_state = RecordRow {
             state: "weird".into(),
             ..row.clone()
