@@ -1,11 +1,18 @@
 //! Request fingerprints: what makes two requests "the same request".
 //!
 //! A fingerprint is SHA-256 over the method, the path with its query, and the
-//! body. A JSON body (by `Content-Type`) is canonicalised first, following
+//! body. A JSON body (by `Content-Type`) is canonicalised first, after
 //! RFC 8785 (JCS): object keys sorted, no insignificant whitespace, numbers
 //! and strings in one canonical spelling. The same JSON sent by another client
 //! library therefore gets the same fingerprint. A body that claims to be JSON
 //! but does not parse is fingerprinted as raw bytes.
+//!
+//! Where it departs from RFC 8785 (found by the `canonical_json` fuzz
+//! target; stable, so fingerprints stay comparable): keys are sorted by
+//! code point, not UTF-16 code unit (the orders differ only between keys
+//! with characters beyond U+FFFF and keys with U+E000 to U+FFFF); integers
+//! beyond 2^53 keep every digit instead of becoming the nearest double; of
+//! duplicate keys, the last wins.
 
 use std::fmt;
 
@@ -136,7 +143,8 @@ pub fn is_json_media_type(content_type: &str) -> bool {
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-/// Canonicalises a JSON document per RFC 8785: sorted keys, no insignificant
+/// Canonicalises a JSON document after RFC 8785 (see the [module
+/// docs](self) for where it departs from it): sorted keys, no insignificant
 /// whitespace, numbers in their shortest ECMAScript spelling, strings with the
 /// minimal escapes.
 ///

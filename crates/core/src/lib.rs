@@ -3,7 +3,7 @@
 //! - [`IdempotencyKey`]: parsing the `Idempotency-Key` header (bare or
 //!   Structured Field string form);
 //! - [`Fingerprint`]: SHA-256 over method, path and body, with JSON bodies
-//!   canonicalised (RFC 8785);
+//!   canonicalised (after RFC 8785);
 //! - [`Record`], [`Claim`], [`FencingToken`], [`OperationId`]: the record and
 //!   its states;
 //! - [`on_missing_key`], [`on_arrival`], [`on_handler_end`]: the decision
