@@ -3,7 +3,7 @@
 inputs for each target. Run from anywhere: python3 fuzz/make_seeds.py
 
 Header blobs are written in the format of StoredResponse::encode_headers
-(crates/core/src/record.rs): for each header a u16 big-endian name length,
+(crates/idem-core/src/record.rs): for each header a u16 big-endian name length,
 the name, a u32 big-endian value length, the value. The record_decoding
 target checks that every blob it decodes encodes back to the same bytes, so
 running it over these seeds checks they are what encode_headers writes.
