@@ -131,32 +131,41 @@ fn crash(at: &str) -> ! {
     std::process::abort()
 }
 
+/// `POST /payments` as the OpenAPI document describes it, for either of
+/// its handlers (the claim mode picks one; the contract is the same).
+macro_rules! create_payment_doc {
+    ($handler:item) => {
+        #[utoipa::path(
+            post,
+            path = "/payments",
+            tag = "payments",
+            operation_id = "create_payment",
+            security(("bearer" = [])),
+            params(
+                ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key.", pattern = "^[!-~]{1,255}$"),
+                ("X-Simulate" = Option<String>, Header, description = "Demo fault injection (see --fault-injection): bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank; comma-separated.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
+            ),
+            request_body(content = NewPayment, content_type = "application/json"),
+            responses(
+                (status = 201, description = "Charged; a replay answers the same with `Idempotent-Replayed: true`", body = Payment,
+                    headers(("Location" = String, description = "The payment"))),
+                (status = 409, description = "The same key is in flight (`Retry-After`), or another attempt holds it", body = ProblemDoc, content_type = "application/problem+json"),
+                (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
+                (status = 422, description = "The key was used for another request", body = ProblemDoc, content_type = "application/problem+json"),
+                (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error); retry with the same key", body = ProblemDoc, content_type = "application/problem+json"),
+            )
+        )]
+        $handler
+    };
+}
+
+create_payment_doc! {
 /// Charges an account, once per `Idempotency-Key`.
 ///
 /// The bank is charged under the claim's operation id; the payment and the
 /// idempotency record commit in one transaction. A retry with the same key
 /// and body replays the first answer (`Idempotent-Replayed: true`); while
 /// the first runs it is `409`; with another body `422`.
-#[utoipa::path(
-    post,
-    path = "/payments",
-    tag = "payments",
-    operation_id = "create_payment",
-    security(("bearer" = [])),
-    params(
-        ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key.", pattern = "^[!-~]{1,255}$"),
-        ("X-Simulate" = Option<String>, Header, description = "Demo fault injection (see --fault-injection): bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank; comma-separated.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
-    ),
-    request_body(content = NewPayment, content_type = "application/json"),
-    responses(
-        (status = 201, description = "Charged; a replay answers the same with `Idempotent-Replayed: true`", body = Payment,
-            headers(("Location" = String, description = "The payment"))),
-        (status = 409, description = "The same key is in flight (`Retry-After`), or another attempt holds it", body = ProblemDoc, content_type = "application/problem+json"),
-        (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
-        (status = 422, description = "The key was used for another request", body = ProblemDoc, content_type = "application/problem+json"),
-        (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error); retry with the same key", body = ProblemDoc, content_type = "application/problem+json"),
-    )
-)]
 async fn create_payment(
     State(state): State<AppState>,
     idem: Idempotency,
@@ -175,32 +184,14 @@ async fn create_payment(
     )
     .await
 }
+}
 
+create_payment_doc! {
 /// `POST /payments` with `--claim-in-transaction`: the claim commits
 /// first (binding the key to this request and its operation id before the
 /// bank is called), then the transaction that records the payment holds it:
 /// duplicates get 409 while it is open, and a crash or rollback frees it at
 /// once for a retry of the same request.
-#[utoipa::path(
-    post,
-    path = "/payments",
-    tag = "payments",
-    operation_id = "create_payment",
-    security(("bearer" = [])),
-    params(
-        ("Idempotency-Key" = String, Header, description = "One key per intended payment, 1 to 255 visible ASCII characters; retries send the same key.", pattern = "^[!-~]{1,255}$"),
-        ("X-Simulate" = Option<String>, Header, description = "Demo fault injection (see --fault-injection): bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank; comma-separated.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
-    ),
-    request_body(content = NewPayment, content_type = "application/json"),
-    responses(
-        (status = 201, description = "Charged; a replay answers the same with `Idempotent-Replayed: true`", body = Payment,
-            headers(("Location" = String, description = "The payment"))),
-        (status = 409, description = "The same key is in flight (`Retry-After`), or another attempt holds it", body = ProblemDoc, content_type = "application/problem+json"),
-        (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
-        (status = 422, description = "The key was used for another request", body = ProblemDoc, content_type = "application/problem+json"),
-        (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error); retry with the same key", body = ProblemDoc, content_type = "application/problem+json"),
-    )
-)]
 async fn create_payment_in_tx(
     State(state): State<AppState>,
     deferred: DeferredClaim,
@@ -254,6 +245,7 @@ async fn create_payment_in_tx(
             }
         }
     }
+}
 }
 
 /// Ends a transaction that must not commit, now, before the answer leaves:
