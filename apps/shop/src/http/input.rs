@@ -106,16 +106,10 @@ pub(crate) async fn refuse_large_headers(request: Request, next: Next) -> Respon
 }
 
 /// Whether a `Content-Type` names JSON: `application/json` or any
-/// `application/*+json`, parameters allowed.
+/// `application/*+json`, parameters allowed — the same test the
+/// fingerprint applies, so the layer and the handler read a body alike.
 pub(crate) fn is_json(content_type: &str) -> bool {
-    let essence = content_type
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
+    idem_core::fingerprint::is_json_media_type(content_type)
 }
 
 /// Middleware for routes that read a JSON body: anything else is `415`.
