@@ -37,6 +37,9 @@
 //! the lease; and what a Redis restart forgets depends on its persistence
 //! settings (`appendonly yes`, `appendfsync everysec` or `always`).
 
+mod config;
+mod conn;
+mod decode;
 mod scripts;
 mod tier;
 
@@ -44,113 +47,17 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, OperationId, Record,
-    RecordRow, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+    RecordState, Store, StoreError, StoredResponse, UnixMillis,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster_async::ClusterConnection;
 use redis::{Script, Value};
 use sha2::{Digest, Sha256};
 
+pub use config::RedisConfig;
 pub use tier::TieredStore;
 
-/// How to reach Redis: one server, or a Redis Cluster.
-#[derive(Debug, Clone)]
-pub struct RedisConfig {
-    url: String,
-    cluster: Option<Vec<String>>,
-    prefix: String,
-    timeout: Duration,
-}
-
-impl RedisConfig {
-    /// Redis at `url` (`redis://host:port/db`), keys under `idem`, and a
-    /// 500 ms bound on each command and connection attempt.
-    pub fn new(url: impl Into<String>) -> Self {
-        Self {
-            url: url.into(),
-            cluster: None,
-            prefix: "idem".to_owned(),
-            timeout: Duration::from_millis(500),
-        }
-    }
-
-    /// A Redis Cluster, found from one or more of its nodes
-    /// (`redis://host:port` each). A record's keys share one hash slot (see
-    /// [Keys](crate#keys)), so each operation is still one script on one
-    /// node.
-    ///
-    /// ```
-    /// let c = idem_redis::RedisConfig::cluster(["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]);
-    /// assert!(c.is_cluster());
-    /// ```
-    pub fn cluster<I, S>(nodes: I) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: Into<String>,
-    {
-        let nodes: Vec<String> = nodes.into_iter().map(Into::into).collect();
-        Self {
-            url: nodes.first().cloned().unwrap_or_default(),
-            cluster: Some(nodes),
-            prefix: "idem".to_owned(),
-            timeout: Duration::from_millis(500),
-        }
-    }
-
-    /// Whether this names a Redis Cluster.
-    pub fn is_cluster(&self) -> bool {
-        self.cluster.is_some()
-    }
-
-    /// The prefix of every key (default `idem`).
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// The longest wait for one command or connection attempt. In tiered
-    /// mode this bounds what an unreachable Redis adds to a request.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-}
-
-/// A connection to one server (reconnecting by itself) or to a cluster
-/// (routing each command by its key's slot, following redirections).
-#[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
-    Cluster(ClusterConnection),
-}
-
-impl redis::aio::ConnectionLike for Conn {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        match self {
-            Conn::Single(c) => c.req_packed_command(cmd),
-            Conn::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<Value>> {
-        match self {
-            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Conn::Single(c) => c.get_db(),
-            Conn::Cluster(c) => c.get_db(),
-        }
-    }
-}
+use conn::{node_url, scan, Conn};
+use decode::{bytes_of, decode, number, parse_op, text};
 
 /// The Redis store; see the [crate docs](crate).
 #[derive(Clone)]
@@ -470,130 +377,6 @@ impl RedisStore {
     }
 }
 
-/// The URL of a cluster node at `addr` (`host:port`), with the seed's
-/// scheme, credentials and options.
-fn node_url(seed: &str, addr: &str) -> String {
-    let (scheme, rest) = seed.split_once("://").unwrap_or(("redis", seed));
-    let (userinfo, hostpart) = match rest.rsplit_once('@') {
-        Some((u, h)) => (format!("{u}@"), h),
-        None => (String::new(), rest),
-    };
-    let tail = hostpart.find(['/', '?']).map_or("", |i| &hostpart[i..]);
-    format!("{scheme}://{userinfo}{addr}{tail}")
-}
-
-/// `s` with the characters SCAN's MATCH treats as a pattern escaped, so a
-/// prefix holding `*`, `?`, `[` or `\\` matches only itself.
-fn glob_escaped(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// Counts (and with `delete`, deletes) the keys under `prefix` on one server.
-async fn scan(conn: &mut Conn, prefix: &str, delete: bool) -> Result<u64, StoreError> {
-    let mut cursor: u64 = 0;
-    let mut total = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{}:*", glob_escaped(prefix)))
-            .arg("COUNT")
-            .arg(500)
-            .query_async(conn)
-            .await
-            .map_err(store_error)?;
-        if delete && !keys.is_empty() {
-            // One DEL per key: on a cluster node, a DEL of several keys
-            // fails unless they share a slot.
-            let mut pipe = redis::pipe();
-            for key in &keys {
-                pipe.cmd("DEL").arg(key);
-            }
-            let deleted: Vec<u64> = pipe.query_async(conn).await.map_err(store_error)?;
-            total += deleted.iter().sum::<u64>();
-        } else if !delete {
-            total += keys.len() as u64;
-        }
-        if next == 0 {
-            return Ok(total);
-        }
-        cursor = next;
-    }
-}
-
-fn bytes_of(v: &Value) -> Option<&[u8]> {
-    match v {
-        Value::BulkString(b) => Some(b),
-        Value::SimpleString(s) => Some(s.as_bytes()),
-        _ => None,
-    }
-}
-
-fn text(v: Option<&Value>) -> Result<String, StoreError> {
-    v.and_then(bytes_of)
-        .and_then(|b| std::str::from_utf8(b).ok())
-        .map(str::to_owned)
-        .ok_or_else(|| StoreError::Corrupt("expected a string in a script reply".into()))
-}
-
-fn number(v: Option<&Value>) -> Result<i64, StoreError> {
-    match v {
-        Some(Value::Int(n)) => Ok(*n),
-        other => text(other)?
-            .parse()
-            .map_err(|_| StoreError::Corrupt("expected a number in a script reply".into())),
-    }
-}
-
-fn parse_op(s: &str) -> Result<OperationId, StoreError> {
-    uuid::Uuid::parse_str(s)
-        .map(OperationId)
-        .map_err(|e| StoreError::Corrupt(format!("operation id {s:?}: {e}")))
-}
-
-/// Decodes a record from a flat `field, value, …` list (HGETALL).
-fn decode(fields: &[Value]) -> Result<Record, StoreError> {
-    let mut get = std::collections::HashMap::new();
-    for pair in fields.chunks(2) {
-        if let [k, v] = pair {
-            if let (Some(k), Some(v)) = (bytes_of(k), bytes_of(v)) {
-                get.insert(k.to_vec(), v.to_vec());
-            }
-        }
-    }
-    let bytes = |name: &str| get.get(name.as_bytes()).cloned();
-    let text =
-        |name: &str| -> Option<String> { bytes(name).and_then(|b| String::from_utf8(b).ok()) };
-    let num = |name: &str| -> Option<i64> { text(name)?.parse().ok() };
-    let row = RecordRow {
-        scope: text("s").unwrap_or_default(),
-        key: text("k").unwrap_or_default(),
-        fingerprint: bytes("fp").unwrap_or_default(),
-        operation_id: text("op").unwrap_or_default(),
-        state: match text("st").as_deref() {
-            Some("p") => "in_progress".to_owned(),
-            Some("c") => "completed".to_owned(),
-            other => format!("{other:?}"),
-        },
-        token: num("tok"),
-        locked_until: num("lu"),
-        created_at: num("ca").ok_or_else(|| StoreError::Corrupt("created_at is missing".into()))?,
-        expires_at: num("ea").ok_or_else(|| StoreError::Corrupt("expires_at is missing".into()))?,
-        completed_at: num("co"),
-        status: num("sc"),
-        headers: bytes("hd"),
-        body: bytes("bd"),
-    };
-    Ok(row.into_record()?)
-}
-
 impl Store for RedisStore {
     fn kind(&self) -> &'static str {
         "redis"
@@ -671,6 +454,7 @@ impl Store for RedisStore {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::conn::glob_escaped;
 
     #[test]
     fn patterns_in_a_prefix_match_only_themselves() {
