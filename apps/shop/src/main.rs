@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use idem_cache::ReplayCache;
 use idem_core::{sweep_all, Store};
-use idem_memory::ReplayCache;
 use idem_redis::{RedisConfig, RedisStore, TieredStore};
 use tracing::{error, info, warn};
 

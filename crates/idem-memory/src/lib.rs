@@ -24,11 +24,7 @@
 //! # Ok(()) }
 //! ```
 
-mod cache;
-
 use std::collections::HashMap;
-
-pub use cache::ReplayCache;
 use std::sync::{Mutex, MutexGuard};
 
 use idem_core::{

@@ -64,6 +64,7 @@
 //! |---|---|---|
 //! | (root) | `idem-core` | keys, fingerprints, records, the decision table, [`Policy`], the [`Store`] trait; no I/O |
 //! | [`memory`] | `idem-memory` | an in-memory store for tests |
+//! | [`cache`] | `idem-cache` | the in-process replay tier in front of any store (feature `cache`) |
 //! | [`sqlite`] | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
 //! | [`postgres`] | `idem-postgres` | the PostgreSQL store (feature `postgres`) |
 //! | [`axum`] | `idem-axum` | the tower layer, axum extractor, `ETag` / `If-Match` (feature `axum`) |
@@ -76,6 +77,12 @@ pub use idem_core::*;
 /// The in-memory store, for tests and examples.
 pub mod memory {
     pub use idem_memory::*;
+}
+
+/// The in-process replay tier in front of any store.
+#[cfg(feature = "cache")]
+pub mod cache {
+    pub use idem_cache::*;
 }
 
 /// The embedded SQLite store.

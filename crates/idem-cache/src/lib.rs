@@ -1,5 +1,6 @@
 //! [`ReplayCache`]: completed records kept in process, a zero-round-trip
-//! tier for replays in front of any store.
+//! tier for replays in front of any store (SQLite, PostgreSQL, Redis, or
+//! Redis in front of SQL).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -27,7 +28,8 @@ struct Entries {
 /// out first); entries expire with their record.
 ///
 /// ```
-/// use idem_memory::{MemoryStore, ReplayCache};
+/// use idem_cache::ReplayCache;
+/// use idem_memory::MemoryStore;
 /// let store = ReplayCache::new(MemoryStore::new(), 10_000, 64 * 1024 * 1024);
 /// ```
 #[derive(Debug)]
@@ -191,12 +193,12 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::MemoryStore;
+    use idem_memory::MemoryStore;
 
     mod suite {
         idem_store_suite::store_suite!(|| async {
             (
-                super::ReplayCache::new(crate::MemoryStore::new(), 100, 1 << 20),
+                super::ReplayCache::new(idem_memory::MemoryStore::new(), 100, 1 << 20),
                 (),
             )
         });
