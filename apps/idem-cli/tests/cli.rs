@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{ClaimOutcome, Store, StoredResponse};
-use idem_store_suite::postgres::TestSchema;
 use idem_store_suite::request;
+use idem_test_support::postgres::TestSchema;
 
 fn idem(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idem"))
@@ -214,7 +214,7 @@ async fn operates_a_postgres_database() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_schema_and_table_flags_name_the_table() {
     let schema = TestSchema::create("idem_cli_named").await;
-    let base = idem_store_suite::postgres::database_url();
+    let base = idem_test_support::postgres::database_url();
     let args = [
         "--database-url",
         &base,

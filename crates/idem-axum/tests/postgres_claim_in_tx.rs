@@ -16,7 +16,7 @@ use http_body_util::BodyExt;
 use idem_axum::{DeferredClaim, Idempotency, IdempotencyLayer, SingleScope};
 use idem_core::{Policy, RecordState, Store};
 use idem_postgres::PostgresStore;
-use idem_store_suite::postgres::TestSchema;
+use idem_test_support::postgres::TestSchema;
 use tower::ServiceExt;
 
 fn header(headers: &http::HeaderMap, name: &str) -> Option<String> {

@@ -14,7 +14,7 @@ use http::{Request, StatusCode};
 use idem_axum::{Idempotency, IdempotencyLayer, SingleScope};
 use idem_core::{Policy, RecordState, Store};
 use idem_postgres::PostgresStore;
-use idem_store_suite::postgres::TestSchema;
+use idem_test_support::postgres::TestSchema;
 use tower::ServiceExt;
 
 /// Writes its effect first, then stalls for `x-delay-ms` with the

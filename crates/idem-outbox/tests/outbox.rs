@@ -13,7 +13,7 @@ use idem_outbox::inbox::{self, Handled};
 use idem_outbox::outbox::{
     self, OutgoingMessage, PublishError, Published, Publisher, Relay, RelayConfig,
 };
-use idem_store_suite::postgres::TestSchema;
+use idem_test_support::postgres::TestSchema;
 
 async fn pg() -> (sqlx::PgPool, TestSchema) {
     let schema = TestSchema::create("idem_outbox").await;

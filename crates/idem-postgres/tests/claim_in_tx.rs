@@ -11,7 +11,7 @@ use idem_core::{
     Store, StoredResponse, TransactionalStore, TxClaimOutcome, UnixMillis,
 };
 use idem_postgres::{PostgresStore, TableName};
-use idem_store_suite::postgres::{database_url, TestSchema};
+use idem_test_support::postgres::{database_url, TestSchema};
 use sqlx::{Postgres, Transaction};
 
 async fn fresh() -> (PostgresStore, TestSchema, String) {

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use idem_core::{ClaimOutcome, Store, StoreError, StoredResponse};
 use idem_postgres::{PostgresStore, TableName};
 use idem_sql::{insert_unique, DuplicateKey, Inserted};
-use idem_store_suite::postgres::{database_url, TestSchema};
+use idem_test_support::postgres::{database_url, TestSchema};
 
 async fn fresh() -> (PostgresStore, TestSchema) {
     let schema = TestSchema::create("idem_suite").await;

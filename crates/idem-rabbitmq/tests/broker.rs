@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 use idem_core::BoxFuture;
 use idem_outbox::outbox::{self, OutgoingMessage, Published, Publisher, Relay, RelayConfig};
 use idem_rabbitmq::{Incoming, QueueSpec, RabbitConsumer, RabbitPublisher};
-use idem_store_suite::messaging::{effects, message, outbox_schema, record_effect, wait_for, Seen};
-use idem_store_suite::postgres::TestSchema;
+use idem_test_support::messaging::{
+    effects, message, outbox_schema, record_effect, wait_for, Seen,
+};
+use idem_test_support::postgres::TestSchema;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use tokio::sync::watch;
 

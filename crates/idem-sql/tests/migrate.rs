@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use idem_sql::migrate::{migrate_postgres, migrate_sqlite, Migration};
-use idem_store_suite::postgres::TestSchema;
+use idem_test_support::postgres::TestSchema;
 
 const STEPS: &[Migration] = &[
     Migration {

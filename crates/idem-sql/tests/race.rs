@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use idem_sql::{create_once, transition, Created, Transition};
-use idem_store_suite::postgres::TestSchema;
+use idem_test_support::postgres::TestSchema;
 
 type Order = (String, String, String); // id, client_reference, status
 

@@ -13,8 +13,6 @@
 //! needs can also call them one by one.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-pub mod messaging;
-pub mod postgres;
 pub mod transactional;
 
 use std::sync::Arc;

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use idem_store_suite::postgres::TestSchema;
+use idem_test_support::postgres::TestSchema;
 use serde_json::Value;
 
 /// A running `shop` process, killed when dropped.
