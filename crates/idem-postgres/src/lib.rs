@@ -89,13 +89,14 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
-    RecordState, Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
+    Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
 };
 use idem_sql::decode_record;
 use idem_sql::migrate::Migration;
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Row;
 
+mod claim;
 mod held;
 mod sql;
 mod table;
@@ -103,6 +104,7 @@ mod table;
 pub use idem_sql::{is_unavailable, store_error};
 pub use table::{InvalidIdentifier, TableName};
 
+use claim::{corrupt, fresh_claim, kept_racing, won_claim, ClaimBinds, CLAIM_TURNS};
 use sql::{complete_sql, Sql};
 
 /// The embedded migrations of the records' table, in order. The SQL names the
@@ -264,103 +266,6 @@ async fn db_now(pool: &PgPool) -> Result<UnixMillis, StoreError> {
 /// [`idem_sql::migrate`]).
 pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
     idem_sql::migrate::migrate_postgres(pool, table.schema(), table.table(), MIGRATIONS).await
-}
-
-/// What every claim statement binds: $1 scope, $2 key, $3 fingerprint, $4
-/// proposed operation id, $5 token, $6 lease (ms), $7 retention (ms).
-pub(crate) struct ClaimBinds<'q> {
-    req: &'q ClaimRequest,
-    lease: i64,
-    retention: i64,
-}
-
-impl<'q> ClaimBinds<'q> {
-    fn new(req: &'q ClaimRequest) -> Self {
-        Self {
-            req,
-            lease: i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX),
-            retention: i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX),
-        }
-    }
-
-    /// The same binds with the lease run out at once: a claim that its
-    /// holder's transaction will lock and lease (uncommitted).
-    fn lease_held_by_transaction(mut self) -> Self {
-        self.lease = 0;
-        self
-    }
-
-    fn query<'s>(
-        &'s self,
-        sql: &'s str,
-        proposed: OperationId,
-        token: FencingToken,
-    ) -> sqlx::query::Query<'s, sqlx::Postgres, sqlx::postgres::PgArguments> {
-        sqlx::query(sql)
-            .bind(&self.req.scope)
-            .bind(&self.req.key)
-            .bind(self.req.fingerprint.as_bytes().as_slice())
-            .bind(proposed.0.to_string())
-            .bind(token.0)
-            .bind(self.lease)
-            .bind(self.retention)
-    }
-}
-
-/// The claim a plain insert made: a new record, this attempt's token and
-/// proposed operation id, the lease the database computed.
-pub(crate) fn fresh_claim(
-    req: &ClaimRequest,
-    token: FencingToken,
-    operation_id: OperationId,
-    row: &PgRow,
-) -> Result<Claim, StoreError> {
-    let locked_until: i64 = row
-        .try_get("locked_until")
-        .map_err(|e| corrupt("locked_until", e))?;
-    Ok(Claim {
-        scope: req.scope.clone(),
-        key: req.key.clone(),
-        token,
-        operation_id,
-        locked_until: UnixMillis(locked_until),
-        takeover: false,
-    })
-}
-
-/// How many times a deciding claim runs when the row it lost to vanished
-/// (swept) or was committed after the statement's snapshot: normally once.
-pub(crate) const CLAIM_TURNS: usize = 5;
-
-pub(crate) fn kept_racing() -> StoreError {
-    StoreError::Backend(
-        format!("the claim kept racing; giving up after {CLAIM_TURNS} tries").into(),
-    )
-}
-
-/// The claim a deciding statement won, from the record it returned.
-pub(crate) fn won_claim(
-    record: Record,
-    token: FencingToken,
-    proposed: OperationId,
-) -> Result<Claim, StoreError> {
-    let RecordState::InProgress { locked_until, .. } = record.state else {
-        return Err(StoreError::Corrupt(
-            "a won claim returned a completed record".into(),
-        ));
-    };
-    Ok(Claim {
-        scope: record.scope,
-        key: record.key,
-        token,
-        operation_id: record.operation_id,
-        locked_until,
-        takeover: record.operation_id != proposed,
-    })
-}
-
-pub(crate) fn corrupt(what: &str, e: sqlx::Error) -> StoreError {
-    StoreError::Corrupt(format!("{what}: {e}"))
 }
 
 /// Completes `claim` with `response` on `conn`, usually the handler's open

@@ -1,0 +1,105 @@
+//! What both claim paths share: the binds of a claim statement, and the
+//! claim read back from what a statement returned.
+
+use idem_core::{
+    Claim, ClaimRequest, FencingToken, OperationId, Record, RecordState, StoreError, UnixMillis,
+};
+use sqlx::postgres::PgRow;
+use sqlx::Row;
+
+/// What every claim statement binds: $1 scope, $2 key, $3 fingerprint, $4
+/// proposed operation id, $5 token, $6 lease (ms), $7 retention (ms).
+pub(crate) struct ClaimBinds<'q> {
+    req: &'q ClaimRequest,
+    lease: i64,
+    retention: i64,
+}
+
+impl<'q> ClaimBinds<'q> {
+    pub(crate) fn new(req: &'q ClaimRequest) -> Self {
+        Self {
+            req,
+            lease: i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX),
+            retention: i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX),
+        }
+    }
+
+    /// The same binds with the lease run out at once: a claim that its
+    /// holder's transaction will lock and lease (uncommitted).
+    pub(crate) fn lease_held_by_transaction(mut self) -> Self {
+        self.lease = 0;
+        self
+    }
+
+    pub(crate) fn query<'s>(
+        &'s self,
+        sql: &'s str,
+        proposed: OperationId,
+        token: FencingToken,
+    ) -> sqlx::query::Query<'s, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        sqlx::query(sql)
+            .bind(&self.req.scope)
+            .bind(&self.req.key)
+            .bind(self.req.fingerprint.as_bytes().as_slice())
+            .bind(proposed.0.to_string())
+            .bind(token.0)
+            .bind(self.lease)
+            .bind(self.retention)
+    }
+}
+
+/// The claim a plain insert made: a new record, this attempt's token and
+/// proposed operation id, the lease the database computed.
+pub(crate) fn fresh_claim(
+    req: &ClaimRequest,
+    token: FencingToken,
+    operation_id: OperationId,
+    row: &PgRow,
+) -> Result<Claim, StoreError> {
+    let locked_until: i64 = row
+        .try_get("locked_until")
+        .map_err(|e| corrupt("locked_until", e))?;
+    Ok(Claim {
+        scope: req.scope.clone(),
+        key: req.key.clone(),
+        token,
+        operation_id,
+        locked_until: UnixMillis(locked_until),
+        takeover: false,
+    })
+}
+
+/// How many times a deciding claim runs when the row it lost to vanished
+/// (swept) or was committed after the statement's snapshot: normally once.
+pub(crate) const CLAIM_TURNS: usize = 5;
+
+pub(crate) fn kept_racing() -> StoreError {
+    StoreError::Backend(
+        format!("the claim kept racing; giving up after {CLAIM_TURNS} tries").into(),
+    )
+}
+
+/// The claim a deciding statement won, from the record it returned.
+pub(crate) fn won_claim(
+    record: Record,
+    token: FencingToken,
+    proposed: OperationId,
+) -> Result<Claim, StoreError> {
+    let RecordState::InProgress { locked_until, .. } = record.state else {
+        return Err(StoreError::Corrupt(
+            "a won claim returned a completed record".into(),
+        ));
+    };
+    Ok(Claim {
+        scope: record.scope,
+        key: record.key,
+        token,
+        operation_id: record.operation_id,
+        locked_until,
+        takeover: record.operation_id != proposed,
+    })
+}
+
+pub(crate) fn corrupt(what: &str, e: sqlx::Error) -> StoreError {
+    StoreError::Corrupt(format!("{what}: {e}"))
+}
