@@ -45,7 +45,7 @@ pub async fn enqueue_sqlite(
     .bind(&message.destination)
     .bind(&message.ordering_key)
     .bind(message.payload.as_ref())
-    .bind(encode_headers(&message.headers))
+    .bind(encode_headers(&message.headers)?)
     .bind(now_ms())
     .execute(&mut *conn)
     .await?;
@@ -78,8 +78,23 @@ pub struct OutgoingMessage {
     pub headers: Vec<(String, String)>,
 }
 
-fn encode_headers(headers: &[(String, String)]) -> Vec<u8> {
-    idem_core::StoredResponse {
+/// The headers as the outbox row keeps them. A name over 65,535 bytes or a
+/// value over 4 GiB does not fit the encoding: refused (nothing enqueued)
+/// rather than cut, so a message never loses its headers on the way.
+fn encode_headers(headers: &[(String, String)]) -> Result<Vec<u8>, sqlx::Error> {
+    if let Some((name, _)) = headers
+        .iter()
+        .find(|(n, v)| n.len() > usize::from(u16::MAX) || u32::try_from(v.len()).is_err())
+    {
+        let shown: String = name.chars().take(40).collect();
+        return Err(sqlx::Error::Encode(
+            format!(
+                "outbox header {shown:?}…: a name is at most 65,535 bytes, a value at most 4 GiB"
+            )
+            .into(),
+        ));
+    }
+    Ok(idem_core::StoredResponse {
         status: 0,
         headers: headers
             .iter()
@@ -87,7 +102,7 @@ fn encode_headers(headers: &[(String, String)]) -> Vec<u8> {
             .collect(),
         body: Bytes::new(),
     }
-    .encode_headers()
+    .encode_headers())
 }
 
 pub(crate) fn decode_headers(bytes: &[u8]) -> Vec<(String, String)> {
@@ -113,7 +128,7 @@ pub async fn enqueue(
     .bind(&message.destination)
     .bind(&message.ordering_key)
     .bind(message.payload.as_ref())
-    .bind(encode_headers(&message.headers))
+    .bind(encode_headers(&message.headers)?)
     .execute(&mut *conn)
     .await?;
     // Delivered to listening relays when (and only if) the transaction commits.

@@ -575,3 +575,36 @@ async fn an_in_process_message_is_marked_sent_only_once_its_consumer_acknowledge
     assert_eq!(second.await.unwrap().sent, 1);
     assert_eq!(outbox::stats_sqlite(&pool).await.unwrap().sent, 1);
 }
+
+/// A header that does not fit the row's encoding is refused at enqueue,
+/// with nothing written, rather than cut (and the message's headers lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_too_long_to_keep_is_refused_and_nothing_is_enqueued() {
+    let mut oversized = message("too-long", "orders", None);
+    oversized
+        .headers
+        .push(("x-".to_owned() + &"a".repeat(70_000), "v".to_owned()));
+
+    let (pool, _s) = pg().await;
+    let mut tx = pool.begin().await.unwrap();
+    let err = outbox::enqueue(&mut tx, &oversized).await.unwrap_err();
+    assert!(matches!(err, sqlx::Error::Encode(_)), "{err}");
+    tx.rollback().await.unwrap();
+    assert_eq!(outbox::stats(&pool).await.unwrap().pending, 0);
+
+    let dir = tempfile::tempdir().unwrap();
+    let lite = sqlx::SqlitePool::connect(&format!(
+        "sqlite:{}?mode=rwc",
+        dir.path().join("o.db").display()
+    ))
+    .await
+    .unwrap();
+    outbox::migrate_sqlite(&lite).await.unwrap();
+    let mut tx = lite.begin().await.unwrap();
+    let err = outbox::enqueue_sqlite(&mut tx, &oversized)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, sqlx::Error::Encode(_)), "{err}");
+    tx.rollback().await.unwrap();
+    assert_eq!(outbox::stats_sqlite(&lite).await.unwrap().pending, 0);
+}
