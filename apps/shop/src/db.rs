@@ -178,27 +178,6 @@ impl BeginWrite for sqlx::PgPool {
     }
 }
 
-/// Ends `tx` now, before the answer leaves: commits if `staged` is `Ok`,
-/// rolls back if not. A transaction left to its drop ends later, and holds
-/// its locks (on SQLite, the one write lock) until it does.
-pub(crate) async fn finish<DB: sqlx::Database, T>(
-    tx: sqlx::Transaction<'static, DB>,
-    staged: Result<T, sqlx::Error>,
-) -> Result<T, sqlx::Error> {
-    match staged {
-        Ok(value) => {
-            tx.commit().await?;
-            Ok(value)
-        }
-        Err(e) => {
-            if let Err(rollback) = tx.rollback().await {
-                tracing::warn!(error = %rollback, "rollback failed");
-            }
-            Err(e)
-        }
-    }
-}
-
 /// Opening the database failed.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum OpenError {

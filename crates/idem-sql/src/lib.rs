@@ -57,7 +57,8 @@
 //!   (an outage is worth a retry; nothing else is), on either backend;
 //!   [`DuplicateKey`], [`insert_unique`]: a unique violation as an answer;
 //! - [`decode_record`]: a stored idempotency record read back from a row;
-//! - [`migrate`]: one migration runner with one version table.
+//! - [`migrate`]: one migration runner with one version table;
+//! - [`finish`]: a transaction ended explicitly, commit or rollback.
 
 mod errors;
 pub mod migrate;
@@ -65,6 +66,37 @@ mod record;
 
 pub use errors::{insert_unique, is_unavailable, store_error, DuplicateKey, Inserted};
 pub use record::decode_record;
+
+/// Ends `tx` now: commits if `staged` is `Ok`, rolls back if not, and
+/// returns `staged` (or the commit's error). A transaction left to its drop
+/// ends later, holding its locks (on SQLite, the one write lock) until it
+/// does; end every one before answering.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
+/// let mut tx = pool.begin().await?;
+/// let staged = sqlx::query("SELECT 1").execute(&mut *tx).await.map(|_| ());
+/// idem_sql::finish(tx, staged).await?;
+/// # Ok(()) }
+/// ```
+pub async fn finish<DB: sqlx::Database, T>(
+    tx: sqlx::Transaction<'_, DB>,
+    staged: Result<T, sqlx::Error>,
+) -> Result<T, sqlx::Error> {
+    match staged {
+        Ok(value) => {
+            tx.commit().await?;
+            Ok(value)
+        }
+        Err(e) => {
+            // The connection broke, most likely: the server ended the
+            // transaction with it. The error that matters is `e`.
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
 
 use sqlx::query::QueryAs;
 use sqlx::{Database, Executor, FromRow, IntoArguments};

@@ -40,49 +40,53 @@ pub async fn migrate_postgres(
     let versions = quoted(VERSION_TABLE);
     let index = format!("\"{table}_expires_at\"");
     let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-        .bind(format!("idem-migrate:{qualified}"))
-        .execute(&mut *tx)
-        .await?;
-    // `Executor::execute` on a `&str` runs a script of several statements
-    // (the simple query protocol), as a migration may hold.
-    if let Some(s) = schema {
-        let create = format!("CREATE SCHEMA IF NOT EXISTS \"{s}\"");
-        sqlx::Executor::execute(&mut *tx, create.as_str()).await?;
-    }
-    let create = format!(
-        "CREATE TABLE IF NOT EXISTS {versions} (
+    let staged = async {
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("idem-migrate:{qualified}"))
+            .execute(&mut *tx)
+            .await?;
+        // `Executor::execute` on a `&str` runs a script of several statements
+        // (the simple query protocol), as a migration may hold.
+        if let Some(s) = schema {
+            let create = format!("CREATE SCHEMA IF NOT EXISTS \"{s}\"");
+            sqlx::Executor::execute(&mut *tx, create.as_str()).await?;
+        }
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (
             table_name text        NOT NULL,
             version    bigint      NOT NULL,
             applied_at timestamptz NOT NULL DEFAULT now(),
             PRIMARY KEY (table_name, version)
         )"
-    );
-    sqlx::Executor::execute(&mut *tx, create.as_str()).await?;
-    let applied = format!("SELECT 1 FROM {versions} WHERE table_name = $1 AND version = $2");
-    let record = format!("INSERT INTO {versions} (table_name, version) VALUES ($1, $2)");
-    for m in migrations {
-        let done = sqlx::query(&applied)
-            .bind(table)
-            .bind(m.version)
-            .fetch_optional(&mut *tx)
-            .await?
-            .is_some();
-        if done {
-            continue;
+        );
+        sqlx::Executor::execute(&mut *tx, create.as_str()).await?;
+        let applied = format!("SELECT 1 FROM {versions} WHERE table_name = $1 AND version = $2");
+        let record = format!("INSERT INTO {versions} (table_name, version) VALUES ($1, $2)");
+        for m in migrations {
+            let done = sqlx::query(&applied)
+                .bind(table)
+                .bind(m.version)
+                .fetch_optional(&mut *tx)
+                .await?
+                .is_some();
+            if done {
+                continue;
+            }
+            let sql = m
+                .sql
+                .replace("{table}", &qualified)
+                .replace("{index}", &index);
+            sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
+            sqlx::query(&record)
+                .bind(table)
+                .bind(m.version)
+                .execute(&mut *tx)
+                .await?;
         }
-        let sql = m
-            .sql
-            .replace("{table}", &qualified)
-            .replace("{index}", &index);
-        sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
-        sqlx::query(&record)
-            .bind(table)
-            .bind(m.version)
-            .execute(&mut *tx)
-            .await?;
+        Ok(())
     }
-    tx.commit().await
+    .await;
+    crate::finish(tx, staged).await
 }
 
 /// Applies `migrations` to the SQLite table `table`, each in a write
@@ -97,17 +101,18 @@ pub async fn migrate_sqlite(
     migrations: &[Migration],
 ) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-    let old_layout: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pragma_table_info('idem_schema_migrations')
+    let staged = async {
+        let old_layout: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pragma_table_info('idem_schema_migrations')
          WHERE name = 'version' AND pk = 1",
-    )
-    .fetch_one(&mut *tx)
-    .await?;
-    if old_layout > 0 {
-        // Before: (version PRIMARY KEY, applied_at), the records' versions.
-        sqlx::Executor::execute(
-            &mut *tx,
-            "ALTER TABLE idem_schema_migrations RENAME TO idem_schema_migrations_v0;
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        if old_layout > 0 {
+            // Before: (version PRIMARY KEY, applied_at), the records' versions.
+            sqlx::Executor::execute(
+                &mut *tx,
+                "ALTER TABLE idem_schema_migrations RENAME TO idem_schema_migrations_v0;
              CREATE TABLE idem_schema_migrations (
                  table_name TEXT    NOT NULL,
                  version    INTEGER NOT NULL,
@@ -117,44 +122,51 @@ pub async fn migrate_sqlite(
              INSERT INTO idem_schema_migrations (table_name, version, applied_at)
                  SELECT 'idem_records', version, applied_at FROM idem_schema_migrations_v0;
              DROP TABLE idem_schema_migrations_v0;",
-        )
-        .await?;
-    } else {
-        sqlx::Executor::execute(
-            &mut *tx,
-            "CREATE TABLE IF NOT EXISTS idem_schema_migrations (
+            )
+            .await?;
+        } else {
+            sqlx::Executor::execute(
+                &mut *tx,
+                "CREATE TABLE IF NOT EXISTS idem_schema_migrations (
                  table_name TEXT    NOT NULL,
                  version    INTEGER NOT NULL,
                  applied_at INTEGER NOT NULL,
                  PRIMARY KEY (table_name, version)
              )",
-        )
-        .await?;
+            )
+            .await?;
+        }
+        Ok(())
     }
-    tx.commit().await?;
+    .await;
+    crate::finish(tx, staged).await?;
     for m in migrations {
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        let done = sqlx::query(
-            "SELECT 1 FROM idem_schema_migrations WHERE table_name = ?1 AND version = ?2",
-        )
-        .bind(table)
-        .bind(m.version)
-        .fetch_optional(&mut *tx)
-        .await?
-        .is_some();
-        if !done {
-            sqlx::Executor::execute(&mut *tx, m.sql).await?;
-            sqlx::query(
-                "INSERT INTO idem_schema_migrations (table_name, version, applied_at)
-                 VALUES (?1, ?2, ?3)",
+        let staged = async {
+            let done = sqlx::query(
+                "SELECT 1 FROM idem_schema_migrations WHERE table_name = ?1 AND version = ?2",
             )
             .bind(table)
             .bind(m.version)
-            .bind(idem_core::UnixMillis::now().0)
-            .execute(&mut *tx)
-            .await?;
+            .fetch_optional(&mut *tx)
+            .await?
+            .is_some();
+            if !done {
+                sqlx::Executor::execute(&mut *tx, m.sql).await?;
+                sqlx::query(
+                    "INSERT INTO idem_schema_migrations (table_name, version, applied_at)
+                 VALUES (?1, ?2, ?3)",
+                )
+                .bind(table)
+                .bind(m.version)
+                .bind(idem_core::UnixMillis::now().0)
+                .execute(&mut *tx)
+                .await?;
+            }
+            Ok(())
         }
-        tx.commit().await?;
+        .await;
+        crate::finish(tx, staged).await?;
     }
     Ok(())
 }

@@ -190,7 +190,7 @@ async fn create_order(
             Ok(created)
         }
         .await;
-        crate::db::finish(tx, staged).await
+        idem_sql::finish(tx, staged).await
     }
     .await)?;
     let (status, row) = match created {

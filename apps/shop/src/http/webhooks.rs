@@ -198,7 +198,7 @@ async fn bank_event(
             Ok(Some(Outcome::Processed))
         }
         .await;
-        crate::db::finish(tx, staged).await
+        idem_sql::finish(tx, staged).await
     }
     .await)?;
     match outcome {
