@@ -106,15 +106,54 @@ where
         &'c mut sqlx::Transaction<'static, sqlx::Postgres>,
     ) -> BoxFuture<'c, Result<T, E>>,
 {
-    let mut tx = pool.begin().await.map_err(InboxError::Database)?;
+    let tx = pool.begin().await.map_err(InboxError::Database)?;
+    process_in(tx, consumer, message_id, handler).await
+}
+
+/// Processes `message_id` for `consumer` once, on SQLite (in an immediate
+/// transaction); see [`process_postgres`].
+pub async fn process_sqlite<T, E, F>(
+    pool: &sqlx::SqlitePool,
+    consumer: &str,
+    message_id: &str,
+    handler: F,
+) -> Result<Handled<T>, InboxError<E>>
+where
+    F: for<'c> FnOnce(
+        &'c mut sqlx::Transaction<'static, sqlx::Sqlite>,
+    ) -> BoxFuture<'c, Result<T, E>>,
+{
+    let tx = pool
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .map_err(InboxError::Database)?;
+    process_in(tx, consumer, message_id, handler).await
+}
+
+/// Marks the message processed in `tx`, runs `handler` in it and commits;
+/// a mark that hits the inbox's key is a duplicate. Every way out ends the
+/// transaction before returning: one left to its drop ends later, holding
+/// its locks until it does.
+async fn process_in<DB, T, E, F>(
+    mut tx: sqlx::Transaction<'static, DB>,
+    consumer: &str,
+    message_id: &str,
+    handler: F,
+) -> Result<Handled<T>, InboxError<E>>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    F: for<'c> FnOnce(&'c mut sqlx::Transaction<'static, DB>) -> BoxFuture<'c, Result<T, E>>,
+{
     let marked = sqlx::query(MARK)
         .bind(consumer)
         .bind(message_id)
         .bind(now_ms())
         .execute(&mut *tx)
         .await;
-    // Every way out ends the transaction before returning: one left to its
-    // drop ends later, holding its locks until it does.
     match marked {
         Ok(_) => {}
         Err(e) if is_duplicate(&e) => {
@@ -135,56 +174,10 @@ where
     };
     match tx.commit().await {
         Ok(()) => Ok(Handled::Processed(value)),
+        // A commit that meets the key (a racing consumer committed first).
         Err(e) if is_duplicate(&e) => Ok(Handled::Duplicate),
         Err(e) => Err(InboxError::Database(e)),
     }
-}
-
-/// Processes `message_id` for `consumer` once, on SQLite (in an immediate
-/// transaction); see [`process_postgres`].
-pub async fn process_sqlite<T, E, F>(
-    pool: &sqlx::SqlitePool,
-    consumer: &str,
-    message_id: &str,
-    handler: F,
-) -> Result<Handled<T>, InboxError<E>>
-where
-    F: for<'c> FnOnce(
-        &'c mut sqlx::Transaction<'static, sqlx::Sqlite>,
-    ) -> BoxFuture<'c, Result<T, E>>,
-{
-    let mut tx = pool
-        .begin_with("BEGIN IMMEDIATE")
-        .await
-        .map_err(InboxError::Database)?;
-    let marked = sqlx::query(MARK)
-        .bind(consumer)
-        .bind(message_id)
-        .bind(now_ms())
-        .execute(&mut *tx)
-        .await;
-    // Every way out ends the transaction before returning: one left to its
-    // drop ends later, holding its locks until it does.
-    match marked {
-        Ok(_) => {}
-        Err(e) if is_duplicate(&e) => {
-            tx.rollback().await.map_err(InboxError::Database)?;
-            return Ok(Handled::Duplicate);
-        }
-        Err(e) => {
-            let _ = tx.rollback().await;
-            return Err(InboxError::Database(e));
-        }
-    }
-    let value = match handler(&mut tx).await {
-        Ok(value) => value,
-        Err(e) => {
-            let _ = tx.rollback().await;
-            return Err(InboxError::Handler(e));
-        }
-    };
-    tx.commit().await.map_err(InboxError::Database)?;
-    Ok(Handled::Processed(value))
 }
 
 const SWEEP: &str = "DELETE FROM idem_inbox WHERE (consumer, message_id) IN (
