@@ -91,8 +91,8 @@ use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
     Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
 };
-use idem_sql::decode_record;
 use idem_sql::migrate::Migration;
+use idem_sql::{decode_record, fenced};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Row;
 
@@ -290,21 +290,18 @@ async fn complete_with(
     claim: &Claim,
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
-    let done = sqlx::query(sql)
-        .bind(&claim.scope)
-        .bind(&claim.key)
-        .bind(claim.token.0)
-        .bind(i32::from(response.status))
-        .bind(response.encode_headers())
-        .bind(response.body.as_ref())
-        .execute(&mut *conn)
-        .await
-        .map_err(store_error)?;
-    if done.rows_affected() == 1 {
-        Ok(())
-    } else {
-        Err(StoreError::ClaimLost)
-    }
+    fenced(
+        sqlx::query(sql)
+            .bind(&claim.scope)
+            .bind(&claim.key)
+            .bind(claim.token.0)
+            .bind(i32::from(response.status))
+            .bind(response.encode_headers())
+            .bind(response.body.as_ref())
+            .execute(&mut *conn)
+            .await
+            .map(|done| done.rows_affected()),
+    )
 }
 
 impl TransactionalStore<PgConnection> for PostgresStore {
@@ -343,18 +340,15 @@ impl Store for PostgresStore {
 
     fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let done = sqlx::query(&self.sql.release)
-                .bind(&claim.scope)
-                .bind(&claim.key)
-                .bind(claim.token.0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            if done.rows_affected() == 1 {
-                Ok(())
-            } else {
-                Err(StoreError::ClaimLost)
-            }
+            fenced(
+                sqlx::query(&self.sql.release)
+                    .bind(&claim.scope)
+                    .bind(&claim.key)
+                    .bind(claim.token.0)
+                    .execute(&self.pool)
+                    .await
+                    .map(|done| done.rows_affected()),
+            )
         })
     }
 

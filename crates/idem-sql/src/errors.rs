@@ -116,3 +116,21 @@ pub fn insert_unique<T>(
         },
     }
 }
+
+/// The result of a write fenced by a claim's token (complete, release):
+/// `Ok` when it changed exactly the one row the claim holds, and
+/// [`StoreError::ClaimLost`] when it changed none — the lease expired and
+/// another holder took the key over, or the record is gone. A caller inside
+/// a transaction must then roll it back, so its effect does not commit twice.
+///
+/// ```
+/// use idem_core::StoreError;
+/// assert!(idem_sql::fenced(Ok(1)).is_ok());
+/// assert!(matches!(idem_sql::fenced(Ok(0)), Err(StoreError::ClaimLost)));
+/// ```
+pub fn fenced(rows_affected: Result<u64, sqlx::Error>) -> Result<(), StoreError> {
+    match rows_affected.map_err(store_error)? {
+        1 => Ok(()),
+        _ => Err(StoreError::ClaimLost),
+    }
+}

@@ -56,6 +56,7 @@
 //! - [`is_unavailable`], [`store_error`]: a failed statement told apart
 //!   (an outage is worth a retry; nothing else is), on either backend;
 //!   [`DuplicateKey`], [`insert_unique`]: a unique violation as an answer;
+//! - [`fenced`]: a write fenced by a claim's token, or [`idem_core::StoreError::ClaimLost`];
 //! - [`decode_record`]: a stored idempotency record read back from a row;
 //! - [`migrate`]: one migration runner with one version table;
 //! - [`finish`]: a transaction ended explicitly, commit or rollback.
@@ -64,7 +65,7 @@ mod errors;
 pub mod migrate;
 mod record;
 
-pub use errors::{insert_unique, is_unavailable, store_error, DuplicateKey, Inserted};
+pub use errors::{fenced, insert_unique, is_unavailable, store_error, DuplicateKey, Inserted};
 pub use record::decode_record;
 
 /// Ends `tx` now: commits if `staged` is `Ok`, rolls back if not, and

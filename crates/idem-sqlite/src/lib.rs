@@ -46,8 +46,8 @@ use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
     Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
 };
-use idem_sql::decode_record;
 use idem_sql::migrate::Migration;
+use idem_sql::{decode_record, fenced};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
@@ -250,22 +250,19 @@ pub async fn complete_in_tx(
     claim: &Claim,
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
-    let done = sqlx::query(COMPLETE_SQL)
-        .bind(&claim.scope)
-        .bind(&claim.key)
-        .bind(claim.token.0)
-        .bind(UnixMillis::now().0)
-        .bind(i64::from(response.status))
-        .bind(response.encode_headers())
-        .bind(response.body.as_ref())
-        .execute(&mut *conn)
-        .await
-        .map_err(store_error)?;
-    if done.rows_affected() == 1 {
-        Ok(())
-    } else {
-        Err(StoreError::ClaimLost)
-    }
+    fenced(
+        sqlx::query(COMPLETE_SQL)
+            .bind(&claim.scope)
+            .bind(&claim.key)
+            .bind(claim.token.0)
+            .bind(UnixMillis::now().0)
+            .bind(i64::from(response.status))
+            .bind(response.encode_headers())
+            .bind(response.body.as_ref())
+            .execute(&mut *conn)
+            .await
+            .map(|done| done.rows_affected()),
+    )
 }
 
 impl TransactionalStore<SqliteConnection> for SqliteStore {
@@ -304,19 +301,16 @@ impl Store for SqliteStore {
 
     fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let done = sqlx::query(RELEASE_SQL)
-                .bind(&claim.scope)
-                .bind(&claim.key)
-                .bind(claim.token.0)
-                .bind(UnixMillis::now().0)
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            if done.rows_affected() == 1 {
-                Ok(())
-            } else {
-                Err(StoreError::ClaimLost)
-            }
+            fenced(
+                sqlx::query(RELEASE_SQL)
+                    .bind(&claim.scope)
+                    .bind(&claim.key)
+                    .bind(claim.token.0)
+                    .bind(UnixMillis::now().0)
+                    .execute(&self.pool)
+                    .await
+                    .map(|done| done.rows_affected()),
+            )
         })
     }
 
