@@ -6,6 +6,8 @@
 # Usage: bash bench/run.sh [requests-per-scenario] [concurrency]
 #   MEMORY_SECONDS=60 bash bench/run.sh   # a shorter memory run (default 300 s)
 #   ROUNDS=3 bash bench/run.sh            # bare/new rounds per configuration (default 5)
+#   ONLY='^postgres$' bash bench/run.sh   # only the configurations matching (a quick look:
+#                                         # prints the table, leaves BENCHMARKS.md alone)
 #
 # Needs the services `bash scripts/test` starts (PostgreSQL, Redis), Node.js
 # and npm for the peers.
@@ -15,6 +17,7 @@ REQUESTS=${1:-5000}
 CONCURRENCY=${2:-32}
 MEMORY_SECONDS=${MEMORY_SECONDS:-300}
 ROUNDS=${ROUNDS:-5}
+ONLY=${ONLY:-}
 PG=${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 REDIS=${IDEM_BENCH_REDIS_URL:-redis://127.0.0.1:6379}
 export PGOPTIONS="-c client_min_messages=warning"
@@ -71,8 +74,11 @@ d.update(config='$1', scenario='$2',
 print(json.dumps(d))" "$before" "$after" >> "$results"
 }
 
+wanted() { [ -z "$ONLY" ] || [[ "$1" =~ $ONLY ]]; }
+
 run_config() { # name, then shop arguments
   local name=$1; shift
+  wanted "$name" || return 0
   start_shop "$@"
   # bare and new alternate, ROUNDS times, so that a slow spell of the
   # machine lands on both; the table shows the median of the rounds
@@ -94,7 +100,7 @@ run_config "postgres+cache"    --database-url PGSCHEMA --replay-cache 10000
 run_config "redis-only"        --database-url "sqlite:$out/bench2.db" --idem-store redis --redis-url "$REDIS" --redis-prefix "bench2-$$"
 
 echo "== peers: each library in front of the same trivial endpoint"
-(cd bench/peers && npm install --silent --no-audit --no-fund >/dev/null)
+wanted "trivial: " && (cd bench/peers && npm install --silent --no-audit --no-fund >/dev/null)
 start_peer() { # config name, then the command; sets URL, PID
   "$@" > "$out/peer.out" 2>"$out/peer.err" &
   PID=$!
@@ -104,6 +110,7 @@ start_peer() { # config name, then the command; sets URL, PID
 }
 run_peer() { # config name, then the command
   local name=$1; shift
+  wanted "$name" || return 0
   start_peer "$@"
   load "$name" new /payments new=100
   load "$name" replay /payments replay=100
@@ -114,6 +121,8 @@ run_peer "trivial: idem (memory)"              "$BIN/idem-trivial" --listen 127.
 run_peer "trivial: express-idempotency"        node bench/peers/express-idempotency.js
 run_peer "trivial: idem (redis)"               "$BIN/idem-trivial" --listen 127.0.0.1:0 --store redis --redis-url "$REDIS"
 run_peer "trivial: @node-idempotency (redis)"  env REDIS_URL="$REDIS" node bench/peers/node-idempotency.js
+
+if [ -n "$ONLY" ]; then exit 0; fi
 
 echo "== memory: new keys at a fixed rate for ${MEMORY_SECONDS}s on postgres"
 start_shop --database-url PGSCHEMA

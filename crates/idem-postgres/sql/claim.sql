@@ -1,6 +1,6 @@
--- The deciding claim: insert the row, or take over an expired or released
--- one (see the crate docs for why this is safe under READ COMMITTED); the
--- loser reads the record that beat it. Same binds as claim_new.sql.
+-- The deciding claim, when the first look did not decide: insert the row,
+-- or take over an expired or released one (see the crate docs for why this
+-- is safe under READ COMMITTED); the loser reads the record that beat it. Same binds as claim_first.sql.
 WITH claimed AS (
     INSERT INTO {table} AS r
         (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)

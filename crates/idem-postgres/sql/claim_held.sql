@@ -1,5 +1,5 @@
--- The deciding claim of a transaction-held claim (autocommit, after the
--- plain insert met a row). Such a claim commits with its lease already run
+-- The deciding claim of a transaction-held claim (autocommit, when the
+-- first look did not decide). Such a claim commits with its lease already run
 -- out (bound $6 = 0): the holder's transaction, which locks the row
 -- (hold.sql), is its lease. So a row is free to the same request only if no
 -- transaction holds its lock (SKIP LOCKED) and its lease has run out: its
@@ -8,7 +8,7 @@
 -- live one is busy). Another request's live claim or a live completed
 -- record is `existing` (422 or a replay); past its retention and
 -- abandoned, a record is replaced whole. A takeover keeps the record for at
--- least another retention. Same binds as claim_new.sql.
+-- least another retention. Same binds as claim_first.sql.
 WITH free AS MATERIALIZED (
     SELECT scope AS free_scope, key AS free_key FROM {table}
     WHERE scope = $1 AND key = $2

@@ -4,6 +4,7 @@
 use idem_core::{
     Claim, ClaimRequest, FencingToken, OperationId, Record, RecordState, StoreError, UnixMillis,
 };
+use idem_sql::decode_record;
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 
@@ -48,9 +49,40 @@ impl<'q> ClaimBinds<'q> {
     }
 }
 
-/// The claim a plain insert made: a new record, this attempt's token and
-/// proposed operation id, the lease the database computed.
-pub(crate) fn fresh_claim(
+/// What the first look (`claim_first.sql`) found.
+pub(crate) enum FirstLook {
+    /// The key was never seen: this attempt inserted its claim.
+    New(Claim),
+    /// A record that answers the request without a claim (replay, 409, 422),
+    /// read without a lock or a write.
+    Existing(Record),
+    /// Neither: the deciding claim must run.
+    Undecided,
+}
+
+/// Reads the first look's row (or its absence).
+pub(crate) fn first_look(
+    req: &ClaimRequest,
+    token: FencingToken,
+    proposed: OperationId,
+    row: Option<PgRow>,
+) -> Result<FirstLook, StoreError> {
+    let Some(row) = row else {
+        return Ok(FirstLook::Undecided);
+    };
+    let outcome: String = row.try_get("outcome").map_err(|e| corrupt("outcome", e))?;
+    match outcome.as_str() {
+        "new" => Ok(FirstLook::New(fresh_claim(req, token, proposed, &row)?)),
+        "existing" => Ok(FirstLook::Existing(decode_record(&row)?)),
+        other => Err(StoreError::Corrupt(format!(
+            "first look: outcome {other:?}"
+        ))),
+    }
+}
+
+/// The claim the first look inserted: a new record, this attempt's token
+/// and proposed operation id, the lease the database computed.
+fn fresh_claim(
     req: &ClaimRequest,
     token: FencingToken,
     operation_id: OperationId,

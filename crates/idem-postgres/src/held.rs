@@ -4,20 +4,20 @@
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, Claim, ClaimInTransaction, ClaimRequest, FencingToken, OperationId, StoreError,
-    TxClaimOutcome,
+    BoxFuture, Claim, ClaimInTransaction, ClaimRequest, FencingToken, OperationId, RecordState,
+    StoreError, TxClaimOutcome,
 };
 use idem_sql::decode_record;
 use sqlx::Row;
 
 use crate::{
-    corrupt, fresh_claim, kept_racing, store_error, won_claim, ClaimBinds, PostgresStore,
+    corrupt, first_look, kept_racing, store_error, won_claim, ClaimBinds, FirstLook, PostgresStore,
     CLAIM_TURNS,
 };
 
 impl PostgresStore {
-    /// The durable half of a transaction-held claim: the plain insert, then
-    /// (on a conflict) the deciding statement that respects row locks.
+    /// The durable half of a transaction-held claim: the first look, then
+    /// (when it did not decide) the deciding statement that respects row locks.
     async fn claim_held_inner(&self, req: &ClaimRequest) -> Result<TxClaimOutcome<()>, StoreError> {
         let binds = ClaimBinds::new(req).lease_held_by_transaction();
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
@@ -26,16 +26,28 @@ impl PostgresStore {
         for _ in 0..CLAIM_TURNS {
             let token = FencingToken::generate();
             let proposed = OperationId::generate();
-            let fresh = binds
-                .query(&self.sql.claim_new, proposed, token)
+            let first = binds
+                .query(&self.sql.claim_first, proposed, token)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(store_error)?;
-            if let Some(row) = fresh {
-                return Ok(TxClaimOutcome::Acquired {
-                    claim: fresh_claim(req, token, proposed, &row)?,
-                    transaction: (),
-                });
+            match first_look(req, token, proposed, first)? {
+                FirstLook::New(claim) => {
+                    return Ok(TxClaimOutcome::Acquired {
+                        claim,
+                        transaction: (),
+                    })
+                }
+                // A live default-mode claim of the same request: busy, as
+                // the deciding statement would say.
+                FirstLook::Existing(record)
+                    if record.fingerprint == req.fingerprint
+                        && matches!(record.state, RecordState::InProgress { .. }) =>
+                {
+                    return Ok(TxClaimOutcome::Busy)
+                }
+                FirstLook::Existing(record) => return Ok(TxClaimOutcome::Existing(record)),
+                FirstLook::Undecided => {}
             }
             let token = FencingToken::generate();
             let row = binds

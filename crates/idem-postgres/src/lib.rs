@@ -34,14 +34,28 @@
 //!
 //! # Why the claim is correct under READ COMMITTED
 //!
-//! A claim first tries a plain `INSERT … ON CONFLICT DO NOTHING`: a key never
-//! seen is claimed by the cheapest statement there is. On any conflict it
-//! runs one statement that decides: `INSERT … ON CONFLICT (scope, key) DO
-//! UPDATE … WHERE <claimable> RETURNING …`, with a fallback `SELECT` of the
-//! existing row in the same statement.
+//! A claim starts with a first look (`sql/claim_first.sql`): one statement
+//! that reads the key's row and, only if there is none, inserts the claim
+//! (`INSERT … SELECT … WHERE NOT EXISTS … ON CONFLICT DO NOTHING`). So the
+//! two common cases cost one statement each, and a repeat writes and locks
+//! nothing:
+//!
+//! - a key never seen is claimed by the insert;
+//! - a record that answers the request without a claim is returned as it
+//!   was read: a completed record (a replay, or `422` for another body),
+//!   another request's record (`422`), a claim under a live lease (`409`).
+//!   A completed record never changes until it is past its retention, and
+//!   the in-flight answer is only ever "try again later", so a plain read
+//!   answers these as surely as a locking one would.
+//!
+//! Anything else (a record past its retention, a lease run out, an insert
+//! that met a row committed after the read's snapshot) runs one statement
+//! that decides: `INSERT … ON CONFLICT (scope, key) DO UPDATE … WHERE
+//! <claimable> RETURNING …`, with a fallback `SELECT` of the existing row
+//! in the same statement.
 //!
 //! - Two callers inserting the same new key meet at the primary key: the
-//!   second waits for the first to commit, then takes the conflict path.
+//!   second waits for the first to commit, then takes the deciding path.
 //! - On conflict, PostgreSQL locks the row and evaluates the `WHERE` against
 //!   its latest committed version, not the statement's snapshot. So two
 //!   callers cannot both see an expired lease: the second waits for the
@@ -57,8 +71,8 @@
 //!
 //! # A claim held by the business transaction
 //!
-//! [`ClaimInTransaction::claim_and_begin`](idem_core::ClaimInTransaction::claim_and_begin) commits the claim first (the plain
-//! insert, or on a conflict a deciding `UPDATE`), so the key is bound to the
+//! [`ClaimInTransaction::claim_and_begin`](idem_core::ClaimInTransaction::claim_and_begin) commits the claim first (the first
+//! look's insert, or a deciding `UPDATE`), so the key is bound to the
 //! request and its operation id before any effect; the committed claim's
 //! lease has already run out, for the transaction is its lease. Then it
 //! begins the caller's transaction and locks the claim's row in it (`FOR
@@ -104,7 +118,7 @@ mod table;
 pub use idem_sql::{is_unavailable, store_error};
 pub use table::{InvalidIdentifier, TableName};
 
-use claim::{corrupt, fresh_claim, kept_racing, won_claim, ClaimBinds, CLAIM_TURNS};
+use claim::{corrupt, first_look, kept_racing, won_claim, ClaimBinds, FirstLook, CLAIM_TURNS};
 use sql::{complete_sql, Sql};
 
 /// The embedded migrations of the records' table, in order. The SQL names the
@@ -127,13 +141,34 @@ pub struct PostgresStore {
     sql: std::sync::Arc<Sql>,
 }
 
-/// Opens a pool with idem's defaults: a bounded acquire time-out, and every
-/// connection checked before use (so a restarted server is picked up).
+/// A pooled connection idle at least this long is checked (one round trip)
+/// before it is handed out; see [`open_pool`].
+pub const IDLE_CHECK_AFTER: Duration = Duration::from_secs(1);
+
+/// Opens a pool with idem's defaults: a bounded acquire time-out, and a
+/// connection that sat idle for [`IDLE_CHECK_AFTER`] or more checked before
+/// use, so a restarted server is picked up.
+///
+/// Why not sqlx's `test_before_acquire` (a round trip on every checkout):
+/// sqlx 0.8 already checks every connection as it goes back to the pool, so
+/// one handed out again at once was alive a moment ago, and the check would
+/// cost a round trip and a server wake-up on every request (a third of a
+/// replay's database work). A connection that dies in that moment fails its
+/// statement, which is reported as [`StoreError::Unavailable`] (a `503`
+/// with `Retry-After`), and sqlx then discards it.
 pub async fn open_pool(url: &str) -> Result<PgPool, sqlx::Error> {
     PgPoolOptions::new()
         .max_connections(16)
         .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
-        .test_before_acquire(true)
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= IDLE_CHECK_AFTER {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
         .connect(url)
         .await
 }
@@ -183,15 +218,15 @@ impl PostgresStore {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let token = FencingToken::generate();
         let proposed = OperationId::generate();
-        let fresh = binds
-            .query(&self.sql.claim_new, proposed, token)
+        let first = binds
+            .query(&self.sql.claim_first, proposed, token)
             .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
-        if let Some(row) = fresh {
-            return Ok(ClaimOutcome::Acquired(fresh_claim(
-                req, token, proposed, &row,
-            )?));
+        match first_look(req, token, proposed, first)? {
+            FirstLook::New(claim) => return Ok(ClaimOutcome::Acquired(claim)),
+            FirstLook::Existing(record) => return Ok(ClaimOutcome::Existing(record)),
+            FirstLook::Undecided => {}
         }
         // Normally one turn. A second only when the row we lost to was
         // committed after the statement's snapshot (see the crate docs), or

@@ -5,7 +5,7 @@ use crate::TableName;
 /// The statements, with the table name filled in once.
 #[derive(Debug)]
 pub(crate) struct Sql {
-    pub(crate) claim_new: String,
+    pub(crate) claim_first: String,
     pub(crate) claim: String,
     pub(crate) claim_held: String,
     pub(crate) hold: String,
@@ -23,7 +23,7 @@ pub(crate) struct Sql {
 /// `{expired}` a record past its retention and not held under a live lease
 /// (`expired.sql`).
 const TEMPLATES: &[(&str, &str)] = &[
-    ("claim_new", include_str!("../sql/claim_new.sql")),
+    ("claim_first", include_str!("../sql/claim_first.sql")),
     ("claim", include_str!("../sql/claim.sql")),
     ("claim_held", include_str!("../sql/claim_held.sql")),
     ("hold", include_str!("../sql/hold.sql")),
@@ -57,7 +57,7 @@ impl Sql {
     pub(crate) fn new(t: &TableName) -> Self {
         let sql = |name: &str| render(template(name), t);
         Self {
-            claim_new: sql("claim_new"),
+            claim_first: sql("claim_first"),
             claim: sql("claim"),
             claim_held: sql("claim_held"),
             hold: sql("hold"),
