@@ -3,6 +3,9 @@
 //!
 //! Properties:
 //! - never panics;
+//! - the one-pass canonicaliser gives, byte for byte, what idem fingerprinted
+//!   before it (`serde_json` into a value, `serde_jcs` out), and refuses
+//!   exactly what that refused: records stored before stay comparable;
 //! - the canonical output is valid JSON whose value equals the input's value
 //!   (numbers compared as JSON numbers: integers exactly, anything with a
 //!   fraction or exponent as the IEEE double it denotes);
@@ -111,6 +114,16 @@ fn write_variant(v: &Value, ws: &mut impl Iterator<Item = u8>, out: &mut Vec<u8>
 fn check_body(body: &[u8]) {
     let parsed: Result<Value, _> = serde_json::from_slice(body);
     let canonical = canonical_json(body);
+    let reference = parsed
+        .as_ref()
+        .ok()
+        .and_then(|v| serde_jcs::to_vec(v).ok());
+    assert_eq!(
+        canonical.as_ref().ok().map(|c| String::from_utf8_lossy(c)),
+        reference.as_ref().map(|c| String::from_utf8_lossy(c)),
+        "the one-pass canonicaliser and the reference differ on {:?}",
+        String::from_utf8_lossy(body)
+    );
     let (fingerprint, form) = Fingerprint::of_request_with_form("POST", "/p", JSON, body);
     assert_eq!(
         fingerprint,

@@ -8,11 +8,12 @@
 //! but does not parse is fingerprinted as raw bytes.
 //!
 //! Where it departs from RFC 8785 (found by the `canonical_json` fuzz
-//! target; stable, so fingerprints stay comparable): keys are sorted by
-//! code point, not UTF-16 code unit (the orders differ only between keys
-//! with characters beyond U+FFFF and keys with U+E000 to U+FFFF); integers
-//! beyond 2^53 keep every digit instead of becoming the nearest double; of
-//! duplicate keys, the last wins.
+//! target; stable, so fingerprints stay comparable): keys are sorted by the
+//! bytes of their canonical spelling, quotes included (code-point order,
+//! but for keys that differ where one has a character below `"` or an
+//! escape); integers that fit 64 bits keep every digit instead of becoming
+//! the nearest double; of duplicate keys, the last wins. The rules in full
+//! are in [`canonical_json`].
 
 use std::fmt;
 
@@ -45,7 +46,7 @@ pub enum BodyForm {
 /// Canonicalising a JSON document failed.
 #[derive(Debug, thiserror::Error)]
 #[error("not canonicalisable JSON: {0}")]
-pub struct CanonicalJsonError(String);
+pub struct CanonicalJsonError(pub(crate) String);
 
 impl Fingerprint {
     /// Fingerprints a request from its parts.
@@ -144,18 +145,31 @@ pub fn is_json_media_type(content_type: &str) -> bool {
 }
 
 /// Canonicalises a JSON document after RFC 8785 (see the [module
-/// docs](self) for where it departs from it): sorted keys, no insignificant
-/// whitespace, numbers in their shortest ECMAScript spelling, strings with the
-/// minimal escapes.
+/// docs](self) for where it departs from it), in one pass over the bytes
+/// without building a value:
+///
+/// - no insignificant whitespace;
+/// - object members sorted by the bytes of their canonical key, quotes
+///   included; of duplicate keys, the last wins;
+/// - strings with the minimal escapes: `\"`, `\\`, `\b \f \n \r \t`,
+///   and `\u00xx` (lowercase) for the other control characters; everything
+///   else as UTF-8;
+/// - an integer that fits 64 bits keeps its digits (`-0` is `0`); any other
+///   number is read as the nearest double and written in ECMAScript's
+///   shortest spelling (`1.0` is `1`, `1e2` is `100`), zero as `0`.
+///
+/// Refused, as `serde_json` refuses them: a lone surrogate escape, a raw
+/// control character in a string, invalid UTF-8, a number beyond the
+/// double range, containers nested 128 deep, anything after the value.
 ///
 /// ```
 /// let c = idem_core::fingerprint::canonical_json(br#"{ "b": [1.0, "\u0041"], "a": null }"#).unwrap();
 /// assert_eq!(c, br#"{"a":null,"b":[1,"A"]}"#);
 /// ```
 pub fn canonical_json(body: &[u8]) -> Result<Vec<u8>, CanonicalJsonError> {
-    let value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| CanonicalJsonError(e.to_string()))?;
-    serde_jcs::to_vec(&value).map_err(|e| CanonicalJsonError(e.to_string()))
+    let mut out = Vec::with_capacity(body.len());
+    crate::canonical::canonicalize(body, &mut out)?;
+    Ok(out)
 }
 
 #[cfg(test)]

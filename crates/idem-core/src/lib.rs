@@ -24,6 +24,7 @@
 //! # Ok::<(), idem_core::KeyError>(())
 //! ```
 
+mod canonical;
 pub mod decision;
 pub mod fingerprint;
 pub mod key;
