@@ -10,7 +10,8 @@
 #                                         # prints the table, leaves BENCHMARKS.md alone)
 #
 # Needs the services `bash scripts/test` starts (PostgreSQL, Redis), Node.js
-# and npm for the peers.
+# and npm for the Node peers, pgbench for the ceilings, valgrind for the
+# instruction counts (bench/callgrind.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-5000}
@@ -124,6 +125,28 @@ run_peer "trivial: @node-idempotency (redis)"  env REDIS_URL="$REDIS" node bench
 
 if [ -n "$ONLY" ]; then exit 0; fi
 
+echo "== ceilings: the same statements with pgbench, no HTTP in between"
+# The shop creates its tables in a schema of its own; pgbench then runs
+# bare's statements, and a primary-key read of a completed record, at the
+# same concurrency, prepared once per connection.
+start_shop --database-url PGSCHEMA
+kill "$PID"; wait "$PID" 2>/dev/null || true
+ceiling_opts="-c client_min_messages=warning -c search_path=$SCHEMA"
+PGOPTIONS="$ceiling_opts" psql "$PG" -q -f bench/pgbench/records.sql
+pgbench_tps() { # script
+  PGOPTIONS="$ceiling_opts" pgbench -n -M prepared -c "$CONCURRENCY" -j 2 -T "${CEILING_SECONDS:-15}" \
+    -f "$1" "$PG" 2>/dev/null | awk '/^tps = / {print $3; exit}'
+}
+bare_tps=$(pgbench_tps bench/pgbench/bare.sql)
+read_tps=$(pgbench_tps bench/pgbench/replay.sql)
+psql "$PG" -qc "DROP SCHEMA $SCHEMA CASCADE"
+echo "pgbench: bare statements $bare_tps tps, primary-key read $read_tps tps"
+echo "{\"bare_statements_tps\": $bare_tps, \"primary_key_read_tps\": $read_tps}" > "$out/ceilings.json"
+
+echo "== instructions per request (callgrind): the layer with the memory store vs the bare handler"
+bash bench/callgrind.sh "$out/callgrind.jsonl"
+cat "$out/callgrind.jsonl"
+
 echo "== memory: new keys at a fixed rate for ${MEMORY_SECONDS}s on postgres"
 start_shop --database-url PGSCHEMA
 "$BIN/idem-load" --url "$URL/payments" --requests 1000 --concurrency 8 --mix new=50,replay=50 --label warmup 2>/dev/null >/dev/null
@@ -149,5 +172,5 @@ cargo bench -q -p idem-core --bench core -- --warm-up-time 1 --measurement-time 
   | grep -E "^[a-z].*time:" > "$out/criterion.txt" || true
 
 python3 bench/render.py "$results" "$out/memory.json" "$out/criterion.txt" \
-  "bash bench/run.sh $REQUESTS $CONCURRENCY" "$ROUNDS" > BENCHMARKS.md
+  "bash bench/run.sh $REQUESTS $CONCURRENCY" "$ROUNDS" "$out/ceilings.json" "$out/callgrind.jsonl" > BENCHMARKS.md
 echo "wrote BENCHMARKS.md"

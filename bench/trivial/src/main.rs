@@ -1,7 +1,8 @@
 //! `idem-trivial`: idem's layer in front of a trivial `POST /payments`
 //! (sleep for `x-simulate: bank-delay=MS` if asked, answer 201 with a fresh
 //! id): the same endpoint the peers guard in `bench/peers`, so that their
-//! figures compare like with like.
+//! figures compare like with like. `/bare/payments` is the same handler
+//! without idem.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,7 +60,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         other => return Err(format!("unknown store {other:?}").into()),
     };
     let layer = IdempotencyLayer::new(store, Policy::default(), SingleScope("bench".into()));
-    let app = Router::new().route("/payments", post(pay).route_layer(layer));
+    // `/bare/payments`: the same handler without the layer, the baseline of
+    // the instruction counts (bench/callgrind.sh).
+    let app = Router::new()
+        .route("/payments", post(pay).route_layer(layer))
+        .route("/bare/payments", post(pay));
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     println!(
         "idem-trivial listening on http://{}",
