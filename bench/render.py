@@ -186,7 +186,10 @@ for c in peers:
             out.append(f"| {c[9:]} | {s_} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                        f"{r['p999_ms']:.2f} | {r['errors']} |")
 out.append("")
-pairs = [("trivial: idem (memory)", "trivial: express-idempotency"),
+pairs = [("trivial: idem (memory)", "trivial: idempotent (memory)"),
+         ("trivial: idem (memory)", "trivial: axum-idempotent (memory)"),
+         ("trivial: idem (memory)", "trivial: express-idempotency"),
+         ("trivial: idem (redis)", "trivial: idempotent (redis)"),
          ("trivial: idem (redis)", "trivial: @node-idempotency (redis)")]
 for ours, theirs in pairs:
     for s_ in ["new", "replay", "inflight"]:
@@ -197,6 +200,21 @@ for ours, theirs in pairs:
 out.append("")
 out.append("What the peers, as configured here, do not give that idem does (a faster "
            "peer that double-charges is not ahead):\n")
+out.append("- `idempotent` 2.0 (aklanti; its tower layer, memory and Valkey/Redis stores): an "
+           "atomic claim (one of eight simultaneous requests runs, seven get `409`), a "
+           "fingerprint of method, path, query and body (but `400`, not `422`, for a reused "
+           "key), a renewed lease with takeover after a crash; but keys are global unless a "
+           "scope is set, every status is stored (a `5xx` is replayed, so a retry never "
+           "runs again), no fencing of a completion, no operation id, no SQL store (a record "
+           "cannot commit with the business write), Redis single node only.")
+out.append("- `axum-idempotent` 0.6 (records in a `ruts` session, here in memory): keyed by "
+           "session, and it never creates a session, so a client without a session cookie "
+           "gets no deduplication at all (the load sends one fixed cookie); no claim: a "
+           "duplicate of a request still running runs the handler again (its `inflight` row "
+           "measures second executions, not `409`s; eight simultaneous requests ran eight "
+           "times); no fingerprint (another body with the same key gets the first response); "
+           "no lease; records shared between instances only through a shared session store "
+           "and the same cookie.")
 out.append("- `express-idempotency`: records live in the process's memory (its default "
            "adapter), so two instances, or a restart, forget each other's keys; no lease, "
            "so a crashed request's key is never taken over; the handler must check "

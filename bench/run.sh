@@ -59,11 +59,12 @@ stop_shop() {
   if [ -n "$SCHEMA" ]; then psql "$PG" -qc "DROP SCHEMA $SCHEMA CASCADE"; fi
 }
 
-load() { # config, scenario, path, mix
+load() { # config, scenario, path, mix (LOAD_ARGS: more idem-load arguments)
   local before after
   before=$(python3 bench/cpu.py "$PID")
+  # shellcheck disable=SC2086
   "$BIN/idem-load" --url "$URL$3" --requests "$REQUESTS" --concurrency "$CONCURRENCY" \
-    --mix "$4" --label "$1 / $2" 2>>"$out/raw.jsonl" | tee -a "$out/table.txt"
+    --mix "$4" --label "$1 / $2" ${LOAD_ARGS:-} 2>>"$out/raw.jsonl" | tee -a "$out/table.txt"
   after=$(python3 bench/cpu.py "$PID")
   # CPU per request, in µs: all of PostgreSQL, and the server under test
   tail -n 1 "$out/raw.jsonl" | python3 -c "
@@ -118,9 +119,21 @@ run_peer() { # config name, then the command
   load "$name" inflight /payments inflight=100
   kill "$PID"; wait "$PID" 2>/dev/null || true
 }
+# The Rust peers build in a workspace of their own (bench/rust-peers): their
+# axum, redis and session crates stay out of idem's lock file. aklanti's
+# `idempotent` 2 declares rustc 1.98 but builds on this toolchain.
+PEERS_BIN=${IDEM_PEERS_TARGET_DIR:-$HOME/.cache/idem-peers-target}/release
+wanted "trivial: " && (cd bench/rust-peers && CARGO_TARGET_DIR=${PEERS_BIN%/release} \
+  cargo build --release -q --ignore-rust-version)
 run_peer "trivial: idem (memory)"              "$BIN/idem-trivial" --listen 127.0.0.1:0 --store memory
+run_peer "trivial: idempotent (memory)"        "$PEERS_BIN/idempotent-peer" --listen 127.0.0.1:0 --store memory
+# axum-idempotent keys records by session and never creates one: every
+# request carries one fixed session cookie, or nothing is deduplicated.
+LOAD_ARGS="--header cookie:session=aWRlbS1iZW5jaC1zZXNzMQ" \
+run_peer "trivial: axum-idempotent (memory)"   "$PEERS_BIN/axum-idempotent-peer" --listen 127.0.0.1:0 --store memory
 run_peer "trivial: express-idempotency"        node bench/peers/express-idempotency.js
 run_peer "trivial: idem (redis)"               "$BIN/idem-trivial" --listen 127.0.0.1:0 --store redis --redis-url "$REDIS"
+run_peer "trivial: idempotent (redis)"         "$PEERS_BIN/idempotent-peer" --listen 127.0.0.1:0 --store redis --redis-url "$REDIS"
 run_peer "trivial: @node-idempotency (redis)"  env REDIS_URL="$REDIS" node bench/peers/node-idempotency.js
 
 if [ -n "$ONLY" ]; then exit 0; fi

@@ -55,6 +55,10 @@ struct Args {
     /// Extra header for in-flight collisions (makes the original slow).
     #[arg(long, default_value = "x-simulate: bank-delay=200")]
     inflight_header: String,
+    /// A header every request carries, `NAME: VALUE` (repeatable): e.g. a
+    /// session cookie for a peer that keys records by session.
+    #[arg(long = "header")]
+    headers: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -113,7 +117,18 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let mix = parse_mix(&args.mix)?;
+    let mut defaults = reqwest::header::HeaderMap::new();
+    for h in &args.headers {
+        let (name, value) = h
+            .split_once(':')
+            .ok_or_else(|| format!("--header {h:?} must be NAME: VALUE"))?;
+        defaults.append(
+            reqwest::header::HeaderName::from_bytes(name.trim().as_bytes())?,
+            reqwest::header::HeaderValue::from_str(value.trim())?,
+        );
+    }
     let client = reqwest::Client::builder()
+        .default_headers(defaults)
         .pool_max_idle_per_host(args.concurrency)
         .timeout(Duration::from_secs(30))
         .build()?;

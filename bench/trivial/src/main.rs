@@ -28,7 +28,12 @@ struct Args {
     redis_url: String,
 }
 
-async fn pay(headers: HeaderMap) -> (StatusCode, Json<serde_json::Value>) {
+/// Reads the body it ignores, as a real handler would: left unread, hyper
+/// may close a keep-alive connection whose body arrived late.
+async fn pay(
+    headers: HeaderMap,
+    _body: axum::body::Bytes,
+) -> (StatusCode, Json<serde_json::Value>) {
     let delay = headers
         .get("x-simulate")
         .and_then(|v| v.to_str().ok())
