@@ -19,8 +19,22 @@ impl PostgresStore {
     /// The durable half of a transaction-held claim: the first look, then
     /// (when it did not decide) the deciding statement that respects row locks.
     async fn claim_held_inner(&self, req: &ClaimRequest) -> Result<TxClaimOutcome<()>, StoreError> {
+        let mut checkout = self
+            .claims
+            .checkout(&self.pool)
+            .await
+            .map_err(store_error)?;
+        let outcome = self.claim_held_on(checkout.conn(), req).await?;
+        checkout.keep();
+        Ok(outcome)
+    }
+
+    async fn claim_held_on(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        req: &ClaimRequest,
+    ) -> Result<TxClaimOutcome<()>, StoreError> {
         let binds = ClaimBinds::new(req).lease_held_by_transaction();
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
         // A row swept, or committed after a statement's snapshot, between
         // the two statements: try again (see the crate docs).
         for _ in 0..CLAIM_TURNS {

@@ -111,6 +111,7 @@ use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Row;
 
 mod claim;
+mod conns;
 mod held;
 mod sql;
 mod table;
@@ -119,6 +120,8 @@ pub use idem_sql::{is_unavailable, store_error};
 pub use table::{InvalidIdentifier, TableName};
 
 use claim::{corrupt, first_look, kept_racing, won_claim, ClaimBinds, FirstLook, CLAIM_TURNS};
+use conns::ClaimConnections;
+pub use conns::CLAIM_CONNECTIONS;
 use sql::{complete_sql, Sql};
 
 /// The embedded migrations of the records' table, in order. The SQL names the
@@ -139,6 +142,7 @@ pub struct PostgresStore {
     pool: PgPool,
     table: TableName,
     sql: std::sync::Arc<Sql>,
+    claims: std::sync::Arc<ClaimConnections>,
 }
 
 /// A pooled connection idle at least this long is checked (one round trip)
@@ -193,7 +197,13 @@ impl PostgresStore {
     /// table may be missing.
     pub fn new(pool: PgPool, table: TableName) -> Self {
         let sql = std::sync::Arc::new(Sql::new(&table));
-        Self { pool, table, sql }
+        let claims = std::sync::Arc::new(ClaimConnections::new());
+        Self {
+            pool,
+            table,
+            sql,
+            claims,
+        }
     }
 
     /// The pool, for the application's own queries and transactions.
@@ -213,9 +223,22 @@ impl PostgresStore {
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let mut checkout = self
+            .claims
+            .checkout(&self.pool)
+            .await
+            .map_err(store_error)?;
+        let outcome = self.claim_on(checkout.conn(), req).await?;
+        checkout.keep();
+        Ok(outcome)
+    }
+
+    async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        req: &ClaimRequest,
+    ) -> Result<ClaimOutcome, StoreError> {
         let binds = ClaimBinds::new(req);
-        // One connection for both statements: one checkout, one health check.
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let token = FencingToken::generate();
         let proposed = OperationId::generate();
         let first = binds
