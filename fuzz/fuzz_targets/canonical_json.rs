@@ -5,7 +5,9 @@
 //! - never panics;
 //! - the one-pass canonicaliser gives, byte for byte, what idem fingerprinted
 //!   before it (`serde_json` into a value, `serde_jcs` out), and refuses
-//!   exactly what that refused: records stored before stay comparable;
+//!   exactly what that refused: records stored before stay comparable (but
+//!   for bodies holding serde_json's private raw-value key, see
+//!   `SERDE_JSON_RAW_VALUE`);
 //! - the canonical output is valid JSON whose value equals the input's value
 //!   (numbers compared as JSON numbers: integers exactly, anything with a
 //!   fraction or exponent as the IEEE double it denotes);
@@ -111,9 +113,33 @@ fn write_variant(v: &Value, ws: &mut impl Iterator<Item = u8>, out: &mut Vec<u8>
     space(ws, out);
 }
 
+/// The key that makes `serde_json`, built with its `raw_value` feature (as
+/// axum's `json` feature builds it), read an object as the JSON text held in
+/// its string value. The old canonicaliser inherited that, in such builds
+/// only: `{"$serde_json::private::RawValue":"{\"a\":1}"}` then shared the
+/// fingerprint of `{"a":1}`. The one-pass canonicaliser reads it as the
+/// ordinary object it is, so neither serde_json nor the old spelling is a
+/// reference for a body that holds it.
+const SERDE_JSON_RAW_VALUE: &[u8] = b"$serde_json::private::RawValue";
+
+fn holds(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
 fn check_body(body: &[u8]) {
-    let parsed: Result<Value, _> = serde_json::from_slice(body);
     let canonical = canonical_json(body);
+    if holds(body, SERDE_JSON_RAW_VALUE)
+        || canonical
+            .as_ref()
+            .is_ok_and(|c| holds(c, SERDE_JSON_RAW_VALUE))
+    {
+        // Only that it does not panic, and is a fixed point.
+        if let Ok(c) = canonical {
+            assert_eq!(canonical_json(&c).ok(), Some(c));
+        }
+        return;
+    }
+    let parsed: Result<Value, _> = serde_json::from_slice(body);
     let reference = parsed
         .as_ref()
         .ok()
@@ -218,11 +244,11 @@ fuzz_target!(|data: &[u8]| {
         form == BodyForm::CanonicalJson,
         json && canonical_json(body).is_ok()
     );
-    if form == BodyForm::CanonicalJson {
+    if form == BodyForm::CanonicalJson && !holds(body, SERDE_JSON_RAW_VALUE) {
         let pretty =
             serde_json::to_vec_pretty(&serde_json::from_slice::<Value>(body).unwrap()).unwrap();
         assert_eq!(f, Fingerprint::of_request(method, path, JSON, &pretty));
-    } else {
+    } else if form == BodyForm::Raw {
         assert_eq!(f, Fingerprint::of_request(method, path, None, body));
     }
     assert_eq!(f.to_hex().len(), 64);

@@ -14,6 +14,13 @@
 //! escape); integers that fit 64 bits keep every digit instead of becoming
 //! the nearest double; of duplicate keys, the last wins. The rules in full
 //! are in [`canonical_json`].
+//!
+//! One spelling changed when the canonicaliser became a single pass: in
+//! builds where `serde_json`'s `raw_value` feature was on (axum's `json`
+//! feature turns it on), an object whose first key was
+//! `$serde_json::private::RawValue` was read as the JSON text held in its
+//! value, so `{"$serde_json::private::RawValue":"{\"a\":1}"}` and `{"a":1}`
+//! shared a fingerprint. It is now an object like any other, in every build.
 
 use std::fmt;
 

@@ -202,3 +202,14 @@ fn refusals() {
     }
     assert!(canonicalize(b"\"\xff\"", &mut Vec::new()).is_err());
 }
+
+#[test]
+fn serde_json_private_raw_value_key_is_an_ordinary_key() {
+    // serde_json built with `raw_value` reads such an object as the JSON text
+    // in its value; idem's fingerprints used to inherit that in those builds
+    // (two different bodies, one fingerprint). Now it is an object like any
+    // other, whatever the build.
+    let wrapped = r#"{"$serde_json::private::RawValue":"{\"a\":1}"}"#;
+    assert_eq!(canon(wrapped).ok().as_deref(), Some(wrapped));
+    assert_ne!(canon(wrapped).ok(), canon(r#"{"a":1}"#).ok());
+}
