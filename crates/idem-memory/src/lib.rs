@@ -25,7 +25,7 @@
 //! ```
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use idem_core::{
     on_arrival, Arrival, BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId,
@@ -63,42 +63,49 @@ impl MemoryStore {
     }
 
     fn claim_now(&self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
+        // The decision needs no settings of the layer's (whether to wait is
+        // the caller's business): the defaults, built once.
+        static DECIDING: LazyLock<Policy> = LazyLock::new(Policy::default);
         let mut records = self.lock();
         let id = (req.scope.clone(), req.key.clone());
-        let stored = records.get(&id).cloned();
-        let arrival = on_arrival(&Policy::default(), stored.as_ref(), &req.fingerprint, now);
+        let stored = records.get_mut(&id);
+        let arrival = on_arrival(&DECIDING, stored.as_deref(), &req.fingerprint, now);
         let locked_until = now.plus(req.lease);
         let token = FencingToken::generate();
-        let (record, takeover) = match (arrival, stored) {
-            (Arrival::TakeOver, Some(mut record)) => {
+        let record = match (arrival, stored) {
+            (Arrival::TakeOver, Some(record)) => {
                 record.state = RecordState::InProgress {
                     token,
                     locked_until,
                 };
-                (record, true)
-            }
-            (Arrival::Run, _) | (_, None) => (
-                Record {
+                return ClaimOutcome::Acquired(Claim {
                     scope: req.scope.clone(),
                     key: req.key.clone(),
-                    fingerprint: req.fingerprint,
-                    operation_id: OperationId::generate(),
-                    created_at: now,
-                    expires_at: now.plus(req.retention),
-                    state: RecordState::InProgress {
-                        token,
-                        locked_until,
-                    },
+                    token,
+                    operation_id: record.operation_id,
+                    locked_until,
+                    takeover: true,
+                });
+            }
+            (Arrival::Run, _) | (_, None) => Record {
+                scope: req.scope.clone(),
+                key: req.key.clone(),
+                fingerprint: req.fingerprint,
+                operation_id: OperationId::generate(),
+                created_at: now,
+                expires_at: now.plus(req.retention),
+                state: RecordState::InProgress {
+                    token,
+                    locked_until,
                 },
-                false,
-            ),
+            },
             (
                 Arrival::Replay
                 | Arrival::Conflict { .. }
                 | Arrival::Wait { .. }
                 | Arrival::Mismatch,
                 Some(existing),
-            ) => return ClaimOutcome::Existing(existing),
+            ) => return ClaimOutcome::Existing(existing.clone()),
         };
         let claim = Claim {
             scope: req.scope.clone(),
@@ -106,7 +113,7 @@ impl MemoryStore {
             token,
             operation_id: record.operation_id,
             locked_until,
-            takeover,
+            takeover: false,
         };
         records.insert(id, record);
         ClaimOutcome::Acquired(claim)
