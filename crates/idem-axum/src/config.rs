@@ -12,7 +12,7 @@ use crate::scope::ScopeExtractor;
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) store: Arc<dyn Store>,
-    pub(crate) policy: Policy,
+    pub(crate) policy: Arc<Policy>,
     pub(crate) scope: Arc<dyn ScopeExtractor>,
     pub(crate) methods: Vec<Method>,
     pub(crate) claim_in_handler: bool,

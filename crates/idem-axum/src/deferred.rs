@@ -16,7 +16,7 @@ use crate::rejection::IdempotencyRejection;
 #[derive(Debug)]
 struct Inner {
     request: ClaimRequest,
-    policy: Policy,
+    policy: Arc<Policy>,
     claimed: Mutex<Option<Idempotency>>,
 }
 
@@ -84,7 +84,7 @@ impl IntoResponse for ClaimRefused {
 }
 
 impl DeferredClaim {
-    pub(crate) fn new(request: ClaimRequest, policy: Policy) -> Self {
+    pub(crate) fn new(request: ClaimRequest, policy: Arc<Policy>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 request,

@@ -27,7 +27,7 @@ pub(crate) enum Completion {
 #[derive(Debug)]
 struct Inner {
     claim: Claim,
-    policy: Policy,
+    policy: Arc<Policy>,
     completion: Mutex<Completion>,
 }
 
@@ -76,7 +76,7 @@ impl IntoResponse for CompleteError {
 }
 
 impl Idempotency {
-    pub(crate) fn new(claim: Claim, policy: Policy) -> Self {
+    pub(crate) fn new(claim: Claim, policy: Arc<Policy>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 claim,

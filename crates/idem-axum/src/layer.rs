@@ -36,7 +36,7 @@ impl IdempotencyLayer {
         Self {
             config: Arc::new(Config {
                 store,
-                policy,
+                policy: Arc::new(policy),
                 scope: Arc::new(scope),
                 methods: vec![Method::POST, Method::PATCH],
                 claim_in_handler: false,
