@@ -43,6 +43,14 @@ use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next, Result};
 use tracing::debug;
 
+/// The reqwest this middleware is built on (0.12): build the client with
+/// it, so that a different reqwest in your tree cannot make the types
+/// differ.
+pub use reqwest;
+/// The reqwest-middleware this middleware implements (0.4): its
+/// `ClientBuilder` and `Middleware` must be this version's.
+pub use reqwest_middleware;
+
 /// The request header carrying the key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static(idem_core::IDEMPOTENCY_KEY_HEADER);
 

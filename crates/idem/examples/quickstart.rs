@@ -8,6 +8,7 @@ use axum::{
 };
 use idem::axum::{Idempotency, IdempotencyLayer};
 use idem::sqlite::SqliteStore;
+use idem::sqlx;
 use idem::Policy;
 use std::sync::Arc;
 

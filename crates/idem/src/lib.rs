@@ -10,6 +10,7 @@
 //! use ::axum::{body::Body, extract::State, http::StatusCode, response::{IntoResponse, Response}, routing::post, Router};
 //! use idem::axum::{Idempotency, IdempotencyLayer, SingleScope};
 //! use idem::sqlite::SqliteStore;
+//! use idem::sqlx; // the sqlx idem is built on
 //! use idem::Policy;
 //! use tower::ServiceExt;
 //!
@@ -63,14 +64,23 @@
 //! | module | crate | what |
 //! |---|---|---|
 //! | (root) | `idem-core` | keys, fingerprints, records, the decision table, [`Policy`], the [`Store`] trait; no I/O |
-//! | [`memory`] | `idem-memory` | an in-memory store for tests |
-//! | [`cache`] | `idem-cache` | the in-process replay tier in front of any store (feature `cache`) |
-//! | [`sqlite`] | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
-//! | [`postgres`] | `idem-postgres` | the PostgreSQL store (feature `postgres`) |
-//! | [`axum`] | `idem-axum` | the tower layer, axum extractor, `ETag` / `If-Match` (feature `axum`) |
-//! | [`redis`] | `idem-redis` | the Redis store and `TieredStore` (feature `redis`) |
-//! | [`sql`] | `idem-sql` | `create_once`, guarded `transition` (feature `sql`) |
-//! | [`client`] | `idem-client` | the reqwest retry middleware (feature `client`) |
+//! | [`memory`](memory/index.html) | `idem-memory` | an in-memory store for tests |
+//! | [`cache`](cache/index.html) | `idem-cache` | the in-process replay tier in front of any store (feature `cache`) |
+//! | [`sqlite`](sqlite/index.html) | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
+//! | [`postgres`](postgres/index.html) | `idem-postgres` | the PostgreSQL store (feature `postgres`) |
+//! | [`axum`](axum/index.html) | `idem-axum` | the tower layer, axum extractor, `ETag` / `If-Match` (feature `axum`) |
+//! | [`redis`](redis/index.html) | `idem-redis` | the Redis store and `TieredStore` (feature `redis`) |
+//! | [`sql`](sql/index.html) | `idem-sql` | `create_once`, guarded `transition` (feature `sql`) |
+//! | [`client`](client/index.html) | `idem-client` | the reqwest retry middleware (feature `client`) |
+//! | [`outbox`](outbox/index.html) | `idem-outbox` | the transactional outbox, its relay, idempotent consumers (feature `outbox`) |
+//! | [`nats`](nats/index.html) | `idem-nats` | the outbox's publisher and consumers over NATS JetStream (feature `nats`) |
+//! | [`rabbitmq`](rabbitmq/index.html) | `idem-rabbitmq` | the outbox's publisher and consumers over RabbitMQ (feature `rabbitmq`) |
+//!
+//! `idem::sqlx` is the sqlx (0.8) the stores are built on, and
+//! `idem::client::{reqwest, reqwest_middleware}` the reqwest (0.12) and
+//! reqwest-middleware (0.4) the client middleware is: name those in your
+//! signatures (or depend on the same versions), and a second copy of them in
+//! your tree cannot make the types differ.
 
 pub use idem_core::*;
 
@@ -113,6 +123,34 @@ pub mod sql {
 #[cfg(feature = "client")]
 pub mod client {
     pub use idem_client::*;
+}
+
+/// The sqlx idem's stores are built on (0.8), with the drivers of the
+/// features enabled.
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "sql",
+    feature = "outbox"
+))]
+pub use sqlx;
+
+/// The transactional outbox, its relay, and idempotent consumers (inbox).
+#[cfg(feature = "outbox")]
+pub mod outbox {
+    pub use idem_outbox::*;
+}
+
+/// The outbox over NATS JetStream.
+#[cfg(feature = "nats")]
+pub mod nats {
+    pub use idem_nats::*;
+}
+
+/// The outbox over RabbitMQ.
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq {
+    pub use idem_rabbitmq::*;
 }
 
 /// The tower layer and axum extractor.
