@@ -196,6 +196,12 @@ impl PostgresStore {
 
     /// Uses an existing pool. Call [`PostgresStore::migrate`] once if the
     /// table may be missing.
+    ///
+    /// Claims run on up to [`CLAIM_CONNECTIONS`] connections the store
+    /// takes from `pool` once and then keeps for itself (a claim is one
+    /// statement, and sqlx checks every connection it takes back with a
+    /// round trip of its own): count them beside the pool's
+    /// `max_connections` when sizing the server's `max_connections`.
     pub fn new(pool: PgPool, table: TableName) -> Self {
         let sql = std::sync::Arc::new(Sql::new(&table));
         let claims = std::sync::Arc::new(ClaimConnections::new());

@@ -2,7 +2,7 @@
 //! the database's clock.
 
 use idem_core::{Inspection, StoreError, StoreStats, UnixMillis};
-use idem_sql::decode_record;
+use idem_sql::{decode_record, decode_stats};
 use sqlx::postgres::PgPool;
 use sqlx::Row;
 
@@ -30,21 +30,9 @@ impl PostgresStore {
             .fetch_one(&self.pool)
             .await
             .map_err(store_error)?;
-        let count = |i: usize| -> Result<u64, StoreError> {
-            let n: i64 = row.try_get(i).map_err(|e| corrupt("stats", e))?;
-            Ok(u64::try_from(n).unwrap_or(0))
-        };
-        Ok(StoreStats {
-            in_progress: count(0)?,
-            leases_expired: count(1)?,
-            completed: count(2)?,
-            past_retention: count(3)?,
-            oldest_created_at: row
-                .try_get::<Option<i64>, _>(4)
-                .map_err(|e| corrupt("stats", e))?
-                .map(UnixMillis),
-            now: UnixMillis(row.try_get(5).map_err(|e| corrupt("stats", e))?),
-        })
+        // The last column is the database's clock, the counts' own.
+        let now = UnixMillis(row.try_get(5).map_err(|e| corrupt("stats", e))?);
+        decode_stats(&row, now)
     }
 }
 

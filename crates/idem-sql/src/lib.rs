@@ -57,7 +57,8 @@
 //!   (an outage is worth a retry; nothing else is), on either backend;
 //!   [`DuplicateKey`], [`insert_unique`]: a unique violation as an answer;
 //! - [`fenced`]: a write fenced by a claim's token, or [`idem_core::StoreError::ClaimLost`];
-//! - [`decode_record`]: a stored idempotency record read back from a row;
+//! - [`decode_record`], [`decode_stats`]: a stored idempotency record, and
+//!   the operators' counts, read back from a row;
 //! - [`migrate`]: one migration runner with one version table;
 //! - [`finish`]: a transaction ended explicitly, commit or rollback.
 
@@ -66,7 +67,7 @@ pub mod migrate;
 mod record;
 
 pub use errors::{fenced, insert_unique, is_unavailable, store_error, DuplicateKey, Inserted};
-pub use record::decode_record;
+pub use record::{decode_record, decode_stats};
 
 /// Ends `tx` now: commits if `staged` is `Ok`, rolls back if not, and
 /// returns `staged` (or the commit's error). A transaction left to its drop

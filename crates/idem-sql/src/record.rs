@@ -1,7 +1,7 @@
 //! Reading a stored idempotency record back from a SQL row, the same way
 //! for every SQL store.
 
-use idem_core::{Record, RecordRow, StoreError};
+use idem_core::{Record, RecordRow, StoreError, StoreStats, UnixMillis};
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 /// Decodes the record in `row`, selected with the columns `scope, key,
@@ -38,4 +38,32 @@ where
     };
     let fields = fields().map_err(|e| StoreError::Corrupt(e.to_string()))?;
     Ok(fields.into_record()?)
+}
+
+/// Decodes what `idem stats` shows from a row of `count(*)`s selected in
+/// this order: in progress, of which past their lease, completed, past
+/// retention; then the oldest `created_at` (Unix milliseconds, or `NULL`).
+/// `now` is the clock the counts were taken against.
+pub fn decode_stats<'r, R>(row: &'r R, now: UnixMillis) -> Result<StoreStats, StoreError>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let corrupt = |e: sqlx::Error| StoreError::Corrupt(format!("stats: {e}"));
+    let count = |i: usize| -> Result<u64, StoreError> {
+        let n: i64 = row.try_get(i).map_err(corrupt)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    };
+    Ok(StoreStats {
+        in_progress: count(0)?,
+        leases_expired: count(1)?,
+        completed: count(2)?,
+        past_retention: count(3)?,
+        oldest_created_at: row
+            .try_get::<Option<i64>, _>(4)
+            .map_err(corrupt)?
+            .map(UnixMillis),
+        now,
+    })
 }

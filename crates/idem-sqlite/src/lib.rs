@@ -47,7 +47,7 @@ use idem_core::{
     Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
 };
 use idem_sql::migrate::Migration;
-use idem_sql::{decode_record, fenced};
+use idem_sql::{decode_record, decode_stats, fenced};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
@@ -148,23 +148,7 @@ impl SqliteStore {
             .fetch_one(&self.pool)
             .await
             .map_err(store_error)?;
-        let count = |i: usize| -> Result<u64, StoreError> {
-            let n: i64 = row
-                .try_get(i)
-                .map_err(|e| StoreError::Corrupt(format!("stats: {e}")))?;
-            Ok(u64::try_from(n).unwrap_or(0))
-        };
-        Ok(StoreStats {
-            in_progress: count(0)?,
-            leases_expired: count(1)?,
-            completed: count(2)?,
-            past_retention: count(3)?,
-            oldest_created_at: row
-                .try_get::<Option<i64>, _>(4)
-                .map_err(|e| StoreError::Corrupt(format!("stats: {e}")))?
-                .map(UnixMillis),
-            now,
-        })
+        decode_stats(&row, now)
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
