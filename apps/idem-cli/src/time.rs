@@ -1,36 +1,20 @@
-//! Formatting instants and durations for people, without a date library.
+//! Formatting instants and durations for people.
 
 use std::time::Duration;
 
 use idem_core::UnixMillis;
+use time::macros::format_description;
+use time::OffsetDateTime;
 
-/// `2026-11-29T18:19:27.123Z`.
+/// `2026-11-29T18:19:27.123Z` (RFC 3339, UTC, milliseconds); an instant
+/// beyond what a calendar date can hold, as its raw milliseconds.
 pub(crate) fn rfc3339(t: UnixMillis) -> String {
-    let ms = t.0.rem_euclid(1000);
-    let secs = t.0.div_euclid(1000);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{ms:03}Z",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian date (H. Hinnant's
-/// `civil_from_days`).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
+    let format =
+        format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z");
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(t.0) * 1_000_000)
+        .ok()
+        .and_then(|at| at.format(&format).ok())
+        .unwrap_or_else(|| format!("{} ms since the epoch", t.0))
 }
 
 /// `3h 12m`, `4.2s`, `120ms`.
@@ -59,6 +43,11 @@ mod tests {
         assert_eq!(
             rfc3339(UnixMillis(951_782_400_000)),
             "2000-02-29T00:00:00.000Z"
+        );
+        assert_eq!(rfc3339(UnixMillis(-1)), "1969-12-31T23:59:59.999Z");
+        assert_eq!(
+            rfc3339(UnixMillis(i64::MAX)),
+            format!("{} ms since the epoch", i64::MAX)
         );
     }
 
