@@ -98,6 +98,7 @@ pub use extract::{CompleteError, Idempotency};
 pub use layer::IdempotencyLayer;
 pub use problem::Problem;
 pub use rejection::IdempotencyRejection;
+pub use rejection::IDEMPOTENCY_REJECTION;
 pub use request::IDEMPOTENCY_KEY;
 pub use scope::{ScopeExtractor, SingleScope};
 pub use service::{IdempotencyService, ResponseFuture};

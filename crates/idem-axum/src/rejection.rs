@@ -10,6 +10,14 @@ use idem_core::KeyError;
 
 use crate::problem::Problem;
 
+/// The header on every answer idem makes instead of the handler, naming its
+/// problem type (`idempotency-rejection: idempotency-key-reused`): a client
+/// tells idem's `422` for a reused key from the handler's own `422` (axum's
+/// JSON rejection, say) at a glance. Never on a handler's answer, nor on a
+/// replay of one.
+pub const IDEMPOTENCY_REJECTION: http::HeaderName =
+    http::HeaderName::from_static("idempotency-rejection");
+
 /// An answer made instead of the handler's, rendered as
 /// `application/problem+json` (RFC 9457) with the type
 /// [`PROBLEM_TYPE_BASE`](crate::problem::PROBLEM_TYPE_BASE) followed by
@@ -194,6 +202,10 @@ impl IntoResponse for IdempotencyRejection {
             problem = problem.retry_after(secs);
         }
         let mut response = problem.into_response();
+        response.headers_mut().insert(
+            IDEMPOTENCY_REJECTION,
+            HeaderValue::from_static(self.problem_type()),
+        );
         if let Self::PreconditionFailed { current: Some(tag) } = self {
             response.headers_mut().insert(header::ETAG, tag);
         }
@@ -246,8 +258,10 @@ mod tests {
         for rejection in every() {
             let status = rejection.status();
             let retry = rejection.retry_after();
+            let slug = rejection.problem_type();
             let response = rejection.into_response();
             assert_eq!(response.status(), status);
+            assert_eq!(response.headers()[IDEMPOTENCY_REJECTION], slug);
             assert_eq!(
                 response.headers().get(header::RETRY_AFTER).is_some(),
                 retry.is_some(),

@@ -320,6 +320,7 @@ async fn different_request_under_the_same_key_gets_422() {
     let (status, headers, body) = send(&h.app, req("k-reuse", r#"{"amount":2}"#)).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(problem_type(&headers, &body).ends_with("idempotency-key-reused"));
+    assert_eq!(headers["idempotency-rejection"], "idempotency-key-reused");
     // another method or path is another request too
     let patch = Request::patch("/things")
         .header("x-client", "client-a")
