@@ -1,37 +1,43 @@
-//! The connections claims run on: a few kept by the store, outside the pool.
+//! The connections claims run on: a few of the pool's, kept checked out.
 //!
-//! Why not the pool: sqlx 0.8 sends a round trip (a `Sync`) on every
+//! Why not hand each back: sqlx 0.8 sends a round trip (a `Sync`) on every
 //! connection it takes back, a check that cannot be turned off. A claim is
 //! one statement, so that check is a third of the round trips a replay
-//! costs, and a wake-up of a server process each time. The store keeps up to
-//! [`CLAIM_CONNECTIONS`] connections of its own for claims instead (taken
-//! from the pool once, then detached from it), bounded by a semaphore, and
-//! checks one only when it sat idle for [`IDLE_CHECK_AFTER`] or more, as the
-//! pool does. A connection whose statement failed is dropped, never kept.
+//! costs, and a wake-up of a server process each time. The store keeps up
+//! to [`CLAIM_CONNECTIONS`] of the pool's connections checked out for claims
+//! instead, bounded by a semaphore, and checks one only when it sat idle for
+//! [`IDLE_CHECK_AFTER`] or more. They stay the pool's (counted in its
+//! `max_connections`; never detached, so the server sees no more
+//! connections than the pool allows). A connection whose statement failed
+//! goes back to the pool, which checks it and closes it if it is broken.
 
 use std::sync::Mutex;
 use std::time::Instant;
 
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::Connection;
+use sqlx::Postgres;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::IDLE_CHECK_AFTER;
 
-/// At most this many claims run at once on one store; more wait for a
-/// connection (within the pool's acquire time-out).
-pub const CLAIM_CONNECTIONS: usize = 8;
+/// At most this many claims run at once on one store, each one statement;
+/// more wait for a connection (within the pool's acquire time-out). They
+/// are the pool's, so the rest of it stays for the business transactions.
+pub const CLAIM_CONNECTIONS: usize = 4;
 
 #[derive(Debug)]
 pub(crate) struct ClaimConnections {
     permits: Semaphore,
-    idle: Mutex<Vec<(PgConnection, Instant)>>,
+    idle: Mutex<Vec<(PoolConnection<Postgres>, Instant)>>,
 }
 
-/// A claim connection in use. [`Checkout::keep`] gives it back once its
-/// statements succeeded; dropped without that, it is closed.
+/// A claim connection in use. [`Checkout::keep`] keeps it for the next
+/// claim once its statements succeeded; dropped without that, it goes back
+/// to the pool.
 pub(crate) struct Checkout<'a> {
-    conn: PgConnection,
+    conn: PoolConnection<Postgres>,
     home: &'a ClaimConnections,
     _permit: SemaphorePermit<'a>,
 }
@@ -69,7 +75,7 @@ impl ClaimConnections {
             // The most recently used first: the likeliest to be alive.
             let kept = self.idle.lock().ok().and_then(|mut idle| idle.pop());
             let Some((mut conn, since)) = kept else {
-                let conn = pool.acquire().await?.detach();
+                let conn = pool.acquire().await?;
                 return Ok(Checkout {
                     conn,
                     home: self,
@@ -83,7 +89,8 @@ impl ClaimConnections {
                     _permit: permit,
                 });
             }
-            // Dead while idle: drop it and try the next.
+            // Dead while idle: back to the pool (which closes it), and the
+            // next.
         }
     }
 }

@@ -197,11 +197,11 @@ impl PostgresStore {
     /// Uses an existing pool. Call [`PostgresStore::migrate`] once if the
     /// table may be missing.
     ///
-    /// Claims run on up to [`CLAIM_CONNECTIONS`] connections the store
-    /// takes from `pool` once and then keeps for itself (a claim is one
+    /// Claims run on up to [`CLAIM_CONNECTIONS`] of `pool`'s connections,
+    /// which the store keeps checked out between claims (a claim is one
     /// statement, and sqlx checks every connection it takes back with a
-    /// round trip of its own): count them beside the pool's
-    /// `max_connections` when sizing the server's `max_connections`.
+    /// round trip of its own). They count in the pool's `max_connections`:
+    /// give the pool a few more than the business work needs.
     pub fn new(pool: PgPool, table: TableName) -> Self {
         let sql = std::sync::Arc::new(Sql::new(&table));
         let claims = std::sync::Arc::new(ClaimConnections::new());
