@@ -505,10 +505,10 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             };
             let (stats, dead) = match &store {
                 Opened::Sqlite(s) => (
-                    idem_outbox::outbox::stats_sqlite(s.pool())
+                    idem_outbox::outbox::stats(s.pool())
                         .await
                         .map_err(outbox_error)?,
-                    idem_outbox::outbox::dead_letters_sqlite(s.pool(), limit)
+                    idem_outbox::outbox::dead_letters(s.pool(), limit)
                         .await
                         .map_err(outbox_error)?,
                 ),

@@ -262,8 +262,8 @@ impl Database {
                 .execute(store.pool())
                 .await?;
             }
-            idem_outbox::inbox::migrate_sqlite(store.pool()).await?;
-            idem_outbox::outbox::migrate_sqlite(store.pool()).await?;
+            idem_outbox::inbox::migrate(store.pool()).await?;
+            idem_outbox::outbox::migrate(store.pool()).await?;
             Ok(Self::Sqlite(store))
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let store = PostgresStore::connect(url).await?;
@@ -280,7 +280,7 @@ impl Database {
             .execute(&mut *tx)
             .await?;
             tx.commit().await?;
-            idem_outbox::inbox::migrate_postgres(store.pool()).await?;
+            idem_outbox::inbox::migrate(store.pool()).await?;
             idem_outbox::outbox::migrate(store.pool()).await?;
             Ok(Self::Postgres(store))
         } else {

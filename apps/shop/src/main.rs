@@ -189,10 +189,8 @@ async fn sweep_forever(store: Arc<dyn Store>, retention: Duration, db: db::Datab
         }
         let inbox = idem_outbox::inbox::DEFAULT_RETENTION;
         let swept = match &db {
-            db::Database::Sqlite(s) => idem_outbox::inbox::sweep_sqlite(s.pool(), inbox, 500).await,
-            db::Database::Postgres(s) => {
-                idem_outbox::inbox::sweep_postgres(s.pool(), inbox, 500).await
-            }
+            db::Database::Sqlite(s) => idem_outbox::inbox::sweep(s.pool(), inbox, 500).await,
+            db::Database::Postgres(s) => idem_outbox::inbox::sweep(s.pool(), inbox, 500).await,
         };
         match swept {
             Ok(0) => {}

@@ -27,17 +27,68 @@ use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, AckKind};
 use futures_core::Stream;
 use idem_core::BoxFuture;
 use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler};
-use idem_outbox::outbox::{OutgoingMessage, PublishError, Published, Publisher};
+use idem_outbox::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-/// A NATS failure.
-#[derive(Debug, thiserror::Error)]
-#[error("NATS: {0}")]
-pub struct NatsError(String);
+/// The error a NATS client call failed with, whatever the call.
+pub type Source = Box<dyn std::error::Error + Send + Sync>;
 
-fn err(e: impl std::fmt::Display) -> NatsError {
-    NatsError(e.to_string())
+/// A NATS failure, by what was being done; each keeps the client's error
+/// as its [`source`](std::error::Error::source).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NatsError {
+    /// The server could not be reached (or refused the connection).
+    #[error("NATS: cannot connect to {url}")]
+    Connect {
+        /// The URL tried.
+        url: String,
+        /// Why.
+        #[source]
+        source: Source,
+    },
+    /// The stream could not be created or read.
+    #[error("NATS: stream {stream:?} could not be declared")]
+    Stream {
+        /// The stream.
+        stream: String,
+        /// Why.
+        #[source]
+        source: Source,
+    },
+    /// The durable consumer could not be created or read.
+    #[error("NATS: consumer {durable:?} could not be created")]
+    Consumer {
+        /// The durable consumer's name.
+        durable: String,
+        /// Why.
+        #[source]
+        source: Source,
+    },
+    /// Pulling the next message failed.
+    #[error("NATS: the message stream of {subject:?} failed")]
+    Messages {
+        /// The subject consumed.
+        subject: String,
+        /// Why.
+        #[source]
+        source: Source,
+    },
+    /// Acknowledging (ack, nak or term) a message failed; JetStream will
+    /// deliver it again after the ack wait.
+    #[error("NATS: a message could not be acknowledged")]
+    Ack(#[source] Source),
+    /// Copying a message to the dead-letter subject failed; it was not
+    /// terminated, so it will be delivered again.
+    #[error("NATS: a message could not be dead-lettered to {subject:?}")]
+    DeadLetter {
+        /// The dead-letter subject.
+        subject: String,
+        /// Why.
+        #[source]
+        source: Source,
+    },
 }
 
 /// A JetStream stream over a subject, and its dead-letter subject.
@@ -86,7 +137,10 @@ impl StreamSpec {
             ..Default::default()
         })
         .await
-        .map_err(err)
+        .map_err(|e| NatsError::Stream {
+            stream: self.stream.clone(),
+            source: e.into(),
+        })
     }
 }
 
@@ -99,7 +153,12 @@ pub struct NatsPublisher {
 impl NatsPublisher {
     /// Connects and makes sure the stream exists.
     pub async fn connect(url: &str, spec: &StreamSpec) -> Result<Self, NatsError> {
-        let client = async_nats::connect(url).await.map_err(err)?;
+        let client = async_nats::connect(url)
+            .await
+            .map_err(|e| NatsError::Connect {
+                url: url.to_owned(),
+                source: e.into(),
+            })?;
         let js = jetstream::new(client);
         spec.declare(&js).await?;
         Ok(Self { js })
@@ -130,8 +189,13 @@ impl Publisher for NatsPublisher {
                 published.record(
                     &m.message_id,
                     match sent {
-                        Ok(ack) => ack.await.map(drop).map_err(|e| PublishError(e.to_string())),
-                        Err(e) => Err(PublishError(e.to_string())),
+                        Ok(ack) => ack.await.map(drop).map_err(|e| {
+                            PublishError::new(PublishErrorKind::Unconfirmed, e.to_string())
+                        }),
+                        Err(e) => Err(PublishError::new(
+                            PublishErrorKind::Unreachable,
+                            e.to_string(),
+                        )),
                     },
                 );
             }
@@ -206,7 +270,12 @@ impl NatsConsumer {
         max_deliveries: i64,
         ack_wait: Duration,
     ) -> Result<Self, NatsError> {
-        let client = async_nats::connect(url).await.map_err(err)?;
+        let client = async_nats::connect(url)
+            .await
+            .map_err(|e| NatsError::Connect {
+                url: url.to_owned(),
+                source: e.into(),
+            })?;
         let js = jetstream::new(client);
         let stream = spec.declare(&js).await?;
         let consumer = stream
@@ -222,7 +291,10 @@ impl NatsConsumer {
                 },
             )
             .await
-            .map_err(err)?;
+            .map_err(|e| NatsError::Consumer {
+                durable: durable.to_owned(),
+                source: e.into(),
+            })?;
         Ok(Self {
             js,
             consumer,
@@ -252,7 +324,15 @@ impl NatsConsumer {
         Fut: Future<Output = Result<(), E>>,
         E: std::fmt::Display,
     {
-        let mut messages = self.consumer.messages().await.map_err(err)?;
+        let messages_failed = |e: Source| NatsError::Messages {
+            subject: self.spec.subject.clone(),
+            source: e,
+        };
+        let mut messages = self
+            .consumer
+            .messages()
+            .await
+            .map_err(|e| messages_failed(e.into()))?;
         info!(subject = %self.spec.subject, "consumer started");
         loop {
             let next = std::future::poll_fn(|cx| Pin::new(&mut messages).poll_next(cx));
@@ -264,7 +344,7 @@ impl NatsConsumer {
                 info!(subject = %self.spec.subject, "consumer stopped");
                 return Ok(());
             };
-            let message = message.map_err(err)?;
+            let message = message.map_err(|e| messages_failed(e.into()))?;
             let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
             let incoming = Incoming {
                 message_id: message
@@ -287,7 +367,7 @@ impl NatsConsumer {
                     .unwrap_or_default(),
             };
             match handler(incoming.clone()).await {
-                Ok(()) => message.ack().await.map_err(err)?,
+                Ok(()) => message.ack().await.map_err(NatsError::Ack)?,
                 Err(e) if delivered >= self.max_deliveries => {
                     warn!(error = %e, delivered, "handler failed for the last time; dead-lettering");
                     let mut copy = jetstream::message::PublishMessage::build()
@@ -295,20 +375,32 @@ impl NatsConsumer {
                     if let Some(id) = &incoming.message_id {
                         copy = copy.message_id(format!("{id}.dlq"));
                     }
+                    for (name, value) in &incoming.headers {
+                        if !name.eq_ignore_ascii_case("Nats-Msg-Id") {
+                            copy = copy.header(name.as_str(), value.as_str());
+                        }
+                    }
+                    let dead_letter_failed = |e: Source| NatsError::DeadLetter {
+                        subject: self.spec.dead_letter_subject(),
+                        source: e,
+                    };
                     self.js
                         .send_publish(self.spec.dead_letter_subject(), copy)
                         .await
-                        .map_err(err)?
+                        .map_err(|e| dead_letter_failed(e.into()))?
                         .await
-                        .map_err(err)?;
-                    message.ack_with(AckKind::Term).await.map_err(err)?;
+                        .map_err(|e| dead_letter_failed(e.into()))?;
+                    message
+                        .ack_with(AckKind::Term)
+                        .await
+                        .map_err(NatsError::Ack)?;
                 }
                 Err(e) => {
                     warn!(error = %e, delivered, "handler failed; retrying later");
                     message
                         .ack_with(AckKind::Nak(Some(self.retry_delay)))
                         .await
-                        .map_err(err)?;
+                        .map_err(NatsError::Ack)?;
                 }
             }
         }

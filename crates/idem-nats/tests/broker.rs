@@ -402,3 +402,26 @@ async fn the_consumer_trait_hands_over_id_body_and_headers() {
     stop_tx.send(true).unwrap();
     task.await.unwrap().unwrap();
 }
+
+/// A server that is not there is a typed error naming the URL, with the
+/// client's error as its source: no string to parse.
+#[tokio::test]
+async fn an_unreachable_server_is_a_typed_connect_error() {
+    let spec = StreamSpec::new("IDEM_NOWHERE", "idem.nowhere");
+    // Port 1 on loopback: nothing listens there; the connection is refused.
+    let err = NatsPublisher::connect("nats://127.0.0.1:1", &spec)
+        .await
+        .unwrap_err();
+    match &err {
+        idem_nats::NatsError::Connect { url, .. } => assert_eq!(url, "nats://127.0.0.1:1"),
+        other => panic!("{other:?}"),
+    }
+    assert!(std::error::Error::source(&err).is_some());
+    let err = NatsConsumer::connect("nats://127.0.0.1:1", &spec, "c", 3)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, idem_nats::NatsError::Connect { .. }),
+        "{err:?}"
+    );
+}

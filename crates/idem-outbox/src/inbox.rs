@@ -8,10 +8,14 @@
 //! same message at once race on the same key; PostgreSQL makes the second
 //! wait for the first to commit, SQLite has one writer at a time: one effect.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use idem_core::BoxFuture;
 use idem_sql::migrate::Migration;
+use idem_sql::{InvalidIdentifier, TableName};
+
+use crate::{Db, InboxPool};
 
 /// What happened to a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,11 +40,8 @@ pub enum InboxError<E> {
     Database(#[source] sqlx::Error),
 }
 
-/// The inbox's table, created by [`migrate_postgres`] / [`migrate_sqlite`].
-pub const INBOX_TABLE: &str = "idem_inbox";
-
-/// The primary key whose violation means "processed before".
-pub const INBOX_KEY: &str = "idem_inbox_pkey";
+/// The default inbox table's name.
+pub const DEFAULT_TABLE: &str = "idem_inbox";
 
 /// How long processed ids are kept by default: longer than any redelivery
 /// window.
@@ -56,36 +57,166 @@ pub const MIGRATIONS: &[Migration] = &[Migration {
     sql: include_str!("../migrations/0001_inbox.sql"),
 }];
 
-/// Creates or upgrades the inbox table on PostgreSQL, in the search path's
-/// first schema (see [`idem_sql::migrate`]).
-pub async fn migrate_postgres(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
-    idem_sql::migrate::migrate_postgres(pool, None, INBOX_TABLE, MIGRATIONS).await
+/// Where an inbox lives: its table and, on PostgreSQL, its schema. The
+/// default is `idem_inbox`, found through `search_path`.
+///
+/// ```
+/// use idem_outbox::inbox::InboxTable;
+/// let t = InboxTable::new(Some("billing"), "inbox").unwrap();
+/// assert_eq!(t.name().qualified(), r#""billing"."inbox""#);
+/// assert_eq!(InboxTable::default().name().qualified(), r#""idem_inbox""#);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxTable(TableName);
+
+static DEFAULT: LazyLock<InboxTable> =
+    LazyLock::new(|| InboxTable(TableName::new(None, DEFAULT_TABLE).unwrap_or_default()));
+
+impl Default for InboxTable {
+    fn default() -> Self {
+        DEFAULT.clone()
+    }
 }
 
-/// Creates or upgrades the inbox table on SQLite.
-pub async fn migrate_sqlite(pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
-    idem_sql::migrate::migrate_sqlite(pool, INBOX_TABLE, MIGRATIONS).await
+pub(crate) fn default_table() -> &'static InboxTable {
+    &DEFAULT
 }
 
-/// Whether `e` is the violation of the inbox's key: the message was
-/// processed before. PostgreSQL names the constraint; SQLite names the
-/// key's columns.
-fn is_duplicate(e: &sqlx::Error) -> bool {
-    idem_sql::DuplicateKey::of(e).is_some_and(|d| {
-        d.constraint == INBOX_KEY || d.constraint == "idem_inbox.consumer, idem_inbox.message_id"
-    })
+impl InboxTable {
+    /// The inbox in table `table` of `schema` (or, with `None`, wherever
+    /// `search_path` finds it). SQLite has no schemas: a table with one is
+    /// refused there, by each call.
+    pub fn new(schema: Option<&str>, table: &str) -> Result<Self, InvalidIdentifier> {
+        TableName::new(schema, table).map(Self)
+    }
+
+    /// The table.
+    pub fn name(&self) -> &TableName {
+        &self.0
+    }
+
+    /// The name of the primary key whose violation means "processed before".
+    pub fn key(&self) -> String {
+        format!("{}_pkey", self.0.table())
+    }
+
+    /// Whether `e` is the violation of this inbox's key: the message was
+    /// processed before. PostgreSQL names the constraint; SQLite names the
+    /// key's columns.
+    fn is_duplicate(&self, e: &sqlx::Error) -> bool {
+        let t = self.0.table();
+        idem_sql::DuplicateKey::of(e).is_some_and(|d| {
+            let c = d.constraint.as_str();
+            c.strip_prefix(t) == Some("_pkey")
+                || c == format!("{t}.consumer, {t}.message_id").as_str()
+        })
+    }
+
+    /// The table as SQL names it on PostgreSQL (`postgres`) or SQLite.
+    fn sql_name(&self, postgres: bool) -> Result<String, sqlx::Error> {
+        if postgres {
+            return Ok(self.0.qualified());
+        }
+        #[cfg(feature = "sqlite")]
+        {
+            crate::db::sqlite_table(&self.0)
+        }
+        #[cfg(not(feature = "sqlite"))]
+        {
+            Ok(self.0.qualified())
+        }
+    }
+
+    /// Creates or upgrades this inbox table (see [`idem_sql::migrate`]).
+    pub async fn migrate(&self, db: impl Into<Db>) -> Result<(), sqlx::Error> {
+        match db.into() {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => {
+                idem_sql::migrate::migrate_postgres(
+                    &pool,
+                    self.0.schema(),
+                    self.0.table(),
+                    MIGRATIONS,
+                )
+                .await
+            }
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => {
+                self.sql_name(false)?;
+                idem_sql::migrate::migrate_sqlite(&pool, self.0.table(), MIGRATIONS).await
+            }
+        }
+    }
+
+    /// Processes `message_id` for `consumer` once, in this inbox; see
+    /// [`process`].
+    pub async fn process<P, T, E, F>(
+        &self,
+        pool: &P,
+        consumer: &str,
+        message_id: &str,
+        handler: F,
+    ) -> Result<Handled<T>, InboxError<E>>
+    where
+        P: InboxPool + ?Sized,
+        F: for<'c> FnOnce(&'c mut sqlx::Transaction<'static, P::Db>) -> BoxFuture<'c, Result<T, E>>
+            + Send,
+        T: Send,
+        E: Send,
+    {
+        pool.process_in(self, consumer, message_id, handler).await
+    }
+
+    /// Deletes at most `batch` processed ids older than `retention` from
+    /// this inbox; returns how many.
+    pub async fn sweep(
+        &self,
+        db: impl Into<Db>,
+        retention: Duration,
+        batch: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let cutoff = now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+        Ok(match db.into() {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => sqlx::query(&SWEEP.replace("{table}", &self.sql_name(true)?))
+                .bind(cutoff)
+                .bind(batch)
+                .execute(&pool)
+                .await?
+                .rows_affected(),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => sqlx::query(&SWEEP.replace("{table}", &self.sql_name(false)?))
+                .bind(cutoff)
+                .bind(batch)
+                .execute(&pool)
+                .await?
+                .rows_affected(),
+        })
+    }
 }
 
-const MARK: &str =
-    "INSERT INTO idem_inbox (consumer, message_id, processed_at) VALUES ($1, $2, $3)";
+/// Creates or upgrades the default inbox table, `idem_inbox` (on
+/// PostgreSQL in the search path's first schema); see
+/// [`InboxTable::migrate`].
+pub async fn migrate(db: impl Into<Db>) -> Result<(), sqlx::Error> {
+    DEFAULT.migrate(db).await
+}
 
-/// Processes `message_id` for `consumer` once, on PostgreSQL: `handler` gets
-/// the open transaction and its writes commit with the inbox row.
+/// Deletes at most `batch` processed ids older than `retention` from the
+/// default inbox; see [`InboxTable::sweep`].
+pub async fn sweep(db: impl Into<Db>, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
+    DEFAULT.sweep(db, retention, batch).await
+}
+
+/// Processes `message_id` for `consumer` once, in the default inbox, on
+/// PostgreSQL or SQLite (whichever `pool` is): `handler` gets the open
+/// transaction and its writes commit with the inbox row. SQLite's
+/// transaction is an immediate one (the write lock taken first).
 ///
 /// ```no_run
 /// use idem_outbox::inbox::{self, Handled};
 /// # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// let outcome = inbox::process_postgres(&pool, "reserve-stock", "msg-42", |tx| Box::pin(async move {
+/// let outcome = inbox::process(&pool, "reserve-stock", "msg-42", |tx| Box::pin(async move {
 ///     sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'tea'").execute(&mut **tx).await?;
 ///     Ok::<_, sqlx::Error>(())
 /// })).await?;
@@ -95,46 +226,30 @@ const MARK: &str =
 /// }
 /// # Ok(()) }
 /// ```
-pub async fn process_postgres<T, E, F>(
-    pool: &sqlx::PgPool,
+pub async fn process<P, T, E, F>(
+    pool: &P,
     consumer: &str,
     message_id: &str,
     handler: F,
 ) -> Result<Handled<T>, InboxError<E>>
 where
-    F: for<'c> FnOnce(
-        &'c mut sqlx::Transaction<'static, sqlx::Postgres>,
-    ) -> BoxFuture<'c, Result<T, E>>,
+    P: InboxPool + ?Sized,
+    F: for<'c> FnOnce(&'c mut sqlx::Transaction<'static, P::Db>) -> BoxFuture<'c, Result<T, E>>
+        + Send,
+    T: Send,
+    E: Send,
 {
-    let tx = pool.begin().await.map_err(InboxError::Database)?;
-    process_in(tx, consumer, message_id, handler).await
-}
-
-/// Processes `message_id` for `consumer` once, on SQLite (in an immediate
-/// transaction); see [`process_postgres`].
-pub async fn process_sqlite<T, E, F>(
-    pool: &sqlx::SqlitePool,
-    consumer: &str,
-    message_id: &str,
-    handler: F,
-) -> Result<Handled<T>, InboxError<E>>
-where
-    F: for<'c> FnOnce(
-        &'c mut sqlx::Transaction<'static, sqlx::Sqlite>,
-    ) -> BoxFuture<'c, Result<T, E>>,
-{
-    let tx = pool
-        .begin_with("BEGIN IMMEDIATE")
+    pool.process_in(&DEFAULT, consumer, message_id, handler)
         .await
-        .map_err(InboxError::Database)?;
-    process_in(tx, consumer, message_id, handler).await
 }
 
 /// Marks the message processed in `tx`, runs `handler` in it and commits;
 /// a mark that hits the inbox's key is a duplicate. Every way out ends the
 /// transaction before returning: one left to its drop ends later, holding
 /// its locks until it does.
-async fn process_in<DB, T, E, F>(
+pub(crate) async fn process_in<DB, T, E, F>(
+    table: &InboxTable,
+    postgres: bool,
     mut tx: sqlx::Transaction<'static, DB>,
     consumer: &str,
     message_id: &str,
@@ -148,7 +263,14 @@ where
     for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     F: for<'c> FnOnce(&'c mut sqlx::Transaction<'static, DB>) -> BoxFuture<'c, Result<T, E>>,
 {
-    let marked = sqlx::query(MARK)
+    let mark = match table.sql_name(postgres) {
+        Ok(name) => MARK.replace("{table}", &name),
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(InboxError::Database(e));
+        }
+    };
+    let marked = sqlx::query(&mark)
         .bind(consumer)
         .bind(message_id)
         .bind(now_ms())
@@ -156,7 +278,7 @@ where
         .await;
     match marked {
         Ok(_) => {}
-        Err(e) if is_duplicate(&e) => {
+        Err(e) if table.is_duplicate(&e) => {
             tx.rollback().await.map_err(InboxError::Database)?;
             return Ok(Handled::Duplicate);
         }
@@ -175,40 +297,12 @@ where
     match tx.commit().await {
         Ok(()) => Ok(Handled::Processed(value)),
         // A commit that meets the key (a racing consumer committed first).
-        Err(e) if is_duplicate(&e) => Ok(Handled::Duplicate),
+        Err(e) if table.is_duplicate(&e) => Ok(Handled::Duplicate),
         Err(e) => Err(InboxError::Database(e)),
     }
 }
 
-const SWEEP: &str = "DELETE FROM idem_inbox WHERE (consumer, message_id) IN (
-    SELECT consumer, message_id FROM idem_inbox WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)";
+const MARK: &str = "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)";
 
-/// Deletes at most `batch` processed ids older than `retention` (PostgreSQL).
-pub async fn sweep_postgres(
-    pool: &sqlx::PgPool,
-    retention: Duration,
-    batch: i64,
-) -> Result<u64, sqlx::Error> {
-    let cutoff = now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-    Ok(sqlx::query(SWEEP)
-        .bind(cutoff)
-        .bind(batch)
-        .execute(pool)
-        .await?
-        .rows_affected())
-}
-
-/// Deletes at most `batch` processed ids older than `retention` (SQLite).
-pub async fn sweep_sqlite(
-    pool: &sqlx::SqlitePool,
-    retention: Duration,
-    batch: i64,
-) -> Result<u64, sqlx::Error> {
-    let cutoff = now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-    Ok(sqlx::query(SWEEP)
-        .bind(cutoff)
-        .bind(batch)
-        .execute(pool)
-        .await?
-        .rows_affected())
-}
+const SWEEP: &str = "DELETE FROM {table} WHERE (consumer, message_id) IN (
+    SELECT consumer, message_id FROM {table} WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)";

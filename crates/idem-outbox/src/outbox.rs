@@ -1,16 +1,36 @@
-//! The transactional outbox (PostgreSQL): messages enqueued inside the
-//! business transaction, published by a relay after they commit, marked
-//! sent only once the broker confirmed them.
+//! The transactional outbox: messages enqueued inside the business
+//! transaction, published by a [`Relay`] after they commit, marked sent
+//! only once the broker confirmed them. On PostgreSQL and SQLite alike:
+//! every function here takes either pool (see [`Db`](crate::Db)) or
+//! either connection (see [`OutboxConnection`]).
+//!
+//! ```no_run
+//! use idem_outbox::outbox::{self, OutgoingMessage, OutboxTable};
+//! # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! // The default table, `idem_outbox`, wherever `search_path` finds it…
+//! outbox::migrate(&pool).await?;
+//! // …or one of your own, in a schema of your own.
+//! let billing = OutboxTable::new(Some("billing"), "outbox")?;
+//! billing.migrate(&pool).await?;
+//!
+//! let mut tx = pool.begin().await?;
+//! // sqlx::query("INSERT INTO orders …").execute(&mut *tx).await?;
+//! let event = OutgoingMessage::new("order-42-placed", "orders.placed", r#"{"order_id":42}"#);
+//! billing.enqueue(&mut *tx, &event).await?;
+//! tx.commit().await?; // published only now, and only if this commits
+//! # Ok(()) }
+//! ```
 
 use std::collections::HashMap;
+use std::sync::LazyLock;
 
 use bytes::Bytes;
 use idem_core::BoxFuture;
 use idem_sql::migrate::Migration;
-use sqlx::postgres::PgPool;
-use sqlx::sqlite::SqlitePool;
+use idem_sql::{InvalidIdentifier, TableName};
 
-pub use crate::relay::{Relay, RelayConfig, Round, NOTIFY_CHANNEL};
+pub use crate::relay::{Relay, RelayConfig, RelayError, Round, NOTIFY_CHANNEL};
+use crate::Db;
 
 /// The outbox table's migrations on PostgreSQL, in order.
 pub const POSTGRES_MIGRATIONS: &[Migration] = &[Migration {
@@ -24,42 +44,283 @@ pub const SQLITE_MIGRATIONS: &[Migration] = &[Migration {
     sql: include_str!("../migrations/sqlite/0001_outbox.sql"),
 }];
 
-/// Creates or upgrades the outbox table on SQLite (see
-/// [`idem_sql::migrate`]).
-pub async fn migrate_sqlite(pool: &SqlitePool) -> Result<(), sqlx::Error> {
-    idem_sql::migrate::migrate_sqlite(pool, "idem_outbox", SQLITE_MIGRATIONS).await
+/// The default outbox table's name.
+pub const DEFAULT_TABLE: &str = "idem_outbox";
+
+/// Where an outbox lives: its table and, on PostgreSQL, its schema. The
+/// default is `idem_outbox`, found through `search_path`; name your own so
+/// that two services (or two outboxes of one) share a database without
+/// sharing a table, and without `search_path` tricks in the URL.
+///
+/// ```
+/// use idem_outbox::outbox::OutboxTable;
+/// let t = OutboxTable::new(Some("billing"), "outbox").unwrap();
+/// assert_eq!(t.name().qualified(), r#""billing"."outbox""#);
+/// assert_eq!(OutboxTable::default().name().qualified(), r#""idem_outbox""#);
+/// assert!(OutboxTable::new(None, "outbox; DROP TABLE x").is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxTable(TableName);
+
+impl Default for OutboxTable {
+    fn default() -> Self {
+        DEFAULT.clone()
+    }
 }
 
-/// Enqueues a message inside the caller's SQLite transaction; see
-/// [`enqueue`]. SQLite has no `NOTIFY`: call [`Relay::wake`] after the
-/// commit for prompt delivery (the relay polls otherwise).
-pub async fn enqueue_sqlite(
-    conn: &mut sqlx::SqliteConnection,
-    message: &OutgoingMessage,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO idem_outbox (message_id, destination, ordering_key, payload, headers, created_at)
-         VALUES ($1, $2, $3, $4, $5, $6)",
-    )
-    .bind(&message.message_id)
-    .bind(&message.destination)
-    .bind(&message.ordering_key)
-    .bind(message.payload.as_ref())
-    .bind(encode_headers(&message.headers)?)
-    .bind(now_ms())
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
+static DEFAULT: LazyLock<OutboxTable> =
+    LazyLock::new(|| OutboxTable(TableName::new(None, DEFAULT_TABLE).unwrap_or_default()));
+
+impl OutboxTable {
+    /// The outbox in table `table` of `schema` (or, with `None`, wherever
+    /// `search_path` finds it). SQLite has no schemas: a table with one is
+    /// refused there, by each call.
+    pub fn new(schema: Option<&str>, table: &str) -> Result<Self, InvalidIdentifier> {
+        TableName::new(schema, table).map(Self)
+    }
+
+    /// The table.
+    pub fn name(&self) -> &TableName {
+        &self.0
+    }
+
+    /// The name of the unique constraint a `message_id` enqueued twice
+    /// violates.
+    pub fn message_id_key(&self) -> String {
+        format!("{}_message_id_key", self.0.table())
+    }
+
+    /// `sql` with `{table}` filled in for `db`'s dialect.
+    pub(crate) fn render(&self, sql: &str, postgres: bool) -> Result<String, sqlx::Error> {
+        let table = if postgres {
+            self.0.qualified()
+        } else {
+            #[cfg(feature = "sqlite")]
+            {
+                crate::db::sqlite_table(&self.0)?
+            }
+            #[cfg(not(feature = "sqlite"))]
+            {
+                self.0.qualified()
+            }
+        };
+        Ok(sql.replace("{table}", &table))
+    }
+
+    /// Creates or upgrades this outbox table (see [`idem_sql::migrate`]).
+    /// On PostgreSQL, a schema that does not exist is created.
+    pub async fn migrate(&self, db: impl Into<Db>) -> Result<(), sqlx::Error> {
+        match db.into() {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => {
+                idem_sql::migrate::migrate_postgres(
+                    &pool,
+                    self.0.schema(),
+                    self.0.table(),
+                    POSTGRES_MIGRATIONS,
+                )
+                .await
+            }
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => {
+                crate::db::sqlite_table(&self.0)?;
+                idem_sql::migrate::migrate_sqlite(&pool, self.0.table(), SQLITE_MIGRATIONS).await
+            }
+        }
+    }
+
+    /// Enqueues `message` inside the transaction open on `conn` (PostgreSQL
+    /// or SQLite): it is published only if, and after, that transaction
+    /// commits. A `message_id` enqueued twice violates
+    /// [`message_id_key`](Self::message_id_key). On PostgreSQL the commit
+    /// wakes listening relays; SQLite has no `NOTIFY`, so call
+    /// [`Relay::wake`] after the commit for prompt delivery (the relay
+    /// polls otherwise).
+    pub async fn enqueue<C>(
+        &self,
+        conn: &mut C,
+        message: &OutgoingMessage,
+    ) -> Result<(), sqlx::Error>
+    where
+        C: OutboxConnection + ?Sized,
+    {
+        conn.enqueue_in(self, message).await
+    }
+
+    /// Counts this outbox's rows by state, for operators.
+    pub async fn stats(&self, db: impl Into<Db>) -> Result<OutboxStats, sqlx::Error> {
+        let (pending, sent, dead): (i64, i64, i64) = match db.into() {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => {
+                sqlx::query_as(&self.render(STATS, true)?)
+                    .fetch_one(&pool)
+                    .await?
+            }
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => {
+                sqlx::query_as(&self.render(STATS, false)?)
+                    .fetch_one(&pool)
+                    .await?
+            }
+        };
+        Ok(OutboxStats {
+            pending,
+            sent,
+            dead,
+        })
+    }
+
+    /// This outbox's dead-lettered rows, oldest first, at most `limit`.
+    pub async fn dead_letters(
+        &self,
+        db: impl Into<Db>,
+        limit: i64,
+    ) -> Result<Vec<DeadLetter>, sqlx::Error> {
+        match db.into() {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => {
+                sqlx::query_as(&self.render(DEAD, true)?)
+                    .bind(limit)
+                    .fetch_all(&pool)
+                    .await
+            }
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => {
+                sqlx::query_as(&self.render(DEAD, false)?)
+                    .bind(limit)
+                    .fetch_all(&pool)
+                    .await
+            }
+        }
+    }
 }
 
+/// Creates or upgrades the default outbox table, `idem_outbox` (on
+/// PostgreSQL in the search path's first schema); see
+/// [`OutboxTable::migrate`].
+pub async fn migrate(db: impl Into<Db>) -> Result<(), sqlx::Error> {
+    DEFAULT.migrate(db).await
+}
+
+/// Enqueues `message` in the default outbox table inside the transaction
+/// open on `conn`; see [`OutboxTable::enqueue`].
+pub async fn enqueue<C>(conn: &mut C, message: &OutgoingMessage) -> Result<(), sqlx::Error>
+where
+    C: OutboxConnection + ?Sized,
+{
+    conn.enqueue_in(&DEFAULT, message).await
+}
+
+/// Counts the default outbox table's rows by state; see
+/// [`OutboxTable::stats`].
+pub async fn stats(db: impl Into<Db>) -> Result<OutboxStats, sqlx::Error> {
+    DEFAULT.stats(db).await
+}
+
+/// The default outbox table's dead-lettered rows; see
+/// [`OutboxTable::dead_letters`].
+pub async fn dead_letters(db: impl Into<Db>, limit: i64) -> Result<Vec<DeadLetter>, sqlx::Error> {
+    DEFAULT.dead_letters(db, limit).await
+}
+
+/// A connection an outbox row can be enqueued on, inside its open
+/// transaction: PostgreSQL's or SQLite's (`&mut *tx` of a
+/// `sqlx::Transaction`), so code is written once for both.
+pub trait OutboxConnection: Send {
+    /// Enqueues `message` in `table`, in the open transaction on this
+    /// connection; see [`OutboxTable::enqueue`].
+    fn enqueue_in<'a>(
+        &'a mut self,
+        table: &'a OutboxTable,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+
+    /// Enqueues `message` in the default table; see [`enqueue`].
+    fn enqueue<'a>(
+        &'a mut self,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        self.enqueue_in(&DEFAULT, message)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl OutboxConnection for sqlx::PgConnection {
+    fn enqueue_in<'a>(
+        &'a mut self,
+        table: &'a OutboxTable,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let insert = table.render(
+                "INSERT INTO {table} (message_id, destination, ordering_key, payload, headers)
+                 VALUES ($1, $2, $3, $4, $5)",
+                true,
+            )?;
+            sqlx::query(&insert)
+                .bind(&message.message_id)
+                .bind(&message.destination)
+                .bind(&message.ordering_key)
+                .bind(message.payload.as_ref())
+                .bind(encode_headers(&message.headers)?)
+                .execute(&mut *self)
+                .await?;
+            // Delivered to listening relays when (and only if) the
+            // transaction commits.
+            sqlx::query("SELECT pg_notify($1, '')")
+                .bind(NOTIFY_CHANNEL)
+                .execute(&mut *self)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl OutboxConnection for sqlx::SqliteConnection {
+    fn enqueue_in<'a>(
+        &'a mut self,
+        table: &'a OutboxTable,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let insert = table.render(
+                "INSERT INTO {table} (message_id, destination, ordering_key, payload, headers, created_at)
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+                false,
+            )?;
+            sqlx::query(&insert)
+                .bind(&message.message_id)
+                .bind(&message.destination)
+                .bind(&message.ordering_key)
+                .bind(message.payload.as_ref())
+                .bind(encode_headers(&message.headers)?)
+                .bind(now_ms())
+                .execute(&mut *self)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+/// A transaction enqueues on its connection: `outbox::enqueue(&mut tx, …)`.
+impl<DB> OutboxConnection for sqlx::Transaction<'_, DB>
+where
+    DB: sqlx::Database,
+    DB::Connection: OutboxConnection,
+{
+    fn enqueue_in<'a>(
+        &'a mut self,
+        table: &'a OutboxTable,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        (**self).enqueue_in(table, message)
+    }
+}
+
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) fn now_ms() -> i64 {
     idem_core::UnixMillis::now().0
-}
-
-/// Creates or upgrades the outbox table on PostgreSQL, in the search
-/// path's first schema (see [`idem_sql::migrate`]).
-pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::Error> {
-    idem_sql::migrate::migrate_postgres(pool, None, "idem_outbox", POSTGRES_MIGRATIONS).await
 }
 
 /// A message to send.
@@ -76,6 +337,37 @@ pub struct OutgoingMessage {
     pub payload: Bytes,
     /// Headers carried to the broker.
     pub headers: Vec<(String, String)>,
+}
+
+impl OutgoingMessage {
+    /// A message with id `message_id` (what consumers deduplicate on: make
+    /// it follow from the business write, e.g. `order-42-placed`, never
+    /// random per attempt) to `destination`, unordered, without headers.
+    pub fn new(
+        message_id: impl Into<String>,
+        destination: impl Into<String>,
+        payload: impl Into<Bytes>,
+    ) -> Self {
+        Self {
+            message_id: message_id.into(),
+            destination: destination.into(),
+            ordering_key: None,
+            payload: payload.into(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// Publishes it after every earlier message with the same `key`.
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
+    /// Adds a header carried to the broker.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
 }
 
 /// The headers as the outbox row keeps them. A name over 65,535 bytes or a
@@ -113,36 +405,75 @@ pub(crate) fn decode_headers(bytes: &[u8]) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Enqueues a message inside the caller's transaction: it is published
-/// only if, and after, the transaction commits. A `message_id` enqueued
-/// twice is a unique violation (`idem_outbox_message_id_key`).
-pub async fn enqueue(
-    conn: &mut sqlx::PgConnection,
-    message: &OutgoingMessage,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO idem_outbox (message_id, destination, ordering_key, payload, headers)
-         VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(&message.message_id)
-    .bind(&message.destination)
-    .bind(&message.ordering_key)
-    .bind(message.payload.as_ref())
-    .bind(encode_headers(&message.headers)?)
-    .execute(&mut *conn)
-    .await?;
-    // Delivered to listening relays when (and only if) the transaction commits.
-    sqlx::query("SELECT pg_notify($1, '')")
-        .bind(NOTIFY_CHANNEL)
-        .execute(&mut *conn)
-        .await?;
-    Ok(())
+/// What kind of failure a [`PublishError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PublishErrorKind {
+    /// The broker could not be reached (connection, channel, timeout):
+    /// worth retrying as it is.
+    Unreachable,
+    /// The broker refused the message (a nack, a rejected publish).
+    Rejected,
+    /// The message was sent but its confirmation never came or was lost:
+    /// it may have been published (a republish is absorbed by the broker's
+    /// duplicate window and the consumers' inboxes).
+    Unconfirmed,
+    /// The publisher said nothing of the message, or another failure.
+    Other,
 }
 
-/// Why a publish failed.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
-pub struct PublishError(pub String);
+impl std::fmt::Display for PublishErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Unreachable => "broker unreachable",
+            Self::Rejected => "rejected by the broker",
+            Self::Unconfirmed => "not confirmed by the broker",
+            Self::Other => "not published",
+        })
+    }
+}
+
+/// Why a publish failed: its [kind](PublishErrorKind) and the broker's
+/// words. The relay retries it with backoff, then dead-letters the row
+/// with this text as `last_error`.
+///
+/// ```
+/// use idem_outbox::outbox::{PublishError, PublishErrorKind};
+/// let e = PublishError::new(PublishErrorKind::Rejected, "nack");
+/// assert_eq!(e.kind(), PublishErrorKind::Rejected);
+/// assert_eq!(e.to_string(), "rejected by the broker: nack");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct PublishError {
+    kind: PublishErrorKind,
+    message: String,
+}
+
+impl PublishError {
+    /// A failure of `kind`, described by `message`.
+    pub fn new(kind: PublishErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// A failure of kind [`PublishErrorKind::Other`].
+    pub fn other(message: impl Into<String>) -> Self {
+        Self::new(PublishErrorKind::Other, message)
+    }
+
+    /// What kind of failure it is.
+    pub fn kind(&self) -> PublishErrorKind {
+        self.kind
+    }
+
+    /// The broker's (or the publisher's) words.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
 
 /// What a publisher says of each message of a batch, by message id: `Ok`
 /// only once the broker confirmed it. A message it says nothing of counts
@@ -152,7 +483,7 @@ pub struct PublishError(pub String);
 /// use idem_outbox::outbox::{PublishError, Published};
 /// let mut published = Published::default();
 /// published.record("m1", Ok(()));
-/// published.record("m2", Err(PublishError("nack".into())));
+/// published.record("m2", Err(PublishError::other("nack")));
 /// assert!(published.get("m1").is_some_and(|r| r.is_ok()));
 /// assert!(published.get("m3").is_none());
 /// ```
@@ -217,43 +548,10 @@ pub struct OutboxStats {
 
 const STATS: &str =
     "SELECT count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'sent'),
-        count(*) FILTER (WHERE state = 'dead') FROM idem_outbox";
+        count(*) FILTER (WHERE state = 'dead') FROM {table}";
 
-/// Counts rows by state (PostgreSQL).
-pub async fn stats(pool: &PgPool) -> Result<OutboxStats, sqlx::Error> {
-    let (pending, sent, dead): (i64, i64, i64) = sqlx::query_as(STATS).fetch_one(pool).await?;
-    Ok(OutboxStats {
-        pending,
-        sent,
-        dead,
-    })
-}
-
-/// Counts rows by state (SQLite).
-pub async fn stats_sqlite(pool: &SqlitePool) -> Result<OutboxStats, sqlx::Error> {
-    let (pending, sent, dead): (i64, i64, i64) = sqlx::query_as(STATS).fetch_one(pool).await?;
-    Ok(OutboxStats {
-        pending,
-        sent,
-        dead,
-    })
-}
-
-const DEAD: &str = "SELECT message_id, destination, attempts, last_error FROM idem_outbox
+const DEAD: &str = "SELECT message_id, destination, attempts, last_error FROM {table}
      WHERE state = 'dead' ORDER BY seq LIMIT $1";
 
 /// A dead-lettered row: (message id, destination, attempts, last error).
 pub type DeadLetter = (String, String, i32, Option<String>);
-
-/// The dead-lettered rows (PostgreSQL).
-pub async fn dead_letters(pool: &PgPool, limit: i64) -> Result<Vec<DeadLetter>, sqlx::Error> {
-    sqlx::query_as(DEAD).bind(limit).fetch_all(pool).await
-}
-
-/// The dead-lettered rows (SQLite).
-pub async fn dead_letters_sqlite(
-    pool: &SqlitePool,
-    limit: i64,
-) -> Result<Vec<DeadLetter>, sqlx::Error> {
-    sqlx::query_as(DEAD).bind(limit).fetch_all(pool).await
-}

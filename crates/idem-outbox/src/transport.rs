@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::warn;
 
 use crate::consumer::{ConsumeError, Consumer, Delivery, Handler};
-use crate::outbox::{OutgoingMessage, PublishError, Published, Publisher};
+use crate::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
 
 /// A message handed to an in-process subscriber, to acknowledge or fail.
 #[derive(Debug)]
@@ -86,17 +86,22 @@ impl Publisher for InProcess {
                 .iter()
                 .map(|m| {
                     let Some(tx) = senders.get(&m.destination) else {
-                        return Err(PublishError(format!(
-                            "no consumer subscribed to {}",
-                            m.destination
-                        )));
+                        return Err(PublishError::new(
+                            PublishErrorKind::Unreachable,
+                            format!("no consumer subscribed to {}", m.destination),
+                        ));
                     };
                     let (done, acked) = oneshot::channel();
                     tx.send(InProcessDelivery {
                         message: m.clone(),
                         done,
                     })
-                    .map_err(|_| PublishError(format!("no consumer on {}", m.destination)))?;
+                    .map_err(|_| {
+                        PublishError::new(
+                            PublishErrorKind::Unreachable,
+                            format!("no consumer on {}", m.destination),
+                        )
+                    })?;
                     Ok(acked)
                 })
                 .collect()
@@ -111,11 +116,17 @@ impl Publisher for InProcess {
                         Err(e) => Err(e),
                         Ok(acked) => match tokio::time::timeout(timeout, acked).await {
                             Ok(Ok(Ok(()))) => Ok(()),
-                            Ok(Ok(Err(reason))) => Err(PublishError(reason)),
-                            Ok(Err(_)) => Err(PublishError(
-                                "the consumer dropped the message unacknowledged".into(),
+                            Ok(Ok(Err(reason))) => {
+                                Err(PublishError::new(PublishErrorKind::Rejected, reason))
+                            }
+                            Ok(Err(_)) => Err(PublishError::new(
+                                PublishErrorKind::Unconfirmed,
+                                "the consumer dropped the message unacknowledged",
                             )),
-                            Err(_) => Err(PublishError("no acknowledgement in time".into())),
+                            Err(_) => Err(PublishError::new(
+                                PublishErrorKind::Unconfirmed,
+                                "no acknowledgement in time",
+                            )),
                         },
                     },
                 );

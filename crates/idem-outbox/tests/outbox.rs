@@ -22,7 +22,7 @@ async fn pg() -> (sqlx::PgPool, TestSchema) {
         .connect(&schema.url())
         .await
         .unwrap();
-    inbox::migrate_postgres(&pool).await.unwrap();
+    inbox::migrate(&pool).await.unwrap();
     outbox::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
         .execute(&pool)
@@ -40,7 +40,7 @@ async fn effects(pool: &sqlx::PgPool) -> i64 {
 
 async fn consume(pool: &sqlx::PgPool, consumer: &str, message_id: &str) -> Handled<()> {
     let id = message_id.to_owned();
-    inbox::process_postgres(pool, consumer, message_id, move |tx| {
+    inbox::process(pool, consumer, message_id, move |tx| {
         Box::pin(async move {
             sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
                 .bind(id)
@@ -62,7 +62,7 @@ async fn a_redelivered_message_acts_once() {
     assert_eq!(consume(&pool, "other", "m1").await, Handled::Processed(()));
     assert_eq!(effects(&pool).await, 2);
     // a failing handler rolls back, and the redelivery processes it
-    let failed = inbox::process_postgres(&pool, "c", "m2", |tx| {
+    let failed = inbox::process(&pool, "c", "m2", |tx| {
         Box::pin(async move {
             sqlx::query("INSERT INTO effects (message_id) VALUES ('m2')")
                 .execute(&mut **tx)
@@ -108,7 +108,7 @@ async fn racing_consumers_act_once_on_sqlite() {
         .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(10));
     let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
-    inbox::migrate_sqlite(&pool).await.unwrap();
+    inbox::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE effects (message_id TEXT)")
         .execute(&pool)
         .await
@@ -117,7 +117,7 @@ async fn racing_consumers_act_once_on_sqlite() {
     for _ in 0..20 {
         let pool = pool.clone();
         tasks.push(tokio::spawn(async move {
-            inbox::process_sqlite(&pool, "c", "same", |tx| {
+            inbox::process(&pool, "c", "same", |tx| {
                 Box::pin(async move {
                     sqlx::query("INSERT INTO effects VALUES ('same')")
                         .execute(&mut **tx)
@@ -139,12 +139,7 @@ async fn racing_consumers_act_once_on_sqlite() {
         .await
         .unwrap();
     assert_eq!(n, 1);
-    assert_eq!(
-        inbox::sweep_sqlite(&pool, Duration::ZERO, 100)
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(inbox::sweep(&pool, Duration::ZERO, 100).await.unwrap(), 1);
 }
 
 /// Records what it published; fails for destinations named `poison`, and
@@ -165,7 +160,7 @@ impl Publisher for Recording {
             .filter(|m| m.destination != "silent")
             .map(|m| {
                 let result = if m.destination == "poison" {
-                    Err(PublishError("the broker refused it".into()))
+                    Err(PublishError::other("the broker refused it"))
                 } else {
                     published.push(m.message_id.clone());
                     Ok(())
@@ -350,7 +345,11 @@ async fn a_poison_message_is_dead_lettered_without_blocking_the_rest() {
     let dead = outbox::dead_letters(&pool, 10).await.unwrap();
     assert_eq!(dead[0].0, "bad");
     assert_eq!(dead[0].2, 3);
-    assert_eq!(dead[0].3.as_deref(), Some("the broker refused it"));
+    assert_eq!(
+        dead[0].3.as_deref(),
+        Some("not published: the broker refused it"),
+        "the kind, then the broker's words"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -447,8 +446,8 @@ async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
         .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(10));
     let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
-    outbox::migrate_sqlite(&pool).await.unwrap();
-    inbox::migrate_sqlite(&pool).await.unwrap();
+    outbox::migrate(&pool).await.unwrap();
+    inbox::migrate(&pool).await.unwrap();
     sqlx::query("CREATE TABLE effects (message_id TEXT)")
         .execute(&pool)
         .await
@@ -468,14 +467,14 @@ async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
     let running = tokio::spawn(relay.clone().run(stop));
     // a rolled-back transaction's message never goes out
     let mut rolled_back = pool.begin().await.unwrap();
-    outbox::enqueue_sqlite(&mut rolled_back, &message("never", "orders", None))
+    outbox::enqueue(&mut rolled_back, &message("never", "orders", None))
         .await
         .unwrap();
     rolled_back.rollback().await.unwrap();
     for chunk in 0..10 {
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
         for i in 0..100 {
-            outbox::enqueue_sqlite(
+            outbox::enqueue(
                 &mut tx,
                 &message(&format!("s-{}", chunk * 100 + i), "orders", None),
             )
@@ -494,7 +493,7 @@ async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
         let m = delivery.message.clone();
         assert_ne!(m.message_id, "never");
         let id = m.message_id.clone();
-        let handled = inbox::process_sqlite(&pool, "c", &m.message_id, move |tx| {
+        let handled = inbox::process(&pool, "c", &m.message_id, move |tx| {
             Box::pin(async move {
                 sqlx::query("INSERT INTO effects VALUES ($1)")
                     .bind(id)
@@ -512,7 +511,7 @@ async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
     // the relay marks the last batch once its acknowledgements are in
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let s = loop {
-        let s = outbox::stats_sqlite(&pool).await.unwrap();
+        let s = outbox::stats(&pool).await.unwrap();
         if s.sent == 1000 || std::time::Instant::now() > deadline {
             break s;
         }
@@ -529,9 +528,9 @@ async fn an_in_process_message_is_marked_sent_only_once_its_consumer_acknowledge
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}?mode=rwc", dir.path().join("ack.db").display());
     let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
-    outbox::migrate_sqlite(&pool).await.unwrap();
+    outbox::migrate(&pool).await.unwrap();
     let mut tx = pool.begin().await.unwrap();
-    outbox::enqueue_sqlite(&mut tx, &message("m1", "orders", None))
+    outbox::enqueue(&mut tx, &message("m1", "orders", None))
         .await
         .unwrap();
     tx.commit().await.unwrap();
@@ -552,7 +551,7 @@ async fn an_in_process_message_is_marked_sent_only_once_its_consumer_acknowledge
     });
     drop(rx.recv().await.unwrap());
     assert_eq!(first.await.unwrap().failed, 1);
-    let s = outbox::stats_sqlite(&pool).await.unwrap();
+    let s = outbox::stats(&pool).await.unwrap();
     assert_eq!((s.pending, s.sent), (1, 0), "not marked sent");
     // a consumer that never answers times out the same way
     tokio::time::sleep(Duration::from_millis(30)).await;
@@ -573,7 +572,7 @@ async fn an_in_process_message_is_marked_sent_only_once_its_consumer_acknowledge
     assert_eq!(delivery.message.message_id, "m1");
     delivery.ack();
     assert_eq!(second.await.unwrap().sent, 1);
-    assert_eq!(outbox::stats_sqlite(&pool).await.unwrap().sent, 1);
+    assert_eq!(outbox::stats(&pool).await.unwrap().sent, 1);
 }
 
 /// A header that does not fit the row's encoding is refused at enqueue,
@@ -599,12 +598,10 @@ async fn a_header_too_long_to_keep_is_refused_and_nothing_is_enqueued() {
     ))
     .await
     .unwrap();
-    outbox::migrate_sqlite(&lite).await.unwrap();
+    outbox::migrate(&lite).await.unwrap();
     let mut tx = lite.begin().await.unwrap();
-    let err = outbox::enqueue_sqlite(&mut tx, &oversized)
-        .await
-        .unwrap_err();
+    let err = outbox::enqueue(&mut tx, &oversized).await.unwrap_err();
     assert!(matches!(err, sqlx::Error::Encode(_)), "{err}");
     tx.rollback().await.unwrap();
-    assert_eq!(outbox::stats_sqlite(&lite).await.unwrap().pending, 0);
+    assert_eq!(outbox::stats(&lite).await.unwrap().pending, 0);
 }

@@ -115,10 +115,9 @@ mod conns;
 mod held;
 mod ops;
 mod sql;
-mod table;
 
 pub use idem_sql::{is_unavailable, store_error};
-pub use table::{InvalidIdentifier, TableName};
+pub use idem_sql::{InvalidIdentifier, TableName};
 
 use claim::{corrupt, first_look, kept_racing, won_claim, ClaimBinds, FirstLook, CLAIM_TURNS};
 use conns::ClaimConnections;

@@ -28,7 +28,7 @@ use std::task::Poll;
 use futures_core::Stream;
 use idem_core::BoxFuture;
 use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler};
-use idem_outbox::outbox::{OutgoingMessage, PublishError, Published, Publisher};
+use idem_outbox::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions,
@@ -184,12 +184,19 @@ impl Publisher for RabbitPublisher {
                     match sent {
                         Ok(confirm) => match confirm.await {
                             Ok(Confirmation::Ack(_)) => Ok(()),
-                            Ok(other) => {
-                                Err(PublishError(format!("the broker did not ack: {other:?}")))
-                            }
-                            Err(e) => Err(PublishError(e.to_string())),
+                            Ok(other) => Err(PublishError::new(
+                                PublishErrorKind::Rejected,
+                                format!("the broker did not ack: {other:?}"),
+                            )),
+                            Err(e) => Err(PublishError::new(
+                                PublishErrorKind::Unconfirmed,
+                                e.to_string(),
+                            )),
                         },
-                        Err(e) => Err(PublishError(e.to_string())),
+                        Err(e) => Err(PublishError::new(
+                            PublishErrorKind::Unreachable,
+                            e.to_string(),
+                        )),
                     },
                 );
             }

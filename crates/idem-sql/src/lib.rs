@@ -65,9 +65,11 @@
 mod errors;
 pub mod migrate;
 mod record;
+mod table;
 
 pub use errors::{fenced, insert_unique, is_unavailable, store_error, DuplicateKey, Inserted};
 pub use record::{decode_record, decode_stats};
+pub use table::{InvalidIdentifier, TableName};
 
 /// Ends `tx` now: commits if `staged` is `Ok`, rolls back if not, and
 /// returns `staged` (or the commit's error). A transaction left to its drop

@@ -13,9 +13,11 @@
 pub struct Migration {
     /// Its version: applied in ascending order, once.
     pub version: i64,
-    /// The statements, run as one script. PostgreSQL migrations may name
-    /// `{table}` (the qualified table) and `{index}` (a name for an index
-    /// of it), filled in by the runner.
+    /// The statements, run as one script. Migrations may name `{table}`
+    /// (the quoted, on PostgreSQL schema-qualified, table) and `{name}` (its
+    /// bare name, to derive constraint and index names from: write
+    /// `"{name}_pkey"`); PostgreSQL ones also `{index}` (a name for the
+    /// expiry index). The runner fills them in.
     pub sql: &'static str,
 }
 
@@ -75,7 +77,8 @@ pub async fn migrate_postgres(
             let sql = m
                 .sql
                 .replace("{table}", &qualified)
-                .replace("{index}", &index);
+                .replace("{index}", &index)
+                .replace("{name}", table);
             sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
             sqlx::query(&record)
                 .bind(table)
@@ -152,7 +155,11 @@ pub async fn migrate_sqlite(
             .await?
             .is_some();
             if !done {
-                sqlx::Executor::execute(&mut *tx, m.sql).await?;
+                let sql = m
+                    .sql
+                    .replace("{table}", &format!("\"{table}\""))
+                    .replace("{name}", table);
+                sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
                 sqlx::query(
                     "INSERT INTO idem_schema_migrations (table_name, version, applied_at)
                  VALUES (?1, ?2, ?3)",

@@ -21,7 +21,7 @@ pub async fn outbox_schema(prefix: &str) -> (sqlx::PgPool, TestSchema) {
         .connect(&schema.url())
         .await
         .unwrap_or_else(|e| panic!("connect to the test schema: {e}"));
-    inbox::migrate_postgres(&pool)
+    inbox::migrate(&pool)
         .await
         .unwrap_or_else(|e| panic!("inbox: {e}"));
     outbox::migrate(&pool)
@@ -68,7 +68,7 @@ pub async fn record_effect(
         return Err("this message always fails");
     }
     let effect_id = id.clone();
-    let handled = inbox::process_postgres(pool, "test-consumer", &id, move |tx| {
+    let handled = inbox::process(pool, "test-consumer", &id, move |tx| {
         Box::pin(async move {
             sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
                 .bind(effect_id)

@@ -1,8 +1,10 @@
+-- {table}: the quoted (on PostgreSQL, schema-qualified) table; {name}: its
+-- bare name, which constraint and index names derive from.
 -- The outbox: messages enqueued in the business transaction, published
 -- by a relay after the commit.
-CREATE TABLE IF NOT EXISTS idem_outbox (
+CREATE TABLE IF NOT EXISTS {table} (
     seq             BIGSERIAL   PRIMARY KEY,
-    message_id      TEXT        NOT NULL CONSTRAINT idem_outbox_message_id_key UNIQUE,
+    message_id      TEXT        NOT NULL CONSTRAINT "{name}_message_id_key" UNIQUE,
     destination     TEXT        NOT NULL,
     ordering_key    TEXT,
     payload         BYTEA       NOT NULL,
@@ -16,5 +18,5 @@ CREATE TABLE IF NOT EXISTS idem_outbox (
     created_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
     sent_at         TIMESTAMPTZ
 );
-CREATE INDEX IF NOT EXISTS idem_outbox_pending ON idem_outbox (seq) WHERE state = 'pending';
-CREATE INDEX IF NOT EXISTS idem_outbox_ordering ON idem_outbox (ordering_key, seq) WHERE state = 'pending';
+CREATE INDEX IF NOT EXISTS "{name}_pending" ON {table} (seq) WHERE state = 'pending';
+CREATE INDEX IF NOT EXISTS "{name}_ordering" ON {table} (ordering_key, seq) WHERE state = 'pending';

@@ -1,8 +1,10 @@
+-- {table}: the quoted (on PostgreSQL, schema-qualified) table; {name}: its
+-- bare name, which constraint and index names derive from.
 -- The outbox: messages enqueued in the business transaction, published
 -- by a relay after the commit.
-CREATE TABLE IF NOT EXISTS idem_outbox (
+CREATE TABLE IF NOT EXISTS {table} (
     seq             INTEGER PRIMARY KEY AUTOINCREMENT,
-    message_id      TEXT    NOT NULL CONSTRAINT idem_outbox_message_id_key UNIQUE,
+    message_id      TEXT    NOT NULL CONSTRAINT "{name}_message_id_key" UNIQUE,
     destination     TEXT    NOT NULL,
     ordering_key    TEXT,
     payload         BLOB    NOT NULL,
@@ -16,4 +18,4 @@ CREATE TABLE IF NOT EXISTS idem_outbox (
     created_at      INTEGER NOT NULL,
     sent_at         INTEGER
 );
-CREATE INDEX IF NOT EXISTS idem_outbox_state_seq ON idem_outbox (state, seq);
+CREATE INDEX IF NOT EXISTS "{name}_state_seq" ON {table} (state, seq);

@@ -8,19 +8,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::BoxFuture;
-use sqlx::postgres::PgPool;
-use sqlx::sqlite::SqlitePool;
 use sqlx::Row;
 use tokio::sync::watch;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
+#[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "sqlite")]
 mod sqlite;
 
-use postgres::Postgres;
-use sqlite::Sqlite;
-
-use crate::outbox::{decode_headers, OutgoingMessage, PublishError, Publisher};
+use crate::db::is_missing_table;
+use crate::outbox::{decode_headers, OutboxTable, OutgoingMessage, PublishError, Publisher};
+use crate::Db;
 
 /// The channel `enqueue` notifies on commit, and relays listen to.
 pub const NOTIFY_CHANNEL: &str = "idem_outbox";
@@ -28,6 +27,8 @@ pub const NOTIFY_CHANNEL: &str = "idem_outbox";
 /// How a relay behaves.
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
+    /// The outbox table it publishes (default `idem_outbox`).
+    pub table: OutboxTable,
     /// Rows claimed and published per round.
     pub batch: i64,
     /// How long a claim lasts before another relay may take the rows (a
@@ -44,11 +45,54 @@ pub struct RelayConfig {
 impl Default for RelayConfig {
     fn default() -> Self {
         Self {
+            table: OutboxTable::default(),
             batch: 500,
             lease: Duration::from_secs(30),
             poll: Duration::from_millis(500),
             max_attempts: 10,
             backoff: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Why a relay stopped, or a round failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    /// The outbox table does not exist (not migrated, or migrated into
+    /// another schema or database than the relay reads): nothing enqueued
+    /// would ever be published, so [`Relay::run`] stops with this at once
+    /// instead of polling forever.
+    #[error("the outbox table {table} does not exist here: run outbox::migrate (or OutboxTable::migrate) against the database the relay reads")]
+    MissingTable {
+        /// The table the relay looked for.
+        table: String,
+        /// The database's words.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The relay cannot work as configured (a schema-qualified table on
+    /// SQLite): [`Relay::run`] stops with this at once.
+    #[error("the outbox relay is misconfigured")]
+    Misconfigured(#[source] sqlx::Error),
+    /// The database failed (the relay retries it; [`Relay::round`] reports
+    /// it).
+    #[error("the outbox could not be read or written")]
+    Database(#[source] sqlx::Error),
+}
+
+impl RelayError {
+    /// Whether [`Relay::run`] stops on it rather than retry: waiting cannot
+    /// mend it.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, Self::MissingTable { .. } | Self::Misconfigured(_))
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            Self::MissingTable { .. } => "missing_table",
+            Self::Misconfigured(_) => "misconfigured",
+            Self::Database(_) => "database",
         }
     }
 }
@@ -127,6 +171,8 @@ pub(crate) trait OutboxBackend: Send + Sync + 'static {
         seqs: &'a [i64],
         token: i64,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    /// Reads the table (no rows), so a missing one shows at start.
+    fn check(&self) -> BoxFuture<'_, Result<(), sqlx::Error>>;
     /// Commit notifications, where the database has them.
     fn wakeups(&self) -> BoxFuture<'_, Option<Box<dyn Wakeups>>>;
 }
@@ -135,7 +181,7 @@ pub(super) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// A relay over the outbox table. Several may run at once: each claims rows
+/// A relay over an outbox table (PostgreSQL or SQLite). Several may run at once: each claims rows
 /// with `FOR UPDATE SKIP LOCKED` under a lease, so in the normal case no row
 /// is published twice; rows of a relay that died are claimed again after
 /// the lease (consumers' inboxes absorb that duplicate). Rows are claimed by
@@ -158,15 +204,51 @@ impl std::fmt::Debug for Relay {
 }
 
 impl Relay {
-    /// A relay publishing a PostgreSQL outbox through `publisher`.
-    pub fn new(pool: PgPool, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Self {
-        Self::with_backend(Arc::new(Postgres(pool)), publisher, config)
+    /// A relay publishing the outbox `config.table` of `db` (a PostgreSQL
+    /// or SQLite pool) through `publisher`. On SQLite, which has one writer
+    /// at a time, one relay per database is enough.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use idem_outbox::outbox::{Relay, RelayConfig};
+    /// use idem_outbox::transport::InProcess;
+    /// # async fn f(pool: sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let (stop, stopped) = tokio::sync::watch::channel(false);
+    /// let relay = Relay::new(&pool, Arc::new(InProcess::new()), RelayConfig::default());
+    /// let running = tokio::spawn(relay.clone().run(stopped));
+    /// // … enqueue in your transactions, relay.wake() after each commit …
+    /// stop.send(true)?;
+    /// running.await??; // a missing outbox table ends run() with an error
+    /// # Ok(()) }
+    /// ```
+    pub fn new(db: impl Into<Db>, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Self {
+        let backend: Arc<dyn OutboxBackend> = match db.into() {
+            #[cfg(feature = "postgres")]
+            Db::Postgres(pool) => Arc::new(postgres::Postgres::new(pool, &config.table)),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(pool) => Arc::new(sqlite::Sqlite::new(pool, &config.table)),
+        };
+        Self::with_backend(backend, publisher, config)
     }
 
-    /// A relay publishing a SQLite outbox through `publisher`. SQLite has
-    /// one writer at a time, so one relay per database is enough.
-    pub fn sqlite(pool: SqlitePool, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Self {
-        Self::with_backend(Arc::new(Sqlite(pool)), publisher, config)
+    /// [`Relay::new`] on PostgreSQL.
+    #[cfg(feature = "postgres")]
+    pub fn postgres(
+        pool: sqlx::PgPool,
+        publisher: Arc<dyn Publisher>,
+        config: RelayConfig,
+    ) -> Self {
+        Self::new(pool, publisher, config)
+    }
+
+    /// [`Relay::new`] on SQLite.
+    #[cfg(feature = "sqlite")]
+    pub fn sqlite(
+        pool: sqlx::SqlitePool,
+        publisher: Arc<dyn Publisher>,
+        config: RelayConfig,
+    ) -> Self {
+        Self::new(pool, publisher, config)
     }
 
     fn with_backend(
@@ -189,8 +271,27 @@ impl Relay {
         self.wake.notify_one();
     }
 
+    /// The error for `e`: [`RelayError::MissingTable`] if it says the
+    /// table is missing.
+    fn error(&self, e: sqlx::Error) -> RelayError {
+        if is_missing_table(&e) {
+            RelayError::MissingTable {
+                table: self.config.table.name().to_string(),
+                source: e,
+            }
+        } else if matches!(e, sqlx::Error::Configuration(_)) {
+            RelayError::Misconfigured(e)
+        } else {
+            RelayError::Database(e)
+        }
+    }
+
     /// Claims one batch, publishes it, and marks what the broker confirmed.
-    pub async fn round(&self) -> Result<Round, sqlx::Error> {
+    pub async fn round(&self) -> Result<Round, RelayError> {
+        self.round_inner().await.map_err(|e| self.error(e))
+    }
+
+    async fn round_inner(&self) -> Result<Round, sqlx::Error> {
         let token = idem_core::FencingToken::generate().0;
         let claimed = self
             .db
@@ -211,8 +312,8 @@ impl Relay {
                 .get(&c.message.message_id)
                 .cloned()
                 .unwrap_or_else(|| {
-                    Err(PublishError(
-                        "the publisher said nothing of this message".into(),
+                    Err(PublishError::other(
+                        "the publisher said nothing of this message",
                     ))
                 });
             let Err(e) = outcome else {
@@ -233,7 +334,7 @@ impl Relay {
                 debug!(message_id = %c.message.message_id, error = %e, ?backoff, "publish failed; backing off");
             }
             self.db
-                .mark_failed(c.seq, token, &e.0, backoff, dead)
+                .mark_failed(c.seq, token, &e.to_string(), backoff, dead)
                 .await?;
         }
         if !sent.is_empty() {
@@ -247,9 +348,25 @@ impl Relay {
     /// Runs until `stop` turns true: woken by `LISTEN` on commit, polling as
     /// a fallback; a full batch is followed at once by the next round. The
     /// round in progress when `stop` flips finishes first.
-    pub async fn run(self, mut stop: watch::Receiver<bool>) -> Result<(), sqlx::Error> {
+    ///
+    /// A round that fails is retried at the next poll (logged, and counted
+    /// in `idem_outbox_relay_errors_total`). A missing outbox table is not
+    /// waited out: `run` returns [`RelayError::MissingTable`] at once, at
+    /// start or whenever a round meets it, so a relay pointed at the wrong
+    /// database fails loudly even without a tracing subscriber.
+    pub async fn run(self, mut stop: watch::Receiver<bool>) -> Result<(), RelayError> {
+        if let Err(e) = self.db.check().await {
+            let e = self.error(e);
+            if e.is_fatal() {
+                metrics::counter!("idem_outbox_relay_errors_total", "error" => e.label())
+                    .increment(1);
+                error!(error = %e, "outbox relay cannot start");
+                return Err(e);
+            }
+            // Anything else (the database is down) is waited out below.
+        }
         let mut wakeups = self.db.wakeups().await;
-        info!("outbox relay started");
+        info!(table = %self.config.table.name(), "outbox relay started");
         loop {
             if *stop.borrow() {
                 info!("outbox relay stopped");
@@ -257,7 +374,15 @@ impl Relay {
             }
             let round = match self.round().await {
                 Ok(r) => r,
+                Err(e) if e.is_fatal() => {
+                    metrics::counter!("idem_outbox_relay_errors_total", "error" => e.label())
+                        .increment(1);
+                    error!(error = %e, "outbox relay stopped");
+                    return Err(e);
+                }
                 Err(e) => {
+                    metrics::counter!("idem_outbox_relay_errors_total", "error" => "database")
+                        .increment(1);
                     warn!(error = %e, "relay round failed; retrying");
                     Round::default()
                 }

@@ -6,12 +6,68 @@ use idem_core::BoxFuture;
 use sqlx::sqlite::SqlitePool;
 
 use super::{claimed_row, millis, Claimed, OutboxBackend, Wakeups};
-use crate::outbox::now_ms;
+use crate::outbox::{now_ms, OutboxTable};
 
 /// The outbox on SQLite: one writer at a time (so one relay per database
 /// is enough), times from this process's clock, no notifications (the
 /// application calls [`Relay::wake`] after its commit, or the relay polls).
-pub(super) struct Sqlite(pub(super) SqlitePool);
+pub(super) struct Sqlite {
+    pool: SqlitePool,
+    /// The statements rendered for the table, or why they cannot be (a
+    /// schema-qualified table), reported by each call.
+    sql: Result<Statements, String>,
+}
+
+struct Statements {
+    claim: String,
+    lag: String,
+    mark_failed: String,
+    mark_sent: String,
+    check: String,
+}
+
+impl Sqlite {
+    pub(super) fn new(pool: SqlitePool, table: &OutboxTable) -> Self {
+        let sql = crate::db::sqlite_table(table.name())
+            .map(|t| {
+                let r = |sql: &str| sql.replace("{table}", &t);
+                Statements {
+                    claim: r(CLAIM),
+                    lag: r("SELECT min(created_at) FROM {table} WHERE state = 'pending'"),
+                    mark_failed: r("UPDATE {table} SET claimed_until = NULL, last_error = $3,
+                         next_attempt_at = $4,
+                         state = CASE WHEN $5 THEN 'dead' ELSE 'pending' END
+                     WHERE seq = $1 AND claim_token = $2"),
+                    mark_sent: r(
+                        "UPDATE {table} SET state = 'sent', sent_at = $3, claimed_until = NULL
+                     WHERE seq IN (SELECT value FROM json_each($1)) AND claim_token = $2",
+                    ),
+                    check: r("SELECT 1 FROM {table} LIMIT 0"),
+                }
+            })
+            .map_err(|e| e.to_string());
+        Self { pool, sql }
+    }
+
+    fn sql(&self) -> Result<&Statements, sqlx::Error> {
+        self.sql
+            .as_ref()
+            .map_err(|e| sqlx::Error::Configuration(e.clone().into()))
+    }
+}
+
+const CLAIM: &str = "UPDATE {table}
+     SET claimed_until = $2 + $3, claim_token = $4, attempts = attempts + 1
+     WHERE seq IN (
+         SELECT c.seq FROM {table} c
+         WHERE c.state = 'pending' AND c.next_attempt_at <= $2
+           AND (c.claimed_until IS NULL OR c.claimed_until < $2)
+           AND (c.ordering_key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM {table} p
+                WHERE p.ordering_key = c.ordering_key AND p.state = 'pending' AND p.seq < c.seq))
+         ORDER BY c.seq
+         LIMIT $1)
+     RETURNING seq, message_id, destination, ordering_key, payload, headers, attempts";
 
 impl OutboxBackend for Sqlite {
     fn claim(
@@ -21,26 +77,13 @@ impl OutboxBackend for Sqlite {
         token: i64,
     ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>> {
         Box::pin(async move {
-            let rows = sqlx::query(
-                "UPDATE idem_outbox
-                 SET claimed_until = $2 + $3, claim_token = $4, attempts = attempts + 1
-                 WHERE seq IN (
-                     SELECT c.seq FROM idem_outbox c
-                     WHERE c.state = 'pending' AND c.next_attempt_at <= $2
-                       AND (c.claimed_until IS NULL OR c.claimed_until < $2)
-                       AND (c.ordering_key IS NULL OR NOT EXISTS (
-                            SELECT 1 FROM idem_outbox p
-                            WHERE p.ordering_key = c.ordering_key AND p.state = 'pending' AND p.seq < c.seq))
-                     ORDER BY c.seq
-                     LIMIT $1)
-                 RETURNING seq, message_id, destination, ordering_key, payload, headers, attempts",
-            )
-            .bind(batch)
-            .bind(now_ms())
-            .bind(millis(lease))
-            .bind(token)
-            .fetch_all(&self.0)
-            .await?;
+            let rows = sqlx::query(&self.sql()?.claim)
+                .bind(batch)
+                .bind(now_ms())
+                .bind(millis(lease))
+                .bind(token)
+                .fetch_all(&self.pool)
+                .await?;
             let mut claimed = rows
                 .iter()
                 .map(claimed_row)
@@ -52,11 +95,9 @@ impl OutboxBackend for Sqlite {
 
     fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>> {
         Box::pin(async move {
-            let oldest: Option<i64> = sqlx::query_scalar(
-                "SELECT min(created_at) FROM idem_outbox WHERE state = 'pending'",
-            )
-            .fetch_one(&self.0)
-            .await?;
+            let oldest: Option<i64> = sqlx::query_scalar(&self.sql()?.lag)
+                .fetch_one(&self.pool)
+                .await?;
             Ok(oldest.map_or(0.0, |ms| (now_ms() - ms) as f64 / 1000.0))
         })
     }
@@ -70,20 +111,15 @@ impl OutboxBackend for Sqlite {
         dead: bool,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            sqlx::query(
-                "UPDATE idem_outbox SET claimed_until = NULL, last_error = $3,
-                     next_attempt_at = $4,
-                     state = CASE WHEN $5 THEN 'dead' ELSE 'pending' END
-                 WHERE seq = $1 AND claim_token = $2",
-            )
-            .bind(seq)
-            .bind(token)
-            .bind(error)
-            .bind(now_ms().saturating_add(millis(backoff)))
-            .bind(dead)
-            .execute(&self.0)
-            .await
-            .map(drop)
+            sqlx::query(&self.sql()?.mark_failed)
+                .bind(seq)
+                .bind(token)
+                .bind(error)
+                .bind(now_ms().saturating_add(millis(backoff)))
+                .bind(dead)
+                .execute(&self.pool)
+                .await
+                .map(drop)
         })
     }
 
@@ -101,16 +137,22 @@ impl OutboxBackend for Sqlite {
                     .collect::<Vec<_>>()
                     .join(",")
             );
-            sqlx::query(
-                "UPDATE idem_outbox SET state = 'sent', sent_at = $3, claimed_until = NULL
-                 WHERE seq IN (SELECT value FROM json_each($1)) AND claim_token = $2",
-            )
-            .bind(list)
-            .bind(token)
-            .bind(now_ms())
-            .execute(&self.0)
-            .await
-            .map(drop)
+            sqlx::query(&self.sql()?.mark_sent)
+                .bind(list)
+                .bind(token)
+                .bind(now_ms())
+                .execute(&self.pool)
+                .await
+                .map(drop)
+        })
+    }
+
+    fn check(&self) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(&self.sql()?.check)
+                .execute(&self.pool)
+                .await
+                .map(drop)
         })
     }
 

@@ -1,4 +1,5 @@
-//! [`TableName`]: where the records live.
+//! [`TableName`]: where a table of idem's lives (the records, the outbox,
+//! the inbox).
 
 use std::fmt;
 
@@ -6,9 +7,9 @@ use std::fmt;
 /// two services can keep their records apart in one database.
 ///
 /// ```
-/// let t = idem_postgres::TableName::new(Some("billing"), "idem_records").unwrap();
+/// let t = idem_sql::TableName::new(Some("billing"), "idem_records").unwrap();
 /// assert_eq!(t.qualified(), r#""billing"."idem_records""#);
-/// assert!(idem_postgres::TableName::new(None, "bad name; DROP TABLE x").is_err());
+/// assert!(idem_sql::TableName::new(None, "bad name; DROP TABLE x").is_err());
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableName {
@@ -66,7 +67,8 @@ impl TableName {
 }
 
 impl Default for TableName {
-    /// `idem_records`, found through `search_path`.
+    /// `idem_records` (the idempotency records), found through
+    /// `search_path`.
     fn default() -> Self {
         Self {
             schema: None,
