@@ -1,12 +1,128 @@
-//! `application/problem+json` (RFC 9457) answers.
+//! `application/problem+json` (RFC 9457) answers, and the definition of
+//! every problem type idem answers with.
+//!
+//! A problem's `type` is a base followed by a slug. The default base,
+//! [`DEFAULT_PROBLEM_TYPE_BASE`], points at the headings below, so a client
+//! (or a person) following `type` lands on its definition. Serve your own
+//! documentation instead with [`set_problem_type_base`], once, at start-up.
+//! Clients should match on the slug at the end of `type` (or on the
+//! `Idempotency-Rejection` header, which carries the slug alone).
+//!
+//! ### `idempotency-key-missing`
+//! 400: a guarded request came without `Idempotency-Key` (and the policy
+//! requires one). Not stored. Send a fresh key, and keep it across retries.
+//!
+//! ### `idempotency-key-invalid`
+//! 400: the key is empty, too long, or not a Structured Field string or
+//! token. Not stored.
+//!
+//! ### `payload-too-large`
+//! 413: the body is over the policy's `max_body`. Not stored.
+//!
+//! ### `body-unreadable`
+//! 400: the request body could not be read (the client hung up mid-body).
+//!
+//! ### `idempotency-key-in-use`
+//! 409 with `Retry-After`: a request with this key is still in flight (or
+//! was taken over by another attempt). Retry later with the same key.
+//!
+//! ### `idempotency-key-reused`
+//! 422: the key was used before with a different request (method, path or
+//! body). Never replayed as the first answer: use a new key for a new
+//! request.
+//!
+//! ### `store-unavailable`
+//! 503 with `Retry-After`: the idempotency store (or the request's
+//! transaction) could not be reached; nothing was committed. Retry with the
+//! same key.
+//!
+//! ### `handler-failed`
+//! 500: the handler panicked or its task died; the claim was released, so
+//! a retry runs afresh.
+//!
+//! ### `response-unreadable`
+//! 500: the handler's response body could not be read to store it.
+//!
+//! ### `claimed-twice`
+//! 500: a handler under `claim_in_transaction` began its claim twice.
+//!
+//! ### `idempotency-layer-missing`
+//! 500: a handler extracted `Idempotency` on a route the layer does not
+//! guard (a wiring mistake).
+//!
+//! ### `precondition-invalid`
+//! 400: `If-Match` / `If-None-Match` is not a valid list of entity tags.
+//!
+//! ### `precondition-required`
+//! 428: the write requires `If-Match`.
+//!
+//! ### `precondition-failed`
+//! 412: the resource changed since the client read it (its `ETag` is in the
+//! answer).
+
+use std::sync::OnceLock;
 
 use axum::response::{IntoResponse, Response};
 use http::{header, HeaderValue, StatusCode};
 use serde::Serialize;
 
-/// The prefix of every problem `type` idem answers with; the slug follows it
-/// (`…/idempotency-key-missing`).
-pub const PROBLEM_TYPE_BASE: &str = "https://idem.dev/problems/";
+/// The default prefix of every problem `type`: this module's page, whose
+/// headings define each slug (`…#idempotency-key-missing`).
+pub const DEFAULT_PROBLEM_TYPE_BASE: &str =
+    "https://docs.rs/idem-axum/latest/idem_axum/problem/index.html#";
+
+static BASE: OnceLock<String> = OnceLock::new();
+
+/// Why [`set_problem_type_base`] refused a base.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProblemBaseError {
+    /// A base was set already (to another value): problem types must not
+    /// change while the process serves.
+    #[error("the problem type base is set already, to {0:?}")]
+    AlreadySet(String),
+    /// Not an absolute URI (a scheme, then no spaces, quotes or controls).
+    #[error("{0:?} is not an absolute URI (e.g. https://errors.example.com/problems/)")]
+    NotAUri(String),
+}
+
+/// Sets the prefix of every problem `type` idem (and [`Problem::new`])
+/// answers with, e.g. `https://api.example.com/problems/`: the slug is
+/// appended as is. Call it once, before serving; setting it again to the
+/// same value is fine, to another is refused.
+///
+/// ```
+/// idem_axum::problem::set_problem_type_base("https://api.example.com/problems/").unwrap();
+/// assert_eq!(idem_axum::problem::problem_type_base(), "https://api.example.com/problems/");
+/// assert!(idem_axum::problem::set_problem_type_base("https://elsewhere.example/").is_err());
+/// ```
+pub fn set_problem_type_base(base: impl Into<String>) -> Result<(), ProblemBaseError> {
+    let base = base.into();
+    let scheme_end = base.find(':').unwrap_or(0);
+    let scheme_ok = scheme_end > 0
+        && base.as_bytes()[0].is_ascii_alphabetic()
+        && base[..scheme_end]
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'-' || b == b'.');
+    let chars_ok = base
+        .bytes()
+        .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'<' && b != b'>' && b != b'\\');
+    if !(scheme_ok && chars_ok) {
+        return Err(ProblemBaseError::NotAUri(base));
+    }
+    let set = BASE.get_or_init(|| base.clone());
+    if *set == base {
+        Ok(())
+    } else {
+        Err(ProblemBaseError::AlreadySet(set.clone()))
+    }
+}
+
+/// The prefix of every problem `type`: what [`set_problem_type_base`] set,
+/// or [`DEFAULT_PROBLEM_TYPE_BASE`].
+pub fn problem_type_base() -> &'static str {
+    BASE.get().map_or(DEFAULT_PROBLEM_TYPE_BASE, String::as_str)
+}
 
 /// The media type of problem answers.
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -37,10 +153,11 @@ pub struct Problem {
 }
 
 impl Problem {
-    /// A problem whose `type` is [`PROBLEM_TYPE_BASE`] followed by `slug`.
+    /// A problem whose `type` is the [base](problem_type_base) followed by
+    /// `slug`.
     pub fn new(status: StatusCode, slug: &str, title: impl Into<String>) -> Self {
         Self {
-            kind: format!("{PROBLEM_TYPE_BASE}{slug}"),
+            kind: format!("{}{slug}", problem_type_base()),
             title: title.into(),
             status: status.as_u16(),
             detail: None,

@@ -20,7 +20,7 @@ pub const IDEMPOTENCY_REJECTION: http::HeaderName =
 
 /// An answer made instead of the handler's, rendered as
 /// `application/problem+json` (RFC 9457) with the type
-/// [`PROBLEM_TYPE_BASE`](crate::problem::PROBLEM_TYPE_BASE) followed by
+/// [base](crate::problem::problem_type_base) followed by
 /// [`problem_type`](Self::problem_type).
 ///
 /// ```
@@ -81,7 +81,7 @@ pub enum IdempotencyRejection {
 
 impl IdempotencyRejection {
     /// Every problem type (the slug after
-    /// [`PROBLEM_TYPE_BASE`](crate::problem::PROBLEM_TYPE_BASE)) this crate
+    /// [base](crate::problem::problem_type_base)) this crate
     /// answers with.
     pub const PROBLEM_TYPES: &'static [&'static str] = &[
         "idempotency-key-missing",

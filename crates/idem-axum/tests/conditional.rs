@@ -195,7 +195,11 @@ async fn a_malformed_if_match_is_a_400_problem_that_says_why() {
         let body = r.into_body().collect().await.unwrap().to_bytes();
         let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(
-            problem["type"], "https://idem.dev/problems/precondition-invalid",
+            problem["type"],
+            format!(
+                "{}precondition-invalid",
+                idem_axum::problem::problem_type_base()
+            ),
             "{lines:?}"
         );
         assert_eq!(problem["status"], 400);
