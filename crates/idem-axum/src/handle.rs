@@ -90,6 +90,9 @@ where
     claimed(&claim, false);
     let handle = Idempotency::new(claim.clone(), config.policy.clone());
     parts.extensions.insert(handle.clone());
+    if let Some(store) = &config.typed_store {
+        parts.extensions.insert(store.clone());
+    }
     // The handler runs on a task of its own: a client that disconnects (or
     // times out) does not cancel it half-way, so its answer is stored and
     // the client's retry gets the replay. If the task itself is dropped or

@@ -36,12 +36,36 @@ impl IdempotencyLayer {
         Self {
             config: Arc::new(Config {
                 store,
+                typed_store: None,
                 policy: Arc::new(policy),
                 scope: Arc::new(scope),
                 methods: vec![Method::POST, Method::PATCH],
                 claim_in_handler: false,
             }),
         }
+    }
+
+    /// A layer over `store`, like [`new`](Self::new), that also hands the
+    /// store, as its own type, to [`Guarded<S>`](crate::Guarded) handlers:
+    /// the store is named once, and a handler completes its record in the
+    /// store that claimed it.
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use idem_axum::{IdempotencyLayer, SingleScope};
+    /// use idem_memory::MemoryStore;
+    ///
+    /// let layer = IdempotencyLayer::from_store(MemoryStore::new(), Default::default(), SingleScope("app".into()));
+    /// let app: Router = Router::new().route("/orders", post(|| async { "created" }).route_layer(layer));
+    /// ```
+    pub fn from_store<S>(store: S, policy: Policy, scope: impl ScopeExtractor) -> Self
+    where
+        S: Store + Clone + 'static,
+    {
+        let mut layer = Self::new(Arc::new(store.clone()), policy, scope);
+        Arc::make_mut(&mut layer.config).typed_store =
+            Some(crate::guarded::LayerStore(Arc::new(store)));
+        layer
     }
 
     /// Replaces the set of guarded methods (default `POST` and `PATCH`).

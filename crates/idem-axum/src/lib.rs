@@ -83,6 +83,7 @@ mod handle;
 mod request;
 // What handlers extract, and what the layer answers instead of them.
 mod extract;
+mod guarded;
 mod metrics;
 pub mod problem;
 mod rejection;
@@ -95,6 +96,7 @@ pub use claim::replayed_headers;
 pub use claim::IDEMPOTENT_REPLAYED;
 pub use deferred::{ClaimRefused, DeferredClaim};
 pub use extract::{CompleteError, Idempotency};
+pub use guarded::{Guarded, HandlerError};
 pub use layer::IdempotencyLayer;
 pub use problem::Problem;
 pub use rejection::IdempotencyRejection;

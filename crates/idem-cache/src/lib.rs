@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Store, StoreError,
-    StoredResponse, TransactionalStore, UnixMillis,
+    StoredResponse, BeginTransaction, TransactionalStore, UnixMillis,
 };
 
 type Id = (String, String);
@@ -170,6 +170,24 @@ impl<S: Store> Store for ReplayCache<S> {
 
     fn settled<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, ()> {
         self.inner.settled(claim)
+    }
+}
+
+impl<S: BeginTransaction> BeginTransaction for ReplayCache<S> {
+    type Transaction = S::Transaction;
+    type Connection = S::Connection;
+
+    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
+        self.inner.begin_transaction()
+    }
+    fn connection(tx: &mut Self::Transaction) -> &mut Self::Connection {
+        S::connection(tx)
+    }
+    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        S::commit(tx)
+    }
+    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        S::rollback(tx)
     }
 }
 

@@ -46,5 +46,5 @@ pub use record::{
 };
 pub use store::{
     sweep_all, BoxFuture, ClaimInTransaction, ClaimOutcome, ClaimRequest, Store, StoreError,
-    TransactionalStore, TxClaimOutcome,
+    BeginTransaction, TransactionalStore, TxClaimOutcome,
 };

@@ -199,6 +199,63 @@ pub trait TransactionalStore<C: ?Sized>: Store {
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 }
 
+impl<S, C> TransactionalStore<C> for Arc<S>
+where
+    S: TransactionalStore<C> + ?Sized,
+    C: ?Sized,
+{
+    fn complete_in_tx<'a>(
+        &'a self,
+        conn: &'a mut C,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        (**self).complete_in_tx(conn, claim, response)
+    }
+}
+
+/// A store that begins the business transaction its records complete in
+/// (on the database the records live in), so that an edge can run a
+/// handler's work, complete the record and commit in one call: the
+/// `Guarded::transaction` of idem-axum.
+pub trait BeginTransaction: TransactionalStore<Self::Connection> {
+    /// The open transaction (e.g. `sqlx::Transaction<'static, Postgres>`).
+    type Transaction: Send;
+    /// The connection the transaction runs on, which the record is
+    /// completed on.
+    type Connection: ?Sized + Send;
+
+    /// Begins a transaction (SQLite: an immediate one, the write lock first).
+    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>>;
+
+    /// The connection `tx` runs on.
+    fn connection(tx: &mut Self::Transaction) -> &mut Self::Connection;
+
+    /// Commits `tx`.
+    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>>;
+
+    /// Rolls `tx` back.
+    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>>;
+}
+
+impl<S: BeginTransaction + ?Sized> BeginTransaction for Arc<S> {
+    type Transaction = S::Transaction;
+    type Connection = S::Connection;
+
+    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
+        (**self).begin_transaction()
+    }
+    fn connection(tx: &mut Self::Transaction) -> &mut Self::Connection {
+        S::connection(tx)
+    }
+    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        S::commit(tx)
+    }
+    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        S::rollback(tx)
+    }
+}
+
 /// What [`ClaimInTransaction::claim_and_begin`] found.
 #[derive(Debug)]
 pub enum TxClaimOutcome<T> {

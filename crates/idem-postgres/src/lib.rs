@@ -103,7 +103,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId, Record, Store,
-    StoreError, StoredResponse, TransactionalStore,
+    StoreError, StoredResponse, BeginTransaction, TransactionalStore,
 };
 use idem_sql::migrate::Migration;
 use idem_sql::{decode_record, fenced};
@@ -330,6 +330,24 @@ impl TransactionalStore<PgConnection> for PostgresStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(complete_with(conn, &self.sql.complete, claim, response))
+    }
+}
+
+impl BeginTransaction for PostgresStore {
+    type Transaction = sqlx::Transaction<'static, sqlx::Postgres>;
+    type Connection = PgConnection;
+
+    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
+        Box::pin(async move { self.pool.begin().await.map_err(idem_sql::store_error) })
+    }
+    fn connection(tx: &mut Self::Transaction) -> &mut PgConnection {
+        tx
+    }
+    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move { tx.commit().await.map_err(idem_sql::store_error) })
+    }
+    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move { tx.rollback().await.map_err(idem_sql::store_error) })
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Store, StoreError,
-    StoredResponse, TransactionalStore,
+    StoredResponse, BeginTransaction, TransactionalStore,
 };
 use tracing::{debug, warn};
 
@@ -170,6 +170,24 @@ impl<S: Store> Store for TieredStore<S> {
             self.sql.settled(claim).await;
             self.forget(claim).await;
         })
+    }
+}
+
+impl<S: BeginTransaction> BeginTransaction for TieredStore<S> {
+    type Transaction = S::Transaction;
+    type Connection = S::Connection;
+
+    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
+        self.sql.begin_transaction()
+    }
+    fn connection(tx: &mut Self::Transaction) -> &mut Self::Connection {
+        S::connection(tx)
+    }
+    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        S::commit(tx)
+    }
+    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        S::rollback(tx)
     }
 }
 

@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
-    Store, StoreError, StoreStats, StoredResponse, TransactionalStore, UnixMillis,
+    Store, StoreError, StoreStats, StoredResponse, BeginTransaction, TransactionalStore, UnixMillis,
 };
 use idem_sql::migrate::Migration;
 use idem_sql::{decode_record, decode_stats, fenced};
@@ -257,6 +257,31 @@ impl TransactionalStore<SqliteConnection> for SqliteStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(complete_in_tx(conn, claim, response))
+    }
+}
+
+impl BeginTransaction for SqliteStore {
+    type Transaction = sqlx::Transaction<'static, sqlx::Sqlite>;
+    type Connection = SqliteConnection;
+
+    /// An immediate transaction: the write lock first, so two writers wait
+    /// for each other instead of failing at their first write.
+    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
+        Box::pin(async move {
+            self.pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(idem_sql::store_error)
+        })
+    }
+    fn connection(tx: &mut Self::Transaction) -> &mut SqliteConnection {
+        tx
+    }
+    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move { tx.commit().await.map_err(idem_sql::store_error) })
+    }
+    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move { tx.rollback().await.map_err(idem_sql::store_error) })
     }
 }
 
