@@ -50,6 +50,10 @@
 //! 500: a handler extracted `Idempotency` on a route the layer does not
 //! guard (a wiring mistake).
 //!
+//! ### `scope-missing`
+//! 401: [`HeaderScope`](crate::HeaderScope) found no client id in the
+//! request; nothing ran and nothing was stored.
+//!
 //! ### `precondition-invalid`
 //! 400: `If-Match` / `If-None-Match` is not a valid list of entity tags.
 //!

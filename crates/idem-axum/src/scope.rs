@@ -51,3 +51,53 @@ impl ScopeExtractor for SingleScope {
         Ok(self.0.clone())
     }
 }
+
+/// The scope is the value of one request header: the client id that your
+/// authentication (a gateway, or a middleware that runs before this layer)
+/// put there. Never trust a header a client can set itself: the scope is
+/// what keeps one client's keys (and replayed answers) from another's.
+///
+/// A request without the header, or with an empty or non-visible-ASCII
+/// value, is refused with `401` problem+json (`scope-missing`).
+///
+/// ```
+/// use idem_axum::{HeaderScope, ScopeExtractor};
+/// let scope = HeaderScope::new("x-client-id");
+/// let (ok, _) = http::Request::get("/").header("x-client-id", "acme").body(()).unwrap().into_parts();
+/// assert_eq!(scope.scope(&ok).unwrap(), "acme");
+/// let (missing, _) = http::Request::get("/").body(()).unwrap().into_parts();
+/// assert_eq!(scope.scope(&missing).unwrap_err().status(), 401);
+/// ```
+#[derive(Debug, Clone)]
+pub struct HeaderScope(String);
+
+impl HeaderScope {
+    /// Scopes by the header `name` (matched case-insensitively).
+    pub fn new(name: impl Into<String>) -> Self {
+        Self(name.into().to_ascii_lowercase())
+    }
+}
+
+impl ScopeExtractor for HeaderScope {
+    fn scope(&self, parts: &Parts) -> Result<String, Response> {
+        parts
+            .headers
+            .get(self.0.as_str())
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_graphic()))
+            .map(str::to_owned)
+            .ok_or_else(|| {
+                axum::response::IntoResponse::into_response(
+                    crate::Problem::new(
+                        http::StatusCode::UNAUTHORIZED,
+                        "scope-missing",
+                        "The request does not say which client it is",
+                    )
+                    .detail(format!(
+                        "the {} header (set by authentication) is missing or invalid",
+                        self.0
+                    )),
+                )
+            })
+    }
+}
