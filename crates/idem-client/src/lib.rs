@@ -1,47 +1,106 @@
 //! The client half of idempotency: a [`reqwest_middleware`] middleware that
-//! keeps **one `Idempotency-Key` per intent** across every retry, and knows
-//! which answers to retry.
+//! keeps **one `Idempotency-Key` per intent** across every retry, knows
+//! which answers to retry, and rides out a few seconds of outage.
 //!
-//! ```no_run
-//! use idem_client::{IntentKey, IdempotentRetry, RetryOutcomeExt};
+//! ```
+//! use std::time::Duration;
+//! use idem_client::{IdempotentRetry, IntentKey, RetryErrorExt, RetryOutcomeExt};
 //! use reqwest_middleware::ClientBuilder;
 //!
-//! # async fn pay() -> Result<(), reqwest_middleware::Error> {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # // an address nothing listens on: every attempt is refused
+//! # let url = {
+//! #     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+//! #     format!("http://{}/payments", l.local_addr()?)
+//! # };
 //! let client = ClientBuilder::new(reqwest::Client::new())
-//!     .with(IdempotentRetry::default())
+//!     // `IdempotentRetry::default()` keeps trying for 10 s; this gives up sooner
+//!     .with(IdempotentRetry::builder().max_elapsed(Duration::from_millis(300)).build())
 //!     .build();
-//! let response = client
-//!     .post("http://127.0.0.1:8080/payments")
+//! let sent = client
+//!     .post(&url)
 //!     .bearer_auth("client-1")
 //!     .header("content-type", "application/json")
 //!     .body(r#"{"account_id":"acc_1","amount":1000,"currency":"EUR"}"#)
 //!     // one key for this intent; omit it and one is generated (UUID v4)
 //!     .with_extension(IntentKey::new("order-42-payment"))
-//!     .timeout(std::time::Duration::from_secs(2))
+//!     // each attempt's own time limit
+//!     .timeout(Duration::from_secs(2))
 //!     .send()
-//!     .await?;
-//! let outcome = response.retry_outcome().expect("set by the middleware");
-//! println!("{} after {} attempt(s), replayed: {}", response.status(), outcome.attempts, outcome.replayed);
+//!     .await;
+//! match sent {
+//!     // a final answer: a success, or an error retrying cannot fix (400, 404, 422, ...)
+//!     Ok(response) => {
+//!         if let Some(outcome) = response.retry_outcome() {
+//!             println!("{} after {} attempt(s), replayed: {}",
+//!                 response.status(), outcome.attempts, outcome.replayed);
+//!         }
+//!     }
+//!     // given up: how many attempts, under which key, and what the last one got
+//!     Err(err) => {
+//!         let failed = err.retry_error().ok_or("not from IdempotentRetry")?;
+//!         assert_eq!(failed.idempotency_key(), Some("order-42-payment"));
+//!         assert!(failed.transport_error().is_some_and(|e| e.is_connect()));
+//!         // gave up after 3 attempt(s) in 300.4ms under Idempotency-Key
+//!         // "order-42-payment" (time budget spent): error sending request for
+//!         // url (...): client error (Connect): tcp connect error: Connection refused
+//!         eprintln!("{:#}", anyhow::Error::new(err));
+//!     }
+//! }
 //! # Ok(()) }
 //! ```
 //!
 //! # What is retried
 //!
-//! Connection errors and time-outs; `5xx` except `501 Not Implemented`;
-//! `409 Conflict` (the original is still in flight; honours `Retry-After`);
-//! `429 Too Many Requests` (honours `Retry-After`). Never `400`, `401`, `403`,
-//! `404`, `422` or any other `4xx`: the request itself is wrong, and sending
-//! it again cannot help. Between attempts: exponential backoff with full
-//! jitter, capped by attempts and by total time.
+//! Connection errors (refused, reset, closed before the answer) and
+//! time-outs; `5xx` except `501 Not Implemented`; `409 Conflict` (the
+//! original is still in flight); `429 Too Many Requests`. Never `400`,
+//! `401`, `403`, `404`, `422` or any other `4xx`: the request itself is
+//! wrong, and sending it again cannot help.
+//!
+//! # How long
+//!
+//! The defaults ([`IdempotentRetry::default`]) keep trying for **10 s**
+//! (at most 40 attempts), so a server restarting or a load balancer
+//! failing over within that is ridden out:
+//!
+//! - between attempts, exponential backoff with decorrelated jitter: each
+//!   wait drawn from `[100 ms, 3 × the previous wait]`, never over **2 s**;
+//! - on `409`, `429` and `503`, the server's `Retry-After` (seconds or an
+//!   HTTP-date) instead, cut to at most **5 s** (and at least the base
+//!   delay); if that wait would end after the 10 s budget, the middleware
+//!   gives up at once rather than retry before the server asked;
+//! - a backoff wait is shortened to end with the budget, so the last
+//!   attempt starts at the latest as the budget ends, and no sleep runs past
+//!   it.
+//!
+//! All of it is configurable with [`IdempotentRetry::builder`].
+//!
+//! # What comes back
+//!
+//! `Ok(response)` is a final answer (a success, or a status not worth
+//! retrying), with a [`RetryOutcome`] in its extensions
+//! ([`RetryOutcomeExt::retry_outcome`]). Everything else is an `Err` holding
+//! a [`RetryError`] (as [`reqwest_middleware::Error::Middleware`]; get it
+//! with [`RetryErrorExt::retry_error`]): attempts, key, elapsed time, why it
+//! stopped, and the last failure, either the transport error or the last
+//! answer itself ([`RetryError::into_response`]), which carries its
+//! [`RetryOutcome`] too.
 //!
 //! Requests whose body cannot be cloned (streams) are sent once.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use http::{Extensions, HeaderName, HeaderValue, Method, StatusCode};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next, Result};
 use tracing::debug;
+
+mod error;
+mod wait;
+
+pub use error::{LastFailure, RetryError, RetryErrorExt, StopReason};
 
 /// The reqwest this middleware is built on (0.12): build the client with
 /// it, so that a different reqwest in your tree cannot make the types
@@ -95,7 +154,9 @@ pub enum KeyKind {
 }
 
 /// What happened, attached to the final response's extensions (read it with
-/// [`RetryOutcomeExt::retry_outcome`]).
+/// [`RetryOutcomeExt::retry_outcome`]); when the middleware gives up, the
+/// same account is [`RetryError::outcome`], and the last answer, if any,
+/// carries it too.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryOutcome {
     /// How many attempts were sent, the last included.
@@ -133,15 +194,16 @@ pub struct IdempotentRetry {
 }
 
 impl Default for IdempotentRetry {
-    /// 5 attempts within 30 s, backoff from 100 ms up to 5 s, `Retry-After`
-    /// honoured up to 10 s, UUID v4 keys on `POST` and `PATCH`.
+    /// Rides out about 10 s of outage: at most 40 attempts within 10 s;
+    /// backoff with decorrelated jitter from 100 ms, each wait at most 2 s;
+    /// `Retry-After` honoured up to 5 s; UUID v4 keys on `POST` and `PATCH`.
     fn default() -> Self {
         Self {
-            max_attempts: 5,
-            max_elapsed: Duration::from_secs(30),
+            max_attempts: 40,
+            max_elapsed: Duration::from_secs(10),
             base_delay: Duration::from_millis(100),
-            max_delay: Duration::from_secs(5),
-            max_retry_after: Duration::from_secs(10),
+            max_delay: Duration::from_secs(2),
+            max_retry_after: Duration::from_secs(5),
             key_kind: KeyKind::V4,
             keyed_methods: vec![Method::POST, Method::PATCH],
         }
@@ -153,13 +215,13 @@ impl Default for IdempotentRetry {
 pub struct IdempotentRetryBuilder(IdempotentRetry);
 
 impl IdempotentRetry {
-    /// A builder starting from the defaults.
+    /// A builder starting from the defaults (see [`IdempotentRetry::default`]).
     ///
     /// ```
     /// use std::time::Duration;
     /// let retry = idem_client::IdempotentRetry::builder()
     ///     .max_attempts(3)
-    ///     .max_elapsed(Duration::from_secs(10))
+    ///     .max_elapsed(Duration::from_secs(20))
     ///     .build();
     /// ```
     pub fn builder() -> IdempotentRetryBuilder {
@@ -168,38 +230,52 @@ impl IdempotentRetry {
 }
 
 impl IdempotentRetryBuilder {
-    /// The most attempts per request, the first included (at least 1).
+    /// The most attempts per request, the first included (at least 1;
+    /// default 40). Every backoff wait is at least
+    /// [`base_delay`](Self::base_delay), so with the defaults 40 attempts
+    /// span at least 3.9 s whatever the jitter draws; in practice the time
+    /// budget ends the retries first (10 s of refused connections take 9 to
+    /// 20 attempts, rarely up to about 35).
     pub fn max_attempts(mut self, n: u32) -> Self {
         self.0.max_attempts = n.max(1);
         self
     }
 
-    /// No new attempt starts after this long since the first.
+    /// The time budget (default 10 s), from the first attempt's start: no
+    /// attempt starts after it and no wait runs past it. A backoff wait that
+    /// would is shortened to end with it; a `Retry-After` that would makes
+    /// the middleware give up at once
+    /// ([`StopReason::RetryAfterBeyondBudget`]). An attempt already under
+    /// way is not cut: bound each with `RequestBuilder::timeout`.
     pub fn max_elapsed(mut self, d: Duration) -> Self {
         self.0.max_elapsed = d;
         self
     }
 
-    /// The backoff before the second attempt; it doubles each time (full
-    /// jitter: a random delay between zero and the doubled value).
+    /// The shortest backoff wait (default 100 ms): each wait is drawn
+    /// uniformly from `[base_delay, 3 × the previous wait]` (decorrelated
+    /// jitter; the first from `[base_delay, 3 × base_delay]`), then cut to
+    /// [`max_delay`](Self::max_delay). Also the least a `Retry-After` makes
+    /// the middleware wait.
     pub fn base_delay(mut self, d: Duration) -> Self {
         self.0.base_delay = d;
         self
     }
 
-    /// The longest backoff.
+    /// The longest backoff wait (default 2 s).
     pub fn max_delay(mut self, d: Duration) -> Self {
         self.0.max_delay = d;
         self
     }
 
-    /// The longest `Retry-After` honoured; longer ones are cut to this.
+    /// The longest `Retry-After` honoured (default 5 s); a longer one is cut
+    /// to this, and the next attempt comes sooner than the server asked.
     pub fn max_retry_after(mut self, d: Duration) -> Self {
         self.0.max_retry_after = d;
         self
     }
 
-    /// How generated keys look.
+    /// How generated keys look (default [`KeyKind::V4`]).
     pub fn key_kind(mut self, kind: KeyKind) -> Self {
         self.0.key_kind = kind;
         self
@@ -219,7 +295,8 @@ impl IdempotentRetryBuilder {
     }
 }
 
-/// Whether an answer is worth another attempt.
+/// Whether an answer is worth another attempt: `409`, `429`, and `5xx`
+/// except `501`.
 pub fn is_retryable_status(status: StatusCode) -> bool {
     match status.as_u16() {
         501 => false,
@@ -229,6 +306,9 @@ pub fn is_retryable_status(status: StatusCode) -> bool {
     }
 }
 
+/// Whether a transport error is worth another attempt: the connection could
+/// not be made (refused, unreachable), broke before the answer (reset,
+/// closed), or timed out.
 fn is_retryable_error(e: &reqwest_middleware::Error) -> bool {
     match e {
         reqwest_middleware::Error::Reqwest(e) => e.is_timeout() || e.is_connect() || e.is_request(),
@@ -236,27 +316,88 @@ fn is_retryable_error(e: &reqwest_middleware::Error) -> bool {
     }
 }
 
-/// `Retry-After` in seconds (the HTTP-date form is not honoured).
-fn retry_after(response: &Response) -> Option<Duration> {
-    let v = response
-        .headers()
-        .get(http::header::RETRY_AFTER)?
-        .to_str()
-        .ok()?;
-    v.trim().parse::<u64>().ok().map(Duration::from_secs)
+/// The statuses whose `Retry-After` is honoured.
+fn honours_retry_after(status: StatusCode) -> bool {
+    matches!(status.as_u16(), 409 | 429 | 503)
 }
 
-/// A uniformly random duration in `[0, max]` (full jitter).
-fn jitter(max: Duration) -> Duration {
-    let r = uuid::Uuid::new_v4().as_u64_pair().0;
-    let fraction = (r >> 11) as f64 / (1u64 << 53) as f64;
-    max.mul_f64(fraction)
+/// What one attempt came to.
+enum Verdict {
+    /// A final answer.
+    Done(Response),
+    /// Worth another attempt, after the server's `Retry-After` if it gave
+    /// one.
+    Retry(LastFailure, Option<Duration>),
+    /// Not worth another attempt.
+    Fail(LastFailure),
+}
+
+fn judge(result: Result<Response>) -> Verdict {
+    match result {
+        Ok(r) if is_retryable_status(r.status()) => {
+            let after = if honours_retry_after(r.status()) {
+                r.headers()
+                    .get(http::header::RETRY_AFTER)
+                    .and_then(|v| wait::parse_retry_after(v, SystemTime::now()))
+            } else {
+                None
+            };
+            Verdict::Retry(LastFailure::Status(Box::new(r)), after)
+        }
+        Ok(r) => Verdict::Done(r),
+        Err(e) if is_retryable_error(&e) => Verdict::Retry(LastFailure::Transport(e), None),
+        Err(e) => Verdict::Fail(LastFailure::Transport(e)),
+    }
+}
+
+fn attach_outcome(r: &mut Response, attempts: u32, key: &Option<String>) {
+    let replayed = r
+        .headers()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+    r.extensions_mut().insert(RetryOutcome {
+        attempts,
+        replayed,
+        idempotency_key: key.clone(),
+    });
 }
 
 impl IdempotentRetry {
-    fn backoff(&self, retry: u32) -> Duration {
-        let exp = self.base_delay.saturating_mul(1u32 << retry.min(20));
-        jitter(exp.min(self.max_delay))
+    /// The key this request is sent with, written into its header.
+    fn key(
+        &self,
+        req: &mut Request,
+        extensions: &Extensions,
+    ) -> std::result::Result<Option<String>, RetryError> {
+        if !self.keyed_methods.contains(req.method()) {
+            return Ok(None);
+        }
+        let existing = req
+            .headers()
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let key = match (existing, extensions.get::<IntentKey>()) {
+            (Some(k), _) => k,
+            (None, Some(k)) => k.0.clone(),
+            (None, None) => match self.key_kind {
+                KeyKind::V4 => IntentKey::random().0,
+                KeyKind::V7 => IntentKey::time_ordered().0,
+            },
+        };
+        match HeaderValue::from_str(&key) {
+            Ok(value) => {
+                req.headers_mut().insert(IDEMPOTENCY_KEY, value);
+                Ok(Some(key))
+            }
+            Err(e) => Err(RetryError::new(
+                0,
+                Some(key),
+                Duration::ZERO,
+                StopReason::InvalidKey,
+                LastFailure::InvalidKey(e),
+            )),
+        }
     }
 }
 
@@ -268,78 +409,105 @@ impl Middleware for IdempotentRetry {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> Result<Response> {
-        let key = if self.keyed_methods.contains(req.method()) {
-            let existing = req
-                .headers()
-                .get(IDEMPOTENCY_KEY)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned);
-            let key = match (existing, extensions.get::<IntentKey>()) {
-                (Some(k), _) => k,
-                (None, Some(k)) => k.0.clone(),
-                (None, None) => match self.key_kind {
-                    KeyKind::V4 => IntentKey::random().0,
-                    KeyKind::V7 => IntentKey::time_ordered().0,
-                },
-            };
-            let value = HeaderValue::from_str(&key).map_err(|e| {
-                reqwest_middleware::Error::Middleware(anyhow::Error::msg(format!(
-                    "invalid Idempotency-Key {key:?}: {e}"
-                )))
-            })?;
-            req.headers_mut().insert(IDEMPOTENCY_KEY, value);
-            Some(key)
-        } else {
-            None
-        };
-
+        let key = self.key(&mut req, extensions)?;
         let started = Instant::now();
+        // `None`: a budget too large to represent, that is no budget.
+        let deadline = started.checked_add(self.max_elapsed);
+        let mut backoff = wait::Backoff::new(self.base_delay, self.max_delay);
         let mut attempts = 0u32;
         loop {
             attempts += 1;
-            let finish = |result: Result<Response>, attempts: u32| {
-                result.map(|mut r| {
-                    let replayed = r
-                        .headers()
-                        .get("idempotent-replayed")
-                        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
-                    r.extensions_mut().insert(RetryOutcome {
-                        attempts,
-                        replayed,
-                        idempotency_key: key.clone(),
-                    });
-                    r
-                })
+            let give_up = |reason: StopReason, mut last: LastFailure| {
+                if let LastFailure::Status(r) = &mut last {
+                    attach_outcome(r, attempts, &key);
+                }
+                let e = RetryError::new(attempts, key.clone(), started.elapsed(), reason, last);
+                debug!(attempts, key = ?key, reason = %e.reason(), "giving up");
+                reqwest_middleware::Error::from(e)
             };
             // The last attempt, or a body that cannot be cloned (a stream),
             // sends the request itself: no retry after it.
-            let copy = if attempts < self.max_attempts {
-                req.try_clone()
-            } else {
-                None
-            };
+            let last_allowed = attempts >= self.max_attempts;
+            let copy = if last_allowed { None } else { req.try_clone() };
             let Some(copy) = copy else {
-                return finish(next.run(req, extensions).await, attempts);
+                return match judge(next.run(req, extensions).await) {
+                    Verdict::Done(mut r) => {
+                        attach_outcome(&mut r, attempts, &key);
+                        Ok(r)
+                    }
+                    Verdict::Retry(last, _) if last_allowed => {
+                        Err(give_up(StopReason::AttemptsExhausted, last))
+                    }
+                    Verdict::Retry(last, _) => Err(give_up(StopReason::BodyNotCloneable, last)),
+                    Verdict::Fail(last) => Err(give_up(StopReason::NotRetryable, last)),
+                };
             };
-            let result = next.clone().run(copy, extensions).await;
-            let pause = match &result {
-                Ok(r) if is_retryable_status(r.status()) => {
-                    Some(match (r.status().as_u16(), retry_after(r)) {
-                        (409 | 429 | 503, Some(after)) => after.min(self.max_retry_after),
-                        _ => self.backoff(attempts - 1),
-                    })
+            let (last, retry_after) = match judge(next.clone().run(copy, extensions).await) {
+                Verdict::Done(mut r) => {
+                    attach_outcome(&mut r, attempts, &key);
+                    return Ok(r);
                 }
-                Ok(_) => None,
-                Err(e) if is_retryable_error(e) => Some(self.backoff(attempts - 1)),
-                Err(_) => None,
+                Verdict::Fail(last) => return Err(give_up(StopReason::NotRetryable, last)),
+                Verdict::Retry(last, retry_after) => (last, retry_after),
             };
-            match pause {
-                Some(pause) if started.elapsed() + pause <= self.max_elapsed => {
-                    debug!(attempt = attempts, ?pause, key = ?key, "retrying");
-                    tokio::time::sleep(pause).await;
-                }
-                _ => return finish(result, attempts),
+            let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if remaining.is_some_and(|r| r.is_zero()) {
+                return Err(give_up(StopReason::BudgetExhausted, last));
             }
+            let pause = match retry_after {
+                Some(after) => {
+                    let after = after.max(self.base_delay).min(self.max_retry_after);
+                    if remaining.is_some_and(|r| after > r) {
+                        return Err(give_up(StopReason::RetryAfterBeyondBudget, last));
+                    }
+                    after
+                }
+                None => {
+                    let pause = backoff.next_wait();
+                    remaining.map_or(pause, |r| pause.min(r))
+                }
+            };
+            debug!(attempt = attempts, ?pause, key = ?key, last = %last, "retrying");
+            drop(last);
+            tokio::time::sleep(pause).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_the_documented_ones() {
+        let d = IdempotentRetry::default();
+        assert_eq!(d.max_attempts, 40);
+        assert_eq!(d.max_elapsed, Duration::from_secs(10));
+        assert_eq!(d.base_delay, Duration::from_millis(100));
+        assert_eq!(d.max_delay, Duration::from_secs(2));
+        assert_eq!(d.max_retry_after, Duration::from_secs(5));
+        assert_eq!(d.key_kind, KeyKind::V4);
+        assert_eq!(d.keyed_methods, [Method::POST, Method::PATCH]);
+        // the attempt cap alone spans at least a few seconds, whatever the
+        // jitter draws
+        assert!(d.base_delay * (d.max_attempts - 1) >= Duration::from_secs(2));
+    }
+
+    #[test]
+    fn retryable_statuses() {
+        for s in [409, 429, 500, 502, 503, 504] {
+            assert!(
+                is_retryable_status(StatusCode::from_u16(s).unwrap_or_default()),
+                "{s}"
+            );
+        }
+        for s in [
+            200, 201, 301, 400, 401, 403, 404, 408, 410, 412, 413, 422, 501,
+        ] {
+            assert!(
+                !is_retryable_status(StatusCode::from_u16(s).unwrap_or_default()),
+                "{s}"
+            );
         }
     }
 }
