@@ -284,14 +284,14 @@ mod tests {
         assert_eq!(stale.headers()[header::ETAG], "\"v3\"");
     }
 
-    /// The README lists every problem type of the contract, and no other.
+    /// The contract guide lists every problem type of the contract.
     #[test]
-    fn the_readme_lists_the_problem_types() {
-        let readme = include_str!("../../../README.md");
+    fn the_contract_guide_lists_the_problem_types() {
+        let readme = include_str!("../../idem/guide/contract.md");
         for slug in IdempotencyRejection::PROBLEM_TYPES {
             assert!(
                 readme.contains(&format!("`{slug}`")),
-                "README.md does not mention the problem type `{slug}`"
+                "crates/idem/guide/contract.md does not mention the problem type `{slug}`"
             );
         }
     }

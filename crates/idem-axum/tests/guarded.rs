@@ -147,7 +147,11 @@ async fn on_sqlite_every_way_out_ends_the_transaction() {
     );
     assert_eq!(count("crashing").await, 0);
     let (status, replayed, _) = send(&app, "k4", "crashing").await;
-    assert_eq!((status, replayed), (StatusCode::BAD_GATEWAY, false), "released");
+    assert_eq!(
+        (status, replayed),
+        (StatusCode::BAD_GATEWAY, false),
+        "released"
+    );
 
     // No transaction was left open: a write goes through at once.
     tokio::time::timeout(

@@ -6,8 +6,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Store, StoreError,
-    StoredResponse, BeginTransaction, TransactionalStore, UnixMillis,
+    BeginTransaction, BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Store,
+    StoreError, StoredResponse, TransactionalStore, UnixMillis,
 };
 
 type Id = (String, String);

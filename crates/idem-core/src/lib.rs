@@ -45,6 +45,6 @@ pub use record::{
     StoredResponse, UnixMillis,
 };
 pub use store::{
-    sweep_all, BoxFuture, ClaimInTransaction, ClaimOutcome, ClaimRequest, Store, StoreError,
-    BeginTransaction, TransactionalStore, TxClaimOutcome,
+    sweep_all, BeginTransaction, BoxFuture, ClaimInTransaction, ClaimOutcome, ClaimRequest, Store,
+    StoreError, TransactionalStore, TxClaimOutcome,
 };

@@ -1,7 +1,7 @@
 //! The transactional outbox: messages enqueued inside the business
 //! transaction, published by a [`Relay`] after they commit, marked sent
 //! only once the broker confirmed them. On PostgreSQL and SQLite alike:
-//! every function here takes either pool (see [`Db`](crate::Db)) or
+//! every function here takes either pool (see [`crate::Db`]) or
 //! either connection (see [`OutboxConnection`]).
 //!
 //! ```no_run

@@ -102,8 +102,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId, Record, Store,
-    StoreError, StoredResponse, BeginTransaction, TransactionalStore,
+    BeginTransaction, BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId,
+    Record, Store, StoreError, StoredResponse, TransactionalStore,
 };
 use idem_sql::migrate::Migration;
 use idem_sql::{decode_record, fenced};

@@ -32,7 +32,7 @@
 //!
 //! # What Redis alone does not guarantee
 //!
-//! See the README: the record cannot commit with a SQL business write; a
+//! See the Redis guide (`idem::guide::redis`): the record cannot commit with a SQL business write; a
 //! crash between the effect and the completion lets a retry run again after
 //! the lease; and what a Redis restart forgets depends on its persistence
 //! settings (`appendonly yes`, `appendfsync everysec` or `always`).

@@ -4,8 +4,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Store, StoreError,
-    StoredResponse, BeginTransaction, TransactionalStore,
+    BeginTransaction, BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, RecordState, Store,
+    StoreError, StoredResponse, TransactionalStore,
 };
 use tracing::{debug, warn};
 

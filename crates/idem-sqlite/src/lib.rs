@@ -43,8 +43,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
-    Store, StoreError, StoreStats, StoredResponse, BeginTransaction, TransactionalStore, UnixMillis,
+    BeginTransaction, BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection,
+    OperationId, Record, Store, StoreError, StoreStats, StoredResponse, TransactionalStore,
+    UnixMillis,
 };
 use idem_sql::migrate::Migration;
 use idem_sql::{decode_record, decode_stats, fenced};

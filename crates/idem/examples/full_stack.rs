@@ -29,14 +29,22 @@ async fn create_order(
 ) -> Response {
     let id = guard.operation_id().to_string();
     guard
-        .transaction(|tx| Box::pin(async move {
-            sqlx::query(&format!("INSERT INTO {} (id, body) VALUES ($1, $2)", t.orders))
-                .bind(&id).bind(&body).execute(&mut **tx).await?;
-            // The event commits with the order, or neither does.
-            let event = OutgoingMessage::new(format!("order-{id}"), t.subject, body);
-            t.outbox.enqueue(&mut **tx, &event).await?;
-            Ok((StatusCode::CREATED, id))
-        }))
+        .transaction(|tx| {
+            Box::pin(async move {
+                sqlx::query(&format!(
+                    "INSERT INTO {} (id, body) VALUES ($1, $2)",
+                    t.orders
+                ))
+                .bind(&id)
+                .bind(&body)
+                .execute(&mut **tx)
+                .await?;
+                // The event commits with the order, or neither does.
+                let event = OutgoingMessage::new(format!("order-{id}"), t.subject, body);
+                t.outbox.enqueue(&mut **tx, &event).await?;
+                Ok((StatusCode::CREATED, id))
+            })
+        })
         .await
 }
 
@@ -49,9 +57,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let schema = format!("walk_{run}");
 
     // Records in PostgreSQL (in a schema of their own), Redis in front.
-    let sql = PostgresStore::connect_with(&database, TableName::new(Some(&schema), "idem_records")?).await?;
+    let sql =
+        PostgresStore::connect_with(&database, TableName::new(Some(&schema), "idem_records")?)
+            .await?;
     let pool = sql.pool().clone();
-    let redis = RedisStore::connect(RedisConfig::new(var("REDIS_URL", "redis://127.0.0.1:6379")).prefix(format!("walk-{run}"))).await?;
+    let redis = RedisStore::connect(
+        RedisConfig::new(var("REDIS_URL", "redis://127.0.0.1:6379")).prefix(format!("walk-{run}")),
+    )
+    .await?;
     let store: Store = Arc::new(TieredStore::new(sql, redis));
 
     // The outbox and the inbox, in the same schema.
@@ -61,36 +74,61 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     inbox.migrate(&pool).await?;
     let orders = format!("\"{schema}\".orders");
     let counted = format!("\"{schema}\".orders_counted");
-    sqlx::query(&format!("CREATE TABLE IF NOT EXISTS {orders} (id text PRIMARY KEY, body text)")).execute(&pool).await?;
-    sqlx::query(&format!("CREATE TABLE IF NOT EXISTS {counted} (message_id text)")).execute(&pool).await?;
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {orders} (id text PRIMARY KEY, body text)"
+    ))
+    .execute(&pool)
+    .await?;
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {counted} (message_id text)"
+    ))
+    .execute(&pool)
+    .await?;
 
     // The relay publishes what committed; the consumer acts once per message.
     let spec = StreamSpec::new(format!("WALK_{run}"), format!("walk.{run}.orders"));
     let publisher = NatsPublisher::connect(&nats, &spec).await?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let config = RelayConfig { table: outbox.clone(), ..RelayConfig::default() };
-    let relay = tokio::spawn(Relay::new(&pool, Arc::new(publisher.clone()), config).run(stopped.clone()));
+    let config = RelayConfig {
+        table: outbox.clone(),
+        ..RelayConfig::default()
+    };
+    let relay =
+        tokio::spawn(Relay::new(&pool, Arc::new(publisher.clone()), config).run(stopped.clone()));
     let consumer = NatsConsumer::connect(&nats, &spec, "count-orders", 5).await?;
     let (pool2, inbox2, counted2) = (pool.clone(), inbox.clone(), counted.clone());
-    let consuming = tokio::spawn(consumer.run(move |m| {
-        let (pool, inbox, counted) = (pool2.clone(), inbox2.clone(), counted2.clone());
-        async move {
-            let id = m.message_id.ok_or("a message without an id")?;
-            let (insert, row) = (format!("INSERT INTO {counted} VALUES ($1)"), id.clone());
-            let done = inbox.process(&pool, "count-orders", &id, |tx| Box::pin(async move {
-                sqlx::query(&insert).bind(row).execute(&mut **tx).await?;
-                Ok::<_, sqlx::Error>(())
-            })).await?;
-            if done == Handled::Duplicate { println!("a redelivery, acknowledged without acting again"); }
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
-        }
-    }, stopped));
+    let consuming = tokio::spawn(consumer.run(
+        move |m| {
+            let (pool, inbox, counted) = (pool2.clone(), inbox2.clone(), counted2.clone());
+            async move {
+                let id = m.message_id.ok_or("a message without an id")?;
+                let (insert, row) = (format!("INSERT INTO {counted} VALUES ($1)"), id.clone());
+                let done = inbox
+                    .process(&pool, "count-orders", &id, |tx| {
+                        Box::pin(async move {
+                            sqlx::query(&insert).bind(row).execute(&mut **tx).await?;
+                            Ok::<_, sqlx::Error>(())
+                        })
+                    })
+                    .await?;
+                if done == Handled::Duplicate {
+                    println!("a redelivery, acknowledged without acting again");
+                }
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+            }
+        },
+        stopped,
+    ));
 
     // The HTTP service: the store is named once, in the layer.
     let layer = IdempotencyLayer::from_store(store, Policy::default(), SingleScope("walk".into()));
     let app = Router::new()
         .route("/orders", post(create_order).route_layer(layer))
-        .with_state(Tables { outbox, orders, subject: spec.subject().to_owned() });
+        .with_state(Tables {
+            outbox,
+            orders,
+            subject: spec.subject().to_owned(),
+        });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/orders", listener.local_addr()?);
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
@@ -102,7 +140,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let intent = IntentKey::new(format!("order-{run}"));
     let mut ids = Vec::new();
     for _ in 0..2 {
-        let response = client.post(&url).body("2 espressos").with_extension(intent.clone()).send().await?;
+        let response = client
+            .post(&url)
+            .body("2 espressos")
+            .with_extension(intent.clone())
+            .send()
+            .await?;
         let replayed = response.retry_outcome().is_some_and(|o| o.replayed);
         println!("{} replayed={replayed}", response.status());
         ids.push(response.text().await?);
@@ -112,13 +155,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Wait for the event to travel: committed, relayed, consumed once.
     let mut consumed = 0i64;
     for _ in 0..300 {
-        consumed = sqlx::query_scalar(&format!("SELECT count(*) FROM {counted}")).fetch_one(&pool).await?;
-        if consumed > 0 { break; }
+        consumed = sqlx::query_scalar(&format!("SELECT count(*) FROM {counted}"))
+            .fetch_one(&pool)
+            .await?;
+        if consumed > 0 {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let orders: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{schema}\".orders")).fetch_one(&pool).await?;
+    let orders: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{schema}\".orders"))
+        .fetch_one(&pool)
+        .await?;
     println!("orders: {orders}, events consumed: {consumed}");
-    assert_eq!((orders, consumed), (1, 1), "one order, its event acted on once");
+    assert_eq!(
+        (orders, consumed),
+        (1, 1),
+        "one order, its event acted on once"
+    );
     stop.send(true)?;
     relay.await??;
     consuming.await??;

@@ -2,48 +2,39 @@
 //! its effect once, and every repeat gets the answer the first got.
 //!
 //! Put [`IdempotencyLayer`](axum::IdempotencyLayer) in front of a handler,
-//! and let the handler commit the idempotency record in the same transaction
-//! as its business write:
+//! and let [`Guarded::transaction`](axum::Guarded::transaction) run the
+//! handler's business write and commit the idempotency record in the same
+//! transaction:
 //!
 //! ```
-//! use std::sync::Arc;
-//! use ::axum::{body::Body, extract::State, http::StatusCode, response::{IntoResponse, Response}, routing::post, Router};
-//! use idem::axum::{Idempotency, IdempotencyLayer, SingleScope};
+//! use ::axum::{body::Body, http::StatusCode, response::Response, routing::post, Router};
+//! use idem::axum::{Guarded, IdempotencyLayer, SingleScope};
 //! use idem::sqlite::SqliteStore;
 //! use idem::sqlx; // the sqlx idem is built on
 //! use idem::Policy;
 //! use tower::ServiceExt;
 //!
-//! async fn create_order(State(store): State<SqliteStore>, idem: Idempotency, body: String) -> Response {
-//!     let Ok(mut tx) = store.pool().begin().await else { return StatusCode::SERVICE_UNAVAILABLE.into_response() };
-//!     let inserted = sqlx::query("INSERT INTO orders (operation_id, body) VALUES (?1, ?2)")
-//!         .bind(idem.operation_id().to_string())
-//!         .bind(&body)
-//!         .execute(&mut *tx)
-//!         .await;
-//!     if inserted.is_err() {
-//!         return StatusCode::SERVICE_UNAVAILABLE.into_response();
-//!     }
-//!     let response = (StatusCode::CREATED, "order created").into_response();
-//!     // Fenced by this attempt's token: if a retry took over, nothing commits.
-//!     let response = match idem.complete_in(&store, &mut *tx, response).await {
-//!         Ok(response) => response,
-//!         Err(e) => return e.into_response(), // dropping `tx` rolls the order back
-//!     };
-//!     match tx.commit().await {
-//!         Ok(()) => response,
-//!         Err(_) => StatusCode::SERVICE_UNAVAILABLE.into_response(), // 5xx: the claim is released
-//!     }
+//! async fn create_order(guard: Guarded<SqliteStore>, body: String) -> Response {
+//!     let operation_id = guard.operation_id().to_string();
+//!     guard
+//!         .transaction(|tx| Box::pin(async move {
+//!             sqlx::query("INSERT INTO orders (operation_id, body) VALUES (?1, ?2)")
+//!                 .bind(operation_id)
+//!                 .bind(body)
+//!                 .execute(&mut **tx)
+//!                 .await?; // an error rolls back and answers 503; the claim is released
+//!             // Fenced by this attempt's token: if a retry took over, nothing commits.
+//!             Ok((StatusCode::CREATED, "order created"))
+//!         }))
+//!         .await
 //! }
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = SqliteStore::connect("sqlite::memory:").await?;
 //! sqlx::query("CREATE TABLE orders (operation_id TEXT UNIQUE, body TEXT)").execute(store.pool()).await?;
 //!
-//! let layer = IdempotencyLayer::new(Arc::new(store.clone()), Policy::default(), SingleScope("shop".into()));
-//! let app = Router::new()
-//!     .route("/orders", post(create_order).route_layer(layer))
-//!     .with_state(store.clone());
+//! let layer = IdempotencyLayer::from_store(store.clone(), Policy::default(), SingleScope("shop".into()));
+//! let app = Router::new().route("/orders", post(create_order).route_layer(layer));
 //!
 //! let order = || ::axum::http::Request::post("/orders")
 //!     .header("idempotency-key", "c0ffee-1")
@@ -58,6 +49,18 @@
 //! assert_eq!(orders, 1);
 //! # Ok(()) }
 //! ```
+//!
+//! # Guides
+//!
+//! | guide | what |
+//! |---|---|
+//! | [the HTTP contract](guide::contract) | every answer, every problem type, which `4xx` are stored; the five guards and which fits where |
+//! | [guarantees and their limits](guide::guarantees) | what holds in each mode, and what idem does not do |
+//! | [PostgreSQL](guide::postgres) | records shared by every instance; SQLite or PostgreSQL; a claim held by your transaction |
+//! | [Redis](guide::redis) | the fast tier in front of SQL, the in-process cache, Redis alone |
+//! | [messages](guide::messages) | the transactional outbox, its relay, the inbox; a whole service with NATS |
+//! | [the client](guide::client) | one key per intent, safe retries |
+//! | [operations](guide::operations) | the `idem` CLI and the metrics |
 //!
 //! # Crates
 //!
@@ -83,6 +86,39 @@
 //! your tree cannot make the types differ.
 
 pub use idem_core::*;
+
+/// The guides: how to use each part, with its guarantees. Each page is
+/// also a file under `crates/idem/guide/` in the repository.
+pub mod guide {
+    #[doc = include_str!("../guide/contract.md")]
+    pub mod contract {}
+    #[doc = include_str!("../guide/guarantees.md")]
+    pub mod guarantees {}
+    #[doc = include_str!("../guide/postgres.md")]
+    pub mod postgres {}
+    #[doc = include_str!("../guide/redis.md")]
+    pub mod redis {}
+    // The whole program on this page is compiled as a test when the
+    // features it needs are on (the test command turns them all on).
+    #[cfg_attr(
+        any(
+            doc,
+            all(
+                feature = "axum",
+                feature = "postgres",
+                feature = "redis",
+                feature = "nats",
+                feature = "client"
+            )
+        ),
+        doc = include_str!("../guide/messages.md")
+    )]
+    pub mod messages {}
+    #[doc = include_str!("../guide/client.md")]
+    pub mod client {}
+    #[doc = include_str!("../guide/operations.md")]
+    pub mod operations {}
+}
 
 /// The in-memory store, for tests and examples.
 pub mod memory {
