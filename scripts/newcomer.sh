@@ -72,19 +72,25 @@ cp Cargo.lock "$tmp/walk/Cargo.lock"
 cat "$tmp/walk/Cargo.toml"
 
 echo "building the walk's two programs (a project of its own)"
-(cd "$tmp/walk" && cargo build --bins --quiet) || fail "the documented snippets do not build"
-bin="${CARGO_TARGET_DIR:-$tmp/walk/target}/debug"
+(cd "$tmp/walk" && if [ -n "${CARGO_TARGET_DIR:-}" ]; then export CARGO_TARGET_DIR="$target"; fi
+  timeout 1200 cargo build --bins --quiet) || fail "the documented snippets do not build"
+target="${CARGO_TARGET_DIR:-$tmp/walk/target}"
+case "$target" in /*) ;; *) target="$repo/$target" ;; esac
+bin="$target/debug"
 
 echo "1. the quick start, on SQLite"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 (cd "$tmp" && LISTEN="127.0.0.1:$port" exec "$bin/quickstart") &
 pids+=($!)
-for _ in $(seq 1 100); do
-  curl -s -o /dev/null "http://127.0.0.1:$port/" && break
+up=
+for _ in $(seq 1 150); do
+  kill -0 "${pids[-1]}" 2>/dev/null || fail "the quick start exited (port $port taken?)"
+  if curl -s -o /dev/null --max-time 5 "http://127.0.0.1:$port/"; then up=1; break; fi
   sleep 0.2
 done
+[ -n "$up" ] || fail "the quick start did not answer on port $port"
 order() {
-  curl -s -D "$tmp/headers" -o "$tmp/body" -w '%{http_code}' "http://127.0.0.1:$port/orders" "$@"
+  curl -s --max-time 30 -D "$tmp/headers" -o "$tmp/body" -w '%{http_code}' "http://127.0.0.1:$port/orders" "$@"
 }
 [ "$(order -H 'x-client-id: acme' -H 'Idempotency-Key: k1' -d 'two teas')" = 201 ] \
   || fail "the first order was not 201: $(cat "$tmp/body")"

@@ -385,7 +385,7 @@ async fn shows_the_outbox_and_its_dead_letters() {
     assert!(out.contains("dead-lettered:  1"), "{out}");
     assert!(
         out.contains(
-            "dead: bad-1 -> nowhere after 1 attempt(s): no consumer subscribed to nowhere"
+            "dead: bad-1 -> nowhere after 1 attempt(s): broker unreachable: no consumer subscribed to nowhere"
         ),
         "{out}"
     );

@@ -117,6 +117,18 @@ impl Idempotency {
         &self.inner.claim
     }
 
+    /// Whether an answer with `status` releases the claim rather than
+    /// being stored (`5xx`; `4xx` when the policy does not store client
+    /// errors): the one rule the layer applies after the handler.
+    pub(crate) fn releases(&self, status: http::StatusCode) -> bool {
+        idem_core::on_handler_end(
+            &self.inner.policy,
+            idem_core::HandlerEnd::Answered {
+                status: status.as_u16(),
+            },
+        ) == idem_core::Settlement::Release
+    }
+
     pub(crate) fn completion(&self) -> Completion {
         *self
             .inner
@@ -179,6 +191,10 @@ impl Idempotency {
     /// On `Err`, drop (roll back) the transaction and answer with the error
     /// (it is [`IntoResponse`]): the effect must not commit. If the commit
     /// itself fails afterwards, answer `5xx` and the layer releases the claim.
+    ///
+    /// An answer the policy does not store (a `5xx`, or a `4xx` under
+    /// `store_client_errors(false)`) is not written: the layer releases the
+    /// claim after the handler answers, as it would without `complete_in`.
     pub async fn complete_in<S, C>(
         &self,
         store: &S,
@@ -189,6 +205,9 @@ impl Idempotency {
         S: TransactionalStore<C>,
         C: ?Sized,
     {
+        if self.releases(response.status()) {
+            return Ok(response);
+        }
         let (stored, response) = self.stage(response).await?;
         let result = store.complete_in_tx(conn, &self.inner.claim, &stored).await;
         self.record_transactional_completion(result)?;

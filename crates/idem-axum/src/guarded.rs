@@ -89,11 +89,18 @@ impl std::fmt::Debug for HandlerError {
 }
 
 impl HandlerError {
-    /// Rolls back and answers with `answer`.
+    /// Rolls back and answers with `answer`, an error (`4xx` or `5xx`). A
+    /// success here would be stored and replayed for work that never
+    /// committed, so it is answered as `500` (`handler-failed`) instead.
     pub fn answer(answer: impl IntoResponse) -> Self {
-        Self {
-            response: answer.into_response(),
+        let response = answer.into_response();
+        if response.status().as_u16() < 400 {
+            error!(status = %response.status(), "HandlerError::answer with a success: answered 500");
+            return Self {
+                response: IdempotencyRejection::HandlerFailed.into_response(),
+            };
         }
+        Self { response }
     }
 }
 
@@ -127,8 +134,9 @@ impl<S> Guarded<S> {
     /// commit together, or neither does.
     ///
     /// - `work` fails ([`HandlerError`]): rolled back; its answer is sent.
-    /// - `work` answers `5xx`: rolled back (never committed with an answer
-    ///   that releases the claim); sent as it is.
+    /// - `work` answers `5xx` (or a `4xx` the policy does not store):
+    ///   rolled back (never committed with an answer that releases the
+    ///   claim); sent as it is, and the layer releases the claim.
     /// - Another attempt took the claim over: rolled back; `409`.
     /// - Beginning or committing fails: `503`, and the claim is released.
     ///
@@ -150,7 +158,8 @@ impl<S> Guarded<S> {
             Ok(answer) => answer.into_response(),
             Err(e) => return rolled_back::<S>(tx, e.response).await,
         };
-        if response.status().is_server_error() {
+        if self.idempotency.releases(response.status()) {
+            // Never committed with an answer that releases the claim.
             return rolled_back::<S>(tx, response).await;
         }
         let completed = self

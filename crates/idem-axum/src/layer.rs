@@ -55,7 +55,9 @@ impl IdempotencyLayer {
     /// use idem_axum::{IdempotencyLayer, SingleScope};
     /// use idem_memory::MemoryStore;
     ///
-    /// let layer = IdempotencyLayer::from_store(MemoryStore::new(), Default::default(), SingleScope("app".into()));
+    /// // Any store that clones as a handle (the SQL stores do); others in an Arc.
+    /// let store = std::sync::Arc::new(MemoryStore::new());
+    /// let layer = IdempotencyLayer::from_store(store, Default::default(), SingleScope("app".into()));
     /// let app: Router = Router::new().route("/orders", post(|| async { "created" }).route_layer(layer));
     /// ```
     pub fn from_store<S>(store: S, policy: Policy, scope: impl ScopeExtractor) -> Self

@@ -57,8 +57,9 @@ impl ScopeExtractor for SingleScope {
 /// put there. Never trust a header a client can set itself: the scope is
 /// what keeps one client's keys (and replayed answers) from another's.
 ///
-/// A request without the header, or with an empty or non-visible-ASCII
-/// value, is refused with `401` problem+json (`scope-missing`).
+/// A request without the header, with it twice, or with an empty or
+/// non-visible-ASCII value, is refused with `401` problem+json
+/// (`scope-missing`).
 ///
 /// ```
 /// use idem_axum::{HeaderScope, ScopeExtractor};
@@ -67,6 +68,9 @@ impl ScopeExtractor for SingleScope {
 /// assert_eq!(scope.scope(&ok).unwrap(), "acme");
 /// let (missing, _) = http::Request::get("/").body(()).unwrap().into_parts();
 /// assert_eq!(scope.scope(&missing).unwrap_err().status(), 401);
+/// let (twice, _) = http::Request::get("/").header("x-client-id", "mallory")
+///     .header("x-client-id", "acme").body(()).unwrap().into_parts();
+/// assert_eq!(scope.scope(&twice).unwrap_err().status(), 401);
 /// ```
 #[derive(Debug, Clone)]
 pub struct HeaderScope(String);
@@ -80,10 +84,14 @@ impl HeaderScope {
 
 impl ScopeExtractor for HeaderScope {
     fn scope(&self, parts: &Parts) -> Result<String, Response> {
-        parts
-            .headers
-            .get(self.0.as_str())
-            .and_then(|v| v.to_str().ok())
+        let mut values = parts.headers.get_all(self.0.as_str()).iter();
+        // Exactly one: a client's own value beside the one authentication
+        // added must never be able to pick the scope.
+        let only = match (values.next(), values.next()) {
+            (Some(v), None) => Some(v),
+            _ => None,
+        };
+        only.and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_graphic()))
             .map(str::to_owned)
             .ok_or_else(|| {

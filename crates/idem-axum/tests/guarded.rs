@@ -272,3 +272,49 @@ async fn on_postgres_a_stalled_attempt_taken_over_commits_nothing() {
     .unwrap();
     assert_eq!(idle, 0, "no transaction left open");
 }
+
+/// Under `store_client_errors(false)` a `4xx` from the work releases the
+/// claim like a `5xx`: rolled back, not stored, the retry runs afresh. And
+/// a "failure" that answers a success is never stored for work that did
+/// not commit.
+#[tokio::test]
+async fn answers_the_policy_does_not_store_are_rolled_back_and_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("g.db").display());
+    let store = SqliteStore::connect(&url).await.unwrap();
+    sqlx::query("CREATE TABLE effects (operation_id TEXT NOT NULL, body TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let policy = Policy::builder()
+        .store_client_errors(false)
+        .build()
+        .unwrap();
+    let layer = IdempotencyLayer::from_store(store.clone(), policy, SingleScope("t".into()));
+    let app = Router::new().route("/orders", post(sqlite_handler).route_layer(layer));
+    for _ in 0..2 {
+        let (status, replayed, _) = send(&app, "k1", "refused").await;
+        assert_eq!(
+            (status, replayed),
+            (StatusCode::UNPROCESSABLE_ENTITY, false),
+            "not stored: each retry runs afresh"
+        );
+    }
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(n, 0, "rolled back");
+    // The key is free: the same request, now accepted, runs.
+    let record = store.get("t", "k1").await.unwrap();
+    assert!(
+        !matches!(
+            record.map(|r| r.state),
+            Some(idem_core::RecordState::Completed { .. })
+        ),
+        "nothing stored for the 422"
+    );
+
+    let misuse = HandlerError::answer(StatusCode::OK);
+    assert!(format!("{misuse:?}").contains("500"), "{misuse:?}");
+}

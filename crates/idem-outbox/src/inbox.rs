@@ -87,7 +87,7 @@ impl InboxTable {
     /// `search_path` finds it). SQLite has no schemas: a table with one is
     /// refused there, by each call.
     pub fn new(schema: Option<&str>, table: &str) -> Result<Self, InvalidIdentifier> {
-        TableName::new(schema, table).map(Self)
+        TableName::with_max_len(schema, table, crate::outbox::MAX_TABLE_NAME).map(Self)
     }
 
     /// The table.

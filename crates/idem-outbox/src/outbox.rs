@@ -44,6 +44,10 @@ pub const SQLITE_MIGRATIONS: &[Migration] = &[Migration {
     sql: include_str!("../migrations/sqlite/0001_outbox.sql"),
 }];
 
+/// The longest outbox or inbox table name: the names derived from it
+/// (`{table}_message_id_key`) must fit PostgreSQL's 63 bytes.
+pub const MAX_TABLE_NAME: usize = 48;
+
 /// The default outbox table's name.
 pub const DEFAULT_TABLE: &str = "idem_outbox";
 
@@ -58,6 +62,7 @@ pub const DEFAULT_TABLE: &str = "idem_outbox";
 /// assert_eq!(t.name().qualified(), r#""billing"."outbox""#);
 /// assert_eq!(OutboxTable::default().name().qualified(), r#""idem_outbox""#);
 /// assert!(OutboxTable::new(None, "outbox; DROP TABLE x").is_err());
+/// assert!(OutboxTable::new(None, &"o".repeat(49)).is_err(), "no room for its constraint's name");
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxTable(TableName);
@@ -76,7 +81,7 @@ impl OutboxTable {
     /// `search_path` finds it). SQLite has no schemas: a table with one is
     /// refused there, by each call.
     pub fn new(schema: Option<&str>, table: &str) -> Result<Self, InvalidIdentifier> {
-        TableName::new(schema, table).map(Self)
+        TableName::with_max_len(schema, table, MAX_TABLE_NAME).map(Self)
     }
 
     /// The table.

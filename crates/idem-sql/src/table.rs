@@ -19,18 +19,31 @@ pub struct TableName {
 
 /// A schema or table name that is not a plain SQL identifier.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0:?} is not a valid identifier: use 1 to 63 letters, digits or underscores, not starting with a digit")]
-pub struct InvalidIdentifier(String);
+#[error("{name:?} is not a valid identifier: use 1 to {max} letters, digits or underscores, not starting with a digit")]
+pub struct InvalidIdentifier {
+    name: String,
+    max: usize,
+}
+
+/// PostgreSQL's longest identifier; a longer one is cut short silently.
+const MAX_IDENTIFIER: usize = 63;
 
 fn valid_identifier(s: &str) -> Result<(), InvalidIdentifier> {
+    valid_identifier_of(s, MAX_IDENTIFIER)
+}
+
+fn valid_identifier_of(s: &str, max: usize) -> Result<(), InvalidIdentifier> {
     let ok = !s.is_empty()
-        && s.len() <= 63
+        && s.len() <= max
         && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
         && !s.as_bytes()[0].is_ascii_digit();
     if ok {
         Ok(())
     } else {
-        Err(InvalidIdentifier(s.to_owned()))
+        Err(InvalidIdentifier {
+            name: s.to_owned(),
+            max,
+        })
     }
 }
 
@@ -45,6 +58,19 @@ impl TableName {
             schema: schema.map(str::to_owned),
             table: table.to_owned(),
         })
+    }
+
+    /// Like [`new`](Self::new), with the table's name at most `max` bytes:
+    /// room for the suffixes of the constraint and index names derived
+    /// from it (`{table}_message_id_key`), which must stay within
+    /// PostgreSQL's 63 bytes to be matched by name.
+    pub fn with_max_len(
+        schema: Option<&str>,
+        table: &str,
+        max: usize,
+    ) -> Result<Self, InvalidIdentifier> {
+        valid_identifier_of(table, max.min(MAX_IDENTIFIER))?;
+        Self::new(schema, table)
     }
 
     /// The quoted, qualified name for SQL.

@@ -131,19 +131,25 @@ pub mod cache {
     pub use idem_cache::*;
 }
 
-/// The embedded SQLite store.
+/// The embedded SQLite store: the quick start above; guarantees in the
+/// [guarantees guide](crate::guide::guarantees), and when to move to
+/// PostgreSQL in the [PostgreSQL guide](crate::guide::postgres).
 #[cfg(feature = "sqlite")]
 pub mod sqlite {
     pub use idem_sqlite::*;
 }
 
-/// The PostgreSQL store.
+/// The PostgreSQL store: records shared by every instance, and a claim
+/// held by the business transaction. See the
+/// [PostgreSQL guide](crate::guide::postgres).
 #[cfg(feature = "postgres")]
 pub mod postgres {
     pub use idem_postgres::*;
 }
 
-/// Redis: a store of its own, and the tier in front of SQL.
+/// Redis: a store of its own, and the tier in front of SQL. See the
+/// [Redis guide](crate::guide::redis): what Redis alone does not
+/// guarantee.
 #[cfg(feature = "redis")]
 pub mod redis {
     pub use idem_redis::*;
@@ -155,7 +161,8 @@ pub mod sql {
     pub use idem_sql::*;
 }
 
-/// The client middleware: one key per intent, safe retries.
+/// The client middleware: one key per intent, safe retries. See the
+/// [client guide](crate::guide::client).
 #[cfg(feature = "client")]
 pub mod client {
     pub use idem_client::*;
@@ -172,24 +179,29 @@ pub mod client {
 pub use sqlx;
 
 /// The transactional outbox, its relay, and idempotent consumers (inbox).
+/// See the [messages guide](crate::guide::messages), with a whole service.
 #[cfg(feature = "outbox")]
 pub mod outbox {
     pub use idem_outbox::*;
 }
 
-/// The outbox over NATS JetStream.
+/// The outbox over NATS JetStream; see the
+/// [messages guide](crate::guide::messages).
 #[cfg(feature = "nats")]
 pub mod nats {
     pub use idem_nats::*;
 }
 
-/// The outbox over RabbitMQ.
+/// The outbox over RabbitMQ; see the
+/// [messages guide](crate::guide::messages).
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq {
     pub use idem_rabbitmq::*;
 }
 
-/// The tower layer and axum extractor.
+/// The tower layer and axum extractors ([`Guarded`](axum::Guarded),
+/// `Idempotency`, `DeferredClaim`), `ETag` / `If-Match`. See the
+/// [HTTP contract](crate::guide::contract).
 #[cfg(feature = "axum")]
 pub mod axum {
     pub use idem_axum::*;
