@@ -71,12 +71,12 @@ block crates/idem/guide/messages.md "## A whole service" rust,no_run >"$tmp/walk
 cp Cargo.lock "$tmp/walk/Cargo.lock"
 cat "$tmp/walk/Cargo.toml"
 
-echo "building the walk's two programs (a project of its own)"
-(cd "$tmp/walk" && if [ -n "${CARGO_TARGET_DIR:-}" ]; then export CARGO_TARGET_DIR="$target"; fi
-  timeout 1200 cargo build --bins --quiet) || fail "the documented snippets do not build"
 target="${CARGO_TARGET_DIR:-$tmp/walk/target}"
 case "$target" in /*) ;; *) target="$repo/$target" ;; esac
 bin="$target/debug"
+echo "building the walk's two programs (a project of its own)"
+(cd "$tmp/walk" && if [ -n "${CARGO_TARGET_DIR:-}" ]; then export CARGO_TARGET_DIR="$target"; fi
+  timeout 1200 cargo build --bins --quiet) || fail "the documented snippets do not build"
 
 echo "1. the quick start, on SQLite"
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
