@@ -26,7 +26,7 @@ pub const VERSION_TABLE: &str = "idem_schema_migrations";
 
 /// Applies `migrations` to the PostgreSQL table `table` in `schema` (or the
 /// search path's first schema), creating the schema if missing, under a
-/// transaction-scoped advisory lock.
+/// transaction-scoped advisory lock per schema.
 #[cfg(feature = "postgres")]
 pub async fn migrate_postgres(
     pool: &sqlx::PgPool,
@@ -43,8 +43,12 @@ pub async fn migrate_postgres(
     let index = format!("\"{table}_expires_at\"");
     let mut tx = pool.begin().await?;
     let staged = async {
+        // One lock per schema, not per table: creating the schema and the
+        // version table is shared by every table of it, and two first
+        // deployments racing on them would otherwise meet a unique
+        // violation in the catalog.
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-            .bind(format!("idem-migrate:{qualified}"))
+            .bind(format!("idem-migrate-schema:{}", schema.unwrap_or("")))
             .execute(&mut *tx)
             .await?;
         // `Executor::execute` on a `&str` runs a script of several statements

@@ -67,6 +67,52 @@ async fn postgres_applies_each_step_once_even_when_runners_race() {
     drop(schema);
 }
 
+/// First deployments racing into a schema that does not exist yet, each
+/// migrating another table: the schema and the version table are made
+/// once, and every table gets its version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn runners_of_different_tables_race_into_a_new_schema() {
+    let schema = TestSchema::create("idem_migrate_new").await;
+    let fresh = format!("{}_x", schema.name());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&schema.url())
+        .await
+        .unwrap();
+    let runs: Vec<_> = (0..6)
+        .map(|i| {
+            let (pool, fresh) = (pool.clone(), fresh.clone());
+            tokio::spawn(async move {
+                let steps = [Migration {
+                    version: 1,
+                    sql: "CREATE TABLE {table} (id TEXT PRIMARY KEY)",
+                }];
+                migrate_postgres(&pool, Some(&fresh), &format!("t{i}"), &steps).await
+            })
+        })
+        .collect();
+    let mut failed = Vec::new();
+    for run in runs {
+        if let Err(e) = run.await.unwrap() {
+            failed.push(e.to_string());
+        }
+    }
+    let versions: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{fresh}\".idem_schema_migrations"
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!("DROP SCHEMA \"{fresh}\" CASCADE"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(versions, 6);
+    pool.close().await;
+    drop(schema);
+}
+
 /// A second table migrated with the same runner lands in the same version
 /// table, under its own name.
 async fn idem_outbox_free_tables_pg(pool: &sqlx::PgPool) {
