@@ -61,6 +61,48 @@ pub(crate) fn sqlite_table(name: &idem_sql::TableName) -> Result<String, sqlx::E
     }
 }
 
+/// `sql` with `{table}` filled in with `name` as PostgreSQL (`postgres`)
+/// or SQLite writes it.
+pub(crate) fn render(
+    name: &idem_sql::TableName,
+    sql: &str,
+    postgres: bool,
+) -> Result<String, sqlx::Error> {
+    let table = if postgres {
+        name.qualified()
+    } else {
+        #[cfg(feature = "sqlite")]
+        {
+            sqlite_table(name)?
+        }
+        #[cfg(not(feature = "sqlite"))]
+        {
+            name.qualified()
+        }
+    };
+    Ok(sql.replace("{table}", &table))
+}
+
+/// Creates or upgrades table `name` with its database's migrations.
+pub(crate) async fn migrate(
+    db: Db,
+    name: &idem_sql::TableName,
+    postgres: &[idem_sql::migrate::Migration],
+    sqlite: &[idem_sql::migrate::Migration],
+) -> Result<(), sqlx::Error> {
+    match db {
+        #[cfg(feature = "postgres")]
+        Db::Postgres(pool) => {
+            idem_sql::migrate::migrate_postgres(&pool, name.schema(), name.table(), postgres).await
+        }
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite(pool) => {
+            sqlite_table(name)?;
+            idem_sql::migrate::migrate_sqlite(&pool, name.table(), sqlite).await
+        }
+    }
+}
+
 /// Whether `e` says the table does not exist: PostgreSQL's
 /// `undefined_table` (42P01), SQLite's "no such table".
 pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {

@@ -112,40 +112,14 @@ impl InboxTable {
         })
     }
 
-    /// The table as SQL names it on PostgreSQL (`postgres`) or SQLite.
-    fn sql_name(&self, postgres: bool) -> Result<String, sqlx::Error> {
-        if postgres {
-            return Ok(self.0.qualified());
-        }
-        #[cfg(feature = "sqlite")]
-        {
-            crate::db::sqlite_table(&self.0)
-        }
-        #[cfg(not(feature = "sqlite"))]
-        {
-            Ok(self.0.qualified())
-        }
+    /// `sql` with `{table}` filled in for PostgreSQL (`postgres`) or SQLite.
+    fn render(&self, sql: &str, postgres: bool) -> Result<String, sqlx::Error> {
+        crate::db::render(&self.0, sql, postgres)
     }
 
     /// Creates or upgrades this inbox table (see [`idem_sql::migrate`]).
     pub async fn migrate(&self, db: impl Into<Db>) -> Result<(), sqlx::Error> {
-        match db.into() {
-            #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => {
-                idem_sql::migrate::migrate_postgres(
-                    &pool,
-                    self.0.schema(),
-                    self.0.table(),
-                    MIGRATIONS,
-                )
-                .await
-            }
-            #[cfg(feature = "sqlite")]
-            Db::Sqlite(pool) => {
-                self.sql_name(false)?;
-                idem_sql::migrate::migrate_sqlite(&pool, self.0.table(), MIGRATIONS).await
-            }
-        }
+        crate::db::migrate(db.into(), &self.0, MIGRATIONS, MIGRATIONS).await
     }
 
     /// Processes `message_id` for `consumer` once, in this inbox; see
@@ -178,14 +152,14 @@ impl InboxTable {
         let cutoff = now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
         Ok(match db.into() {
             #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => sqlx::query(&SWEEP.replace("{table}", &self.sql_name(true)?))
+            Db::Postgres(pool) => sqlx::query(&self.render(SWEEP, true)?)
                 .bind(cutoff)
                 .bind(batch)
                 .execute(&pool)
                 .await?
                 .rows_affected(),
             #[cfg(feature = "sqlite")]
-            Db::Sqlite(pool) => sqlx::query(&SWEEP.replace("{table}", &self.sql_name(false)?))
+            Db::Sqlite(pool) => sqlx::query(&self.render(SWEEP, false)?)
                 .bind(cutoff)
                 .bind(batch)
                 .execute(&pool)
@@ -263,8 +237,8 @@ where
     for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     F: for<'c> FnOnce(&'c mut sqlx::Transaction<'static, DB>) -> BoxFuture<'c, Result<T, E>>,
 {
-    let mark = match table.sql_name(postgres) {
-        Ok(name) => MARK.replace("{table}", &name),
+    let mark = match table.render(MARK, postgres) {
+        Ok(sql) => sql,
         Err(e) => {
             let _ = tx.rollback().await;
             return Err(InboxError::Database(e));

@@ -97,41 +97,13 @@ impl OutboxTable {
 
     /// `sql` with `{table}` filled in for `db`'s dialect.
     pub(crate) fn render(&self, sql: &str, postgres: bool) -> Result<String, sqlx::Error> {
-        let table = if postgres {
-            self.0.qualified()
-        } else {
-            #[cfg(feature = "sqlite")]
-            {
-                crate::db::sqlite_table(&self.0)?
-            }
-            #[cfg(not(feature = "sqlite"))]
-            {
-                self.0.qualified()
-            }
-        };
-        Ok(sql.replace("{table}", &table))
+        crate::db::render(&self.0, sql, postgres)
     }
 
     /// Creates or upgrades this outbox table (see [`idem_sql::migrate`]).
     /// On PostgreSQL, a schema that does not exist is created.
     pub async fn migrate(&self, db: impl Into<Db>) -> Result<(), sqlx::Error> {
-        match db.into() {
-            #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => {
-                idem_sql::migrate::migrate_postgres(
-                    &pool,
-                    self.0.schema(),
-                    self.0.table(),
-                    POSTGRES_MIGRATIONS,
-                )
-                .await
-            }
-            #[cfg(feature = "sqlite")]
-            Db::Sqlite(pool) => {
-                crate::db::sqlite_table(&self.0)?;
-                idem_sql::migrate::migrate_sqlite(&pool, self.0.table(), SQLITE_MIGRATIONS).await
-            }
-        }
+        crate::db::migrate(db.into(), &self.0, POSTGRES_MIGRATIONS, SQLITE_MIGRATIONS).await
     }
 
     /// Enqueues `message` inside the transaction open on `conn` (PostgreSQL
