@@ -93,12 +93,16 @@ pub(crate) async fn migrate(
     match db {
         #[cfg(feature = "postgres")]
         Db::Postgres(pool) => {
-            idem_sql::migrate::migrate_postgres(&pool, name.schema(), name.table(), postgres).await
+            idem_sql::migrate::migrate::<idem_sql::Postgres>(&pool, name, postgres)
+                .await
+                .map_err(migrate_error)
         }
         #[cfg(feature = "sqlite")]
         Db::Sqlite(pool) => {
             sqlite_table(name)?;
-            idem_sql::migrate::migrate_sqlite(&pool, name.table(), sqlite).await
+            idem_sql::migrate::migrate::<idem_sql::Sqlite>(&pool, name, sqlite)
+                .await
+                .map_err(migrate_error)
         }
     }
 }
@@ -111,5 +115,12 @@ pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {
             d.code().as_deref() == Some("42P01") || d.message().starts_with("no such table")
         }
         _ => false,
+    }
+}
+
+fn migrate_error(e: idem_sql::MigrateError) -> sqlx::Error {
+    match e {
+        idem_sql::MigrateError::Database { source, .. } => source,
+        other => sqlx::Error::Configuration(Box::new(other)),
     }
 }

@@ -125,7 +125,7 @@ pub use conns::CLAIM_CONNECTIONS;
 use sql::{complete_sql, Sql};
 
 /// The embedded migrations of the records' table, in order. The SQL names the
-/// table `{table}` and its index `{index}`; see [`TableName`].
+/// table `{table}` and derives its index's name from `{name}`; see [`TableName`].
 pub const MIGRATIONS: &[Migration] = &[Migration {
     version: 1,
     sql: include_str!("../migrations/postgres/0001_records.sql"),
@@ -225,7 +225,10 @@ impl PostgresStore {
     /// Applies the embedded migrations that have not run yet. Several
     /// instances starting at once serialise on an advisory lock.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        migrate(&self.pool, &self.table).await.map_err(store_error)
+        migrate(&self.pool, &self.table).await.map_err(|e| match e {
+            idem_sql::MigrateError::Database { source, .. } => store_error(source),
+            other => StoreError::Backend(Box::new(other)),
+        })
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
@@ -282,8 +285,8 @@ impl PostgresStore {
 
 /// Applies idem's [`MIGRATIONS`] to `table`, under an advisory lock (see
 /// [`idem_sql::migrate`]).
-pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), sqlx::Error> {
-    idem_sql::migrate::migrate_postgres(pool, table.schema(), table.table(), MIGRATIONS).await
+pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), idem_sql::MigrateError> {
+    idem_sql::migrate::migrate::<idem_sql::Postgres>(pool, table, MIGRATIONS).await
 }
 
 /// Completes `claim` with `response` on `conn`, usually the handler's open

@@ -4,37 +4,50 @@
 
 use idem_core::StoreError;
 
-/// Whether `e` means the database could not be reached, is going away, or
-/// stayed busy (as opposed to rejecting the statement): the only failure a
-/// retry of the same request may get past.
-///
-/// I/O and pool trouble on either backend; on PostgreSQL, SQLSTATE class
-/// `08` (connection exception), `57P01`–`57P03` (shutdown, crash, cannot
-/// connect now) and `53300` (too many connections); on SQLite,
-/// `SQLITE_BUSY`, `SQLITE_LOCKED` and `SQLITE_BUSY_SNAPSHOT` after the busy
-/// timeout.
-pub fn is_unavailable(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Tls(_) => true,
-        sqlx::Error::Database(d) => d.code().is_some_and(|c| {
-            c.starts_with("08")
-                || matches!(
-                    c.as_ref(),
-                    "57P01" | "57P02" | "57P03" | "53300" | "5" | "6" | "517"
-                )
-        }),
-        _ => false,
+#[allow(unused_imports)]
+use crate::dialect::Dialect;
+use crate::dialect::ErrorClass;
+
+/// What `e` means, by the dialect whose driver raised it (see
+/// [`Dialect::classify`]): for code that holds an error but not its
+/// dialect.
+pub fn classify(e: &sqlx::Error) -> ErrorClass {
+    let sqlx::Error::Database(d) = e else {
+        return crate::dialect::classify_io(e);
+    };
+    #[cfg(feature = "postgres")]
+    if d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .is_some()
+    {
+        return crate::Postgres::classify(e);
     }
+    #[cfg(feature = "sqlite")]
+    if d.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        return crate::Sqlite::classify(e);
+    }
+    #[cfg(feature = "mysql")]
+    if d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .is_some()
+    {
+        return crate::MySql::classify(e);
+    }
+    let _ = d;
+    ErrorClass::Other
 }
 
-/// A sqlx error as a store error: [`StoreError::Unavailable`] when
-/// [`is_unavailable`], [`StoreError::Backend`] otherwise.
+/// Whether `e` means the database could not be reached, is going away, or
+/// stayed busy (as opposed to rejecting the statement): the only failure a
+/// retry of the same request may get past. See [`ErrorClass::Unavailable`]
+/// and each [`Dialect::classify`].
+pub fn is_unavailable(e: &sqlx::Error) -> bool {
+    classify(e) == ErrorClass::Unavailable
+}
+
+/// A sqlx error as a store error: [`StoreError::Unavailable`] when a retry
+/// may get past it ([`ErrorClass::is_retryable`]: unavailable, a deadlock,
+/// a serialization failure), [`StoreError::Backend`] otherwise.
 pub fn store_error(e: sqlx::Error) -> StoreError {
-    if is_unavailable(&e) {
+    if classify(&e).is_retryable() {
         StoreError::Unavailable(Box::new(e))
     } else {
         StoreError::Backend(Box::new(e))
@@ -46,7 +59,8 @@ pub fn store_error(e: sqlx::Error) -> StoreError {
 pub struct DuplicateKey {
     /// PostgreSQL: the violated constraint (or unique index) name. SQLite,
     /// which names no constraint: the columns its message names, as
-    /// `table.column, table.column`.
+    /// `table.column, table.column`. MySQL: the unique index's name (its
+    /// message's `for key '…'`, without the table MySQL 8 puts first).
     pub constraint: String,
     /// The table, when the database says.
     pub table: Option<String>,
@@ -55,11 +69,27 @@ pub struct DuplicateKey {
 impl DuplicateKey {
     /// The unique violation inside `e`, if that is what it is: SQLSTATE
     /// `23505` on PostgreSQL, `SQLITE_CONSTRAINT_UNIQUE` (2067) or
-    /// `SQLITE_CONSTRAINT_PRIMARYKEY` (1555) on SQLite.
+    /// `SQLITE_CONSTRAINT_PRIMARYKEY` (1555) on SQLite, 1062 on MySQL.
     pub fn of(e: &sqlx::Error) -> Option<Self> {
         let sqlx::Error::Database(db) = e else {
             return None;
         };
+        #[cfg(feature = "mysql")]
+        if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+            if classify(e) != ErrorClass::UniqueViolation {
+                return None;
+            }
+            let key = my
+                .message()
+                .rsplit_once("for key '")?
+                .1
+                .trim_end_matches('\'');
+            let key = key.rsplit_once('.').map_or(key, |(_, k)| k);
+            return Some(Self {
+                constraint: key.to_owned(),
+                table: None,
+            });
+        }
         match db.code().as_deref() {
             Some("23505") => Some(Self {
                 constraint: db.constraint()?.to_owned(),

@@ -62,13 +62,26 @@
 //! - [`migrate`]: one migration runner with one version table;
 //! - [`finish`]: a transaction ended explicitly, commit or rollback.
 
+pub mod dialect;
 mod errors;
 pub mod migrate;
 mod record;
+pub mod store;
 mod table;
 
-pub use errors::{fenced, insert_unique, is_unavailable, store_error, DuplicateKey, Inserted};
+#[cfg(feature = "mysql")]
+pub use dialect::MySql;
+#[cfg(feature = "postgres")]
+pub use dialect::Postgres;
+#[cfg(feature = "sqlite")]
+pub use dialect::Sqlite;
+pub use dialect::{Arg, Dialect, ErrorClass, Statement};
+pub use errors::{
+    classify, fenced, insert_unique, is_unavailable, store_error, DuplicateKey, Inserted,
+};
+pub use migrate::{MigrateError, Migration};
 pub use record::{decode_record, decode_stats};
+pub use store::{RecordDialect, SqlStore};
 pub use table::{InvalidIdentifier, TableName};
 
 /// Ends `tx` now: commits if `staged` is `Ok`, rolls back if not, and

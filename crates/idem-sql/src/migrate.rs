@@ -1,12 +1,26 @@
 //! One migration runner, with one version table, for everything idem keeps
-//! in a SQL database: the idempotency records, the outbox, the inbox.
+//! in a SQL database (the idempotency records, the outbox, the inbox), on
+//! every [`Dialect`].
 //!
 //! Applied versions live in `idem_schema_migrations` (not sqlx's
 //! `_sqlx_migrations`, so idem never collides with the application's own
-//! migrations), one row per `(table_name, version)`: each of idem's tables
-//! has its own list of versions. Every migration runs in a transaction with
-//! the row that records it, so it is applied once or not at all; concurrent
-//! runners (several instances starting at once) wait for each other.
+//! migrations), one row per `(table_name, version)` with the SHA-256 of the
+//! migration's text: each of idem's tables has its own list of versions,
+//! and an applied migration whose text has changed since is refused
+//! ([`MigrateError::Changed`]), as sqlx refuses one, rather than silently
+//! leaving a table that is not what the code expects. Concurrent runners
+//! (several instances starting at once) wait for each other.
+//!
+//! On SQLite and PostgreSQL every migration runs in a transaction with the
+//! row that records it, so it is applied once or not at all. MySQL commits
+//! each DDL statement by itself: a migration interrupted there runs again
+//! next time, so idem's MySQL migrations are written to be re-run
+//! (`CREATE TABLE IF NOT EXISTS`, indexes inside it).
+
+use sha2::{Digest, Sha256};
+
+use crate::dialect::{Arg, Conn, Dialect, Statement};
+use crate::TableName;
 
 /// One versioned step of one table's schema.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,170 +28,184 @@ pub struct Migration {
     /// Its version: applied in ascending order, once.
     pub version: i64,
     /// The statements, run as one script. Migrations may name `{table}`
-    /// (the quoted, on PostgreSQL schema-qualified, table) and `{name}` (its
-    /// bare name, to derive constraint and index names from: write
-    /// `"{name}_pkey"`); PostgreSQL ones also `{index}` (a name for the
-    /// expiry index). The runner fills them in.
+    /// (the quoted, qualified table) and `{name}` (its bare name, to derive
+    /// constraint and index names from: write `"{name}_pkey"`). The runner
+    /// fills them in; the checksum is of the text as written here, so the
+    /// same migration of two tables has one checksum.
     pub sql: &'static str,
+}
+
+impl Migration {
+    /// The SHA-256 of [`sql`](Self::sql), as lowercase hex.
+    pub fn checksum(&self) -> String {
+        Sha256::digest(self.sql.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
 }
 
 /// The table that records applied versions.
 pub const VERSION_TABLE: &str = "idem_schema_migrations";
 
-/// Applies `migrations` to the PostgreSQL table `table` in `schema` (or the
-/// search path's first schema), creating the schema if missing, under a
-/// transaction-scoped advisory lock per schema.
-#[cfg(feature = "postgres")]
-pub async fn migrate_postgres(
-    pool: &sqlx::PgPool,
-    schema: Option<&str>,
-    table: &str,
-    migrations: &[Migration],
-) -> Result<(), sqlx::Error> {
-    let quoted = |name: &str| match schema {
-        Some(s) => format!("\"{s}\".\"{name}\""),
-        None => format!("\"{name}\""),
-    };
-    let qualified = quoted(table);
-    let versions = quoted(VERSION_TABLE);
-    let index = format!("\"{table}_expires_at\"");
-    let mut tx = pool.begin().await?;
-    let staged = async {
-        // One lock per schema, not per table: creating the schema and the
-        // version table is shared by every table of it, and two first
-        // deployments racing on them would otherwise meet a unique
-        // violation in the catalog.
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-            .bind(format!("idem-migrate-schema:{}", schema.unwrap_or("")))
-            .execute(&mut *tx)
-            .await?;
-        // `Executor::execute` on a `&str` runs a script of several statements
-        // (the simple query protocol), as a migration may hold.
-        if let Some(s) = schema {
-            let create = format!("CREATE SCHEMA IF NOT EXISTS \"{s}\"");
-            sqlx::Executor::execute(&mut *tx, create.as_str()).await?;
-        }
-        let create = format!(
-            "CREATE TABLE IF NOT EXISTS {versions} (
-            table_name text        NOT NULL,
-            version    bigint      NOT NULL,
-            applied_at timestamptz NOT NULL DEFAULT now(),
-            PRIMARY KEY (table_name, version)
-        )"
-        );
-        sqlx::Executor::execute(&mut *tx, create.as_str()).await?;
-        let applied = format!("SELECT 1 FROM {versions} WHERE table_name = $1 AND version = $2");
-        let record = format!("INSERT INTO {versions} (table_name, version) VALUES ($1, $2)");
-        for m in migrations {
-            let done = sqlx::query(&applied)
-                .bind(table)
-                .bind(m.version)
-                .fetch_optional(&mut *tx)
-                .await?
-                .is_some();
-            if done {
-                continue;
-            }
-            let sql = m
-                .sql
-                .replace("{table}", &qualified)
-                .replace("{index}", &index)
-                .replace("{name}", table);
-            sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
-            sqlx::query(&record)
-                .bind(table)
-                .bind(m.version)
-                .execute(&mut *tx)
-                .await?;
-        }
-        Ok(())
-    }
-    .await;
-    crate::finish(tx, staged).await
+/// Why migrating failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MigrateError {
+    /// A migration applied earlier has other text now: the table may not be
+    /// what this code expects. Restore the migration's text (a change goes
+    /// in a new version), or, knowing why, fix the recorded checksum.
+    #[error(
+        "migration {version} of table {table} was applied with checksum {applied}, \
+         but its text now has checksum {now}: migrations must not change once applied \
+         (add a new version instead)"
+    )]
+    Changed {
+        /// The table.
+        table: String,
+        /// The version.
+        version: i64,
+        /// The checksum recorded when it was applied.
+        applied: String,
+        /// The checksum of its text now.
+        now: String,
+    },
+    /// The table cannot live on this database (a schema on SQLite).
+    #[error("table {table}: {reason}")]
+    Misconfigured {
+        /// The table.
+        table: String,
+        /// Why.
+        reason: String,
+    },
+    /// The database failed.
+    #[error("migrating {table}: {source}")]
+    Database {
+        /// The table.
+        table: String,
+        /// What the database said.
+        #[source]
+        source: sqlx::Error,
+    },
 }
 
-/// Applies `migrations` to the SQLite table `table`, each in a write
-/// transaction (`BEGIN IMMEDIATE`, so concurrent runners take turns).
-///
-/// A version table of the layout idem used before (one `version` column,
-/// for the records alone) is upgraded in place.
-#[cfg(feature = "sqlite")]
-pub async fn migrate_sqlite(
-    pool: &sqlx::SqlitePool,
-    table: &str,
-    migrations: &[Migration],
-) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-    let staged = async {
-        let old_layout: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pragma_table_info('idem_schema_migrations')
-         WHERE name = 'version' AND pk = 1",
-        )
-        .fetch_one(&mut *tx)
-        .await?;
-        if old_layout > 0 {
-            // Before: (version PRIMARY KEY, applied_at), the records' versions.
-            sqlx::Executor::execute(
-                &mut *tx,
-                "ALTER TABLE idem_schema_migrations RENAME TO idem_schema_migrations_v0;
-             CREATE TABLE idem_schema_migrations (
-                 table_name TEXT    NOT NULL,
-                 version    INTEGER NOT NULL,
-                 applied_at INTEGER NOT NULL,
-                 PRIMARY KEY (table_name, version)
-             );
-             INSERT INTO idem_schema_migrations (table_name, version, applied_at)
-                 SELECT 'idem_records', version, applied_at FROM idem_schema_migrations_v0;
-             DROP TABLE idem_schema_migrations_v0;",
-            )
-            .await?;
-        } else {
-            sqlx::Executor::execute(
-                &mut *tx,
-                "CREATE TABLE IF NOT EXISTS idem_schema_migrations (
-                 table_name TEXT    NOT NULL,
-                 version    INTEGER NOT NULL,
-                 applied_at INTEGER NOT NULL,
-                 PRIMARY KEY (table_name, version)
-             )",
-            )
-            .await?;
+impl MigrateError {
+    pub(crate) fn database(table: &TableName) -> impl Fn(sqlx::Error) -> Self + '_ {
+        move |source| Self::Database {
+            table: table.to_string(),
+            source,
         }
-        Ok(())
     }
-    .await;
-    crate::finish(tx, staged).await?;
-    for m in migrations {
-        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        let staged = async {
-            let done = sqlx::query(
-                "SELECT 1 FROM idem_schema_migrations WHERE table_name = ?1 AND version = ?2",
-            )
-            .bind(table)
-            .bind(m.version)
-            .fetch_optional(&mut *tx)
-            .await?
-            .is_some();
-            if !done {
-                let sql = m
-                    .sql
-                    .replace("{table}", &format!("\"{table}\""))
-                    .replace("{name}", table);
-                sqlx::Executor::execute(&mut *tx, sql.as_str()).await?;
-                sqlx::query(
-                    "INSERT INTO idem_schema_migrations (table_name, version, applied_at)
-                 VALUES (?1, ?2, ?3)",
-                )
-                .bind(table)
-                .bind(m.version)
-                .bind(idem_core::UnixMillis::now().0)
-                .execute(&mut *tx)
-                .await?;
-            }
-            Ok(())
+
+    /// The database's error, when that is what failed.
+    pub fn as_database(&self) -> Option<&sqlx::Error> {
+        match self {
+            Self::Database { source, .. } => Some(source),
+            _ => None,
         }
-        .await;
-        crate::finish(tx, staged).await?;
+    }
+}
+
+/// Applies `migrations` to `table` on `pool`: the entry point, the same for
+/// every database. The table's schema (PostgreSQL) or database (MySQL) is
+/// created if missing.
+pub async fn migrate<D: Dialect>(
+    pool: &sqlx::Pool<D::Database>,
+    table: &TableName,
+    migrations: &[Migration],
+) -> Result<(), MigrateError> {
+    D::migrate(pool, table, migrations).await
+}
+
+/// The statements the runner needs on the version table, made for `D`.
+pub(crate) struct VersionSql<D> {
+    applied: Statement<D>,
+    record: Statement<D>,
+    adopt: Statement<D>,
+}
+
+impl<D: Dialect> VersionSql<D> {
+    /// `versions` is the qualified version table, `applied_at` what its
+    /// column of that name is set to.
+    pub(crate) fn new(versions: &str, applied_at: &str) -> Self {
+        Self {
+            applied: Statement::raw(&format!(
+                "SELECT version, checksum FROM {versions} WHERE table_name = $1"
+            )),
+            record: Statement::raw(&format!(
+                "INSERT INTO {versions} (table_name, version, checksum, applied_at) \
+                 VALUES ($1, $2, $3, {applied_at})"
+            )),
+            adopt: Statement::raw(&format!(
+                "UPDATE {versions} SET checksum = $3 WHERE table_name = $1 AND version = $2"
+            )),
+        }
+    }
+}
+
+/// Applies what is missing of `migrations` to `table` on `conn`, which
+/// holds the migrations' lock (and, where DDL is transactional, a
+/// transaction). An applied version recorded without a checksum (by idem
+/// before checksums) adopts its current text's.
+pub(crate) async fn apply<D: Dialect>(
+    conn: &mut Conn<D>,
+    sql: &VersionSql<D>,
+    table: &TableName,
+    migrations: &[Migration],
+) -> Result<(), MigrateError> {
+    let db = MigrateError::database(table);
+    let name = table.table();
+    let rows = D::fetch_all(conn, &sql.applied, &[Arg::Text(name)])
+        .await
+        .map_err(&db)?;
+    let mut applied = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let version = D::get(row, "version").and_then(|v| v.int("version"));
+        let checksum = D::get(row, "checksum").and_then(|v| match v {
+            crate::dialect::Value::Null => Ok(None),
+            v => v.text("checksum").map(Some),
+        });
+        applied.push((version.map_err(&db)?, checksum.map_err(&db)?));
+    }
+    let mut ordered: Vec<&Migration> = migrations.iter().collect();
+    ordered.sort_by_key(|m| m.version);
+    for m in ordered {
+        let now = m.checksum();
+        match applied.iter().find(|(v, _)| *v == m.version) {
+            Some((_, Some(was))) if *was == now => {}
+            Some((_, Some(was))) => {
+                return Err(MigrateError::Changed {
+                    table: table.to_string(),
+                    version: m.version,
+                    applied: was.clone(),
+                    now,
+                })
+            }
+            Some((_, None)) => {
+                let args = [Arg::Text(name), Arg::Int(m.version), Arg::Text(&now)];
+                D::execute(conn, &sql.adopt, &args).await.map_err(&db)?;
+            }
+            None => {
+                let script =
+                    Statement::<D>::prepare(m.sql, table).map_err(|e| misconfigured(table, e))?;
+                D::run_script(conn, script.sql()).await.map_err(&db)?;
+                let args = [Arg::Text(name), Arg::Int(m.version), Arg::Text(&now)];
+                D::execute(conn, &sql.record, &args).await.map_err(&db)?;
+            }
+        }
     }
     Ok(())
+}
+
+pub(crate) fn misconfigured(table: &TableName, e: sqlx::Error) -> MigrateError {
+    match e {
+        sqlx::Error::Configuration(reason) => MigrateError::Misconfigured {
+            table: table.to_string(),
+            reason: reason.to_string(),
+        },
+        source => MigrateError::Database {
+            table: table.to_string(),
+            source,
+        },
+    }
 }

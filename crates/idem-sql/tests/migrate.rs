@@ -1,10 +1,18 @@
-//! The one migration runner: records, outbox and inbox share one version
-//! table; each migration applies once, also when runners race; SQLite's
-//! old version table is upgraded in place.
+//! The one migration runner, on the three databases: records, outbox and
+//! inbox share one version table; each migration applies once, also when
+//! runners race; an applied migration whose text changed is refused;
+//! SQLite's old version table is upgraded in place. And what each
+//! database's errors mean.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use idem_sql::migrate::{migrate_postgres, migrate_sqlite, Migration};
+use idem_sql::migrate::{migrate, MigrateError, Migration};
+use idem_sql::{ErrorClass, MySql, Postgres, Sqlite, TableName};
+use idem_test_support::mysql::TestDatabase;
 use idem_test_support::postgres::TestSchema;
+
+fn table(schema: Option<&str>, name: &str) -> TableName {
+    TableName::new(schema, name).unwrap()
+}
 
 const STEPS: &[Migration] = &[
     Migration {
@@ -42,7 +50,9 @@ async fn postgres_applies_each_step_once_even_when_runners_race() {
     let runs: Vec<_> = (0..6)
         .map(|_| {
             let pool = pool.clone();
-            tokio::spawn(async move { migrate_postgres(&pool, None, "widgets", STEPS).await })
+            tokio::spawn(
+                async move { migrate::<Postgres>(&pool, &table(None, "widgets"), STEPS).await },
+            )
         })
         .collect();
     for run in runs {
@@ -87,7 +97,7 @@ async fn runners_of_different_tables_race_into_a_new_schema() {
                     version: 1,
                     sql: "CREATE TABLE {table} (id TEXT PRIMARY KEY)",
                 }];
-                migrate_postgres(&pool, Some(&fresh), &format!("t{i}"), &steps).await
+                migrate::<Postgres>(&pool, &table(Some(&fresh), &format!("t{i}")), &steps).await
             })
         })
         .collect();
@@ -120,7 +130,7 @@ async fn idem_outbox_free_tables_pg(pool: &sqlx::PgPool) {
         version: 1,
         sql: "CREATE TABLE {table} (id TEXT PRIMARY KEY)",
     }];
-    migrate_postgres(pool, None, "gadgets", &gadgets)
+    migrate::<Postgres>(pool, &table(None, "gadgets"), &gadgets)
         .await
         .unwrap();
 }
@@ -150,7 +160,9 @@ async fn sqlite_applies_each_step_once_and_upgrades_the_old_version_table() {
     let runs: Vec<_> = (0..4)
         .map(|_| {
             let pool = pool.clone();
-            tokio::spawn(async move { migrate_sqlite(&pool, "widgets", STEPS).await })
+            tokio::spawn(
+                async move { migrate::<Sqlite>(&pool, &table(None, "widgets"), STEPS).await },
+            )
         })
         .collect();
     for run in runs {
@@ -170,11 +182,259 @@ async fn sqlite_applies_each_step_once_and_upgrades_the_old_version_table() {
         ]
     );
     // Running again changes nothing.
-    migrate_sqlite(&pool, "widgets", STEPS).await.unwrap();
+    migrate::<Sqlite>(&pool, &table(None, "widgets"), STEPS)
+        .await
+        .unwrap();
     assert_eq!(versions_sqlite(&pool).await.len(), 3);
+    // Versions applied before checksums adopted their text's.
+    let unsummed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idem_schema_migrations WHERE checksum IS NULL AND table_name = 'widgets'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(unsummed, 0);
+    // A schema is refused, clearly.
+    let err = migrate::<Sqlite>(&pool, &table(Some("app"), "widgets"), STEPS)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, MigrateError::Misconfigured { .. }), "{err}");
+    assert!(err.to_string().contains("SQLite has no schemas"), "{err}");
 }
 
-/// A unique violation is recognised on both backends, by what each names.
+const CHANGED: &[Migration] = &[
+    Migration {
+        version: 1,
+        sql: "CREATE TABLE {table} (id VARCHAR(10) PRIMARY KEY)",
+    },
+    Migration {
+        version: 2,
+        sql: "CREATE TABLE {name}_more (id VARCHAR(10) PRIMARY KEY)",
+    },
+];
+const CHANGED_AGAIN: &[Migration] = &[Migration {
+    version: 1,
+    sql: "CREATE TABLE {table} (id VARCHAR(20) PRIMARY KEY)",
+}];
+
+fn refused_as_changed(err: MigrateError) {
+    let MigrateError::Changed {
+        version,
+        applied,
+        now,
+        ..
+    } = &err
+    else {
+        panic!("expected Changed, got {err}");
+    };
+    assert_eq!(*version, 1);
+    assert_ne!(applied, now);
+    assert!(
+        err.to_string().contains("must not change once applied"),
+        "{err}"
+    );
+}
+
+/// An applied migration whose text changed is refused, on each database;
+/// the same text again passes.
+#[tokio::test]
+async fn a_changed_migration_is_refused_on_every_database() {
+    let lite = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    migrate::<Sqlite>(&lite, &table(None, "w"), CHANGED)
+        .await
+        .unwrap();
+    migrate::<Sqlite>(&lite, &table(None, "w"), CHANGED)
+        .await
+        .unwrap();
+    refused_as_changed(
+        migrate::<Sqlite>(&lite, &table(None, "w"), CHANGED_AGAIN)
+            .await
+            .unwrap_err(),
+    );
+
+    let schema = TestSchema::create("idem_sum").await;
+    let pg = sqlx::PgPool::connect(&schema.url()).await.unwrap();
+    migrate::<Postgres>(&pg, &table(None, "w"), CHANGED)
+        .await
+        .unwrap();
+    migrate::<Postgres>(&pg, &table(None, "w"), CHANGED)
+        .await
+        .unwrap();
+    refused_as_changed(
+        migrate::<Postgres>(&pg, &table(None, "w"), CHANGED_AGAIN)
+            .await
+            .unwrap_err(),
+    );
+    pg.close().await;
+
+    let db = TestDatabase::create("idem_sum").await;
+    let my = sqlx::MySqlPool::connect(&db.url()).await.unwrap();
+    migrate::<MySql>(&my, &table(None, "w"), CHANGED)
+        .await
+        .unwrap();
+    migrate::<MySql>(&my, &table(None, "w"), CHANGED)
+        .await
+        .unwrap();
+    refused_as_changed(
+        migrate::<MySql>(&my, &table(None, "w"), CHANGED_AGAIN)
+            .await
+            .unwrap_err(),
+    );
+    my.close().await;
+}
+
+/// MySQL: runners racing on one database, of one table and of several,
+/// apply each step once (a named lock; DDL commits by itself there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_applies_each_step_once_even_when_runners_race() {
+    let home = TestDatabase::create("idem_migrate").await;
+    let fresh = TestDatabase::create("idem_migrate_x").await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(8)
+        .connect(&home.url())
+        .await
+        .unwrap();
+    let steps: &'static [Migration] = &[
+        Migration {
+            version: 1,
+            sql: "CREATE TABLE IF NOT EXISTS {table} (id VARCHAR(10) PRIMARY KEY);",
+        },
+        Migration {
+            version: 2,
+            sql: "INSERT INTO {table} VALUES ('a')",
+        },
+    ];
+    let fresh_name = fresh.name().to_owned();
+    let runs: Vec<_> = (0..6)
+        .map(|i| {
+            let (pool, fresh_name) = (pool.clone(), fresh_name.clone());
+            tokio::spawn(async move {
+                let t = table(Some(&fresh_name), if i % 2 == 0 { "even" } else { "odd" });
+                migrate::<MySql>(&pool, &t, steps).await
+            })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    for t in ["even", "odd"] {
+        let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM `{fresh_name}`.`{t}`"))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(rows, 1, "{t}: each step ran once");
+    }
+    let versions: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM `{fresh_name}`.idem_schema_migrations"
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, 4);
+    pool.close().await;
+}
+
+/// What each database's errors mean: a missing table, an unknown column
+/// (fatal: never retried forever), a unique violation, a deadlock (retry
+/// the transaction), an unreachable server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn errors_are_classified_alike_on_every_database() {
+    use idem_sql::{classify, Dialect};
+    let lite = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    let e = sqlx::query("SELECT * FROM missing")
+        .execute(&lite)
+        .await
+        .unwrap_err();
+    assert_eq!(Sqlite::classify(&e), ErrorClass::MissingTable);
+    sqlx::query("CREATE TABLE t (a TEXT)")
+        .execute(&lite)
+        .await
+        .unwrap();
+    let e = sqlx::query("SELECT nope FROM t")
+        .execute(&lite)
+        .await
+        .unwrap_err();
+    assert_eq!(classify(&e), ErrorClass::Fatal);
+
+    let schema = TestSchema::create("idem_class").await;
+    let pg = sqlx::PgPool::connect(&schema.url()).await.unwrap();
+    let e = sqlx::query("SELECT * FROM missing")
+        .execute(&pg)
+        .await
+        .unwrap_err();
+    assert_eq!(Postgres::classify(&e), ErrorClass::MissingTable);
+    let e = sqlx::query("SELECT nope FROM pg_class")
+        .execute(&pg)
+        .await
+        .unwrap_err();
+    assert_eq!(classify(&e), ErrorClass::Fatal);
+    assert!(!ErrorClass::Fatal.is_retryable());
+    pg.close().await;
+
+    let db = TestDatabase::create("idem_class").await;
+    let my = sqlx::MySqlPool::connect(&db.url()).await.unwrap();
+    let e = sqlx::query("SELECT * FROM missing")
+        .execute(&my)
+        .await
+        .unwrap_err();
+    assert_eq!(MySql::classify(&e), ErrorClass::MissingTable);
+    sqlx::query("CREATE TABLE t (id INT PRIMARY KEY, c VARCHAR(10), UNIQUE KEY t_c (c))")
+        .execute(&my)
+        .await
+        .unwrap();
+    let e = sqlx::query("SELECT nope FROM t")
+        .execute(&my)
+        .await
+        .unwrap_err();
+    assert_eq!(classify(&e), ErrorClass::Fatal);
+    sqlx::query("INSERT INTO t VALUES (1, 'x'), (2, 'y')")
+        .execute(&my)
+        .await
+        .unwrap();
+    let e = sqlx::query("INSERT INTO t VALUES (3, 'x')")
+        .execute(&my)
+        .await
+        .unwrap_err();
+    assert_eq!(classify(&e), ErrorClass::UniqueViolation);
+    let d = idem_sql::DuplicateKey::of(&e).unwrap();
+    assert_eq!(d.constraint, "t_c");
+    // A deadlock: two transactions lock rows 1 and 2 in opposite orders.
+    let (mut a, mut b) = (my.begin().await.unwrap(), my.begin().await.unwrap());
+    sqlx::query("UPDATE t SET c = 'a' WHERE id = 1")
+        .execute(&mut *a)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE t SET c = 'b' WHERE id = 2")
+        .execute(&mut *b)
+        .await
+        .unwrap();
+    let second = tokio::spawn(async move {
+        let r = sqlx::query("UPDATE t SET c = 'b1' WHERE id = 1")
+            .execute(&mut *b)
+            .await;
+        (r.map(|_| ()), b)
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let first = sqlx::query("UPDATE t SET c = 'a2' WHERE id = 2")
+        .execute(&mut *a)
+        .await
+        .map(|_| ());
+    let (other, b) = second.await.unwrap();
+    let deadlock = first
+        .err()
+        .or(other.err())
+        .expect("one of the two is the deadlock victim");
+    assert_eq!(classify(&deadlock), ErrorClass::RetryTransaction);
+    assert!(ErrorClass::RetryTransaction.is_retryable());
+    let _ = a.rollback().await;
+    let _ = b.rollback().await;
+    my.close().await;
+    let closed = sqlx::query("SELECT 1").execute(&my).await.unwrap_err();
+    assert_eq!(classify(&closed), ErrorClass::Unavailable);
+}
+
+/// A unique violation is recognised on SQLite and PostgreSQL, by what each
+/// names (MySQL's: above).
 #[tokio::test]
 async fn duplicate_keys_on_both_backends() {
     let lite = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();

@@ -3,6 +3,8 @@
 //!
 //! - [`postgres`]: a PostgreSQL schema of its own for each test, dropped
 //!   after it, so tests run in parallel and leave nothing behind;
+//! - [`mysql`]: a MySQL / MariaDB database of its own for each test,
+//!   dropped after it;
 //! - [`messaging`]: the outbox and inbox fixtures the broker tests use (an
 //!   outbox in a fresh schema, messages, recorded effects).
 //!
@@ -10,4 +12,5 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod messaging;
+pub mod mysql;
 pub mod postgres;

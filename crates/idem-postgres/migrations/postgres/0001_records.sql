@@ -1,5 +1,5 @@
 -- idem's idempotency records. One row per (scope, key).
--- {table} is the (optionally schema-qualified, quoted) table name; {index}
+-- {table} is the (optionally schema-qualified, quoted) table name; {name}
 -- names its sweep index.
 CREATE TABLE IF NOT EXISTS {table} (
     scope        text        NOT NULL,
@@ -21,4 +21,4 @@ CREATE TABLE IF NOT EXISTS {table} (
 );
 
 -- The sweep reads expired records in expiry order, a bounded batch at a time.
-CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at);
+CREATE INDEX IF NOT EXISTS "{name}_expires_at" ON {table} (expires_at);

@@ -1,5 +1,5 @@
 -- idem's idempotency records. One row per (scope, key).
-CREATE TABLE IF NOT EXISTS idem_records (
+CREATE TABLE IF NOT EXISTS {table} (
     scope        TEXT    NOT NULL,
     key          TEXT    NOT NULL,
     fingerprint  BLOB    NOT NULL,
@@ -20,4 +20,4 @@ CREATE TABLE IF NOT EXISTS idem_records (
 );
 
 -- The sweep reads expired records in expiry order.
-CREATE INDEX IF NOT EXISTS idem_records_expires_at ON idem_records (expires_at);
+CREATE INDEX IF NOT EXISTS "{name}_expires_at" ON {table} (expires_at);

@@ -1,0 +1,73 @@
+//! The MySQL / MariaDB store for idem: durable, shared by every instance of
+//! a service, with the record committed in the same transaction as the
+//! business write, fenced by the claim's token. For MySQL 8 and MariaDB
+//! 10.6+, on InnoDB.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use idem_core::{ClaimOutcome, ClaimRequest, Fingerprint, Store, StoredResponse};
+//! use idem_mysql::{MySqlStore, TableName};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let table = TableName::new(Some("billing"), "idem_records")?; // database `billing`
+//! let store = MySqlStore::connect_with("mysql://root@127.0.0.1:3306/test", table).await?;
+//! let request = ClaimRequest {
+//!     scope: "client-1".into(),
+//!     key: "key-1".into(),
+//!     fingerprint: Fingerprint::of_request("POST", "/payments", None, b"{}"),
+//!     lease: Duration::from_secs(30),
+//!     retention: Duration::from_secs(86_400),
+//! };
+//! if let ClaimOutcome::Acquired(claim) = store.claim(&request).await? {
+//!     let mut tx = store.pool().begin().await?;
+//!     // ... the business write on `tx` ...
+//!     let response = StoredResponse { status: 201, headers: vec![], body: "{}".into() };
+//!     store.complete_in(&mut tx, &claim, &response).await?; // fenced by the token
+//!     tx.commit().await?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # InnoDB, and what the store does about it
+//!
+//! - **No `RETURNING`.** A claim is a write transaction of an upsert
+//!   (`INSERT … ON DUPLICATE KEY UPDATE`, whose first assignment decides)
+//!   and a locking read of the row back: the caller won when the token
+//!   there is its own. See [`idem_sql::store`].
+//! - **Stale snapshots.** REPEATABLE READ (InnoDB's default) would let a
+//!   plain `SELECT` after a wait read a snapshot from before it: the store's
+//!   write transactions run under READ COMMITTED, and its reads after a
+//!   write lock the row (`FOR UPDATE`).
+//! - **Gap locks.** A `SELECT … FOR UPDATE` of a missing row locks the gap
+//!   and deadlocks racing inserts: the claim inserts first.
+//! - **Deadlocks and lock wait time-outs** (1213, 1205) mean "retry the
+//!   transaction": the claim does, a few times, then reports the store
+//!   unavailable (`503` with `Retry-After`).
+//! - **Collations and index limits.** Scope and key are kept as their
+//!   UTF-8 bytes and compared byte for byte (no collation folds `Key` into
+//!   `key` or pads `a ` to `a`: two keys, as on every other store), and fit
+//!   InnoDB's 3072-byte index key together: a scope of more than 2048
+//!   bytes is refused with an error that says so (hash long scopes), never
+//!   truncated.
+//! - **Time** is the database's clock (`UTC_TIMESTAMP(6)`, whatever the
+//!   session's time zone), in milliseconds, so instances whose clocks drift
+//!   apart still agree on when a lease ends.
+//! - **DDL commits by itself**: migrations run under a named lock
+//!   (`GET_LOCK`) and are written to be run again after an interruption.
+
+pub use idem_sql::dialect::{
+    mysql_pool as open_pool, MYSQL_ACQUIRE_TIMEOUT as DEFAULT_ACQUIRE_TIMEOUT,
+};
+pub use idem_sql::{is_unavailable, store_error, MySql, TableName};
+
+/// The MySQL / MariaDB store; see the [crate docs](crate).
+pub type MySqlStore = idem_sql::SqlStore<MySql>;
+
+/// Applies idem's migrations of the records' table to `table` on `pool`
+/// (see [`idem_sql::migrate`]).
+pub async fn migrate(
+    pool: &sqlx::MySqlPool,
+    table: &TableName,
+) -> Result<(), idem_sql::MigrateError> {
+    idem_sql::migrate::migrate::<MySql>(pool, table, MySqlStore::migrations()).await
+}

@@ -1,0 +1,129 @@
+//! The store conformance suite and the transactional suite against a real
+//! MySQL / MariaDB, each case in a database of its own.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use idem_mysql::{open_pool, MySqlStore, TableName};
+use idem_test_support::mysql::TestDatabase;
+
+async fn fresh() -> (MySqlStore, TestDatabase) {
+    let db = TestDatabase::create("idem_store").await;
+    let store = MySqlStore::connect(&db.url()).await.expect("connect");
+    (store, db)
+}
+
+mod suite {
+    idem_store_suite::store_suite!(|| super::fresh());
+}
+
+mod transactional {
+    idem_store_suite::transactional_suite!(|| async {
+        let (store, db) = super::fresh().await;
+        let pool = store.pool().clone();
+        (store, pool, db)
+    });
+}
+
+#[tokio::test]
+async fn a_table_in_another_database_is_created_there_and_kept_apart() {
+    let home = TestDatabase::create("idem_home").await;
+    let other = TestDatabase::create("idem_other").await;
+    let pool = open_pool(&home.url()).await.unwrap();
+    let table = TableName::new(Some(other.name()), "billing_records").unwrap();
+    let store = MySqlStore::new(pool.clone(), table).unwrap();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = 'billing_records'",
+    )
+    .bind(other.name())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(n, 1);
+    let versions: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM `{}`.idem_schema_migrations WHERE checksum IS NOT NULL",
+        other.name()
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, 1);
+}
+
+#[tokio::test]
+async fn keys_differing_in_case_are_two_keys() {
+    use idem_core::{ClaimOutcome, Store};
+    let (store, _db) = fresh().await;
+    let req = |key: &str| {
+        idem_store_suite::request(
+            "s",
+            key,
+            "{}",
+            idem_store_suite::LONG,
+            std::time::Duration::from_secs(60),
+        )
+    };
+    assert!(matches!(
+        store.claim(&req("abc")).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    assert!(matches!(
+        store.claim(&req("ABC")).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    assert!(matches!(
+        store.claim(&req("abc ")).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    let scoped = |scope: &str| {
+        idem_store_suite::request(
+            scope,
+            "k",
+            "{}",
+            idem_store_suite::LONG,
+            std::time::Duration::from_secs(60),
+        )
+    };
+    assert!(matches!(
+        store.claim(&scoped("tenant")).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    assert!(matches!(
+        store.claim(&scoped("tenant ")).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    assert!(matches!(
+        store.claim(&scoped("Tenant")).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    assert!(matches!(
+        store.claim(&scoped("tenant")).await.unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
+}
+
+#[tokio::test]
+async fn an_overlong_scope_is_refused_never_truncated() {
+    use idem_core::{Store, StoreError};
+    let (store, _db) = fresh().await;
+    let long = "s".repeat(2049);
+    let req = idem_store_suite::request(
+        &long,
+        "k",
+        "{}",
+        idem_store_suite::LONG,
+        std::time::Duration::from_secs(60),
+    );
+    let err = store.claim(&req).await.unwrap_err();
+    assert!(matches!(err, StoreError::Backend(_)), "{err:?}");
+    assert!(format!("{err:?}").contains("2049 bytes"), "{err:?}");
+    let fits = "é".repeat(1024);
+    let req = idem_store_suite::request(
+        &fits,
+        "k",
+        "{}",
+        idem_store_suite::LONG,
+        std::time::Duration::from_secs(60),
+    );
+    assert!(store.claim(&req).await.is_ok());
+}

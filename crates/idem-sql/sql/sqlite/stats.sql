@@ -1,0 +1,10 @@
+-- What `idem stats` shows: in progress, of which past their lease,
+-- completed, past retention, the oldest record, the database's clock.
+SELECT
+    count(*) FILTER (WHERE state = 'in_progress'),
+    count(*) FILTER (WHERE state = 'in_progress' AND locked_until <= {now}),
+    count(*) FILTER (WHERE state = 'completed'),
+    count(*) FILTER (WHERE expires_at <= {now} AND (state = 'completed' OR locked_until <= {now})),
+    min(created_at),
+    {now} AS now
+FROM {table}

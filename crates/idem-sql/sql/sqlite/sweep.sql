@@ -1,0 +1,7 @@
+-- Removes at most $1 records past their retention (and not held under a
+-- live lease).
+DELETE FROM {table} WHERE rowid IN (
+    SELECT rowid FROM {table}
+    WHERE expires_at <= {now} AND (state = 'completed' OR locked_until <= {now})
+    ORDER BY expires_at
+    LIMIT $1)

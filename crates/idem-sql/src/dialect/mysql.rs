@@ -1,0 +1,156 @@
+//! MySQL and MariaDB: databases for schemas, named locks, error numbers.
+
+use std::borrow::Cow;
+
+use idem_core::BoxFuture;
+use sqlx::mysql::MySqlDatabaseError;
+
+use super::{binder, dialect_io, sealed, Dialect, ErrorClass};
+use crate::migrate::{apply, MigrateError, Migration, VersionSql, VERSION_TABLE};
+use crate::TableName;
+
+/// MySQL 8 and MariaDB 10.6+ (feature `mysql`), on InnoDB.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MySql;
+
+impl sealed::Sealed for MySql {}
+
+binder!(MySql, sqlx::MySql);
+
+/// How long a request waits for a pooled connection before failing as
+/// unavailable: an outage becomes a prompt `503`, never a hang.
+pub const DEFAULT_ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Opens a pool on `url` (`mysql://user:password@host:3306/database`) with
+/// idem's defaults: a bounded acquire time-out, 16 connections, and
+/// sqlx's session settings (UTC, `utf8mb4`, strict SQL mode as the server
+/// has it).
+pub async fn open_pool(url: &str) -> Result<sqlx::MySqlPool, sqlx::Error> {
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(16)
+        .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
+        .connect(url)
+        .await
+}
+
+/// How long a migration waits for another runner's lock, in seconds.
+const MIGRATION_LOCK_SECS: i64 = 60;
+
+impl Dialect for MySql {
+    type Database = sqlx::MySql;
+    const NAME: &'static str = "mysql";
+    // UTC whatever the session's time zone; read once per statement.
+    const NOW_MILLIS: &'static str =
+        "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)";
+    const NUMBERED: bool = false;
+    const SKIP_LOCKED: &'static str = "FOR UPDATE SKIP LOCKED";
+
+    /// `` `database`.`table` ``, or `` `table` `` in the connection's
+    /// database. (MySQL's schemas are its databases.)
+    fn qualify(table: &TableName) -> Result<String, sqlx::Error> {
+        Ok(match table.schema() {
+            Some(s) => format!("`{s}`.`{}`", table.table()),
+            None => format!("`{}`", table.table()),
+        })
+    }
+
+    /// By error number: 1040 (too many connections), 1053 (shutdown), 1927
+    /// (connection killed) are [`ErrorClass::Unavailable`]; 1062, 1022 and
+    /// 1586 a unique violation; 1146 a missing table; 1213 (deadlock) and
+    /// 1205 (lock wait timeout) [`ErrorClass::RetryTransaction`]; access
+    /// denied (1044, 1045, 1142, 1143), an unknown column (1054) or
+    /// database (1049) and a syntax error (1064) [`ErrorClass::Fatal`].
+    fn classify(e: &sqlx::Error) -> ErrorClass {
+        let sqlx::Error::Database(d) = e else {
+            return super::classify_io(e);
+        };
+        let Some(my) = d.try_downcast_ref::<MySqlDatabaseError>() else {
+            return ErrorClass::Other;
+        };
+        match my.number() {
+            1040 | 1053 | 1927 | 2002 | 2003 | 2006 | 2013 => ErrorClass::Unavailable,
+            1062 | 1022 | 1586 => ErrorClass::UniqueViolation,
+            1146 => ErrorClass::MissingTable,
+            1213 | 1205 => ErrorClass::RetryTransaction,
+            1044 | 1045 | 1142 | 1143 | 1054 | 1049 | 1064 | 1227 => ErrorClass::Fatal,
+            _ => ErrorClass::Other,
+        }
+    }
+
+    /// Under READ COMMITTED: a statement after a lock wait reads what
+    /// committed meanwhile, not InnoDB's default REPEATABLE READ snapshot
+    /// taken before it.
+    fn begin_write(
+        pool: &sqlx::MySqlPool,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::MySql>, sqlx::Error>> {
+        Box::pin(
+            pool.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"),
+        )
+    }
+
+    /// Under a named lock (`GET_LOCK`) per database, on one connection,
+    /// without a transaction: MySQL commits each DDL statement by itself,
+    /// so a migration interrupted half-way runs again next time (idem's are
+    /// written to), and its version is recorded after it.
+    fn migrate<'a>(
+        pool: &'a sqlx::MySqlPool,
+        table: &'a TableName,
+        migrations: &'a [Migration],
+    ) -> BoxFuture<'a, Result<(), MigrateError>> {
+        Box::pin(async move {
+            let db = MigrateError::database(table);
+            let versions_table = TableName::new(table.schema(), VERSION_TABLE).map_err(|e| {
+                MigrateError::Misconfigured {
+                    table: table.to_string(),
+                    reason: e.to_string(),
+                }
+            })?;
+            let versions = Self::qualify(&versions_table).map_err(&db)?;
+            let mut conn = pool.acquire().await.map_err(&db)?;
+            let lock = format!("idem-migrate:{}", table.schema().unwrap_or(""));
+            let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+                .bind(&lock)
+                .bind(MIGRATION_LOCK_SECS)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(&db)?;
+            if got != Some(1) {
+                return Err(db(sqlx::Error::Protocol(format!(
+                    "another runner held the migration lock {lock:?} for {MIGRATION_LOCK_SECS} s"
+                ))));
+            }
+            let staged = async {
+                let mut script = String::new();
+                if let Some(s) = table.schema() {
+                    script.push_str(&format!("CREATE DATABASE IF NOT EXISTS `{s}`;\n"));
+                }
+                script.push_str(&format!(
+                    "CREATE TABLE IF NOT EXISTS {versions} (
+                        table_name VARCHAR(64) CHARACTER SET ascii NOT NULL,
+                        version    BIGINT      NOT NULL,
+                        checksum   CHAR(64)    CHARACTER SET ascii,
+                        applied_at BIGINT      NOT NULL,
+                        PRIMARY KEY (table_name, version)
+                    ) ENGINE = InnoDB"
+                ));
+                Self::run_script(&mut conn, &script).await.map_err(&db)?;
+                let sql = VersionSql::<Self>::new(&versions, Self::NOW_MILLIS);
+                apply::<Self>(&mut conn, &sql, table, migrations).await
+            }
+            .await;
+            let released = sqlx::query("SELECT RELEASE_LOCK(?)")
+                .bind(&lock)
+                .execute(&mut *conn)
+                .await;
+            staged?;
+            released.map_err(&db)?;
+            Ok(())
+        })
+    }
+
+    dialect_io!(MySql, sqlx::MySql);
+
+    fn placeholder(_: usize) -> Cow<'static, str> {
+        Cow::Borrowed("?")
+    }
+}

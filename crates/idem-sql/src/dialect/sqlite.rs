@@ -1,0 +1,175 @@
+//! SQLite: one file, one writer at a time, no schemas.
+
+use std::borrow::Cow;
+
+use idem_core::BoxFuture;
+
+use super::{binder, dialect_io, sealed, Dialect, ErrorClass};
+use crate::migrate::{apply, misconfigured, MigrateError, Migration, VersionSql, VERSION_TABLE};
+use crate::TableName;
+
+/// SQLite (feature `sqlite`): the embedded default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sqlite;
+
+impl sealed::Sealed for Sqlite {}
+
+binder!(Sqlite, sqlx::Sqlite);
+
+impl Dialect for Sqlite {
+    type Database = sqlx::Sqlite;
+    const NAME: &'static str = "sqlite";
+    // `'now'` is read once per statement.
+    const NOW_MILLIS: &'static str =
+        "CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)";
+    const NUMBERED: bool = true;
+    const SKIP_LOCKED: &'static str = "";
+
+    /// The bare, quoted name: SQLite keeps no schemas (its "schemas" are
+    /// attached database files), so a qualified table is refused rather
+    /// than silently put somewhere else.
+    fn qualify(table: &TableName) -> Result<String, sqlx::Error> {
+        match table.schema() {
+            None => Ok(format!("\"{}\"", table.table())),
+            Some(schema) => Err(sqlx::Error::Configuration(
+                format!(
+                    "table {table}: SQLite has no schemas (schema {schema:?} given); \
+                     name the table alone (TableName::new(None, …))"
+                )
+                .into(),
+            )),
+        }
+    }
+
+    /// `SQLITE_BUSY`, `SQLITE_LOCKED` and `SQLITE_BUSY_SNAPSHOT` after the
+    /// busy timeout are [`ErrorClass::Unavailable`]; read-only, permission,
+    /// corruption and "not a database" are fatal. SQLite gives a missing
+    /// table no code of its own (it is `SQLITE_ERROR`): here alone, its
+    /// message tells.
+    fn classify(e: &sqlx::Error) -> ErrorClass {
+        let sqlx::Error::Database(d) = e else {
+            return super::classify_io(e);
+        };
+        match d.code().as_deref() {
+            Some("5" | "6" | "517" | "261" | "262") => ErrorClass::Unavailable,
+            Some("2067" | "1555") => ErrorClass::UniqueViolation,
+            Some("8" | "3" | "23" | "11" | "26" | "1032" | "264") => ErrorClass::Fatal,
+            Some("1") if d.message().starts_with("no such table") => ErrorClass::MissingTable,
+            Some("1")
+                if d.message().starts_with("no such column")
+                    || d.message().contains("syntax error") =>
+            {
+                ErrorClass::Fatal
+            }
+            _ => ErrorClass::Other,
+        }
+    }
+
+    fn begin_write(
+        pool: &sqlx::SqlitePool,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error>> {
+        Box::pin(pool.begin_with("BEGIN IMMEDIATE"))
+    }
+
+    /// Under the write lock (`BEGIN IMMEDIATE`), in one transaction: the
+    /// version table, then every missing migration. A version table of the
+    /// layouts idem used before (one `version` column for the records; no
+    /// checksum) is upgraded in place.
+    fn migrate<'a>(
+        pool: &'a sqlx::SqlitePool,
+        table: &'a TableName,
+        migrations: &'a [Migration],
+    ) -> BoxFuture<'a, Result<(), MigrateError>> {
+        Box::pin(async move {
+            Self::qualify(table).map_err(|e| misconfigured(table, e))?;
+            let db = MigrateError::database(table);
+            let mut tx = Self::begin_write(pool).await.map_err(&db)?;
+            let staged = async {
+                let layout: Vec<(String, i64)> = sqlx::query_as(
+                    "SELECT name, pk FROM pragma_table_info('idem_schema_migrations')",
+                )
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(&db)?;
+                let script = if layout.iter().any(|(n, pk)| n == "version" && *pk == 1) {
+                    UPGRADE_V0
+                } else if layout.is_empty() {
+                    CREATE
+                } else if !layout.iter().any(|(n, _)| n == "checksum") {
+                    ADD_CHECKSUM
+                } else {
+                    ""
+                };
+                if !script.is_empty() {
+                    Self::run_script(&mut tx, script).await.map_err(&db)?;
+                }
+                let sql = VersionSql::<Self>::new(VERSION_TABLE, Self::NOW_MILLIS);
+                apply::<Self>(&mut tx, &sql, table, migrations).await
+            }
+            .await;
+            super::finish_migration(tx, staged, table).await
+        })
+    }
+
+    dialect_io!(Sqlite, sqlx::Sqlite);
+
+    fn placeholder(n: usize) -> Cow<'static, str> {
+        Cow::Owned(format!("?{n}"))
+    }
+}
+
+/// How long a connection waits for SQLite's write lock before failing.
+pub const DEFAULT_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Connection options idem uses for a SQLite URL: the file created if
+/// missing, WAL journal, `synchronous = FULL` (a committed record survives a
+/// power cut, not only a crash), foreign keys on, and a busy timeout.
+pub fn connect_options(url: &str) -> Result<sqlx::sqlite::SqliteConnectOptions, sqlx::Error> {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+    use std::str::FromStr;
+    Ok(SqliteConnectOptions::from_str(url)?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .foreign_keys(true)
+        .busy_timeout(DEFAULT_BUSY_TIMEOUT))
+}
+
+/// Opens a pool on `url` with [`connect_options`]. An in-memory database gets
+/// a single connection, since each SQLite connection to `:memory:` would
+/// otherwise see a database of its own.
+pub async fn open_pool(url: &str) -> Result<sqlx::SqlitePool, sqlx::Error> {
+    let options = connect_options(url)?;
+    let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+    let mut pool = sqlx::sqlite::SqlitePoolOptions::new().acquire_timeout(DEFAULT_BUSY_TIMEOUT);
+    if in_memory {
+        pool = pool
+            .max_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None);
+    }
+    pool.connect_with(options).await
+}
+
+const CREATE: &str = "CREATE TABLE idem_schema_migrations (
+    table_name TEXT    NOT NULL,
+    version    INTEGER NOT NULL,
+    checksum   TEXT,
+    applied_at INTEGER NOT NULL,
+    PRIMARY KEY (table_name, version)
+)";
+
+const ADD_CHECKSUM: &str = "ALTER TABLE idem_schema_migrations ADD COLUMN checksum TEXT";
+
+// Before: (version PRIMARY KEY, applied_at), the records' versions.
+const UPGRADE_V0: &str = "ALTER TABLE idem_schema_migrations RENAME TO idem_schema_migrations_v0;
+CREATE TABLE idem_schema_migrations (
+    table_name TEXT    NOT NULL,
+    version    INTEGER NOT NULL,
+    checksum   TEXT,
+    applied_at INTEGER NOT NULL,
+    PRIMARY KEY (table_name, version)
+);
+INSERT INTO idem_schema_migrations (table_name, version, applied_at)
+    SELECT 'idem_records', version, applied_at FROM idem_schema_migrations_v0;
+DROP TABLE idem_schema_migrations_v0;";

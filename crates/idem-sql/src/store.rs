@@ -1,0 +1,451 @@
+//! [`SqlStore`]: the idempotency records on SQLite or MySQL, written once.
+//!
+//! # How the claim stays atomic
+//!
+//! A claim is one write transaction ([`Dialect::begin_write`]) of two
+//! statements. The first (`sql/<dialect>/claim.sql`) is an upsert that
+//! inserts a new record, replaces one past its retention, or takes over an
+//! expired lease of the same request, and otherwise changes nothing. The
+//! second reads the row back, holding its lock (SQLite's write
+//! transaction holds the whole database; MySQL's upsert locked the row, and
+//! the read is a locking read): the caller won exactly when the token there
+//! is the one it proposed. So two racing claims cannot both win, and a
+//! loser sees the winner's record as committed. A deadlock or lock wait
+//! time-out ([`ErrorClass::RetryTransaction`]) runs the transaction again,
+//! a few times.
+
+use std::sync::Arc;
+
+use idem_core::{
+    BeginTransaction, BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection,
+    OperationId, Record, RecordState, Store, StoreError, StoreStats, StoredResponse,
+    TransactionalStore, UnixMillis,
+};
+
+use crate::dialect::{sealed, Arg, Conn, Dialect, ErrorClass, Pool, Statement, Transaction};
+use crate::migrate::Migration;
+use crate::{fenced, store_error, TableName};
+
+/// What a dialect's record statements are made from (`sql/<dialect>/`).
+#[derive(Debug)]
+#[doc(hidden)]
+pub struct RecordTemplates {
+    migrations: &'static [Migration],
+    claim: &'static str,
+    select: &'static str,
+    get: &'static str,
+    complete: &'static str,
+    release: &'static str,
+    sweep: &'static str,
+    stats: &'static str,
+    /// The longest scope the table holds, in bytes.
+    max_scope: Option<usize>,
+}
+
+/// A [`Dialect`] whose records [`SqlStore`] keeps (SQLite and MySQL;
+/// PostgreSQL has a store of its own, `idem-postgres`, with a first look
+/// and claims held by the business transaction).
+pub trait RecordDialect: Dialect + sealed::Sealed {
+    /// The statements.
+    #[doc(hidden)]
+    const RECORDS: RecordTemplates;
+
+    /// Opens a pool on `url` with idem's defaults for this database.
+    #[doc(hidden)]
+    fn open_pool(url: &str) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>>;
+}
+
+#[cfg(feature = "sqlite")]
+impl RecordDialect for crate::Sqlite {
+    const RECORDS: RecordTemplates = RecordTemplates {
+        migrations: &[Migration {
+            version: 1,
+            sql: include_str!("../sql/sqlite/records_0001.sql"),
+        }],
+        claim: include_str!("../sql/sqlite/claim.sql"),
+        select: include_str!("../sql/sqlite/select.sql"),
+        get: include_str!("../sql/sqlite/get.sql"),
+        complete: include_str!("../sql/sqlite/complete.sql"),
+        release: include_str!("../sql/sqlite/release.sql"),
+        sweep: include_str!("../sql/sqlite/sweep.sql"),
+        stats: include_str!("../sql/sqlite/stats.sql"),
+        max_scope: None,
+    };
+
+    fn open_pool(url: &str) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>> {
+        Box::pin(crate::dialect::sqlite_pool(url))
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl RecordDialect for crate::MySql {
+    const RECORDS: RecordTemplates = RecordTemplates {
+        migrations: &[Migration {
+            version: 1,
+            sql: include_str!("../sql/mysql/records_0001.sql"),
+        }],
+        claim: include_str!("../sql/mysql/claim.sql"),
+        select: include_str!("../sql/mysql/select.sql"),
+        get: include_str!("../sql/mysql/get.sql"),
+        complete: include_str!("../sql/mysql/complete.sql"),
+        release: include_str!("../sql/mysql/release.sql"),
+        sweep: include_str!("../sql/mysql/sweep.sql"),
+        stats: include_str!("../sql/mysql/stats.sql"),
+        max_scope: Some(2048),
+    };
+
+    fn open_pool(url: &str) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>> {
+        Box::pin(crate::dialect::mysql_pool(url))
+    }
+}
+
+/// The record statements, made for one table.
+#[derive(Debug)]
+struct RecordSql<D> {
+    claim: Statement<D>,
+    select: Statement<D>,
+    get: Statement<D>,
+    complete: Statement<D>,
+    release: Statement<D>,
+    sweep: Statement<D>,
+    stats: Statement<D>,
+}
+
+impl<D: RecordDialect> RecordSql<D> {
+    fn new(table: &TableName) -> Result<Self, sqlx::Error> {
+        let t = &D::RECORDS;
+        Ok(Self {
+            claim: Statement::prepare(t.claim, table)?,
+            select: Statement::prepare(t.select, table)?,
+            get: Statement::prepare(t.get, table)?,
+            complete: Statement::prepare(t.complete, table)?,
+            release: Statement::prepare(t.release, table)?,
+            sweep: Statement::prepare(t.sweep, table)?,
+            stats: Statement::prepare(t.stats, table)?,
+        })
+    }
+}
+
+/// How many times a claim's transaction runs when the database asks for a
+/// retry (a deadlock, a lock wait time-out) or the row vanished (swept).
+const CLAIM_TURNS: usize = 5;
+
+/// The idempotency records in a SQL table, on SQLite
+/// (`idem_sqlite::SqliteStore`) or MySQL (`idem_mysql::MySqlStore`); see
+/// the [module docs](self) for why its claim is atomic.
+#[derive(Debug, Clone)]
+pub struct SqlStore<D: RecordDialect> {
+    pool: Pool<D>,
+    table: TableName,
+    sql: Arc<RecordSql<D>>,
+}
+
+impl<D: RecordDialect> SqlStore<D> {
+    /// Connects to `url` with idem's defaults for the database, and applies
+    /// the migrations to the default table (`idem_records`).
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with(url, TableName::default()).await
+    }
+
+    /// Connects to `url` and applies the migrations to `table`.
+    pub async fn connect_with(url: &str, table: TableName) -> Result<Self, StoreError> {
+        let pool = D::open_pool(url).await.map_err(store_error)?;
+        let store = Self::new(pool, table)?;
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// The store on `pool`, in the default table (`idem_records`). Call
+    /// [`migrate`](Self::migrate) once if the table may be missing.
+    pub fn from_pool(pool: Pool<D>) -> Self {
+        let table = TableName::default();
+        match RecordSql::new(&table) {
+            Ok(sql) => Self {
+                pool,
+                table,
+                sql: Arc::new(sql),
+            },
+            // The default table names no schema, which every database takes.
+            Err(_) => unreachable!("the default table is valid on every database"),
+        }
+    }
+
+    /// The store on `pool`, in `table`. Call [`migrate`](Self::migrate)
+    /// once if the table may be missing. Fails when the table cannot live
+    /// on this database (a schema on SQLite).
+    pub fn new(pool: Pool<D>, table: TableName) -> Result<Self, StoreError> {
+        let sql = RecordSql::new(&table).map_err(|e| StoreError::Backend(Box::new(e)))?;
+        Ok(Self {
+            pool,
+            table,
+            sql: Arc::new(sql),
+        })
+    }
+
+    /// The pool, for the application's own queries and transactions.
+    pub fn pool(&self) -> &Pool<D> {
+        &self.pool
+    }
+
+    /// The table records live in.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The migrations of the records' table, in order.
+    pub fn migrations() -> &'static [Migration] {
+        D::RECORDS.migrations
+    }
+
+    /// Applies the migrations that have not run yet (see
+    /// [`crate::migrate`]); safe from several processes at once.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        D::migrate(&self.pool, &self.table, D::RECORDS.migrations)
+            .await
+            .map_err(|e| match e {
+                crate::MigrateError::Database { source, .. } => store_error(source),
+                other => StoreError::Backend(Box::new(other)),
+            })
+    }
+
+    /// Reads a record as an operator sees it, past its retention or not,
+    /// with the database's clock.
+    pub async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
+        let mut tx = D::begin_write(&self.pool).await.map_err(store_error)?;
+        let row = D::fetch_optional(
+            &mut tx,
+            &self.sql.select,
+            &[Arg::Text(scope), Arg::Text(key)],
+        )
+        .await;
+        let row = crate::finish(tx, row).await.map_err(store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let now = now_of::<D>(&row)?;
+        Ok(Some(Inspection {
+            record: D::decode_record(&row)?,
+            now,
+        }))
+    }
+
+    /// Counts records by state, for operators.
+    pub async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let row = D::fetch_optional(&mut conn, &self.sql.stats, &[])
+            .await
+            .map_err(store_error)?
+            .ok_or_else(|| StoreError::Corrupt("stats: no row".into()))?;
+        let now = now_of::<D>(&row)?;
+        D::decode_stats(&row, now)
+    }
+
+    fn check_scope(&self, scope: &str) -> Result<(), StoreError> {
+        match D::RECORDS.max_scope {
+            Some(max) if scope.len() > max => Err(StoreError::Backend(
+                format!(
+                    "a scope of {} bytes does not fit {}'s records table \
+                     (at most {max}): hash long scopes before they reach idem",
+                    scope.len(),
+                    D::NAME
+                )
+                .into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.check_scope(&req.scope)?;
+        let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
+        let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
+        let mut last = None;
+        for _ in 0..CLAIM_TURNS {
+            let token = FencingToken::generate();
+            let proposed = OperationId::generate();
+            let operation_id = proposed.0.to_string();
+            let args = [
+                Arg::Text(&req.scope),
+                Arg::Text(&req.key),
+                Arg::Bytes(req.fingerprint.as_bytes()),
+                Arg::Text(&operation_id),
+                Arg::Int(token.0),
+                Arg::Int(lease),
+                Arg::Int(retention),
+            ];
+            match self.claim_turn(&args).await {
+                Ok(Some(record)) => return decide(record, token, proposed),
+                Ok(None) => {}
+                Err(e) if D::classify(&e) == ErrorClass::RetryTransaction => last = Some(e),
+                Err(e) => return Err(store_error(e)),
+            }
+        }
+        Err(match last {
+            Some(e) => store_error(e),
+            None => StoreError::Backend("the record kept vanishing between claim and read".into()),
+        })
+    }
+
+    /// One claim transaction: the upsert, then the row read back.
+    async fn claim_turn(&self, args: &[Arg<'_>]) -> Result<Option<Record>, sqlx::Error> {
+        let mut tx: Transaction<D> = D::begin_write(&self.pool).await?;
+        let staged = async {
+            D::execute(&mut tx, &self.sql.claim, args).await?;
+            D::fetch_optional(&mut tx, &self.sql.select, &args[..2]).await
+        }
+        .await;
+        let row = crate::finish(tx, staged).await?;
+        row.map(|r| D::decode_record(&r))
+            .transpose()
+            .map_err(|e| sqlx::Error::Decode(Box::new(e)))
+    }
+}
+
+/// The claim's outcome from the record read back after the upsert.
+fn decide(
+    record: Record,
+    token: FencingToken,
+    proposed: OperationId,
+) -> Result<ClaimOutcome, StoreError> {
+    match record.state {
+        RecordState::InProgress {
+            token: held,
+            locked_until,
+        } if held == token => Ok(ClaimOutcome::Acquired(Claim {
+            takeover: record.operation_id != proposed,
+            scope: record.scope,
+            key: record.key,
+            token,
+            operation_id: record.operation_id,
+            locked_until,
+        })),
+        _ => Ok(ClaimOutcome::Existing(record)),
+    }
+}
+
+/// The database's clock, from `row`'s column `now`.
+fn now_of<D: Dialect>(row: &crate::dialect::Row<D>) -> Result<UnixMillis, StoreError> {
+    let corrupt = |e: sqlx::Error| StoreError::Corrupt(format!("the database's clock: {e}"));
+    let value = D::get(row, "now").map_err(corrupt)?;
+    Ok(UnixMillis(value.int("now").map_err(corrupt)?))
+}
+
+impl<D: RecordDialect> SqlStore<D> {
+    /// Completes `claim` with `response` on `conn`, usually the handler's
+    /// open transaction, so that the record commits with the business
+    /// write.
+    ///
+    /// Fenced by the claim's token: if the claim was taken over (or already
+    /// completed), nothing is written and [`StoreError::ClaimLost`] is
+    /// returned; the caller must then roll its transaction back, so its
+    /// effect does not commit a second time.
+    pub async fn complete_in(
+        &self,
+        conn: &mut Conn<D>,
+        claim: &Claim,
+        response: &StoredResponse,
+    ) -> Result<(), StoreError> {
+        let headers = response.encode_headers();
+        let args = [
+            Arg::Text(&claim.scope),
+            Arg::Text(&claim.key),
+            Arg::Int(claim.token.0),
+            Arg::Int(i64::from(response.status)),
+            Arg::Bytes(&headers),
+            Arg::Bytes(&response.body),
+        ];
+        fenced(D::execute(conn, &self.sql.complete, &args).await)
+    }
+}
+
+impl<D: RecordDialect> TransactionalStore<Conn<D>> for SqlStore<D> {
+    fn complete_in_tx<'a>(
+        &'a self,
+        conn: &'a mut Conn<D>,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.complete_in(conn, claim, response))
+    }
+}
+
+impl<D: RecordDialect> BeginTransaction for SqlStore<D> {
+    type Transaction = Transaction<D>;
+    type Connection = Conn<D>;
+
+    /// A write transaction ([`Dialect::begin_write`]).
+    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
+        Box::pin(async move { D::begin_write(&self.pool).await.map_err(store_error) })
+    }
+    fn connection(tx: &mut Self::Transaction) -> &mut Conn<D> {
+        tx
+    }
+    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move { tx.commit().await.map_err(store_error) })
+    }
+    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
+        Box::pin(async move { tx.rollback().await.map_err(store_error) })
+    }
+}
+
+impl<D: RecordDialect> Store for SqlStore<D> {
+    fn kind(&self) -> &'static str {
+        D::NAME
+    }
+
+    fn claim<'a>(
+        &'a self,
+        request: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+        Box::pin(self.claim_inner(request))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        claim: &'a Claim,
+        response: &'a StoredResponse,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            self.complete_in(&mut conn, claim, response).await
+        })
+    }
+
+    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            let args = [
+                Arg::Text(&claim.scope),
+                Arg::Text(&claim.key),
+                Arg::Int(claim.token.0),
+            ];
+            fenced(D::execute(&mut conn, &self.sql.release, &args).await)
+        })
+    }
+
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            let row = D::fetch_optional(
+                &mut conn,
+                &self.sql.get,
+                &[Arg::Text(scope), Arg::Text(key)],
+            )
+            .await
+            .map_err(store_error)?;
+            row.map(|r| D::decode_record(&r)).transpose()
+        })
+    }
+
+    fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+            D::execute(&mut conn, &self.sql.sweep, &[Arg::Int(batch)])
+                .await
+                .map_err(store_error)
+        })
+    }
+}

@@ -1,7 +1,0 @@
--- Completes a claim, fenced by its token: no row changes if another attempt
--- took it over. ?1 scope, ?2 key, ?3 token, ?4 now, ?5 status, ?6 headers,
--- ?7 body.
-UPDATE idem_records
-SET state = 'completed', locked_until = NULL, completed_at = ?4,
-    status = ?5, headers = ?6, body = ?7
-WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'

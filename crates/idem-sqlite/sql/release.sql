@@ -1,4 +1,0 @@
--- Releases a claim (its lease ends now), fenced by its token. ?1 scope,
--- ?2 key, ?3 token, ?4 now.
-UPDATE idem_records SET locked_until = min(locked_until, ?4)
-WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'
