@@ -7,9 +7,12 @@
 //! idem stats   --database-url URL
 //! ```
 //!
-//! `URL` is `sqlite:FILE` or `postgres://…` (also read from `DATABASE_URL`);
-//! on PostgreSQL, `--schema` and `--table` name the records table.
+//! `URL` is `sqlite:FILE`, `postgres://…` or `mysql://…` (also read from
+//! `DATABASE_URL`); on PostgreSQL and MySQL, `--schema` (a PostgreSQL
+//! schema, a MySQL database) and `--table` name the records table. Every
+//! verb is written once, generic over the store ([`ops::Ops`]).
 
+mod ops;
 mod time;
 
 use std::process::ExitCode;
@@ -17,12 +20,14 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use idem_core::{sweep_all, Inspection, RecordState, Store, StoreError, StoreStats};
+use idem_core::{sweep_all, Inspection, RecordState, StoreError, StoreStats};
+use idem_mysql::MySqlStore;
 use idem_postgres::{PostgresStore, TableName};
 use idem_sqlite::SqliteStore;
+use ops::{is_missing_table, Ops};
 use serde_json::json;
 
-/// Operate idem's idempotency records on SQLite or PostgreSQL.
+/// Operate idem's idempotency records on SQLite, PostgreSQL or MySQL.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version)]
 struct Cli {
@@ -94,13 +99,14 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct Target {
-    /// `sqlite:FILE` or `postgres://…`.
+    /// `sqlite:FILE`, `postgres://…` or `mysql://…`.
     #[arg(long, env = "DATABASE_URL")]
     database_url: String,
-    /// PostgreSQL only: the schema of the records table (default: the search_path).
+    /// PostgreSQL and MySQL: the schema (MySQL: the database) of the records
+    /// table (default: the search_path, or the URL's database).
     #[arg(long)]
     schema: Option<String>,
-    /// PostgreSQL only: the records table.
+    /// PostgreSQL and MySQL: the records table.
     #[arg(long, default_value = "idem_records")]
     table: String,
     /// Tiered mode: the Redis in front of the database: `inspect` and
@@ -191,48 +197,80 @@ fn redis_line(record: Option<&idem_core::Record>, now: idem_core::UnixMillis) ->
     }
 }
 
-/// A store opened for operations.
-enum Opened {
-    Sqlite(SqliteStore),
-    Postgres(PostgresStore),
-}
-
 type Failure = Box<dyn std::error::Error>;
 
-impl Target {
-    /// Opens the store without migrating (and, for SQLite, without creating
-    /// a missing file) unless `create` is set.
-    async fn open(&self, create: bool) -> Result<Opened, Failure> {
-        let url = &self.database_url;
+/// The database a URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scheme {
+    Sqlite,
+    Postgres,
+    MySql,
+}
+
+impl Scheme {
+    fn of(url: &str) -> Result<Self, Failure> {
         if url.starts_with("sqlite:") {
-            if self.schema.is_some() || self.table != "idem_records" {
-                return Err("--schema and --table apply to PostgreSQL only".into());
-            }
-            let options = idem_sqlite::connect_options(url)?.create_if_missing(create);
-            let pool = sqlx::sqlite::SqlitePoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_with(options)
-                .await
-                .map_err(|e| format!("cannot open {}: {e}", redact(url)))?;
-            Ok(Opened::Sqlite(SqliteStore::from_pool(pool)))
+            Ok(Self::Sqlite)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let table = TableName::new(self.schema.as_deref(), &self.table)?;
-            let options = sqlx::postgres::PgConnectOptions::from_str(url)?;
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_with(options)
-                .await
-                .map_err(|e| format!("cannot connect to {}: {e}", redact(url)))?;
-            Ok(Opened::Postgres(PostgresStore::new(pool, table)))
+            Ok(Self::Postgres)
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            Ok(Self::MySql)
         } else {
             Err(format!(
-                "unsupported database URL {:?}: use sqlite:FILE or postgres://…",
+                "unsupported database URL {:?}: use sqlite:FILE, postgres://… or mysql://…",
                 redact(url)
             )
             .into())
         }
+    }
+}
+
+impl Target {
+    fn table(&self) -> Result<TableName, Failure> {
+        Ok(TableName::new(self.schema.as_deref(), &self.table)?)
+    }
+
+    /// Opens the SQLite store without migrating (and without creating a
+    /// missing file) unless `create` is set.
+    async fn sqlite(&self, create: bool) -> Result<SqliteStore, Failure> {
+        let url = &self.database_url;
+        if self.schema.is_some() || self.table != "idem_records" {
+            return Err("--schema and --table apply to PostgreSQL and MySQL only".into());
+        }
+        let options = idem_sqlite::connect_options(url)?.create_if_missing(create);
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await
+            .map_err(|e| format!("cannot open {}: {e}", redact(url)))?;
+        Ok(SqliteStore::from_pool(pool))
+    }
+
+    async fn postgres(&self) -> Result<PostgresStore, Failure> {
+        let url = &self.database_url;
+        let table = self.table()?;
+        let options = sqlx::postgres::PgConnectOptions::from_str(url)?;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await
+            .map_err(|e| format!("cannot connect to {}: {e}", redact(url)))?;
+        Ok(PostgresStore::new(pool, table))
+    }
+
+    async fn mysql(&self) -> Result<MySqlStore, Failure> {
+        let url = self.database_url.replacen("mariadb://", "mysql://", 1);
+        let table = self.table()?;
+        let options = sqlx::mysql::MySqlConnectOptions::from_str(&url)?;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await
+            .map_err(|e| format!("cannot connect to {}: {e}", redact(&url)))?;
+        Ok(MySqlStore::new(pool, table)?)
     }
 }
 
@@ -350,61 +388,41 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-impl Opened {
-    fn store(&self) -> &dyn Store {
-        match self {
-            Opened::Sqlite(s) => s,
-            Opened::Postgres(s) => s,
-        }
-    }
-
-    async fn migrate(&self) -> Result<(), StoreError> {
-        match self {
-            Opened::Sqlite(s) => s.migrate().await,
-            Opened::Postgres(s) => s.migrate().await,
-        }
-    }
-
-    async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
-        match self {
-            Opened::Sqlite(s) => s.inspect(scope, key).await,
-            Opened::Postgres(s) => s.inspect(scope, key).await,
-        }
-    }
-
-    async fn stats(&self) -> Result<StoreStats, StoreError> {
-        match self {
-            Opened::Sqlite(s) => s.stats().await,
-            Opened::Postgres(s) => s.stats().await,
-        }
-    }
-}
-
 /// A store error with its causes, and a hint when the table is missing.
 fn explain(e: StoreError) -> Failure {
+    let missing = is_missing_table(&e);
     let mut msg = e.to_string();
     let mut source = std::error::Error::source(&e);
     while let Some(s) = source {
         msg.push_str(&format!(": {s}"));
         source = s.source();
     }
-    if msg.contains("no such table") || msg.contains("does not exist") {
+    if missing {
         msg.push_str(" (run `idem migrate` first)");
     }
     msg.into()
 }
 
 async fn run(cli: Cli) -> Result<ExitCode, Failure> {
-    match cli.command {
-        Command::Migrate(target) => {
-            let store = target.open(true).await?;
-            store.migrate().await.map_err(explain)?;
+    let target = cli.command.target();
+    let create = matches!(cli.command, Command::Migrate(_));
+    match Scheme::of(&target.database_url)? {
+        Scheme::Sqlite => run_with(&target.sqlite(create).await?, cli.command).await,
+        Scheme::Postgres => run_with(&target.postgres().await?, cli.command).await,
+        Scheme::MySql => run_with(&target.mysql().await?, cli.command).await,
+    }
+}
+
+/// Runs `command` on `store`: every verb, written once for every store.
+async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failure> {
+    match command {
+        Command::Migrate(_) => {
+            store.migrate_records().await.map_err(explain)?;
             println!("migrated: the records table is up to date");
         }
-        Command::Sweep { target, batch } => {
-            let store = target.open(false).await?;
+        Command::Sweep { batch, .. } => {
             let batch = usize::try_from(batch).unwrap_or(1000);
-            let n = sweep_all(store.store(), batch).await.map_err(explain)?;
+            let n = sweep_all(store, batch).await.map_err(explain)?;
             println!("swept {n} expired record{}", if n == 1 { "" } else { "s" });
         }
         Command::Inspect {
@@ -414,8 +432,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             show_body,
             json,
         } => {
-            let store = target.open(false).await?;
-            let Some(seen) = store.inspect(&scope, &key).await.map_err(explain)? else {
+            let Some(seen) = store.inspect_record(&scope, &key).await.map_err(explain)? else {
                 eprintln!("no record for scope {scope:?} and key {key:?}");
                 return Ok(ExitCode::from(1));
             };
@@ -442,8 +459,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             key,
             yes,
         } => {
-            let store = target.open(false).await?;
-            let Some(seen) = store.inspect(&scope, &key).await.map_err(explain)? else {
+            let Some(seen) = store.inspect_record(&scope, &key).await.map_err(explain)? else {
                 eprintln!("no record for scope {scope:?} and key {key:?}");
                 return Ok(ExitCode::from(1));
             };
@@ -476,7 +492,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             // In tiered mode, Redis's in-flight marker would answer 409 for
             // the rest of the lease: it goes with the claim.
             let redis = target.redis().await?;
-            match store.store().release(&claim).await {
+            match store.release(&claim).await {
                 Ok(()) => {
                     if let Some(redis) = &redis {
                         redis.forget(&scope, &key).await.map_err(explain)?;
@@ -493,47 +509,29 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 Err(e) => return Err(explain(e)),
             }
         }
-        Command::Outbox { target, limit } => {
-            let store = target.open(false).await?;
-            let outbox_error = |e: sqlx::Error| -> Failure {
-                let msg = e.to_string();
-                if msg.contains("no such table") || msg.contains("does not exist") {
+        Command::Outbox { limit, .. } => {
+            let (stats, dead) = store.outbox(limit).await.map_err(|e| -> Failure {
+                if idem_sql::classify(&e) == idem_sql::ErrorClass::MissingTable {
                     "there is no outbox table here (idem_outbox)".into()
                 } else {
-                    msg.into()
+                    e.to_string().into()
                 }
-            };
-            let (stats, dead) = match &store {
-                Opened::Sqlite(s) => (
-                    idem_outbox::outbox::stats(s.pool())
-                        .await
-                        .map_err(outbox_error)?,
-                    idem_outbox::outbox::dead_letters(s.pool(), limit)
-                        .await
-                        .map_err(outbox_error)?,
-                ),
-                Opened::Postgres(s) => (
-                    idem_outbox::outbox::stats(s.pool())
-                        .await
-                        .map_err(outbox_error)?,
-                    idem_outbox::outbox::dead_letters(s.pool(), limit)
-                        .await
-                        .map_err(outbox_error)?,
-                ),
-            };
+            })?;
             println!("pending:        {}", stats.pending);
             println!("sent:           {}", stats.sent);
             println!("dead-lettered:  {}", stats.dead);
-            for (id, destination, attempts, error) in dead {
+            for d in dead {
                 println!(
-                    "dead: {id} -> {destination} after {attempts} attempt(s): {}",
-                    error.unwrap_or_default()
+                    "dead: {} -> {} after {} attempt(s): {}",
+                    d.message_id,
+                    d.destination,
+                    d.attempts,
+                    d.last_error.unwrap_or_default()
                 );
             }
         }
         Command::Stats { target, json } => {
-            let store = target.open(false).await?;
-            let stats = store.stats().await.map_err(explain)?;
+            let stats = store.record_stats().await.map_err(explain)?;
             let redis_keys = match target.redis().await? {
                 Some(redis) => Some(redis.count_keys().await.map_err(explain)?),
                 None => None,

@@ -371,7 +371,7 @@ async fn shows_the_outbox_and_its_dead_letters() {
         }
     });
     let relay = idem_outbox::Relay::new(
-        pool.clone(),
+        &pool,
         transport,
         idem_outbox::RelayConfig {
             max_attempts: 1,

@@ -187,6 +187,8 @@ pub(crate) enum OpenError {
     Store(#[from] idem_core::StoreError),
     #[error("cannot create the shop's tables")]
     Schema(#[from] sqlx::Error),
+    #[error("cannot create the outbox or the inbox")]
+    Messages(#[from] idem_sql::MigrateError),
 }
 
 /// A payment as the API shows it, read from its row by column name.

@@ -14,7 +14,7 @@ use std::time::Duration;
 use idem_core::UnixMillis;
 use idem_outbox::consumer::{handler, Consumer, Delivery};
 use idem_outbox::transport::InProcess;
-use idem_outbox::{Handled, InboxPool, OutgoingMessage, Publisher, Relay, RelayConfig};
+use idem_outbox::{inbox, Handled, OutgoingMessage, Publisher, Relay, RelayConfig};
 use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -73,50 +73,42 @@ async fn act(
     let outcome: Result<Handled<()>, String> = if destination_suffix == ORDER_PLACED {
         let event: OrderPlaced =
             serde_json::from_slice(payload).map_err(|e| format!("bad OrderPlaced: {e}"))?;
-        on_backend!(db, store => store
-            .pool()
-            .process("reserve-stock", message_id, move |tx| {
-                Box::pin(async move {
-                    for line in &event.items {
-                        sqlx::query(
-                            "INSERT INTO shop_stock (sku, reserved) VALUES ($1, $2)
-                             ON CONFLICT (sku) DO UPDATE SET reserved = shop_stock.reserved + excluded.reserved",
-                        )
-                        .bind(&line.sku)
-                        .bind(line.qty)
-                        .execute(&mut **tx)
-                        .await?;
-                    }
-                    tracing::debug!(order = %event.order_id, "stock reserved");
-                    Ok::<_, sqlx::Error>(())
-                })
+        on_backend!(db, store => inbox::process(store.pool(), "reserve-stock", message_id, async move |tx| {
+                for line in &event.items {
+                    sqlx::query(
+                        "INSERT INTO shop_stock (sku, reserved) VALUES ($1, $2)
+                         ON CONFLICT (sku) DO UPDATE SET reserved = shop_stock.reserved + excluded.reserved",
+                    )
+                    .bind(&line.sku)
+                    .bind(line.qty)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                tracing::debug!(order = %event.order_id, "stock reserved");
+                Ok::<_, sqlx::Error>(())
             })
             .await
             .map_err(|e| e.to_string()))
     } else {
         let event: PaymentAuthorized =
             serde_json::from_slice(payload).map_err(|e| format!("bad PaymentAuthorized: {e}"))?;
-        on_backend!(db, store => store
-            .pool()
-            .process("send-email", message_id, move |tx| {
-                Box::pin(async move {
-                    let subject = format!(
-                        "Payment {} of {} {} authorized",
-                        event.payment_id, event.amount, event.currency
-                    );
-                    sqlx::query(
-                        "INSERT INTO shop_emails (id, payment_id, account_id, subject, created_at)
-                         VALUES ($1, $2, $3, $4, $5)",
-                    )
-                    .bind(format!("em_{}", uuid::Uuid::now_v7().simple()))
-                    .bind(&event.payment_id)
-                    .bind(&event.account_id)
-                    .bind(subject)
-                    .bind(now)
-                    .execute(&mut **tx)
-                    .await?;
-                    Ok::<_, sqlx::Error>(())
-                })
+        on_backend!(db, store => inbox::process(store.pool(), "send-email", message_id, async move |tx| {
+                let subject = format!(
+                    "Payment {} of {} {} authorized",
+                    event.payment_id, event.amount, event.currency
+                );
+                sqlx::query(
+                    "INSERT INTO shop_emails (id, payment_id, account_id, subject, created_at)
+                     VALUES ($1, $2, $3, $4, $5)",
+                )
+                .bind(format!("em_{}", uuid::Uuid::now_v7().simple()))
+                .bind(&event.payment_id)
+                .bind(&event.account_id)
+                .bind(subject)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                Ok::<_, sqlx::Error>(())
             })
             .await
             .map_err(|e| e.to_string()))
@@ -241,10 +233,7 @@ impl Messaging {
             poll: Duration::from_millis(500),
             ..RelayConfig::default()
         };
-        let relay = match &db {
-            Database::Sqlite(store) => Relay::sqlite(store.pool().clone(), publisher, config),
-            Database::Postgres(store) => Relay::new(store.pool().clone(), publisher, config),
-        };
+        let relay = on_backend!(&db, store => Relay::new(store.pool(), publisher, config));
         let running = relay.clone();
         let stop_relay = stop_rx.clone();
         tasks.push(tokio::spawn(async move {

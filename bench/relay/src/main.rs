@@ -149,7 +149,7 @@ async fn bench(args: &Args, schema: &str) -> Result<(), Box<dyn std::error::Erro
         let (p, cleanup) = publisher(&args.broker, &destination).await?;
         cleanups.extend(cleanup);
         tasks.push(tokio::spawn(
-            Relay::new(pool.clone(), p, config.clone()).run(stop_rx.clone()),
+            Relay::new(&pool, p, config.clone()).run(stop_rx.clone()),
         ));
     }
     loop {

@@ -160,7 +160,7 @@ async fn a_relay_killed_after_the_ack_publishes_again_and_the_message_is_consume
         ..RelayConfig::default()
     };
     let dying = Relay::new(
-        s.pool.clone(),
+        &s.pool,
         Arc::new(DiesAfterAck(s.publisher.clone())),
         short.clone(),
     );
@@ -169,7 +169,7 @@ async fn a_relay_killed_after_the_ack_publishes_again_and_the_message_is_consume
         .unwrap_err()
         .is_panic());
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let healthy = Relay::new(s.pool.clone(), s.publisher.clone(), short);
+    let healthy = Relay::new(&s.pool, s.publisher.clone(), short);
     assert_eq!(
         healthy.round().await.unwrap().sent,
         20,
@@ -277,10 +277,10 @@ async fn two_relays_move_ten_thousand_messages_through_jetstream_none_lost() {
     };
     let started = Instant::now();
     let r1 = tokio::spawn(
-        Relay::new(s.pool.clone(), s.publisher.clone(), config.clone()).run(relays_stop.clone()),
+        Relay::new(&s.pool, s.publisher.clone(), config.clone()).run(relays_stop.clone()),
     );
     let second = Arc::new(NatsPublisher::connect(&nats(), &s.spec).await.unwrap());
-    let r2 = tokio::spawn(Relay::new(s.pool.clone(), second, config).run(relays_stop));
+    let r2 = tokio::spawn(Relay::new(&s.pool, second, config).run(relays_stop));
     let pool = s.pool.clone();
     wait_for(
         "every row marked sent",

@@ -1,126 +1,236 @@
-//! [`Db`]: the database an outbox or inbox lives in, whichever driver.
+//! [`OutboxDialect`]: the outbox's and the inbox's statements on each
+//! database idem runs on, as typed fields; everything else about the
+//! database (transactions, table names, migrations, errors, the clock,
+//! `SKIP LOCKED`) is [`idem_sql::Dialect`]'s.
 
-/// The database an outbox or an inbox lives in: a PostgreSQL or SQLite
-/// pool (each behind its crate feature, `postgres` / `sqlite`). Every
-/// function that takes `impl Into<Db>` takes `&pool` of either, so one name
-/// serves both: `outbox::migrate(&pool)`, `inbox::migrate(&pool)`,
-/// `Relay::new(pool, …)`.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub enum Db {
-    /// PostgreSQL.
-    #[cfg(feature = "postgres")]
-    Postgres(sqlx::PgPool),
-    /// SQLite.
-    #[cfg(feature = "sqlite")]
-    Sqlite(sqlx::SqlitePool),
+use idem_core::BoxFuture;
+use idem_sql::dialect::Pool;
+use idem_sql::migrate::Migration;
+use idem_sql::{Dialect, Driver, MigrateError, TableName};
+
+use crate::relay::Wakeups;
+
+mod sealed {
+    pub trait Sealed {}
 }
 
-#[cfg(feature = "postgres")]
-impl From<sqlx::PgPool> for Db {
-    fn from(pool: sqlx::PgPool) -> Self {
-        Self::Postgres(pool)
+/// The outbox's statements, templates for [`idem_sql::Statement::prepare`].
+#[derive(Debug)]
+#[doc(hidden)]
+pub struct OutboxSql {
+    pub(crate) migrations: &'static [Migration],
+    /// $1 message id, $2 destination, $3 ordering key, $4 payload, $5
+    /// headers.
+    pub(crate) enqueue: &'static str,
+    /// Run after `enqueue` in the same transaction, where the database
+    /// can wake relays on commit.
+    pub(crate) notify: Option<&'static str>,
+    /// The publishable rows (pending, due, not leased, the oldest of their
+    /// ordering key), oldest first, locked: $1 batch.
+    pub(crate) claimable: &'static str,
+    /// Leases the rows `{seqs}` lists: $1 token, $2 lease (ms).
+    pub(crate) lease: &'static str,
+    /// How long the oldest pending row has waited, in ms.
+    pub(crate) lag: &'static str,
+    /// A row whose publish failed, back after $4 ms or dead: $1 seq, $2
+    /// token, $3 last error, $4 backoff (ms), $5 state.
+    pub(crate) mark_failed: &'static str,
+    /// The rows still leased under $1 token: sent.
+    pub(crate) mark_sent: &'static str,
+    /// Counts `pending`, `sent`, `dead`.
+    pub(crate) stats: &'static str,
+    /// The dead rows, oldest first: $1 limit.
+    pub(crate) dead: &'static str,
+}
+
+/// The inbox's statements.
+#[derive(Debug)]
+#[doc(hidden)]
+pub struct InboxSql {
+    pub(crate) migrations: &'static [Migration],
+    /// $1 consumer, $2 message id, $3 now (ms).
+    pub(crate) mark: &'static str,
+    /// $1 cut-off (ms), $2 batch.
+    pub(crate) sweep: &'static str,
+}
+
+/// A database the outbox and the inbox run on: SQLite, PostgreSQL or
+/// MySQL (each behind this crate's feature of the same name). Sealed.
+pub trait OutboxDialect: Dialect + sealed::Sealed {
+    /// The outbox's statements.
+    #[doc(hidden)]
+    const OUTBOX: OutboxSql;
+    /// The inbox's statements.
+    #[doc(hidden)]
+    const INBOX: InboxSql;
+
+    /// Commit notifications, where the database has them (PostgreSQL's
+    /// `LISTEN`).
+    #[doc(hidden)]
+    fn wakeups(pool: &Pool<Self>) -> BoxFuture<'_, Option<Box<dyn Wakeups>>> {
+        let _ = pool;
+        Box::pin(async { None })
     }
 }
 
-#[cfg(feature = "postgres")]
-impl From<&sqlx::PgPool> for Db {
-    fn from(pool: &sqlx::PgPool) -> Self {
-        Self::Postgres(pool.clone())
-    }
-}
-
-#[cfg(feature = "sqlite")]
-impl From<sqlx::SqlitePool> for Db {
-    fn from(pool: sqlx::SqlitePool) -> Self {
-        Self::Sqlite(pool)
-    }
-}
-
-#[cfg(feature = "sqlite")]
-impl From<&sqlx::SqlitePool> for Db {
-    fn from(pool: &sqlx::SqlitePool) -> Self {
-        Self::Sqlite(pool.clone())
-    }
-}
-
-/// The bare name a SQLite table is written with: SQLite keeps no schemas
-/// (its "schemas" are attached database files), so a schema-qualified
-/// table is refused there rather than silently put somewhere else.
-#[cfg(feature = "sqlite")]
-pub(crate) fn sqlite_table(name: &idem_sql::TableName) -> Result<String, sqlx::Error> {
-    match name.schema() {
-        None => Ok(name.qualified()),
-        Some(schema) => Err(sqlx::Error::Configuration(
-            format!(
-                "table {name}: SQLite has no schemas (schema {schema:?} given); \
-                 name the table alone (TableName::new(None, …))"
-            )
-            .into(),
-        )),
-    }
-}
-
-/// `sql` with `{table}` filled in with `name` as PostgreSQL (`postgres`)
-/// or SQLite writes it.
-pub(crate) fn render(
-    name: &idem_sql::TableName,
-    sql: &str,
-    postgres: bool,
-) -> Result<String, sqlx::Error> {
-    let table = if postgres {
-        name.qualified()
-    } else {
-        #[cfg(feature = "sqlite")]
-        {
-            sqlite_table(name)?
-        }
-        #[cfg(not(feature = "sqlite"))]
-        {
-            name.qualified()
-        }
+macro_rules! claimable {
+    ($clock:literal, $columns:literal) => {
+        concat!(
+            "SELECT ",
+            $columns,
+            " FROM {table} c WHERE ",
+            "c.state = 'pending' AND c.next_attempt_at <= ",
+            $clock,
+            " AND (c.claimed_until IS NULL OR c.claimed_until < ",
+            $clock,
+            ") AND (c.ordering_key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM {table} p
+                WHERE p.ordering_key = c.ordering_key AND p.state = 'pending' AND p.seq < c.seq))
+             ORDER BY c.seq LIMIT $1 {skip_locked}"
+        )
     };
-    Ok(sql.replace("{table}", &table))
 }
 
-/// Creates or upgrades table `name` with its database's migrations.
-pub(crate) async fn migrate(
-    db: Db,
-    name: &idem_sql::TableName,
-    postgres: &[idem_sql::migrate::Migration],
-    sqlite: &[idem_sql::migrate::Migration],
-) -> Result<(), sqlx::Error> {
-    match db {
-        #[cfg(feature = "postgres")]
-        Db::Postgres(pool) => {
-            idem_sql::migrate::migrate::<idem_sql::Postgres>(&pool, name, postgres)
-                .await
-                .map_err(migrate_error)
-        }
-        #[cfg(feature = "sqlite")]
-        Db::Sqlite(pool) => {
-            sqlite_table(name)?;
-            idem_sql::migrate::migrate::<idem_sql::Sqlite>(&pool, name, sqlite)
-                .await
-                .map_err(migrate_error)
-        }
+#[cfg(feature = "postgres")]
+impl sealed::Sealed for idem_sql::Postgres {}
+
+#[cfg(feature = "postgres")]
+impl OutboxDialect for idem_sql::Postgres {
+    const OUTBOX: OutboxSql = OutboxSql {
+        migrations: &[Migration {
+            version: 1,
+            sql: include_str!("../migrations/postgres/outbox_0001.sql"),
+        }],
+        enqueue: "INSERT INTO {table} (message_id, destination, ordering_key, payload, headers)
+                  VALUES ($1, $2, $3, $4, $5)",
+        notify: Some("SELECT pg_notify('idem_outbox', '')"),
+        claimable: claimable!(
+            "now()",
+            "c.seq, c.message_id, c.destination, c.ordering_key, c.payload, c.headers, c.attempts::int8 + 1 AS attempts"
+        ),
+        lease: "UPDATE {table} SET claimed_until = now() + $2 * interval '1 millisecond',
+                    claim_token = $1, attempts = attempts + 1
+                WHERE seq IN ({seqs})",
+        lag: "SELECT (extract(epoch FROM now() - min(created_at)) * 1000)::int8 AS lag
+              FROM {table} WHERE state = 'pending'",
+        mark_failed: "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
+                          next_attempt_at = now() + $4 * interval '1 millisecond', state = $5
+                      WHERE seq = $1 AND claim_token = $2",
+        mark_sent: "UPDATE {table} SET state = 'sent', sent_at = now(), claimed_until = NULL
+                    WHERE claim_token = $1 AND state = 'pending'",
+        stats: "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
+                       count(*) FILTER (WHERE state = 'sent') AS sent,
+                       count(*) FILTER (WHERE state = 'dead') AS dead FROM {table}",
+        dead: "SELECT message_id, destination, attempts::int8 AS attempts, last_error FROM {table}
+               WHERE state = 'dead' ORDER BY seq LIMIT $1",
+    };
+    const INBOX: InboxSql = InboxSql {
+        migrations: &[Migration {
+            version: 1,
+            sql: include_str!("../migrations/inbox_0001.sql"),
+        }],
+        mark: "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)",
+        sweep: "DELETE FROM {table} WHERE (consumer, message_id) IN (
+                    SELECT consumer, message_id FROM {table}
+                    WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)",
+    };
+
+    fn wakeups(pool: &Pool<Self>) -> BoxFuture<'_, Option<Box<dyn Wakeups>>> {
+        Box::pin(crate::relay::listen(pool))
     }
 }
 
-/// Whether `e` says the table does not exist: PostgreSQL's
-/// `undefined_table` (42P01), SQLite's "no such table".
-pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(d) => {
-            d.code().as_deref() == Some("42P01") || d.message().starts_with("no such table")
-        }
-        _ => false,
-    }
+#[cfg(feature = "sqlite")]
+impl sealed::Sealed for idem_sql::Sqlite {}
+
+#[cfg(feature = "sqlite")]
+impl OutboxDialect for idem_sql::Sqlite {
+    const OUTBOX: OutboxSql = OutboxSql {
+        migrations: &[Migration {
+            version: 1,
+            sql: include_str!("../migrations/sqlite/outbox_0001.sql"),
+        }],
+        enqueue: "INSERT INTO {table}
+                      (message_id, destination, ordering_key, payload, headers, created_at, next_attempt_at)
+                  VALUES ($1, $2, $3, $4, $5, {now}, {now})",
+        notify: None,
+        claimable: claimable!(
+            "{now}",
+            "c.seq, c.message_id, c.destination, c.ordering_key, c.payload, c.headers, c.attempts + 1 AS attempts"
+        ),
+        lease: "UPDATE {table} SET claimed_until = {now} + $2, claim_token = $1, attempts = attempts + 1
+                WHERE seq IN ({seqs})",
+        lag: "SELECT {now} - min(created_at) AS lag FROM {table} WHERE state = 'pending'",
+        mark_failed: "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
+                          next_attempt_at = {now} + $4, state = $5
+                      WHERE seq = $1 AND claim_token = $2",
+        mark_sent: "UPDATE {table} SET state = 'sent', sent_at = {now}, claimed_until = NULL
+                    WHERE claim_token = $1 AND state = 'pending'",
+        stats: "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
+                       count(*) FILTER (WHERE state = 'sent') AS sent,
+                       count(*) FILTER (WHERE state = 'dead') AS dead FROM {table}",
+        dead: "SELECT message_id, destination, attempts, last_error FROM {table}
+               WHERE state = 'dead' ORDER BY seq LIMIT $1",
+    };
+    const INBOX: InboxSql = InboxSql {
+        migrations: &[Migration {
+            version: 1,
+            sql: include_str!("../migrations/inbox_0001.sql"),
+        }],
+        mark: "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)",
+        sweep: "DELETE FROM {table} WHERE rowid IN (
+                    SELECT rowid FROM {table}
+                    WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)",
+    };
 }
 
-fn migrate_error(e: idem_sql::MigrateError) -> sqlx::Error {
-    match e {
-        idem_sql::MigrateError::Database { source, .. } => source,
-        other => sqlx::Error::Configuration(Box::new(other)),
-    }
+#[cfg(feature = "mysql")]
+impl sealed::Sealed for idem_sql::MySql {}
+
+#[cfg(feature = "mysql")]
+impl OutboxDialect for idem_sql::MySql {
+    const OUTBOX: OutboxSql = OutboxSql {
+        migrations: &[Migration {
+            version: 1,
+            sql: include_str!("../migrations/mysql/outbox_0001.sql"),
+        }],
+        enqueue: "INSERT INTO {table}
+                      (message_id, destination, ordering_key, payload, headers, created_at, next_attempt_at)
+                  VALUES ($1, $2, $3, $4, $5, {now}, {now})",
+        notify: None,
+        claimable: claimable!(
+            "{now}",
+            "c.seq, c.message_id, c.destination, c.ordering_key, c.payload, c.headers, c.attempts + 1 AS attempts"
+        ),
+        lease: "UPDATE {table} SET claimed_until = {now} + $2, claim_token = $1, attempts = attempts + 1
+                WHERE seq IN ({seqs})",
+        lag: "SELECT {now} - MIN(created_at) AS lag FROM {table} WHERE state = 'pending'",
+        mark_failed: "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
+                          next_attempt_at = {now} + $4, state = $5
+                      WHERE seq = $1 AND claim_token = $2",
+        mark_sent: "UPDATE {table} SET state = 'sent', sent_at = {now}, claimed_until = NULL
+                    WHERE claim_token = $1 AND state = 'pending'",
+        stats: "SELECT CAST(COALESCE(SUM(state = 'pending'), 0) AS SIGNED) AS pending,
+                       CAST(COALESCE(SUM(state = 'sent'), 0) AS SIGNED) AS sent,
+                       CAST(COALESCE(SUM(state = 'dead'), 0) AS SIGNED) AS dead FROM {table}",
+        dead: "SELECT message_id, destination, attempts, last_error FROM {table}
+               WHERE state = 'dead' ORDER BY seq LIMIT $1",
+    };
+    const INBOX: InboxSql = InboxSql {
+        migrations: &[Migration {
+            version: 1,
+            sql: include_str!("../migrations/mysql/inbox_0001.sql"),
+        }],
+        mark: "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)",
+        sweep: "DELETE FROM {table} WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2",
+    };
+}
+
+/// Applies `migrations` to `name` on `pool` (see [`idem_sql::migrate`]).
+pub(crate) async fn migrate<DB: Driver>(
+    pool: &sqlx::Pool<DB>,
+    name: &TableName,
+    migrations: &[Migration],
+) -> Result<(), MigrateError> {
+    idem_sql::migrate::migrate::<DB::Dialect>(pool, name, migrations).await
 }

@@ -2,20 +2,19 @@
 //!
 //! Each processed message leaves a row keyed by `(consumer, message_id)`,
 //! inserted **first, in the same transaction** as the handler's writes. A
-//! redelivered message hits that key's unique constraint (recognised by its
-//! name, never by a `SELECT` first): the transaction rolls back, and the
-//! caller acknowledges the message as already done. Two consumers handed the
-//! same message at once race on the same key; PostgreSQL makes the second
-//! wait for the first to commit, SQLite has one writer at a time: one effect.
+//! redelivered message hits that key's unique constraint (never a `SELECT`
+//! first): the transaction rolls back, and the caller acknowledges the
+//! message as already done. Two consumers handed the same message at once
+//! race on the same key; PostgreSQL and MySQL make the second wait for the
+//! first to commit, SQLite has one writer at a time: one effect.
 
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use idem_core::BoxFuture;
-use idem_sql::migrate::Migration;
-use idem_sql::{InvalidIdentifier, TableName};
+use idem_sql::dialect::{Arg, Statement};
+use idem_sql::{Dialect, Driver, ErrorClass, InvalidIdentifier, MigrateError, TableName};
 
-use crate::{Db, InboxPool};
+use crate::db::OutboxDialect;
 
 /// What happened to a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,14 +50,9 @@ fn now_ms() -> i64 {
     idem_core::UnixMillis::now().0
 }
 
-/// The inbox table's migrations (the same DDL on both backends), in order.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    sql: include_str!("../migrations/0001_inbox.sql"),
-}];
-
-/// Where an inbox lives: its table and, on PostgreSQL, its schema. The
-/// default is `idem_inbox`, found through `search_path`.
+/// Where an inbox lives: its table and its schema (PostgreSQL) or database
+/// (MySQL). The default is `idem_inbox`, found through `search_path` (the
+/// connection's database on MySQL).
 ///
 /// ```
 /// use idem_outbox::inbox::InboxTable;
@@ -76,10 +70,6 @@ impl Default for InboxTable {
     fn default() -> Self {
         DEFAULT.clone()
     }
-}
-
-pub(crate) fn default_table() -> &'static InboxTable {
-    &DEFAULT
 }
 
 impl InboxTable {
@@ -100,183 +90,188 @@ impl InboxTable {
         format!("{}_pkey", self.0.table())
     }
 
-    /// Whether `e` is the violation of this inbox's key: the message was
-    /// processed before. PostgreSQL names the constraint; SQLite names the
-    /// key's columns.
+    /// Whether `e`, from the commit, is the violation of this inbox's key:
+    /// the message was processed before. PostgreSQL names the constraint;
+    /// SQLite names the key's columns.
     fn is_duplicate(&self, e: &sqlx::Error) -> bool {
         let t = self.0.table();
         idem_sql::DuplicateKey::of(e).is_some_and(|d| {
             let c = d.constraint.as_str();
             c.strip_prefix(t) == Some("_pkey")
                 || c == format!("{t}.consumer, {t}.message_id").as_str()
+                || c == "PRIMARY"
         })
     }
 
-    /// `sql` with `{table}` filled in for PostgreSQL (`postgres`) or SQLite.
-    fn render(&self, sql: &str, postgres: bool) -> Result<String, sqlx::Error> {
-        crate::db::render(&self.0, sql, postgres)
-    }
-
     /// Creates or upgrades this inbox table (see [`idem_sql::migrate`]).
-    pub async fn migrate(&self, db: impl Into<Db>) -> Result<(), sqlx::Error> {
-        crate::db::migrate(db.into(), &self.0, MIGRATIONS, MIGRATIONS).await
+    pub async fn migrate<DB>(&self, pool: &sqlx::Pool<DB>) -> Result<(), MigrateError>
+    where
+        DB: Driver,
+        DB::Dialect: OutboxDialect,
+    {
+        crate::db::migrate(
+            pool,
+            &self.0,
+            <DB::Dialect as OutboxDialect>::INBOX.migrations,
+        )
+        .await
     }
 
     /// Processes `message_id` for `consumer` once, in this inbox; see
     /// [`process`].
-    pub async fn process<P, T, E, F>(
+    pub async fn process<DB, T, E, F>(
         &self,
-        pool: &P,
+        pool: &sqlx::Pool<DB>,
         consumer: &str,
         message_id: &str,
         handler: F,
     ) -> Result<Handled<T>, InboxError<E>>
     where
-        P: InboxPool + ?Sized,
-        F: for<'c> FnOnce(&'c mut sqlx::Transaction<'static, P::Db>) -> BoxFuture<'c, Result<T, E>>
-            + Send,
-        T: Send,
-        E: Send,
+        DB: Driver,
+        DB::Dialect: OutboxDialect,
+        F: AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
     {
-        pool.process_in(self, consumer, message_id, handler).await
+        let tx = DB::Dialect::begin_write(pool)
+            .await
+            .map_err(InboxError::Database)?;
+        self.process_in(tx, consumer, message_id, handler).await
+    }
+
+    /// Marks the message processed in `tx`, runs `handler` in it and
+    /// commits; a mark that hits the inbox's key is a duplicate. Every way
+    /// out ends the transaction before returning: one left to its drop ends
+    /// later, holding its locks until it does.
+    async fn process_in<DB, T, E, F>(
+        &self,
+        mut tx: sqlx::Transaction<'static, DB>,
+        consumer: &str,
+        message_id: &str,
+        handler: F,
+    ) -> Result<Handled<T>, InboxError<E>>
+    where
+        DB: Driver,
+        DB::Dialect: OutboxDialect,
+        F: AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
+    {
+        let mark = match Statement::<DB::Dialect>::prepare(
+            <DB::Dialect as OutboxDialect>::INBOX.mark,
+            &self.0,
+        ) {
+            Ok(sql) => sql,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(InboxError::Database(e));
+            }
+        };
+        let args = [
+            Arg::Text(consumer),
+            Arg::Text(message_id),
+            Arg::Int(now_ms()),
+        ];
+        match DB::Dialect::execute(&mut tx, &mark, &args).await {
+            Ok(_) => {}
+            // The mark is the transaction's first write, to the inbox's
+            // table alone, whose one unique key is the message's.
+            Err(e) if DB::Dialect::classify(&e) == ErrorClass::UniqueViolation => {
+                tx.rollback().await.map_err(InboxError::Database)?;
+                return Ok(Handled::Duplicate);
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(InboxError::Database(e));
+            }
+        }
+        let value = match handler(&mut *tx).await {
+            Ok(value) => value,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(InboxError::Handler(e));
+            }
+        };
+        match tx.commit().await {
+            Ok(()) => Ok(Handled::Processed(value)),
+            // A commit that meets the key (a racing consumer committed first).
+            Err(e) if self.is_duplicate(&e) => Ok(Handled::Duplicate),
+            Err(e) => Err(InboxError::Database(e)),
+        }
     }
 
     /// Deletes at most `batch` processed ids older than `retention` from
     /// this inbox; returns how many.
-    pub async fn sweep(
+    pub async fn sweep<DB>(
         &self,
-        db: impl Into<Db>,
+        pool: &sqlx::Pool<DB>,
         retention: Duration,
         batch: i64,
-    ) -> Result<u64, sqlx::Error> {
+    ) -> Result<u64, sqlx::Error>
+    where
+        DB: Driver,
+        DB::Dialect: OutboxDialect,
+    {
         let cutoff = now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-        Ok(match db.into() {
-            #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => sqlx::query(&self.render(SWEEP, true)?)
-                .bind(cutoff)
-                .bind(batch)
-                .execute(&pool)
-                .await?
-                .rows_affected(),
-            #[cfg(feature = "sqlite")]
-            Db::Sqlite(pool) => sqlx::query(&self.render(SWEEP, false)?)
-                .bind(cutoff)
-                .bind(batch)
-                .execute(&pool)
-                .await?
-                .rows_affected(),
-        })
+        let sweep = Statement::<DB::Dialect>::prepare(
+            <DB::Dialect as OutboxDialect>::INBOX.sweep,
+            &self.0,
+        )?;
+        let mut conn = pool.acquire().await?;
+        DB::Dialect::execute(&mut conn, &sweep, &[Arg::Int(cutoff), Arg::Int(batch)]).await
     }
 }
 
-/// Creates or upgrades the default inbox table, `idem_inbox` (on
-/// PostgreSQL in the search path's first schema); see
+/// Creates or upgrades the default inbox table, `idem_inbox`; see
 /// [`InboxTable::migrate`].
-pub async fn migrate(db: impl Into<Db>) -> Result<(), sqlx::Error> {
-    DEFAULT.migrate(db).await
+pub async fn migrate<DB>(pool: &sqlx::Pool<DB>) -> Result<(), MigrateError>
+where
+    DB: Driver,
+    DB::Dialect: OutboxDialect,
+{
+    DEFAULT.migrate(pool).await
 }
 
 /// Deletes at most `batch` processed ids older than `retention` from the
 /// default inbox; see [`InboxTable::sweep`].
-pub async fn sweep(db: impl Into<Db>, retention: Duration, batch: i64) -> Result<u64, sqlx::Error> {
-    DEFAULT.sweep(db, retention, batch).await
+pub async fn sweep<DB>(
+    pool: &sqlx::Pool<DB>,
+    retention: Duration,
+    batch: i64,
+) -> Result<u64, sqlx::Error>
+where
+    DB: Driver,
+    DB::Dialect: OutboxDialect,
+{
+    DEFAULT.sweep(pool, retention, batch).await
 }
 
 /// Processes `message_id` for `consumer` once, in the default inbox, on
-/// PostgreSQL or SQLite (whichever `pool` is): `handler` gets the open
-/// transaction and its writes commit with the inbox row. SQLite's
-/// transaction is an immediate one (the write lock taken first).
+/// whichever database `pool` is: `handler` gets the open (write)
+/// transaction's connection, and its writes commit with the inbox row.
 ///
 /// ```no_run
 /// use idem_outbox::inbox::{self, Handled};
 /// # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// let outcome = inbox::process(&pool, "reserve-stock", "msg-42", |tx| Box::pin(async move {
-///     sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'tea'").execute(&mut **tx).await?;
+/// let outcome = inbox::process(&pool, "reserve-stock", "msg-42", async |tx| {
+///     sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = 'tea'")
+///         .execute(&mut *tx)
+///         .await?;
 ///     Ok::<_, sqlx::Error>(())
-/// })).await?;
+/// })
+/// .await?;
 /// match outcome {
 ///     Handled::Processed(()) => { /* ack */ }
 ///     Handled::Duplicate => { /* ack too: it was done before */ }
 /// }
 /// # Ok(()) }
 /// ```
-pub async fn process<P, T, E, F>(
-    pool: &P,
+pub async fn process<DB, T, E, F>(
+    pool: &sqlx::Pool<DB>,
     consumer: &str,
     message_id: &str,
     handler: F,
 ) -> Result<Handled<T>, InboxError<E>>
 where
-    P: InboxPool + ?Sized,
-    F: for<'c> FnOnce(&'c mut sqlx::Transaction<'static, P::Db>) -> BoxFuture<'c, Result<T, E>>
-        + Send,
-    T: Send,
-    E: Send,
+    DB: Driver,
+    DB::Dialect: OutboxDialect,
+    F: AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
 {
-    pool.process_in(&DEFAULT, consumer, message_id, handler)
-        .await
+    DEFAULT.process(pool, consumer, message_id, handler).await
 }
-
-/// Marks the message processed in `tx`, runs `handler` in it and commits;
-/// a mark that hits the inbox's key is a duplicate. Every way out ends the
-/// transaction before returning: one left to its drop ends later, holding
-/// its locks until it does.
-pub(crate) async fn process_in<DB, T, E, F>(
-    table: &InboxTable,
-    postgres: bool,
-    mut tx: sqlx::Transaction<'static, DB>,
-    consumer: &str,
-    message_id: &str,
-    handler: F,
-) -> Result<Handled<T>, InboxError<E>>
-where
-    DB: sqlx::Database,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
-    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    F: for<'c> FnOnce(&'c mut sqlx::Transaction<'static, DB>) -> BoxFuture<'c, Result<T, E>>,
-{
-    let mark = match table.render(MARK, postgres) {
-        Ok(sql) => sql,
-        Err(e) => {
-            let _ = tx.rollback().await;
-            return Err(InboxError::Database(e));
-        }
-    };
-    let marked = sqlx::query(&mark)
-        .bind(consumer)
-        .bind(message_id)
-        .bind(now_ms())
-        .execute(&mut *tx)
-        .await;
-    match marked {
-        Ok(_) => {}
-        Err(e) if table.is_duplicate(&e) => {
-            tx.rollback().await.map_err(InboxError::Database)?;
-            return Ok(Handled::Duplicate);
-        }
-        Err(e) => {
-            let _ = tx.rollback().await;
-            return Err(InboxError::Database(e));
-        }
-    }
-    let value = match handler(&mut tx).await {
-        Ok(value) => value,
-        Err(e) => {
-            let _ = tx.rollback().await;
-            return Err(InboxError::Handler(e));
-        }
-    };
-    match tx.commit().await {
-        Ok(()) => Ok(Handled::Processed(value)),
-        // A commit that meets the key (a racing consumer committed first).
-        Err(e) if table.is_duplicate(&e) => Ok(Handled::Duplicate),
-        Err(e) => Err(InboxError::Database(e)),
-    }
-}
-
-const MARK: &str = "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)";
-
-const SWEEP: &str = "DELETE FROM {table} WHERE (consumer, message_id) IN (
-    SELECT consumer, message_id FROM {table} WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)";

@@ -40,14 +40,12 @@ async fn effects(pool: &sqlx::PgPool) -> i64 {
 
 async fn consume(pool: &sqlx::PgPool, consumer: &str, message_id: &str) -> Handled<()> {
     let id = message_id.to_owned();
-    inbox::process(pool, consumer, message_id, move |tx| {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
-                .bind(id)
-                .execute(&mut **tx)
-                .await?;
-            Ok::<_, sqlx::Error>(())
-        })
+    inbox::process(pool, consumer, message_id, async move |tx| {
+        sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        Ok::<_, sqlx::Error>(())
     })
     .await
     .unwrap()
@@ -62,14 +60,12 @@ async fn a_redelivered_message_acts_once() {
     assert_eq!(consume(&pool, "other", "m1").await, Handled::Processed(()));
     assert_eq!(effects(&pool).await, 2);
     // a failing handler rolls back, and the redelivery processes it
-    let failed = inbox::process(&pool, "c", "m2", |tx| {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO effects (message_id) VALUES ('m2')")
-                .execute(&mut **tx)
-                .await
-                .unwrap();
-            Err::<(), _>("boom")
-        })
+    let failed = inbox::process(&pool, "c", "m2", async |tx| {
+        sqlx::query("INSERT INTO effects (message_id) VALUES ('m2')")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        Err::<(), _>("boom")
     })
     .await;
     assert!(matches!(
@@ -117,13 +113,11 @@ async fn racing_consumers_act_once_on_sqlite() {
     for _ in 0..20 {
         let pool = pool.clone();
         tasks.push(tokio::spawn(async move {
-            inbox::process(&pool, "c", "same", |tx| {
-                Box::pin(async move {
-                    sqlx::query("INSERT INTO effects VALUES ('same')")
-                        .execute(&mut **tx)
-                        .await?;
-                    Ok::<_, sqlx::Error>(())
-                })
+            inbox::process(&pool, "c", "same", async |tx| {
+                sqlx::query("INSERT INTO effects VALUES ('same')")
+                    .execute(&mut *tx)
+                    .await?;
+                Ok::<_, sqlx::Error>(())
             })
             .await
             .unwrap()
@@ -204,9 +198,8 @@ async fn two_relays_publish_ten_thousand_messages_none_lost() {
         poll: Duration::from_millis(50),
         ..RelayConfig::default()
     };
-    let a =
-        tokio::spawn(Relay::new(pool.clone(), publisher.clone(), config.clone()).run(stop.clone()));
-    let b = tokio::spawn(Relay::new(pool.clone(), publisher.clone(), config).run(stop));
+    let a = tokio::spawn(Relay::new(&pool, publisher.clone(), config.clone()).run(stop.clone()));
+    let b = tokio::spawn(Relay::new(&pool, publisher.clone(), config).run(stop));
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let s = outbox::stats(&pool).await.unwrap();
@@ -259,7 +252,7 @@ async fn a_relay_that_dies_before_marking_republishes_and_the_inbox_absorbs_it()
         ..RelayConfig::default()
     };
     let dying = Relay::new(
-        pool.clone(),
+        &pool,
         Arc::new(DiesAfterPublish(recording.clone())),
         short.clone(),
     );
@@ -273,7 +266,7 @@ async fn a_relay_that_dies_before_marking_republishes_and_the_inbox_absorbs_it()
         "nothing was marked"
     );
     // before the lease runs out, another relay finds nothing to take
-    let healthy = Relay::new(pool.clone(), recording.clone(), short);
+    let healthy = Relay::new(&pool, recording.clone(), short);
     assert_eq!(healthy.round().await.unwrap().sent, 0);
     tokio::time::sleep(Duration::from_millis(3200)).await;
     assert_eq!(healthy.round().await.unwrap().sent, 50);
@@ -299,7 +292,7 @@ async fn a_message_the_publisher_says_nothing_of_is_not_marked_sent() {
     }
     tx.commit().await.unwrap();
     let publisher = Arc::new(Recording::default());
-    let relay = Relay::new(pool.clone(), publisher.clone(), RelayConfig::default());
+    let relay = Relay::new(&pool, publisher.clone(), RelayConfig::default());
     let round = relay.round().await.unwrap();
     assert_eq!((round.sent, round.failed), (2, 1));
     assert_eq!(*publisher.published.lock().unwrap(), vec!["a", "c"]);
@@ -322,7 +315,7 @@ async fn a_poison_message_is_dead_lettered_without_blocking_the_rest() {
     tx.commit().await.unwrap();
     let publisher = Arc::new(Recording::default());
     let relay = Relay::new(
-        pool.clone(),
+        &pool,
         publisher.clone(),
         RelayConfig {
             max_attempts: 3,
@@ -343,10 +336,10 @@ async fn a_poison_message_is_dead_lettered_without_blocking_the_rest() {
     let s = outbox::stats(&pool).await.unwrap();
     assert_eq!((s.sent, s.dead, s.pending), (5, 1, 0));
     let dead = outbox::dead_letters(&pool, 10).await.unwrap();
-    assert_eq!(dead[0].0, "bad");
-    assert_eq!(dead[0].2, 3);
+    assert_eq!(dead[0].message_id, "bad");
+    assert_eq!(dead[0].attempts, 3);
     assert_eq!(
-        dead[0].3.as_deref(),
+        dead[0].last_error.as_deref(),
         Some("not published: the broker refused it"),
         "the kind, then the broker's words"
     );
@@ -372,7 +365,7 @@ async fn messages_with_one_ordering_key_go_out_in_order() {
     }
     tx.commit().await.unwrap();
     let publisher = Arc::new(Recording::default());
-    let relay = Relay::new(pool.clone(), publisher.clone(), RelayConfig::default());
+    let relay = Relay::new(&pool, publisher.clone(), RelayConfig::default());
     let mut rounds = 0;
     while outbox::stats(&pool).await.unwrap().pending > 0 {
         relay.round().await.unwrap();
@@ -407,7 +400,7 @@ async fn a_committed_row_wakes_the_relay_promptly_and_an_uncommitted_one_is_neve
         poll: Duration::from_secs(30),
         ..RelayConfig::default()
     };
-    let relay = tokio::spawn(Relay::new(pool.clone(), publisher.clone(), config).run(stop));
+    let relay = tokio::spawn(Relay::new(&pool, publisher.clone(), config).run(stop));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut rolled_back = pool.begin().await.unwrap();
     outbox::enqueue(&mut rolled_back, &message("never", "orders", None))
@@ -455,8 +448,8 @@ async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
 
     let transport = Arc::new(InProcess::new());
     let mut deliveries = transport.subscribe("orders");
-    let relay = Relay::sqlite(
-        pool.clone(),
+    let relay = Relay::new(
+        &pool,
         transport.clone(),
         RelayConfig {
             poll: Duration::from_secs(30),
@@ -493,14 +486,12 @@ async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
         let m = delivery.message.clone();
         assert_ne!(m.message_id, "never");
         let id = m.message_id.clone();
-        let handled = inbox::process(&pool, "c", &m.message_id, move |tx| {
-            Box::pin(async move {
-                sqlx::query("INSERT INTO effects VALUES ($1)")
-                    .bind(id)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok::<_, sqlx::Error>(())
-            })
+        let handled = inbox::process(&pool, "c", &m.message_id, async move |tx| {
+            sqlx::query("INSERT INTO effects VALUES ($1)")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            Ok::<_, sqlx::Error>(())
         })
         .await
         .unwrap();
@@ -536,8 +527,8 @@ async fn an_in_process_message_is_marked_sent_only_once_its_consumer_acknowledge
     tx.commit().await.unwrap();
     let transport = Arc::new(InProcess::new().ack_timeout(Duration::from_millis(300)));
     let mut rx = transport.subscribe("orders");
-    let relay = Relay::sqlite(
-        pool.clone(),
+    let relay = Relay::new(
+        &pool,
         transport,
         RelayConfig {
             backoff: Duration::from_millis(10),

@@ -113,9 +113,7 @@ fn event(id: &str) -> OutgoingMessage {
 
 async fn act(pool: &sqlx::PgPool, table: &InboxTable, id: &str) -> Handled<()> {
     table
-        .process(pool, "c", id, |_tx| {
-            Box::pin(async { Ok::<_, sqlx::Error>(()) })
-        })
+        .process(pool, "c", id, async |_tx| Ok::<_, sqlx::Error>(()))
         .await
         .unwrap()
 }
@@ -151,8 +149,8 @@ async fn two_outboxes_and_two_inboxes_in_one_schema_stay_apart() {
     // A relay of `a` publishes `a`'s message and leaves `b`'s alone.
     let transport = Arc::new(InProcess::new());
     let mut rx = transport.subscribe("orders");
-    let relay = Relay::postgres(
-        pool.clone(),
+    let relay = Relay::new(
+        &pool,
         transport,
         RelayConfig {
             table: a.clone(),
@@ -207,11 +205,9 @@ async fn sqlite_tables_of_their_own_and_no_schemas() {
         let i = i.clone();
         let pool = pool.clone();
         async move {
-            i.process(&pool, "c", id, |_tx| {
-                Box::pin(async { Ok::<_, sqlx::Error>(()) })
-            })
-            .await
-            .unwrap()
+            i.process(&pool, "c", id, async |_tx| Ok::<_, sqlx::Error>(()))
+                .await
+                .unwrap()
         }
     };
     assert_eq!(once("m1").await, Handled::Processed(()));
@@ -230,8 +226,8 @@ async fn sqlite_tables_of_their_own_and_no_schemas() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("SQLite has no schemas"), "{err}");
-    let relay = Relay::sqlite(
-        pool.clone(),
+    let relay = Relay::new(
+        &pool,
         Arc::new(InProcess::new()),
         RelayConfig {
             table: qualified,

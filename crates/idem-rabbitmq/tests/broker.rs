@@ -156,7 +156,7 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_message_is_con
         ..RelayConfig::default()
     };
     let dying = Relay::new(
-        s.pool.clone(),
+        &s.pool,
         Arc::new(DiesAfterConfirm(s.publisher.clone())),
         short.clone(),
     );
@@ -165,7 +165,7 @@ async fn a_relay_killed_after_the_confirm_publishes_again_and_the_message_is_con
         .unwrap_err()
         .is_panic());
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let healthy = Relay::new(s.pool.clone(), s.publisher.clone(), short);
+    let healthy = Relay::new(&s.pool, s.publisher.clone(), short);
     assert_eq!(healthy.round().await.unwrap().sent, 20, "published again");
     let seen = Arc::new(Seen::default());
     let (stop, task) = consumer(&s, seen.clone(), false, None).await;
@@ -240,10 +240,10 @@ async fn two_relays_move_ten_thousand_messages_through_rabbitmq_none_lost() {
     };
     let started = Instant::now();
     let r1 = tokio::spawn(
-        Relay::new(s.pool.clone(), s.publisher.clone(), config.clone()).run(relays_stop.clone()),
+        Relay::new(&s.pool, s.publisher.clone(), config.clone()).run(relays_stop.clone()),
     );
     let second = Arc::new(RabbitPublisher::connect(&amqp()).await.unwrap());
-    let r2 = tokio::spawn(Relay::new(s.pool.clone(), second, config).run(relays_stop));
+    let r2 = tokio::spawn(Relay::new(&s.pool, second, config).run(relays_stop));
     let pool = s.pool.clone();
     wait_for(
         "every row marked sent",

@@ -75,7 +75,7 @@ pub use dialect::MySql;
 pub use dialect::Postgres;
 #[cfg(feature = "sqlite")]
 pub use dialect::Sqlite;
-pub use dialect::{Arg, Dialect, ErrorClass, Statement};
+pub use dialect::{Arg, Dialect, DialectConnection, Driver, ErrorClass, Statement};
 pub use errors::{
     classify, fenced, insert_unique, is_unavailable, store_error, DuplicateKey, Inserted,
 };

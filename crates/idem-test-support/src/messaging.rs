@@ -68,15 +68,13 @@ pub async fn record_effect(
         return Err("this message always fails");
     }
     let effect_id = id.clone();
-    let handled = inbox::process(pool, "test-consumer", &id, move |tx| {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
-                .bind(effect_id)
-                .execute(&mut **tx)
-                .await?;
-            tokio::time::sleep(hold).await;
-            Ok::<_, sqlx::Error>(())
-        })
+    let handled = inbox::process(pool, "test-consumer", &id, async move |tx| {
+        sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+            .bind(effect_id)
+            .execute(&mut *tx)
+            .await?;
+        tokio::time::sleep(hold).await;
+        Ok::<_, sqlx::Error>(())
     })
     .await
     .map_err(|_| "inbox failed")?;

@@ -104,11 +104,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let id = m.message_id.ok_or("a message without an id")?;
                 let (insert, row) = (format!("INSERT INTO {counted} VALUES ($1)"), id.clone());
                 let done = inbox
-                    .process(&pool, "count-orders", &id, |tx| {
-                        Box::pin(async move {
-                            sqlx::query(&insert).bind(row).execute(&mut **tx).await?;
-                            Ok::<_, sqlx::Error>(())
-                        })
+                    .process(&pool, "count-orders", &id, async move |tx| {
+                        sqlx::query(&insert).bind(row).execute(&mut *tx).await?;
+                        Ok::<_, sqlx::Error>(())
                     })
                     .await?;
                 if done == Handled::Duplicate {

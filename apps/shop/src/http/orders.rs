@@ -185,7 +185,7 @@ async fn create_order(
             // The event commits with the order, and only when the order is new.
             if let Created::Created(row) = &created {
                 let event = crate::messaging::order_placed(&state.messaging, &row.id, &row.customer_id, &row.items);
-                idem_outbox::OutboxConnection::enqueue(&mut *tx, &event).await?;
+                idem_outbox::enqueue(&mut *tx, &event).await?;
             }
             Ok(created)
         }

@@ -381,7 +381,7 @@ async fn record_payment(
                 Created::Created(recorded) => {
                     // The event commits with the payment.
                     let event = crate::messaging::payment_authorized(&state.messaging, payment);
-                    idem_outbox::OutboxConnection::enqueue(&mut *tx, &event)
+                    idem_outbox::enqueue(&mut *tx, &event)
                         .await
                         .map_err(Error::Recording)?;
                     recorded

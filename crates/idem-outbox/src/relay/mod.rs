@@ -1,25 +1,24 @@
 //! The relay: claims committed outbox rows under a lease, publishes them,
-//! and marks what the broker confirmed. The table's backend is one
-//! [`OutboxBackend`] implementation per database; the relay's logic is
-//! written once above them.
+//! and marks what the broker confirmed. Written once, for every
+//! [`OutboxDialect`]: what differs between databases is their statements
+//! (`crate::db`) and [`idem_sql::Dialect`].
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use idem_core::BoxFuture;
-use sqlx::Row;
+use idem_sql::{Driver, ErrorClass};
 use tokio::sync::watch;
 use tracing::{debug, error, info, warn};
 
-#[cfg(feature = "postgres")]
-mod postgres;
-#[cfg(feature = "sqlite")]
-mod sqlite;
+mod sql;
 
-use crate::db::is_missing_table;
-use crate::outbox::{decode_headers, OutboxTable, OutgoingMessage, PublishError, Publisher};
-use crate::Db;
+#[cfg(feature = "postgres")]
+pub(crate) use sql::listen;
+use sql::{OutboxBackend, SqlOutbox};
+
+use crate::db::OutboxDialect;
+use crate::outbox::{OutboxTable, OutgoingMessage, PublishError, Publisher};
 
 /// The channel `enqueue` notifies on commit, and relays listen to.
 pub const NOTIFY_CHANNEL: &str = "idem_outbox";
@@ -75,6 +74,12 @@ pub enum RelayError {
     /// SQLite): [`Relay::run`] stops with this at once.
     #[error("the outbox relay is misconfigured")]
     Misconfigured(#[source] sqlx::Error),
+    /// The database refused the relay's statements in a way waiting cannot
+    /// mend (permission denied, an unknown column: a table of that name
+    /// that is not an outbox): [`Relay::run`] stops with this, reported,
+    /// instead of retrying forever.
+    #[error("the outbox relay cannot use its table")]
+    Fatal(#[source] sqlx::Error),
     /// The database failed (the relay retries it; [`Relay::round`] reports
     /// it).
     #[error("the outbox could not be read or written")]
@@ -85,14 +90,64 @@ impl RelayError {
     /// Whether [`Relay::run`] stops on it rather than retry: waiting cannot
     /// mend it.
     pub fn is_fatal(&self) -> bool {
-        matches!(self, Self::MissingTable { .. } | Self::Misconfigured(_))
+        matches!(
+            self,
+            Self::MissingTable { .. } | Self::Misconfigured(_) | Self::Fatal(_)
+        )
     }
 
-    fn label(&self) -> &'static str {
+    /// What kind of failure it is, as the metrics label it.
+    pub fn kind(&self) -> RelayErrorKind {
         match self {
-            Self::MissingTable { .. } => "missing_table",
-            Self::Misconfigured(_) => "misconfigured",
-            Self::Database(_) => "database",
+            Self::MissingTable { .. } => RelayErrorKind::MissingTable,
+            Self::Misconfigured(_) => RelayErrorKind::Misconfigured,
+            Self::Fatal(_) => RelayErrorKind::Fatal,
+            Self::Database(_) => RelayErrorKind::Database,
+        }
+    }
+}
+
+/// The kinds of [`RelayError`], the `error` label of
+/// `idem_outbox_relay_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RelayErrorKind {
+    /// [`RelayError::MissingTable`].
+    MissingTable,
+    /// [`RelayError::Misconfigured`].
+    Misconfigured,
+    /// [`RelayError::Fatal`].
+    Fatal,
+    /// [`RelayError::Database`].
+    Database,
+}
+
+impl RelayErrorKind {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::MissingTable => "missing_table",
+            Self::Misconfigured => "misconfigured",
+            Self::Fatal => "fatal",
+            Self::Database => "database",
+        }
+    }
+}
+
+/// Where an outbox row stands after a failed publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RowState {
+    /// To be tried again after its backoff.
+    Pending,
+    /// Given up on: an operator must look.
+    Dead,
+}
+
+impl RowState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Dead => "dead",
         }
     }
 }
@@ -106,83 +161,16 @@ pub struct Round {
     pub failed: usize,
 }
 
-/// A claimed row.
-#[derive(Debug)]
-pub(crate) struct Claimed {
-    seq: i64,
-    attempts: i32,
-    message: OutgoingMessage,
-}
-
-pub(super) fn claimed_row<R>(r: &R) -> Result<Claimed, sqlx::Error>
-where
-    R: Row,
-    for<'c> &'c str: sqlx::ColumnIndex<R>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    Ok(Claimed {
-        seq: r.try_get("seq")?,
-        attempts: r.try_get("attempts")?,
-        message: OutgoingMessage {
-            message_id: r.try_get("message_id")?,
-            destination: r.try_get("destination")?,
-            ordering_key: r.try_get("ordering_key")?,
-            payload: Bytes::from(r.try_get::<Vec<u8>, _>("payload")?),
-            headers: decode_headers(&r.try_get::<Vec<u8>, _>("headers")?),
-        },
-    })
-}
-
 /// Wakes a relay when a transaction that enqueued rows commits.
-pub(crate) trait Wakeups: Send {
+#[doc(hidden)]
+pub trait Wakeups: Send {
     /// Resolves at the next notification (or when the source fails).
     fn next(&mut self) -> BoxFuture<'_, ()>;
 }
 
-/// Where an outbox table lives: the statements a relay needs, one
-/// implementation per database.
-pub(crate) trait OutboxBackend: Send + Sync + 'static {
-    /// Claims up to `batch` publishable rows (pending, due, not leased, the
-    /// oldest of their ordering key) under `token` for `lease`, oldest first.
-    fn claim(
-        &self,
-        batch: i64,
-        lease: Duration,
-        token: i64,
-    ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>>;
-    /// How long the oldest pending row has waited, in seconds.
-    fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>>;
-    /// Puts a row whose publish failed back (after `backoff`), or in the
-    /// dead-letter state; fenced by `token`.
-    fn mark_failed<'a>(
-        &'a self,
-        seq: i64,
-        token: i64,
-        error: &'a str,
-        backoff: Duration,
-        dead: bool,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
-    /// Marks rows the broker confirmed as sent; fenced by `token`.
-    fn mark_sent<'a>(
-        &'a self,
-        seqs: &'a [i64],
-        token: i64,
-    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
-    /// Reads the table (no rows), so a missing one shows at start.
-    fn check(&self) -> BoxFuture<'_, Result<(), sqlx::Error>>;
-    /// Commit notifications, where the database has them.
-    fn wakeups(&self) -> BoxFuture<'_, Option<Box<dyn Wakeups>>>;
-}
-
-pub(super) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// A relay over an outbox table (PostgreSQL or SQLite). Several may run at once: each claims rows
-/// with `FOR UPDATE SKIP LOCKED` under a lease, so in the normal case no row
+/// A relay over an outbox table (SQLite, PostgreSQL or MySQL). Several may
+/// run at once: each claims rows with `FOR UPDATE SKIP LOCKED` under a
+/// lease, so in the normal case no row
 /// is published twice; rows of a relay that died are claimed again after
 /// the lease (consumers' inboxes absorb that duplicate). Rows are claimed by
 /// lease, not past a moving offset, so a row that commits late behind a
@@ -204,9 +192,9 @@ impl std::fmt::Debug for Relay {
 }
 
 impl Relay {
-    /// A relay publishing the outbox `config.table` of `db` (a PostgreSQL
-    /// or SQLite pool) through `publisher`. On SQLite, which has one writer
-    /// at a time, one relay per database is enough.
+    /// A relay publishing the outbox `config.table` of `pool` (SQLite,
+    /// PostgreSQL or MySQL) through `publisher`. On SQLite, which has one
+    /// writer at a time, one relay per database is enough.
     ///
     /// ```no_run
     /// use std::sync::Arc;
@@ -221,43 +209,18 @@ impl Relay {
     /// running.await??; // a missing outbox table ends run() with an error
     /// # Ok(()) }
     /// ```
-    pub fn new(db: impl Into<Db>, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Self {
-        let backend: Arc<dyn OutboxBackend> = match db.into() {
-            #[cfg(feature = "postgres")]
-            Db::Postgres(pool) => Arc::new(postgres::Postgres::new(pool, &config.table)),
-            #[cfg(feature = "sqlite")]
-            Db::Sqlite(pool) => Arc::new(sqlite::Sqlite::new(pool, &config.table)),
-        };
-        Self::with_backend(backend, publisher, config)
-    }
-
-    /// [`Relay::new`] on PostgreSQL.
-    #[cfg(feature = "postgres")]
-    pub fn postgres(
-        pool: sqlx::PgPool,
+    pub fn new<DB>(
+        pool: &sqlx::Pool<DB>,
         publisher: Arc<dyn Publisher>,
         config: RelayConfig,
-    ) -> Self {
-        Self::new(pool, publisher, config)
-    }
-
-    /// [`Relay::new`] on SQLite.
-    #[cfg(feature = "sqlite")]
-    pub fn sqlite(
-        pool: sqlx::SqlitePool,
-        publisher: Arc<dyn Publisher>,
-        config: RelayConfig,
-    ) -> Self {
-        Self::new(pool, publisher, config)
-    }
-
-    fn with_backend(
-        db: Arc<dyn OutboxBackend>,
-        publisher: Arc<dyn Publisher>,
-        config: RelayConfig,
-    ) -> Self {
+    ) -> Self
+    where
+        DB: Driver,
+        DB::Dialect: OutboxDialect,
+    {
+        let backend = SqlOutbox::<DB::Dialect>::new(pool.clone(), &config.table);
         Self {
-            db,
+            db: Arc::new(backend),
             publisher,
             config,
             wake: Arc::new(tokio::sync::Notify::new()),
@@ -271,18 +234,18 @@ impl Relay {
         self.wake.notify_one();
     }
 
-    /// The error for `e`: [`RelayError::MissingTable`] if it says the
-    /// table is missing.
+    /// The error for `e`, by what the database says it is.
     fn error(&self, e: sqlx::Error) -> RelayError {
-        if is_missing_table(&e) {
-            RelayError::MissingTable {
+        if matches!(e, sqlx::Error::Configuration(_)) {
+            return RelayError::Misconfigured(e);
+        }
+        match self.db.classify(&e) {
+            ErrorClass::MissingTable => RelayError::MissingTable {
                 table: self.config.table.name().to_string(),
                 source: e,
-            }
-        } else if matches!(e, sqlx::Error::Configuration(_)) {
-            RelayError::Misconfigured(e)
-        } else {
-            RelayError::Database(e)
+            },
+            ErrorClass::Fatal => RelayError::Fatal(e),
+            _ => RelayError::Database(e),
         }
     }
 
@@ -321,7 +284,7 @@ impl Relay {
                 continue;
             };
             round.failed += 1;
-            let dead = c.attempts >= self.config.max_attempts;
+            let dead = c.attempts >= i64::from(self.config.max_attempts);
             let backoff = self
                 .config
                 .backoff
@@ -333,12 +296,19 @@ impl Relay {
             } else {
                 debug!(message_id = %c.message.message_id, error = %e, ?backoff, "publish failed; backing off");
             }
+            let state = if dead {
+                RowState::Dead
+            } else {
+                RowState::Pending
+            };
             self.db
-                .mark_failed(c.seq, token, &e.to_string(), backoff, dead)
+                .mark_failed(c.seq, token, &e.to_string(), backoff, state)
                 .await?;
         }
         if !sent.is_empty() {
-            self.db.mark_sent(&sent, token).await?;
+            // The rows whose publish failed were let go above: what is
+            // still leased under the token is what the broker confirmed.
+            self.db.mark_sent(token).await?;
             metrics::counter!("idem_outbox_published_total").increment(sent.len() as u64);
         }
         round.sent = sent.len();
@@ -358,7 +328,7 @@ impl Relay {
         if let Err(e) = self.db.check().await {
             let e = self.error(e);
             if e.is_fatal() {
-                metrics::counter!("idem_outbox_relay_errors_total", "error" => e.label())
+                metrics::counter!("idem_outbox_relay_errors_total", "error" => e.kind().label())
                     .increment(1);
                 error!(error = %e, "outbox relay cannot start");
                 return Err(e);
@@ -375,13 +345,13 @@ impl Relay {
             let round = match self.round().await {
                 Ok(r) => r,
                 Err(e) if e.is_fatal() => {
-                    metrics::counter!("idem_outbox_relay_errors_total", "error" => e.label())
+                    metrics::counter!("idem_outbox_relay_errors_total", "error" => e.kind().label())
                         .increment(1);
                     error!(error = %e, "outbox relay stopped");
                     return Err(e);
                 }
                 Err(e) => {
-                    metrics::counter!("idem_outbox_relay_errors_total", "error" => "database")
+                    metrics::counter!("idem_outbox_relay_errors_total", "error" => e.kind().label())
                         .increment(1);
                     warn!(error = %e, "relay round failed; retrying");
                     Round::default()

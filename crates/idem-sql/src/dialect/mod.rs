@@ -60,7 +60,9 @@ pub enum Arg<'a> {
     Int(i64),
     /// Bytes.
     Bytes(&'a [u8]),
-    /// `NULL`.
+    /// Text or `NULL`.
+    OptText(Option<&'a str>),
+    /// An integer `NULL`.
     Null,
 }
 
@@ -100,7 +102,7 @@ pub trait Dialect:
     sealed::Sealed + Copy + Default + fmt::Debug + Send + Sync + Unpin + 'static
 {
     /// The sqlx driver.
-    type Database: sqlx::Database;
+    type Database: Driver<Dialect = Self>;
 
     /// The database's name, as its URL scheme spells it (`sqlite`,
     /// `postgres`, `mysql`).
@@ -218,6 +220,69 @@ pub(crate) async fn finish_migration<DB: sqlx::Database>(
             let _ = tx.rollback().await;
             Err(e)
         }
+    }
+}
+
+/// A sqlx driver idem runs on, and its [`Dialect`]: what lets a pool or a
+/// transaction name its dialect (`&PgPool` is a PostgreSQL one), so one
+/// function serves every database: `outbox::migrate(&pool)`.
+pub trait Driver: sqlx::Database<Connection: DialectConnection<Dialect = Self::Dialect>> {
+    /// The dialect.
+    type Dialect: Dialect<Database = Self>;
+}
+
+#[cfg(feature = "sqlite")]
+impl Driver for sqlx::Sqlite {
+    type Dialect = Sqlite;
+}
+
+#[cfg(feature = "postgres")]
+impl Driver for sqlx::Postgres {
+    type Dialect = Postgres;
+}
+
+#[cfg(feature = "mysql")]
+impl Driver for sqlx::MySql {
+    type Dialect = MySql;
+}
+
+/// Something statements run on, of one [`Dialect`]: a connection
+/// (`&mut *tx`), a transaction (`&mut tx`) or a pooled connection, of any
+/// database idem runs on.
+pub trait DialectConnection: Send {
+    /// The dialect.
+    type Dialect: Dialect;
+
+    /// The connection underneath.
+    fn connection(&mut self) -> &mut Conn<Self::Dialect>;
+}
+
+macro_rules! connection_of {
+    ($feature:literal, $conn:ty, $dialect:ty) => {
+        #[cfg(feature = $feature)]
+        impl DialectConnection for $conn {
+            type Dialect = $dialect;
+            fn connection(&mut self) -> &mut Conn<$dialect> {
+                self
+            }
+        }
+    };
+}
+connection_of!("sqlite", sqlx::SqliteConnection, Sqlite);
+connection_of!("postgres", sqlx::PgConnection, Postgres);
+connection_of!("mysql", sqlx::MySqlConnection, MySql);
+
+impl<DB: Driver> DialectConnection for sqlx::Transaction<'_, DB> {
+    type Dialect = DB::Dialect;
+    fn connection(&mut self) -> &mut Conn<DB::Dialect> {
+        self
+    }
+}
+
+impl<DB: Driver> DialectConnection for sqlx::pool::PoolConnection<DB> {
+    type Dialect = DB::Dialect;
+    fn connection(&mut self) -> &mut Conn<DB::Dialect> {
+        self
     }
 }
 
@@ -484,6 +549,7 @@ macro_rules! binder {
                     $crate::dialect::Arg::Text(s) => query.bind(s),
                     $crate::dialect::Arg::Int(i) => query.bind(i),
                     $crate::dialect::Arg::Bytes(b) => query.bind(b),
+                    $crate::dialect::Arg::OptText(s) => query.bind(s),
                     $crate::dialect::Arg::Null => query.bind(None::<i64>),
                 };
             }

@@ -1,0 +1,79 @@
+//! [`Ops`]: what the CLI's verbs need of a store, for every store at once.
+
+use idem_core::{Inspection, Store, StoreError, StoreStats};
+use idem_outbox::{DeadLetter, OutboxDialect, OutboxStats};
+use idem_postgres::PostgresStore;
+use idem_sql::{ErrorClass, RecordDialect, SqlStore};
+
+/// A store the CLI operates: the records' table and the outbox beside it.
+pub(crate) trait Ops: Store {
+    /// Creates or upgrades the records table.
+    async fn migrate_records(&self) -> Result<(), StoreError>;
+    /// One record, past its retention or not, with the database's clock.
+    async fn inspect_record(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<Inspection>, StoreError>;
+    /// The records by state.
+    async fn record_stats(&self) -> Result<StoreStats, StoreError>;
+    /// The default outbox's counts and at most `limit` dead letters.
+    async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error>;
+}
+
+impl<D: RecordDialect + OutboxDialect> Ops for SqlStore<D> {
+    async fn migrate_records(&self) -> Result<(), StoreError> {
+        self.migrate().await
+    }
+    async fn inspect_record(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<Inspection>, StoreError> {
+        self.inspect(scope, key).await
+    }
+    async fn record_stats(&self) -> Result<StoreStats, StoreError> {
+        self.stats().await
+    }
+    async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error> {
+        Ok((
+            idem_outbox::outbox::stats(self.pool()).await?,
+            idem_outbox::outbox::dead_letters(self.pool(), limit).await?,
+        ))
+    }
+}
+
+impl Ops for PostgresStore {
+    async fn migrate_records(&self) -> Result<(), StoreError> {
+        self.migrate().await
+    }
+    async fn inspect_record(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> Result<Option<Inspection>, StoreError> {
+        self.inspect(scope, key).await
+    }
+    async fn record_stats(&self) -> Result<StoreStats, StoreError> {
+        self.stats().await
+    }
+    async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error> {
+        Ok((
+            idem_outbox::outbox::stats(self.pool()).await?,
+            idem_outbox::outbox::dead_letters(self.pool(), limit).await?,
+        ))
+    }
+}
+
+/// Whether `e` comes from a table that does not exist, by what the
+/// database's dialect says (never by its words).
+pub(crate) fn is_missing_table(e: &StoreError) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if let Some(sqlx) = s.downcast_ref::<sqlx::Error>() {
+            return idem_sql::classify(sqlx) == ErrorClass::MissingTable;
+        }
+        source = s.source();
+    }
+    false
+}

@@ -1,0 +1,262 @@
+//! The relay's statements on one outbox table, for any [`OutboxDialect`].
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::BoxFuture;
+use idem_sql::dialect::{Arg, Pool, Row, Statement, Value};
+use idem_sql::{Dialect, ErrorClass};
+
+use super::{RowState, Wakeups};
+use crate::db::OutboxDialect;
+use crate::message::decode_headers;
+use crate::outbox::{OutboxTable, OutgoingMessage};
+
+/// A claimed row.
+#[derive(Debug)]
+pub(crate) struct Claimed {
+    pub(crate) seq: i64,
+    /// Counting this one.
+    pub(crate) attempts: i64,
+    pub(crate) message: OutgoingMessage,
+}
+
+/// What a relay does with its table, whichever the database: the dyn
+/// face of [`SqlOutbox`], so that [`super::Relay`] names no database.
+pub(crate) trait OutboxBackend: Send + Sync + 'static {
+    /// Claims up to `batch` publishable rows (pending, due, not leased, the
+    /// oldest of their ordering key) under `token` for `lease`, oldest
+    /// first.
+    fn claim(
+        &self,
+        batch: i64,
+        lease: Duration,
+        token: i64,
+    ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>>;
+    /// How long the oldest pending row has waited, in seconds.
+    fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>>;
+    /// Lets a row whose publish failed go: back after `backoff`, or dead;
+    /// fenced by `token`.
+    fn mark_failed<'a>(
+        &'a self,
+        seq: i64,
+        token: i64,
+        error: &'a str,
+        backoff: Duration,
+        state: RowState,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    /// Marks the rows still leased under `token` as sent.
+    fn mark_sent(&self, token: i64) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+    /// Reads the table (no rows), so a missing one shows at start.
+    fn check(&self) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+    /// Commit notifications, where the database has them.
+    fn wakeups(&self) -> BoxFuture<'_, Option<Box<dyn Wakeups>>>;
+    /// What a failed statement means.
+    fn classify(&self, e: &sqlx::Error) -> ErrorClass;
+}
+
+/// The statements made for the table once; or why they cannot be (a
+/// schema-qualified table on SQLite), reported by each call.
+struct Statements<D> {
+    claimable: Statement<D>,
+    lag: Statement<D>,
+    mark_failed: Statement<D>,
+    mark_sent: Statement<D>,
+    check: Statement<D>,
+}
+
+/// The outbox on database `D`.
+pub(crate) struct SqlOutbox<D: OutboxDialect> {
+    pool: Pool<D>,
+    table: OutboxTable,
+    sql: Result<Statements<D>, String>,
+}
+
+impl<D: OutboxDialect> SqlOutbox<D> {
+    pub(crate) fn new(pool: Pool<D>, table: &OutboxTable) -> Self {
+        let t = D::OUTBOX;
+        let sql = (|| {
+            Ok::<_, sqlx::Error>(Statements {
+                claimable: table.statement(t.claimable)?,
+                lag: table.statement(t.lag)?,
+                mark_failed: table.statement(t.mark_failed)?,
+                mark_sent: table.statement(t.mark_sent)?,
+                check: table.statement("SELECT 1 FROM {table} LIMIT 0")?,
+            })
+        })()
+        .map_err(|e| e.to_string());
+        Self {
+            pool,
+            table: table.clone(),
+            sql,
+        }
+    }
+
+    fn sql(&self) -> Result<&Statements<D>, sqlx::Error> {
+        self.sql
+            .as_ref()
+            .map_err(|e| sqlx::Error::Configuration(e.clone().into()))
+    }
+
+    /// In one write transaction: the claimable rows, locked (skipping rows
+    /// another relay holds), then leased to `token`.
+    async fn claim_batch(
+        &self,
+        batch: i64,
+        lease: Duration,
+        token: i64,
+    ) -> Result<Vec<Claimed>, sqlx::Error> {
+        let sql = self.sql()?;
+        let mut tx = D::begin_write(&self.pool).await?;
+        let staged = async {
+            let rows = D::fetch_all(&mut tx, &sql.claimable, &[Arg::Int(batch)]).await?;
+            let claimed = rows
+                .iter()
+                .map(claimed_row::<D>)
+                .collect::<Result<Vec<_>, _>>()?;
+            if claimed.is_empty() {
+                return Ok(claimed);
+            }
+            // The seqs are the database's own integers: written into the
+            // statement, not bound, so one statement leases the batch.
+            let seqs: Vec<String> = claimed.iter().map(|c| c.seq.to_string()).collect();
+            let lease_rows = self
+                .table
+                .statement::<D>(&D::OUTBOX.lease.replace("{seqs}", &seqs.join(", ")))?;
+            D::execute(
+                &mut tx,
+                &lease_rows,
+                &[Arg::Int(token), Arg::Int(millis(lease))],
+            )
+            .await?;
+            Ok(claimed)
+        }
+        .await;
+        idem_sql::finish(tx, staged).await
+    }
+}
+
+fn claimed_row<D: Dialect>(row: &Row<D>) -> Result<Claimed, sqlx::Error> {
+    let get = |c: &str| D::get(row, c);
+    Ok(Claimed {
+        seq: get("seq")?.int("seq")?,
+        attempts: get("attempts")?.int("attempts")?,
+        message: OutgoingMessage {
+            message_id: get("message_id")?.text("message_id")?,
+            destination: get("destination")?.text("destination")?,
+            ordering_key: match get("ordering_key")? {
+                Value::Null => None,
+                v => Some(v.text("ordering_key")?),
+            },
+            payload: Bytes::from(get("payload")?.bytes("payload")?),
+            headers: decode_headers(&get("headers")?.bytes("headers")?),
+        },
+    })
+}
+
+pub(super) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
+    fn claim(
+        &self,
+        batch: i64,
+        lease: Duration,
+        token: i64,
+    ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>> {
+        Box::pin(self.claim_batch(batch, lease, token))
+    }
+
+    fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await?;
+            let row = D::fetch_optional(&mut conn, &self.sql()?.lag, &[]).await?;
+            let ms = match row {
+                Some(row) => D::get(&row, "lag")?.opt_int("lag")?.unwrap_or(0),
+                None => 0,
+            };
+            Ok(ms as f64 / 1000.0)
+        })
+    }
+
+    fn mark_failed<'a>(
+        &'a self,
+        seq: i64,
+        token: i64,
+        error: &'a str,
+        backoff: Duration,
+        state: RowState,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await?;
+            let args = [
+                Arg::Int(seq),
+                Arg::Int(token),
+                Arg::Text(error),
+                Arg::Int(millis(backoff)),
+                Arg::Text(state.as_str()),
+            ];
+            D::execute(&mut conn, &self.sql()?.mark_failed, &args)
+                .await
+                .map(drop)
+        })
+    }
+
+    fn mark_sent(&self, token: i64) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await?;
+            D::execute(&mut conn, &self.sql()?.mark_sent, &[Arg::Int(token)])
+                .await
+                .map(drop)
+        })
+    }
+
+    fn check(&self) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = self.pool.acquire().await?;
+            D::execute(&mut conn, &self.sql()?.check, &[])
+                .await
+                .map(drop)
+        })
+    }
+
+    fn wakeups(&self) -> BoxFuture<'_, Option<Box<dyn Wakeups>>> {
+        D::wakeups(&self.pool)
+    }
+
+    fn classify(&self, e: &sqlx::Error) -> ErrorClass {
+        D::classify(e)
+    }
+}
+
+/// PostgreSQL's commit notifications: a listener on the outbox's channel.
+#[cfg(feature = "postgres")]
+pub(crate) async fn listen(pool: &sqlx::PgPool) -> Option<Box<dyn Wakeups>> {
+    use sqlx::postgres::PgListener;
+    use tracing::warn;
+
+    struct Listener(PgListener);
+    impl Wakeups for Listener {
+        fn next(&mut self) -> BoxFuture<'_, ()> {
+            Box::pin(async move {
+                let _ = self.0.recv().await;
+            })
+        }
+    }
+
+    let mut listener = match PgListener::connect_with(pool).await {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(error = %e, "no listener connection; polling only");
+            return None;
+        }
+    };
+    match listener.listen(super::NOTIFY_CHANNEL).await {
+        Ok(()) => Some(Box::new(Listener(listener))),
+        Err(e) => {
+            warn!(error = %e, "LISTEN failed; polling only");
+            None
+        }
+    }
+}
