@@ -211,6 +211,42 @@ async fn operates_a_postgres_database() {
     exercise(&url, Arc::new(store)).await;
 }
 
+/// Every verb on MySQL / MariaDB, in a database of the test's own; the
+/// outbox's counts and dead letters there; `--schema` names a database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql() {
+    let db = idem_test_support::mysql::TestDatabase::create("idem_cli").await;
+    let url = db.url();
+    let missing = idem(&["stats", "--database-url", &url]);
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&missing.stderr).contains("run `idem migrate` first"),
+        "a missing table is named as one: {missing:?}"
+    );
+    stdout(&idem(&["migrate", "--database-url", &url]));
+    let store = idem_mysql::MySqlStore::connect(&url).await.unwrap();
+    exercise(&url, Arc::new(store.clone())).await;
+    idem_outbox::outbox::migrate(store.pool()).await.unwrap();
+    let out = stdout(&idem(&["outbox", "--database-url", &url]));
+    assert!(out.contains("pending:        0"), "{out}");
+
+    let other = idem_test_support::mysql::TestDatabase::create("idem_cli_named").await;
+    let named = [
+        "--database-url",
+        url.as_str(),
+        "--schema",
+        other.name(),
+        "--table",
+        "billing_keys",
+    ];
+    let mut migrate = vec!["migrate"];
+    migrate.extend(named);
+    stdout(&idem(&migrate));
+    let mut stats = vec!["stats"];
+    stats.extend(named);
+    assert!(stdout(&idem(&stats)).contains("completed:      0"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_schema_and_table_flags_name_the_table() {
     let schema = TestSchema::create("idem_cli_named").await;
@@ -238,11 +274,11 @@ async fn postgres_schema_and_table_flags_name_the_table() {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let o = idem(&["stats", "--database-url", "mysql://x"]);
+    let o = idem(&["stats", "--database-url", "oracle://x"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("unsupported database URL"));
     let o = idem(&["stats", "--database-url", "sqlite:x.db", "--schema", "s"]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("PostgreSQL only"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("PostgreSQL and MySQL only"));
     let o = idem(&[
         "stats",
         "--database-url",
@@ -312,11 +348,21 @@ fn database_url_passwords_never_reach_the_output() {
         .expect("run idem");
     assert_eq!(o.status.code(), Some(2), "{o:?}");
     assert_no_secret(&o);
+    // MySQL's URL likewise
+    let o = idem(&[
+        "stats",
+        "--database-url",
+        "mysql://ops:Userinfo-S3cret@127.0.0.1:1/x?password=Query-S3cret",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("cannot connect to mysql://ops:***@"), "{err}");
+    assert_no_secret(&o);
     // an unsupported scheme is reported without its secrets too
     let o = idem(&[
         "stats",
         "--database-url",
-        "mysql://ops:Userinfo-S3cret@db/x?password=Query-S3cret",
+        "oracle://ops:Userinfo-S3cret@db/x?password=Query-S3cret",
     ]);
     assert_eq!(o.status.code(), Some(2), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);

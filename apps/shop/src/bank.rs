@@ -6,8 +6,6 @@
 
 use idem_core::OperationId;
 
-use idem_postgres::PostgresStore;
-
 use crate::db::Database;
 
 /// The bank could not charge.
@@ -30,7 +28,7 @@ pub(crate) struct ChargeRequest<'a> {
     pub(crate) currency: &'a str,
 }
 
-/// The bank's side of the wire: on PostgreSQL, a pool of its own (a remote
+/// The bank's side of the wire: on PostgreSQL and MySQL, a pool of its own (a remote
 /// system does not borrow the shop's connections, and a handler holding a
 /// transaction open across the bank call must not wait on its own pool);
 /// on SQLite, the shop's database (one writer anyway).
@@ -42,23 +40,22 @@ pub(crate) struct Bank {
 impl Bank {
     /// Opens the bank's connections next to `db`'s, at `url`.
     pub(crate) async fn open(db: &Database, url: &str) -> Result<Self, sqlx::Error> {
-        let db = match db {
-            Database::Postgres(shop) => Database::Postgres(PostgresStore::new(
-                idem_postgres::open_pool(url).await?,
-                shop.table().clone(),
-            )),
-            Database::Sqlite(_) => db.clone(),
-        };
-        Ok(Self { db })
+        Ok(Self {
+            db: db.bank(url).await?,
+        })
     }
 
     /// Charges once per operation id; returns the charge id.
     pub(crate) async fn charge(&self, req: &ChargeRequest<'_>) -> Result<String, BankError> {
-        let op = req.operation_id.to_string();
-        let id = self
-            .db
-            .bank_charge(req.client_id, &op, req.account_id, req.amount, req.currency)
-            .await?;
+        let id = crate::db::bank_charge(
+            &*self.db,
+            req.client_id,
+            req.operation_id,
+            req.account_id,
+            req.amount,
+            req.currency,
+        )
+        .await?;
         Ok(id)
     }
 }

@@ -13,7 +13,8 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_LISTEN", default_value = "127.0.0.1:8080")]
     pub(crate) listen: String,
 
-    /// Database URL; a SQLite file is created if missing.
+    /// Database URL: `sqlite:FILE` (created if missing), `postgres://…` or
+    /// `mysql://…` (MySQL 8 or MariaDB 10.6+).
     #[arg(long, env = "DATABASE_URL", default_value = "sqlite:shop.db")]
     pub(crate) database_url: String,
 
@@ -98,7 +99,7 @@ pub(crate) struct Config {
 /// Where idempotency records live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum IdemStore {
-    /// In the database (SQLite or PostgreSQL), completed in the handler's
+    /// In the database (SQLite, PostgreSQL or MySQL), completed in the handler's
     /// transaction; with --redis-url, Redis in front of it.
     Database,
     /// In Redis alone (needs --redis-url), completed after the handler

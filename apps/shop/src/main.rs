@@ -78,7 +78,8 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             }
         })
     };
-    let database = db::Database::open(&config.database_url).await?;
+    let database = db::open(&config.database_url).await?;
+    let kind = database.kind();
     let bank = bank::Bank::open(&database, &config.database_url).await?;
     let mut store: Arc<dyn Store> = database.idem_store();
     let redis = match &config.redis_url {
@@ -152,7 +153,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let addr = listener.local_addr()?;
-    info!(%addr, database = %config.database_url, "shop is ready");
+    info!(%addr, database = kind, "shop is ready");
     // Tests and scripts read this line to learn the port (with --listen …:0).
     println!("shop listening on http://{addr}");
 
@@ -188,10 +189,7 @@ async fn sweep_forever(store: Arc<dyn Store>, retention: Duration, db: db::Datab
             Err(e) => warn!(error = %e, "sweep failed; will try again"),
         }
         let inbox = idem_outbox::inbox::DEFAULT_RETENTION;
-        let swept = match &db {
-            db::Database::Sqlite(s) => idem_outbox::inbox::sweep(s.pool(), inbox, 500).await,
-            db::Database::Postgres(s) => idem_outbox::inbox::sweep(s.pool(), inbox, 500).await,
-        };
+        let swept = db.sweep_inbox(inbox).await;
         match swept {
             Ok(0) => {}
             Ok(n) => info!(swept = n, "removed old processed message ids"),

@@ -14,13 +14,13 @@ use std::time::Duration;
 use idem_core::UnixMillis;
 use idem_outbox::consumer::{handler, Consumer, Delivery};
 use idem_outbox::transport::InProcess;
-use idem_outbox::{inbox, Handled, OutgoingMessage, Publisher, Relay, RelayConfig};
+use idem_outbox::{Handled, OutgoingMessage, Publisher, Relay, RelayConfig};
 use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use crate::db::{on_backend, Database};
+use crate::db::{Database, Work};
 
 /// The events, by the suffix of their destination.
 pub(crate) const ORDER_PLACED: &str = "orders.placed";
@@ -70,54 +70,28 @@ async fn act(
     payload: &[u8],
 ) -> Result<(), String> {
     let now = UnixMillis::now().0;
-    let outcome: Result<Handled<()>, String> = if destination_suffix == ORDER_PLACED {
+    let (consumer, work) = if destination_suffix == ORDER_PLACED {
         let event: OrderPlaced =
             serde_json::from_slice(payload).map_err(|e| format!("bad OrderPlaced: {e}"))?;
-        on_backend!(db, store => inbox::process(store.pool(), "reserve-stock", message_id, async move |tx| {
-                for line in &event.items {
-                    sqlx::query(
-                        "INSERT INTO shop_stock (sku, reserved) VALUES ($1, $2)
-                         ON CONFLICT (sku) DO UPDATE SET reserved = shop_stock.reserved + excluded.reserved",
-                    )
-                    .bind(&line.sku)
-                    .bind(line.qty)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                tracing::debug!(order = %event.order_id, "stock reserved");
-                Ok::<_, sqlx::Error>(())
-            })
-            .await
-            .map_err(|e| e.to_string()))
+        tracing::debug!(order = %event.order_id, "reserving stock");
+        let lines = event.items.into_iter().map(|l| (l.sku, l.qty)).collect();
+        ("reserve-stock", Work::ReserveStock(lines))
     } else {
         let event: PaymentAuthorized =
             serde_json::from_slice(payload).map_err(|e| format!("bad PaymentAuthorized: {e}"))?;
-        on_backend!(db, store => inbox::process(store.pool(), "send-email", message_id, async move |tx| {
-                let subject = format!(
-                    "Payment {} of {} {} authorized",
-                    event.payment_id, event.amount, event.currency
-                );
-                sqlx::query(
-                    "INSERT INTO shop_emails (id, payment_id, account_id, subject, created_at)
-                     VALUES ($1, $2, $3, $4, $5)",
-                )
-                .bind(format!("em_{}", uuid::Uuid::now_v7().simple()))
-                .bind(&event.payment_id)
-                .bind(&event.account_id)
-                .bind(subject)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-                Ok::<_, sqlx::Error>(())
-            })
-            .await
-            .map_err(|e| e.to_string()))
+        let subject = format!(
+            "Payment {} of {} {} authorized",
+            event.payment_id, event.amount, event.currency
+        );
+        let work = Work::SendEmail {
+            payment_id: event.payment_id,
+            account_id: event.account_id,
+            subject,
+            now,
+        };
+        ("send-email", work)
     };
-    let consumer = if destination_suffix == ORDER_PLACED {
-        "reserve-stock"
-    } else {
-        "send-email"
-    };
+    let outcome = db.consume(consumer, message_id, work).await;
     match outcome {
         Ok(Handled::Processed(())) => {
             metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => "processed").increment(1);
@@ -233,7 +207,7 @@ impl Messaging {
             poll: Duration::from_millis(500),
             ..RelayConfig::default()
         };
-        let relay = on_backend!(&db, store => Relay::new(store.pool(), publisher, config));
+        let relay = db.relay(publisher, config);
         let running = relay.clone();
         let stop_relay = stop_rx.clone();
         tasks.push(tokio::spawn(async move {

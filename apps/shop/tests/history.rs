@@ -416,6 +416,15 @@ async fn database(db: &Db) -> (BTreeSet<String>, i64, i64) {
             pool.close().await;
             (ids.into_iter().collect(), orphans, charges)
         }
+        Db::Mysql(_) => {
+            let pool = sqlx::MySqlPool::connect(&db.url()).await.unwrap();
+            let ids: Vec<Vec<u8>> = sqlx::query_scalar(PAYMENTS).fetch_all(&pool).await.unwrap();
+            let orphans = sqlx::query_scalar(ORPHANS).fetch_one(&pool).await.unwrap();
+            let charges = sqlx::query_scalar(CHARGES).fetch_one(&pool).await.unwrap();
+            pool.close().await;
+            let ids = ids.into_iter().map(|id| String::from_utf8(id).unwrap());
+            (ids.collect(), orphans, charges)
+        }
     }
 }
 
@@ -642,6 +651,11 @@ async fn sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres() {
     run(Mode::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql() {
+    run(Mode::Mysql).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,7 +20,7 @@ use utoipa_axum::routes;
 use super::auth::Client;
 use super::error::{Error, Result};
 use super::{input, AppState, ProblemDoc};
-use crate::db::on_backend;
+use crate::db::{self, dialect::PRODUCT_KEY, Row};
 
 /// The catalog's routes.
 pub(super) fn router() -> OpenApiRouter<AppState> {
@@ -37,7 +37,7 @@ pub(super) fn router() -> OpenApiRouter<AppState> {
 }
 
 /// A product as the API shows it.
-#[derive(Debug, Serialize, sqlx::FromRow, ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 struct Product {
     /// Its SKU.
     sku: String,
@@ -82,6 +82,18 @@ impl ProductBody {
 
 const COLUMNS: &str = "sku, name, price, version";
 
+impl TryFrom<&Row> for Product {
+    type Error = sqlx::Error;
+    fn try_from(r: &Row) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            sku: r.text("sku")?,
+            name: r.text("name")?,
+            price: r.int("price")?,
+            version: r.int("version")?,
+        })
+    }
+}
+
 fn answer(status: StatusCode, p: Product) -> Response {
     let etag = ETag::from_version(p.version);
     let location = format!("/products/{}", p.sku);
@@ -90,9 +102,11 @@ fn answer(status: StatusCode, p: Product) -> Response {
 
 async fn current(state: &AppState, sku: &str) -> Result<Option<Product>> {
     let sql = format!("SELECT {COLUMNS} FROM shop_products WHERE sku = $1");
-    Ok(
-        on_backend!(&state.db, store => sqlx::query_as(&sql).bind(sku).fetch_optional(store.pool()).await)?,
-    )
+    Ok(db::query_one(&*state.db, &sql, &[sku.into()])
+        .await?
+        .as_ref()
+        .map(Product::try_from)
+        .transpose()?)
 }
 
 /// `412` with the current version's `ETag` (if the product exists).
@@ -166,7 +180,6 @@ async fn put_product(
             "only If-None-Match: * is supported on PUT",
         ));
     }
-    let returning = format!("RETURNING {COLUMNS}");
     if let Some(if_match) = if_match {
         // `*` matches any existing version; tags name the ones seen.
         let versions = if_match.versions();
@@ -176,40 +189,63 @@ async fn put_product(
             ));
         }
         let sql = if if_match.is_any() {
-            format!("UPDATE shop_products SET name = $2, price = $3, version = version + 1 WHERE sku = $1 {returning}")
+            "UPDATE shop_products SET name = $2, price = $3, version = version + 1 WHERE sku = $1"
+                .to_owned()
         } else if versions.is_empty() {
             // Tags we did not issue never match.
             return stale(&state, &sku).await;
         } else {
             let listed: Vec<String> = (0..versions.len()).map(|i| format!("${}", i + 4)).collect();
             format!(
-                "UPDATE shop_products SET name = $2, price = $3, version = version + 1 WHERE sku = $1 AND version IN ({}) {returning}",
+                "UPDATE shop_products SET name = $2, price = $3, version = version + 1 WHERE sku = $1 AND version IN ({})",
                 listed.join(", ")
             )
         };
-        let updated: Option<Product> = on_backend!(&state.db, store => {
-            let mut q = sqlx::query_as(&sql).bind(&sku).bind(&new.name).bind(new.price);
-            for v in &versions {
-                q = q.bind(*v);
+        let mut params: Vec<db::Param<'_>> =
+            vec![(&sku).into(), (&new.name).into(), new.price.into()];
+        params.extend(versions.iter().map(|v| db::Param::Int(*v)));
+        // One write transaction: the update, and the row it wrote read back.
+        let mut tx = state.db.begin().await?;
+        let staged = async {
+            if tx.execute(&sql, &params).await? != 1 {
+                return Ok(None);
             }
-            q.fetch_optional(store.pool()).await
-        })?;
+            let fetch = format!("SELECT {COLUMNS} FROM shop_products WHERE sku = $1");
+            db::fetch_optional(&mut *tx, &fetch, &[(&sku).into()]).await
+        }
+        .await;
+        let updated = match staged {
+            Ok(row) => {
+                tx.commit().await?;
+                row
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(e.into());
+            }
+        };
         return match updated {
-            Some(p) => Ok(answer(StatusCode::OK, p)),
+            Some(row) => Ok(answer(StatusCode::OK, Product::try_from(&row)?)),
             // Someone else wrote first (or the product is gone).
             None => stale(&state, &sku).await,
         };
     }
-    let sql = format!(
-        "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)
-         ON CONFLICT (sku) DO NOTHING {returning}"
-    );
-    let created: Option<Product> = on_backend!(&state.db, store =>
-        sqlx::query_as(&sql).bind(&sku).bind(&new.name).bind(new.price).fetch_optional(store.pool()).await)?;
+    let fetch = format!("SELECT {COLUMNS} FROM shop_products WHERE sku = $1");
+    let mut conn = state.db.conn().await?;
+    let created = db::create_once(
+        &mut *conn,
+        (state.db.sql().insert_product, PRODUCT_KEY),
+        &[(&sku).into(), (&new.name).into(), new.price.into()],
+        &fetch,
+        &[(&sku).into()],
+    )
+    .await?;
     match created {
-        Some(p) => Ok(answer(StatusCode::CREATED, p)),
-        None if if_none_match.is_some() => stale(&state, &sku).await,
-        None => Ok(precondition_required()),
+        idem_sql::Created::Created(row) => {
+            Ok(answer(StatusCode::CREATED, Product::try_from(&row)?))
+        }
+        idem_sql::Created::Existing(_) if if_none_match.is_some() => stale(&state, &sku).await,
+        idem_sql::Created::Existing(_) => Ok(precondition_required()),
     }
 }
 
@@ -232,6 +268,6 @@ struct Stock {
 )]
 async fn get_stock(State(state): State<AppState>, Path(sku): Path<String>) -> Result<Json<Stock>> {
     input::identifier("the sku", &sku)?;
-    let reserved = state.db.reserved(&sku).await?;
+    let reserved = db::reserved(&*state.db, &sku).await?;
     Ok(Json(Stock { sku, reserved }))
 }

@@ -225,7 +225,7 @@ async fn get_metrics(State(state): State<AppState>) -> Response {
 #[utoipa::path(get, path = "/healthz", tag = "operations",
     responses((status = 200, description = "Healthy", content_type = "text/plain", body = String)))]
 async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
-    state.db.ping().await?;
+    state.db.conn().await?.execute("SELECT 1", &[]).await?;
     Ok("ok")
 }
 

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use idem_axum::{IdempotencyLayer, Problem};
 use idem_core::UnixMillis;
-use idem_sql::{create_once, Created};
+use idem_sql::Created;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
@@ -18,7 +18,7 @@ use utoipa_axum::routes;
 use super::auth::Client;
 use super::error::{Error, Result};
 use super::{input, AppState, ProblemDoc};
-use crate::db::{on_backend, BeginWrite};
+use crate::db::{self, dialect::ORDER_KEY, Row};
 
 /// The order routes; `layer` honours an `Idempotency-Key` on
 /// `POST /orders` when one is sent.
@@ -93,13 +93,26 @@ pub(crate) struct Order {
 }
 
 /// An order's row; `items` is JSON text.
-#[derive(Debug, sqlx::FromRow)]
+#[derive(Debug)]
 struct OrderRow {
     id: String,
     customer_id: String,
     client_reference: String,
     items: String,
     status: String,
+}
+
+impl TryFrom<&Row> for OrderRow {
+    type Error = sqlx::Error;
+    fn try_from(r: &Row) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            id: r.text("id")?,
+            customer_id: r.text("customer_id")?,
+            client_reference: r.text("client_reference")?,
+            items: r.text("items")?,
+            status: r.text("status")?,
+        })
+    }
 }
 
 const COLUMNS: &str = "id, customer_id, client_reference, items, status";
@@ -155,44 +168,58 @@ async fn create_order(
     let id = format!("ord_{}", uuid::Uuid::now_v7().simple());
     let items = serde_json::to_string(&new.items).map_err(|e| Error::validation(e.to_string()))?;
     let now = UnixMillis::now().0;
-    let insert = format!(
-        "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
-         VALUES ($1, $2, $3, $4, $5, 'placed', $6)
-         ON CONFLICT (client_id, customer_id, client_reference) DO NOTHING
-         RETURNING {COLUMNS}"
-    );
     let fetch = format!(
         "SELECT {COLUMNS} FROM shop_orders
          WHERE client_id = $1 AND customer_id = $2 AND client_reference = $3"
     );
-    let created: Created<OrderRow> = on_backend!(&state.db, store => async {
-        let mut tx = store.pool().begin_write().await?;
-        let staged = async {
-            let created: Created<OrderRow> = create_once(
-                &mut *tx,
-                || {
-                    sqlx::query_as(&insert)
-                        .bind(&id)
-                        .bind(&client_id)
-                        .bind(&new.customer_id)
-                        .bind(&new.client_reference)
-                        .bind(&items)
-                        .bind(now)
-                },
-                || sqlx::query_as(&fetch).bind(&client_id).bind(&new.customer_id).bind(&new.client_reference),
-            )
-            .await?;
-            // The event commits with the order, and only when the order is new.
-            if let Created::Created(row) = &created {
-                let event = crate::messaging::order_placed(&state.messaging, &row.id, &row.customer_id, &row.items);
-                idem_outbox::enqueue(&mut *tx, &event).await?;
-            }
-            Ok(created)
+    let mut tx = state.db.begin().await?;
+    let staged = async {
+        let created = db::create_once(
+            &mut *tx,
+            (state.db.sql().insert_order, ORDER_KEY),
+            &[
+                (&id).into(),
+                (&client_id).into(),
+                (&new.customer_id).into(),
+                (&new.client_reference).into(),
+                (&items).into(),
+                now.into(),
+            ],
+            &fetch,
+            &[
+                (&client_id).into(),
+                (&new.customer_id).into(),
+                (&new.client_reference).into(),
+            ],
+        )
+        .await?;
+        let created = match created {
+            Created::Created(r) => Created::Created(OrderRow::try_from(&r)?),
+            Created::Existing(r) => Created::Existing(OrderRow::try_from(&r)?),
+        };
+        // The event commits with the order, and only when the order is new.
+        if let Created::Created(row) = &created {
+            let event = crate::messaging::order_placed(
+                &state.messaging,
+                &row.id,
+                &row.customer_id,
+                &row.items,
+            );
+            tx.enqueue(&event).await?;
         }
-        .await;
-        idem_sql::finish(tx, staged).await
+        Ok::<_, sqlx::Error>(created)
     }
-    .await)?;
+    .await;
+    let created = match staged {
+        Ok(created) => {
+            tx.commit().await?;
+            created
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(e.into());
+        }
+    };
     let (status, row) = match created {
         Created::Created(row) => {
             state.messaging.wake();
@@ -236,7 +263,11 @@ async fn get_order(
 ) -> Result<Json<Order>> {
     input::identifier("the order id", &id)?;
     let sql = format!("SELECT {COLUMNS} FROM shop_orders WHERE id = $1 AND client_id = $2");
-    let row: Option<OrderRow> = on_backend!(&state.db, store => sqlx::query_as(&sql).bind(&id).bind(&client).fetch_optional(store.pool()).await)?;
+    let row = db::query_one(&*state.db, &sql, &[(&id).into(), (&client).into()])
+        .await?
+        .as_ref()
+        .map(OrderRow::try_from)
+        .transpose()?;
     match row {
         Some(row) => Ok(Json(Order::try_from(row)?)),
         None => Err(Error::NotFound { what: "order", id }),

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use idem_axum::{DeferredClaim, Idempotency, IdempotencyLayer, Problem};
 use idem_core::{OperationId, UnixMillis};
-use idem_sql::{create_once, transition, Created, Transition};
+use idem_sql::{Created, Transition};
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 use utoipa::{IntoParams, ToSchema};
@@ -22,7 +22,8 @@ use super::auth::Client;
 use super::error::{Error, Result};
 use super::{input, AppState, ProblemDoc};
 use crate::bank::{BankError, ChargeRequest};
-use crate::db::{on_backend, Account, BeginWrite, Database, Email, Payment, PAYMENT_COLUMNS};
+use crate::db::dialect::PAYMENT_KEY;
+use crate::db::{self, Account, Email, Payment, ShopTx, PAYMENT_COLUMNS};
 
 /// The payment routes. `POST /payments` needs an `Idempotency-Key`
 /// (`layer`); with `claim_in_transaction` its handler claims the key in the
@@ -198,20 +199,13 @@ async fn create_payment_in_tx(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response> {
-    let Database::Postgres(store) = &state.db else {
-        // `Config::check` refuses the flag without PostgreSQL.
-        return Err(Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "--claim-in-transaction needs PostgreSQL",
-        )
-        .into());
-    };
-    // A replay, 409, 422 or 503; no transaction was begun.
-    let (mut tx, idem) = deferred
-        .begin(store)
+    // A replay, 409, 422 or 503; no transaction was begun. (`Config::check`
+    // refuses the flag on databases other than PostgreSQL.)
+    let (mut tx, idem) = state
+        .db
+        .begin_claimed(&deferred)
         .await
-        .map_err(|answered| Error::Answered(answered.into_response()))?;
+        .map_err(Error::Answered)?;
     let operation_id = idem.operation_id();
     match charge(&state, idem.scope(), operation_id, &headers, &body).await {
         Ok(payment) => {
@@ -233,7 +227,7 @@ async fn create_payment_in_tx(
                 return Ok(response);
             }
             // A client error is an answer: it commits with the claim, for replay.
-            match idem.complete_in(store, &mut *tx, response).await {
+            match tx.complete_in(&idem, response).await {
                 Ok(response) => {
                     tx.commit().await.map_err(Error::Recording)?;
                     Ok(response)
@@ -251,7 +245,7 @@ async fn create_payment_in_tx(
 /// Ends a transaction that must not commit, now, before the answer leaves:
 /// a transaction left to its drop ends later, holding its locks (and, with
 /// `--claim-in-transaction`, the claim) until it does.
-async fn rollback<DB: sqlx::Database>(tx: sqlx::Transaction<'static, DB>) {
+async fn rollback(tx: Box<dyn ShopTx>) {
     if let Err(e) = tx.rollback().await {
         // The connection broke: the server ended the transaction with it.
         warn!(error = %e, "rollback failed");
@@ -329,13 +323,6 @@ async fn charge(
     })
 }
 
-/// The statement that records a payment, for both backends; a second
-/// attempt of the same operation inserts nothing.
-const INSERT_PAYMENT: &str = "INSERT INTO shop_payments
-    (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-    ON CONFLICT (operation_id) DO NOTHING";
-
 /// Writes the payment and completes the idempotency record in one
 /// transaction — `open`, if the handler claimed in it, or a new one: both
 /// commit, or neither.
@@ -350,76 +337,75 @@ async fn record_payment(
     client_id: &str,
     operation_id: OperationId,
     payment: &Payment,
-    open: crate::db::OpenTx,
+    open: Option<Box<dyn ShopTx>>,
 ) -> Result<Response> {
     let operation_id = operation_id.to_string();
     let now = UnixMillis::now().0;
-    let insert = format!("{INSERT_PAYMENT} RETURNING {PAYMENT_COLUMNS}");
     let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE operation_id = $1");
-    let response = on_backend!(&state.db, store => async {
-        let mut tx = store.pool().begin_in(open).await.map_err(Error::Recording)?;
-        let staged = async {
-            let created = create_once(
-                &mut *tx,
-                || {
-                    sqlx::query_as::<_, Payment>(&insert)
-                        .bind(&payment.id)
-                        .bind(client_id)
-                        .bind(&payment.account_id)
-                        .bind(payment.amount)
-                        .bind(&payment.currency)
-                        .bind(&payment.status)
-                        .bind(&payment.bank_charge_id)
-                        .bind(&operation_id)
-                        .bind(now)
-                },
-                || sqlx::query_as::<_, Payment>(&fetch).bind(&operation_id),
-            )
-            .await
-            .map_err(Error::Recording)?;
-            let recorded = match created {
-                Created::Created(recorded) => {
-                    // The event commits with the payment.
-                    let event = crate::messaging::payment_authorized(&state.messaging, payment);
-                    idem_outbox::enqueue(&mut *tx, &event)
-                        .await
-                        .map_err(Error::Recording)?;
-                    recorded
-                }
-                // The safety net caught a second attempt of this operation:
-                // converge on the payment that exists (its event went with it).
-                Created::Existing(recorded) => {
-                    warn!(operation_id = %operation_id, "payment recorded by another attempt of this operation; answering with it");
-                    recorded
-                }
-            };
-            let response = payment_created(&recorded);
-            // Fenced by the claim's token: if a retry took this request
-            // over, this fails and the transaction rolls back.
-            // With a store outside this database (Redis alone), the layer
-            // completes the record after the handler returns instead.
-            match idem {
-                Some(idem) if state.transactional => idem
-                    .complete_in(store, &mut *tx, response)
-                    .await
-                    .map_err(|e| Error::Answered(e.into_response())),
-                _ => Ok(response),
+    let mut tx = match open {
+        Some(tx) => tx,
+        None => state.db.begin().await.map_err(Error::Recording)?,
+    };
+    let staged = async {
+        let created = db::create_once(
+            &mut *tx,
+            (state.db.sql().insert_payment, PAYMENT_KEY),
+            &[
+                (&payment.id).into(),
+                client_id.into(),
+                (&payment.account_id).into(),
+                payment.amount.into(),
+                (&payment.currency).into(),
+                (&payment.status).into(),
+                (&payment.bank_charge_id).into(),
+                (&operation_id).into(),
+                now.into(),
+            ],
+            &fetch,
+            &[(&operation_id).into()],
+        )
+        .await
+        .map_err(Error::Recording)?;
+        let recorded = match created {
+            Created::Created(row) => {
+                // The event commits with the payment.
+                let event = crate::messaging::payment_authorized(&state.messaging, payment);
+                tx.enqueue(&event).await.map_err(Error::Recording)?;
+                row
             }
+            // The safety net caught a second attempt of this operation:
+            // converge on the payment that exists (its event went with it).
+            Created::Existing(row) => {
+                warn!(operation_id = %operation_id, "payment recorded by another attempt of this operation; answering with it");
+                row
+            }
+        };
+        let recorded = Payment::try_from(&recorded).map_err(Error::Recording)?;
+        let response = payment_created(&recorded);
+        // Fenced by the claim's token: if a retry took this request
+        // over, this fails and the transaction rolls back.
+        // With a store outside this database (Redis alone), the layer
+        // completes the record after the handler returns instead.
+        match idem {
+            Some(idem) if state.transactional => tx
+                .complete_in(idem, response)
+                .await
+                .map_err(|e| Error::Answered(e.into_response())),
+            _ => Ok(response),
         }
-        .await;
-        match staged {
-            Ok(response) => {
-                tx.commit().await.map_err(Error::Recording)?;
-                state.messaging.wake();
-                Ok(response)
-            }
-            Err(refused) => {
-                rollback(tx).await;
-                Err(refused)
-            }
+    }
+    .await;
+    match staged {
+        Ok(response) => {
+            tx.commit().await.map_err(Error::Recording)?;
+            state.messaging.wake();
+            Ok(response)
         }
-    }.await)?;
-    Ok(response)
+        Err(refused) => {
+            rollback(tx).await;
+            Err(refused)
+        }
+    }
 }
 
 /// `201 Created` with the payment and its `Location`.
@@ -451,7 +437,7 @@ async fn get_payment(
     Path(id): Path<String>,
 ) -> Result<Json<Payment>> {
     input::identifier("the payment id", &id)?;
-    match state.db.payment(&client, &id).await? {
+    match db::payment(&*state.db, &client, &id).await? {
         Some(p) => Ok(Json(p)),
         None => Err(no_such_payment(id)),
     }
@@ -486,24 +472,28 @@ async fn capture_payment(
 ) -> Result<Json<Payment>> {
     input::identifier("the payment id", &id)?;
     // Another client's payment is not found: it is neither moved nor shown.
-    let update = format!(
-        "UPDATE shop_payments SET status = 'captured'
-         WHERE id = $1 AND client_id = $2 AND status = 'authorized' RETURNING {PAYMENT_COLUMNS}"
-    );
+    let update = "UPDATE shop_payments SET status = 'captured'
+                  WHERE id = $1 AND client_id = $2 AND status = 'authorized'";
     let fetch =
         format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1 AND client_id = $2");
-    let moved: Transition<Payment> = on_backend!(&state.db, store => async {
-        let mut conn = store.pool().acquire().await?;
-        transition(
-            &mut *conn,
-            "captured",
-            |p: &Payment| p.status.clone(),
-            || sqlx::query_as(&update).bind(&id).bind(&client),
-            || sqlx::query_as(&fetch).bind(&id).bind(&client),
-        )
-        .await
-    }
-    .await)?;
+    let mut conn = state.db.conn().await?;
+    let moved = db::transition(
+        &mut *conn,
+        "captured",
+        update,
+        &fetch,
+        &[(&id).into(), (&client).into()],
+    )
+    .await?;
+    let moved: Transition<Payment> = match moved {
+        Transition::Applied(r) => Transition::Applied(Payment::try_from(&r)?),
+        Transition::AlreadyDone(r) => Transition::AlreadyDone(Payment::try_from(&r)?),
+        Transition::NotFound => Transition::NotFound,
+        Transition::Conflict { current, row } => Transition::Conflict {
+            current,
+            row: Payment::try_from(&row)?,
+        },
+    };
     match moved {
         Transition::Applied(p) | Transition::AlreadyDone(p) => Ok(Json(p)),
         Transition::NotFound => Err(no_such_payment(id)),
@@ -535,7 +525,7 @@ async fn get_account(
     Path(account_id): Path<String>,
 ) -> Result<Json<Account>> {
     input::identifier("account_id", &account_id)?;
-    Ok(Json(state.db.account(&client, &account_id).await?))
+    Ok(Json(db::account(&*state.db, &client, &account_id).await?))
 }
 
 /// The query of `GET /emails`.
@@ -571,6 +561,6 @@ async fn get_emails(
 ) -> Result<Json<Emails>> {
     let account_id = query.account_id;
     input::identifier("account_id", &account_id)?;
-    let emails = state.db.emails(&client, &account_id).await?;
+    let emails = db::emails(&*state.db, &client, &account_id).await?;
     Ok(Json(Emails { emails }))
 }

@@ -18,7 +18,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use idem_axum::Problem;
 use idem_core::UnixMillis;
-use idem_sql::{create_once, transition, Created, Transition};
+use idem_sql::Transition;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
@@ -29,7 +29,7 @@ use super::auth::Client;
 use super::error::Result;
 use super::payments::no_such_payment;
 use super::{input, AppState, ProblemDoc};
-use crate::db::{on_backend, BankEvent, BeginWrite, Payment, PAYMENT_COLUMNS};
+use crate::db::{self, dialect::BANK_EVENT_KEY, BankEvent, PAYMENT_COLUMNS};
 
 /// The webhook routes.
 pub(super) fn router() -> OpenApiRouter<AppState> {
@@ -149,58 +149,57 @@ async fn bank_event(
     }
     let event = Event::parse(&body)?;
     let now = UnixMillis::now().0;
-    let update = format!(
-        "UPDATE shop_payments SET status = 'settled'
-         WHERE id = $1 AND status IN ('authorized', 'captured') RETURNING {PAYMENT_COLUMNS}"
-    );
+    let update = "UPDATE shop_payments SET status = 'settled'
+                  WHERE id = $1 AND status IN ('authorized', 'captured')";
     let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1");
-    let outcome: Option<Outcome> = on_backend!(&state.db, store => async {
-        let mut tx = store.pool().begin_write().await?;
-        let staged = async {
-            let exists: Option<(String,)> = sqlx::query_as("SELECT id FROM shop_payments WHERE id = $1")
-                .bind(&event.payment_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if exists.is_none() {
-                return Ok(None);
-            }
-            let recorded: Created<(String,)> = create_once(
-                &mut *tx,
-                || {
-                    sqlx::query_as(
-                        "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at) VALUES ($1, $2, $3, $4)
-                         ON CONFLICT (event_id) DO NOTHING RETURNING event_id",
-                    )
-                    .bind(&event.event_id)
-                    .bind(&event.kind)
-                    .bind(&event.payment_id)
-                    .bind(now)
-                },
-                || sqlx::query_as("SELECT event_id FROM shop_bank_events WHERE event_id = $1").bind(&event.event_id),
-            )
-            .await?;
-            if !recorded.is_created() {
-                return Ok(Some(Outcome::Duplicate));
-            }
-            if event.kind == SETTLED {
-                let moved: Transition<Payment> = transition(
-                    &mut *tx,
-                    "settled",
-                    |p: &Payment| p.status.clone(),
-                    || sqlx::query_as(&update).bind(&event.payment_id),
-                    || sqlx::query_as(&fetch).bind(&event.payment_id),
-                )
-                .await?;
-                if let Transition::Conflict { current, .. } = moved {
-                    tracing::warn!(payment = %event.payment_id, %current, "settlement for a payment in another state");
-                }
-            }
-            Ok(Some(Outcome::Processed))
+    let mut tx = state.db.begin().await?;
+    let staged = async {
+        let exists = db::fetch_optional(
+            &mut *tx,
+            "SELECT id FROM shop_payments WHERE id = $1",
+            &[(&event.payment_id).into()],
+        )
+        .await?;
+        if exists.is_none() {
+            return Ok(None);
         }
-        .await;
-        idem_sql::finish(tx, staged).await
+        let recorded = db::create_once(
+            &mut *tx,
+            (state.db.sql().insert_bank_event, BANK_EVENT_KEY),
+            &[
+                (&event.event_id).into(),
+                (&event.kind).into(),
+                (&event.payment_id).into(),
+                now.into(),
+            ],
+            "SELECT event_id FROM shop_bank_events WHERE event_id = $1",
+            &[(&event.event_id).into()],
+        )
+        .await?;
+        if !recorded.is_created() {
+            return Ok(Some(Outcome::Duplicate));
+        }
+        if event.kind == SETTLED {
+            let moved =
+                db::transition(&mut *tx, "settled", update, &fetch, &[(&event.payment_id).into()])
+                    .await?;
+            if let Transition::Conflict { current, .. } = moved {
+                tracing::warn!(payment = %event.payment_id, %current, "settlement for a payment in another state");
+            }
+        }
+        Ok::<_, sqlx::Error>(Some(Outcome::Processed))
     }
-    .await)?;
+    .await;
+    let outcome = match staged {
+        Ok(outcome) => {
+            tx.commit().await?;
+            outcome
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(e.into());
+        }
+    };
     match outcome {
         Some(status) => Ok(Json(Receipt {
             event_id: event.event_id,
@@ -239,10 +238,10 @@ async fn payment_events(
     Path(id): Path<String>,
 ) -> Result<Json<PaymentEvents>> {
     input::identifier("the payment id", &id)?;
-    if state.db.payment(&client, &id).await?.is_none() {
+    if db::payment(&*state.db, &client, &id).await?.is_none() {
         return Err(no_such_payment(id));
     }
-    let events = state.db.bank_events(&id).await?;
+    let events = db::bank_events(&*state.db, &id).await?;
     Ok(Json(PaymentEvents {
         payment_id: id,
         events,

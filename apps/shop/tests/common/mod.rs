@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use idem_test_support::mysql::TestDatabase;
 use idem_test_support::postgres::TestSchema;
 use serde_json::Value;
 
@@ -102,11 +103,12 @@ impl Drop for Shop {
     }
 }
 
-/// A database of the test's own: a SQLite file in a temporary directory, or
-/// a PostgreSQL schema; removed when dropped.
+/// A database of the test's own: a SQLite file in a temporary directory, a
+/// PostgreSQL schema, or a MySQL database; removed when dropped.
 pub enum Db {
     Sqlite(tempfile::TempDir, PathBuf),
     Postgres(TestSchema),
+    Mysql(TestDatabase),
 }
 
 impl Db {
@@ -120,16 +122,22 @@ impl Db {
         Db::Postgres(TestSchema::create("shop_test").await)
     }
 
+    pub async fn mysql() -> Db {
+        Db::Mysql(TestDatabase::create("shop_test").await)
+    }
+
     pub fn url(&self) -> String {
         match self {
             Db::Sqlite(_, path) => format!("sqlite:{}", path.display()),
             Db::Postgres(schema) => schema.url(),
+            Db::Mysql(db) => db.url(),
         }
     }
 }
 
-/// Runs a test body once on SQLite and once on PostgreSQL: each named
-/// `$name` gets a `sqlite` and a `postgres` test in a module of its name.
+/// Runs a test body once on each database (SQLite, PostgreSQL, MySQL):
+/// each named `$name` gets a `sqlite`, a `postgres` and a `mysql` test in a
+/// module of its name.
 #[macro_export]
 macro_rules! on_both_backends {
     ($($name:ident),* $(,)?) => {
@@ -142,6 +150,10 @@ macro_rules! on_both_backends {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn postgres() {
                     super::$name($crate::common::Db::postgres().await).await;
+                }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn mysql() {
+                    super::$name($crate::common::Db::mysql().await).await;
                 }
             }
         )*
@@ -291,6 +303,8 @@ pub enum Mode {
     Sqlite,
     /// PostgreSQL, likewise.
     Postgres,
+    /// MySQL / MariaDB, likewise.
+    Mysql,
     /// PostgreSQL, `--claim-in-transaction`.
     ClaimInTx,
     /// PostgreSQL with Redis in front, and an in-process replay cache.
@@ -306,6 +320,7 @@ impl Mode {
     pub async fn db(self) -> Db {
         match self {
             Mode::Sqlite => Db::sqlite(),
+            Mode::Mysql => Db::mysql().await,
             _ => Db::postgres().await,
         }
     }
@@ -322,7 +337,7 @@ impl Mode {
         };
         let mut v = Vec::new();
         match self {
-            Mode::Sqlite | Mode::Postgres => {}
+            Mode::Sqlite | Mode::Postgres | Mode::Mysql => {}
             Mode::ClaimInTx => v.push("--claim-in-transaction".to_owned()),
             Mode::Tiered => {
                 redis(&mut v);
@@ -385,7 +400,7 @@ pub async fn start_in(mode: Mode, db: &Db, prefix: &str, extra: &[&str]) -> Shop
     Shop::start(db, &flags).await
 }
 
-/// Runs a test body once per [`Mode`] (the five, and Redis alone on a cluster): each `$name(mode, db)` gets one test
+/// Runs a test body once per [`Mode`] (the six, and Redis alone on a cluster): each `$name(mode, db)` gets one test
 /// per mode in a module of its name.
 #[macro_export]
 macro_rules! in_every_mode {
@@ -401,6 +416,8 @@ macro_rules! in_every_mode {
                 async fn sqlite() { run(Mode::Sqlite).await }
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn postgres() { run(Mode::Postgres).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn mysql() { run(Mode::Mysql).await }
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn claim_in_tx() { run(Mode::ClaimInTx).await }
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -174,6 +174,9 @@ pub trait Dialect:
     /// Reads column `column` of `row`.
     fn get<'r>(row: &'r Row<Self>, column: &str) -> Result<Value<'r>, sqlx::Error>;
 
+    /// The names of `row`'s columns, in order.
+    fn columns(row: &Row<Self>) -> Vec<String>;
+
     /// Decodes an idempotency record (see [`crate::decode_record`]).
     fn decode_record(row: &Row<Self>) -> Result<Record, StoreError>;
 
@@ -310,6 +313,16 @@ pub enum Value<'r> {
 }
 
 impl Value<'_> {
+    /// The value, owning what it borrowed from its row.
+    pub fn into_owned(self) -> Value<'static> {
+        match self {
+            Value::Null => Value::Null,
+            Value::Int(i) => Value::Int(i),
+            Value::Text(s) => Value::Text(Cow::Owned(s.into_owned())),
+            Value::Bytes(b) => Value::Bytes(Cow::Owned(b.into_owned())),
+        }
+    }
+
     /// The integer, or an error naming `column`.
     pub fn int(&self, column: &str) -> Result<i64, sqlx::Error> {
         match self {
@@ -517,6 +530,11 @@ macro_rules! dialect_io {
             }
             let v: &[u8] = row.try_get(column)?;
             Ok(Value::Bytes(std::borrow::Cow::Borrowed(v)))
+        }
+
+        fn columns(row: &$crate::dialect::Row<Self>) -> Vec<String> {
+            use sqlx::{Column as _, Row as _};
+            row.columns().iter().map(|c| c.name().to_owned()).collect()
         }
 
         fn decode_record(

@@ -1,0 +1,254 @@
+//! [`ShopDialect`]: what the shop needs of a database beyond
+//! [`idem_sql::Dialect`] and [`idem_outbox::OutboxDialect`]: its idem
+//! store, its tables, and the few statements whose SQL differs
+//! ([`ShopSql`], typed fields).
+
+use axum::response::{IntoResponse, Response};
+use idem_axum::{DeferredClaim, Idempotency, Problem};
+use idem_core::{BoxFuture, Store, StoreError, TransactionalStore};
+use idem_outbox::OutboxDialect;
+use idem_sql::dialect::{Conn, Pool, Transaction};
+
+/// The statements whose SQL differs between databases. Each inserts
+/// nothing when its unique key exists already (`ON CONFLICT DO NOTHING`;
+/// on MySQL a plain `INSERT` whose duplicate-key error names that key,
+/// which [`super::create_once`] takes for "exists").
+#[derive(Debug)]
+pub(crate) struct ShopSql {
+    /// The shop's tables (a script, run under a lock, re-runnable).
+    pub(crate) schema: &'static str,
+    /// $1 id, $2 operation id, $3 account, $4 amount, $5 currency, $6
+    /// created at, $7 client; unique on the operation id.
+    pub(crate) insert_charge: &'static str,
+    /// $1 id … $9 created at; unique on the operation id.
+    pub(crate) insert_payment: &'static str,
+    /// $1 id, $2 client, $3 customer, $4 reference, $5 items, $6 created
+    /// at; unique on the natural key.
+    pub(crate) insert_order: &'static str,
+    /// $1 sku, $2 name, $3 price; unique on the sku.
+    pub(crate) insert_product: &'static str,
+    /// $1 event id, $2 type, $3 payment, $4 received at; unique on the id.
+    pub(crate) insert_bank_event: &'static str,
+    /// Adds $2 units to SKU $1.
+    pub(crate) reserve_stock: &'static str,
+    /// The client's ($2) payments on account $1: `n` and their `total`.
+    pub(crate) account_payments: &'static str,
+}
+
+/// The unique keys the inserts above may meet, by name.
+pub(crate) const CHARGE_KEY: &str = "bank_charges_operation_id_key";
+pub(crate) const PAYMENT_KEY: &str = "shop_payments_operation_id_key";
+pub(crate) const ORDER_KEY: &str = "shop_orders_natural_key";
+pub(crate) const PRODUCT_KEY: &str = "PRIMARY";
+pub(crate) const BANK_EVENT_KEY: &str = "PRIMARY";
+
+/// A database the shop runs on.
+pub(crate) trait ShopDialect: OutboxDialect {
+    /// idem's store of records on it.
+    type Store: Store + TransactionalStore<Conn<Self>> + Clone + std::fmt::Debug;
+    /// The statements that differ.
+    const SQL: ShopSql;
+    /// Opens (migrating) idem's store at `url`.
+    fn connect(url: &str) -> BoxFuture<'_, Result<Self::Store, StoreError>>;
+    /// The store's pool.
+    fn pool(store: &Self::Store) -> &Pool<Self>;
+    /// The bank's store: connections of its own to `url`.
+    fn bank_store<'a>(
+        store: &'a Self::Store,
+        url: &'a str,
+    ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>>;
+    /// Creates the shop's tables (several instances may start at once).
+    fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+    /// Claims in the transaction that will hold the claim.
+    fn begin_claimed<'a>(
+        store: &'a Self::Store,
+        deferred: &'a DeferredClaim,
+    ) -> BoxFuture<'a, Result<(Transaction<Self>, Idempotency), Response>> {
+        let _ = (store, deferred);
+        Box::pin(async {
+            // `Config::check` refuses the flag on other databases.
+            Err(Problem::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "--claim-in-transaction needs PostgreSQL",
+            )
+            .into_response())
+        })
+    }
+}
+
+/// The tables on SQLite and PostgreSQL, whose SQL agrees.
+const SCHEMA: &str = include_str!("schema.sql");
+
+const ANSI: ShopSql = ShopSql {
+    schema: SCHEMA,
+    insert_charge: "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at, client_id)
+                    VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (operation_id) DO NOTHING",
+    insert_payment: "INSERT INTO shop_payments
+                     (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (operation_id) DO NOTHING",
+    insert_order: "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
+                   VALUES ($1, $2, $3, $4, $5, 'placed', $6)
+                   ON CONFLICT (client_id, customer_id, client_reference) DO NOTHING",
+    insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)
+                     ON CONFLICT (sku) DO NOTHING",
+    insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
+                        VALUES ($1, $2, $3, $4) ON CONFLICT (event_id) DO NOTHING",
+    reserve_stock: "INSERT INTO shop_stock (sku, reserved) VALUES ($1, $2)
+                    ON CONFLICT (sku) DO UPDATE SET reserved = shop_stock.reserved + excluded.reserved",
+    account_payments: "SELECT count(*) AS n, CAST(coalesce(sum(amount), 0) AS BIGINT) AS total
+                       FROM shop_payments WHERE account_id = $1 AND client_id = $2",
+};
+
+impl ShopDialect for idem_sql::Sqlite {
+    type Store = idem_sqlite::SqliteStore;
+    const SQL: ShopSql = ANSI;
+
+    fn connect(url: &str) -> BoxFuture<'_, Result<Self::Store, StoreError>> {
+        Box::pin(idem_sqlite::SqliteStore::connect(url))
+    }
+    fn pool(store: &Self::Store) -> &Pool<Self> {
+        store.pool()
+    }
+    /// SQLite has one writer: the bank shares the shop's file.
+    fn bank_store<'a>(
+        store: &'a Self::Store,
+        _: &'a str,
+    ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>> {
+        Box::pin(async move { Ok(store.clone()) })
+    }
+    fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::Executor::execute(pool, SCHEMA).await?;
+            // A database made before charges named their merchant.
+            let has_client: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pragma_table_info('bank_charges') WHERE name = 'client_id'",
+            )
+            .fetch_one(pool)
+            .await?;
+            if has_client == 0 {
+                sqlx::query(
+                    "ALTER TABLE bank_charges ADD COLUMN client_id TEXT NOT NULL DEFAULT ''",
+                )
+                .execute(pool)
+                .await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+impl ShopDialect for idem_sql::Postgres {
+    type Store = idem_postgres::PostgresStore;
+    const SQL: ShopSql = ANSI;
+
+    fn connect(url: &str) -> BoxFuture<'_, Result<Self::Store, StoreError>> {
+        Box::pin(idem_postgres::PostgresStore::connect(url))
+    }
+    fn pool(store: &Self::Store) -> &Pool<Self> {
+        store.pool()
+    }
+    fn bank_store<'a>(
+        store: &'a Self::Store,
+        url: &'a str,
+    ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>> {
+        Box::pin(async move {
+            let pool = idem_postgres::open_pool(url).await?;
+            Ok(idem_postgres::PostgresStore::new(
+                pool,
+                store.table().clone(),
+            ))
+        })
+    }
+    fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            // Several instances may start at once: serialise the DDL.
+            let mut tx = pool.begin().await?;
+            let staged = async {
+                sqlx::query("SELECT pg_advisory_xact_lock(hashtext('shop-schema'))")
+                    .execute(&mut *tx)
+                    .await?;
+                sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
+                // A database made before charges named their merchant.
+                sqlx::query(
+                    "ALTER TABLE bank_charges ADD COLUMN IF NOT EXISTS client_id TEXT NOT NULL DEFAULT ''",
+                )
+                .execute(&mut *tx)
+                .await?;
+                Ok(())
+            }
+            .await;
+            idem_sql::finish(tx, staged).await
+        })
+    }
+    fn begin_claimed<'a>(
+        store: &'a Self::Store,
+        deferred: &'a DeferredClaim,
+    ) -> BoxFuture<'a, Result<(Transaction<Self>, Idempotency), Response>> {
+        Box::pin(async move {
+            deferred
+                .begin(store)
+                .await
+                .map_err(IntoResponse::into_response)
+        })
+    }
+}
+
+impl ShopDialect for idem_sql::MySql {
+    type Store = idem_mysql::MySqlStore;
+    const SQL: ShopSql = ShopSql {
+        schema: include_str!("schema_mysql.sql"),
+        insert_charge: "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at, client_id)
+                        VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        insert_payment: "INSERT INTO shop_payments
+                         (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        insert_order: "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
+                       VALUES ($1, $2, $3, $4, $5, 'placed', $6)",
+        insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)",
+        insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
+                            VALUES ($1, $2, $3, $4)",
+        reserve_stock: "INSERT INTO shop_stock (sku, reserved) VALUES ($1, $2)
+                        ON DUPLICATE KEY UPDATE reserved = reserved + VALUES(reserved)",
+        account_payments: "SELECT count(*) AS n, CAST(COALESCE(SUM(amount), 0) AS SIGNED) AS total
+                           FROM shop_payments WHERE account_id = $1 AND client_id = $2",
+    };
+
+    fn connect(url: &str) -> BoxFuture<'_, Result<Self::Store, StoreError>> {
+        Box::pin(idem_mysql::MySqlStore::connect(url))
+    }
+    fn pool(store: &Self::Store) -> &Pool<Self> {
+        store.pool()
+    }
+    fn bank_store<'a>(
+        store: &'a Self::Store,
+        url: &'a str,
+    ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>> {
+        Box::pin(async move {
+            let pool = idem_mysql::open_pool(url).await?;
+            idem_mysql::MySqlStore::new(pool, store.table().clone())
+                .map_err(|e| sqlx::Error::Configuration(Box::new(e)))
+        })
+    }
+    /// Under a named lock; each statement commits by itself (MySQL's DDL),
+    /// and each is written to be run again.
+    fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = pool.acquire().await?;
+            let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('shop-schema', 60)")
+                .fetch_one(&mut *conn)
+                .await?;
+            if got != Some(1) {
+                return Err(sqlx::Error::Protocol(
+                    "another shop held the schema lock for 60 s".into(),
+                ));
+            }
+            let created = sqlx::Executor::execute(&mut *conn, Self::SQL.schema).await;
+            let released = sqlx::query("SELECT RELEASE_LOCK('shop-schema')")
+                .execute(&mut *conn)
+                .await;
+            created?;
+            released.map(drop)
+        })
+    }
+}

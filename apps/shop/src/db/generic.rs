@@ -1,0 +1,255 @@
+//! [`Db`]: the one implementation of the shop's database traits, generic
+//! over the dialect.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::response::Response;
+use idem_axum::{CompleteError, DeferredClaim, Idempotency};
+use idem_core::{BoxFuture, Store};
+use idem_outbox::{inbox, Handled, OutgoingMessage, Publisher, Relay, RelayConfig};
+use idem_sql::dialect::{Arg, Conn, Row as DialectRow, Statement, Transaction};
+use idem_sql::Dialect;
+
+use super::dialect::ShopDialect;
+use super::{Claimed, Database, OpenError, Param, Row, ShopDb, ShopExec, ShopSql, ShopTx, Work};
+
+/// The shop's database on dialect `D`.
+pub(crate) struct Db<D: ShopDialect> {
+    store: D::Store,
+}
+
+impl<D: ShopDialect> std::fmt::Debug for Db<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Db").field("database", &D::NAME).finish()
+    }
+}
+
+impl<D: ShopDialect> Db<D> {
+    /// Opens idem's store at `url` and creates the shop's tables, the
+    /// outbox and the inbox.
+    pub(crate) async fn open(url: &str) -> Result<Self, OpenError> {
+        let store = D::connect(url).await?;
+        let pool = D::pool(&store);
+        D::migrate_schema(pool).await?;
+        inbox::migrate(pool).await?;
+        idem_outbox::outbox::migrate(pool).await?;
+        Ok(Self { store })
+    }
+}
+
+/// Binds `params` as the dialect's arguments.
+fn args<'a>(params: &'a [Param<'a>]) -> Vec<Arg<'a>> {
+    params
+        .iter()
+        .map(|p| match p {
+            Param::Text(s) => Arg::Text(s),
+            Param::Int(i) => Arg::Int(*i),
+        })
+        .collect()
+}
+
+fn owned<D: Dialect>(row: &DialectRow<D>) -> Result<Row, sqlx::Error> {
+    D::columns(row)
+        .into_iter()
+        .map(|name| {
+            let value = D::get(row, &name)?.into_owned();
+            Ok((name, value))
+        })
+        .collect::<Result<Vec<_>, sqlx::Error>>()
+        .map(Row::new)
+}
+
+async fn execute<D: Dialect>(
+    conn: &mut Conn<D>,
+    sql: &str,
+    params: &[Param<'_>],
+) -> Result<u64, sqlx::Error> {
+    D::execute(conn, &Statement::raw(sql), &args(params)).await
+}
+
+async fn fetch_all<D: Dialect>(
+    conn: &mut Conn<D>,
+    sql: &str,
+    params: &[Param<'_>],
+) -> Result<Vec<Row>, sqlx::Error> {
+    let rows = D::fetch_all(conn, &Statement::raw(sql), &args(params)).await?;
+    rows.iter().map(owned::<D>).collect()
+}
+
+/// A pooled connection.
+struct PooledConn<D: ShopDialect>(sqlx::pool::PoolConnection<D::Database>);
+
+impl<D: ShopDialect> ShopExec for PooledConn<D> {
+    fn execute<'a>(
+        &'a mut self,
+        sql: &'a str,
+        params: &'a [Param<'a>],
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(execute::<D>(&mut self.0, sql, params))
+    }
+    fn fetch_all<'a>(
+        &'a mut self,
+        sql: &'a str,
+        params: &'a [Param<'a>],
+    ) -> BoxFuture<'a, Result<Vec<Row>, sqlx::Error>> {
+        Box::pin(fetch_all::<D>(&mut self.0, sql, params))
+    }
+}
+
+/// A write transaction, with the store its record completes in.
+struct Tx<D: ShopDialect> {
+    tx: Transaction<D>,
+    store: D::Store,
+}
+
+impl<D: ShopDialect> ShopExec for Tx<D> {
+    fn execute<'a>(
+        &'a mut self,
+        sql: &'a str,
+        params: &'a [Param<'a>],
+    ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
+        Box::pin(execute::<D>(&mut self.tx, sql, params))
+    }
+    fn fetch_all<'a>(
+        &'a mut self,
+        sql: &'a str,
+        params: &'a [Param<'a>],
+    ) -> BoxFuture<'a, Result<Vec<Row>, sqlx::Error>> {
+        Box::pin(fetch_all::<D>(&mut self.tx, sql, params))
+    }
+}
+
+impl<D: ShopDialect> ShopTx for Tx<D> {
+    fn enqueue<'a>(
+        &'a mut self,
+        message: &'a OutgoingMessage,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(idem_outbox::enqueue(&mut self.tx, message))
+    }
+    fn complete_in<'a>(
+        &'a mut self,
+        idem: &'a Idempotency,
+        response: Response,
+    ) -> BoxFuture<'a, Result<Response, CompleteError>> {
+        Box::pin(async move { idem.complete_in(&self.store, &mut *self.tx, response).await })
+    }
+    fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), sqlx::Error>> {
+        Box::pin(self.tx.commit())
+    }
+    fn rollback(self: Box<Self>) -> BoxFuture<'static, Result<(), sqlx::Error>> {
+        Box::pin(self.tx.rollback())
+    }
+}
+
+/// Does `work` in the inbox's transaction on `conn`.
+async fn act<D: ShopDialect>(conn: &mut Conn<D>, work: Work) -> Result<(), sqlx::Error> {
+    match work {
+        Work::ReserveStock(lines) => {
+            for (sku, qty) in &lines {
+                execute::<D>(conn, D::SQL.reserve_stock, &[sku.into(), (*qty).into()]).await?;
+            }
+        }
+        Work::SendEmail {
+            payment_id,
+            account_id,
+            subject,
+            now,
+        } => {
+            let id = format!("em_{}", uuid::Uuid::now_v7().simple());
+            execute::<D>(
+                conn,
+                "INSERT INTO shop_emails (id, payment_id, account_id, subject, created_at)
+                 VALUES ($1, $2, $3, $4, $5)",
+                &[
+                    (&id).into(),
+                    (&payment_id).into(),
+                    (&account_id).into(),
+                    (&subject).into(),
+                    now.into(),
+                ],
+            )
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+impl<D: ShopDialect> ShopDb for Db<D> {
+    fn kind(&self) -> &'static str {
+        D::NAME
+    }
+
+    fn sql(&self) -> &'static ShopSql {
+        &D::SQL
+    }
+
+    fn idem_store(&self) -> Arc<dyn Store> {
+        Arc::new(self.store.clone())
+    }
+
+    fn conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
+        Box::pin(async move {
+            let conn = D::pool(&self.store).acquire().await?;
+            Ok(Box::new(PooledConn::<D>(conn)) as Box<dyn ShopExec>)
+        })
+    }
+
+    fn begin(&self) -> BoxFuture<'_, Result<Box<dyn ShopTx>, sqlx::Error>> {
+        Box::pin(async move {
+            let tx = D::begin_write(D::pool(&self.store)).await?;
+            Ok(Box::new(Tx::<D> {
+                tx,
+                store: self.store.clone(),
+            }) as Box<dyn ShopTx>)
+        })
+    }
+
+    fn begin_claimed<'a>(
+        &'a self,
+        deferred: &'a DeferredClaim,
+    ) -> BoxFuture<'a, Result<Claimed, Response>> {
+        Box::pin(async move {
+            let (tx, idem) = D::begin_claimed(&self.store, deferred).await?;
+            let tx = Box::new(Tx::<D> {
+                tx,
+                store: self.store.clone(),
+            }) as Box<dyn ShopTx>;
+            Ok((tx, idem))
+        })
+    }
+
+    fn consume<'a>(
+        &'a self,
+        consumer: &'a str,
+        message_id: &'a str,
+        work: Work,
+    ) -> BoxFuture<'a, Result<Handled<()>, String>> {
+        Box::pin(async move {
+            inbox::process(
+                D::pool(&self.store),
+                consumer,
+                message_id,
+                async move |conn| act::<D>(conn, work).await,
+            )
+            .await
+            .map_err(|e| e.to_string())
+        })
+    }
+
+    fn sweep_inbox(&self, retention: Duration) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
+        Box::pin(inbox::sweep(D::pool(&self.store), retention, 500))
+    }
+
+    fn relay(&self, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Relay {
+        Relay::new(D::pool(&self.store), publisher, config)
+    }
+
+    fn bank(&self, url: &str) -> BoxFuture<'_, Result<Database, sqlx::Error>> {
+        let url = url.to_owned();
+        Box::pin(async move {
+            let store = D::bank_store(&self.store, &url).await?;
+            Ok(Arc::new(Db::<D> { store }) as Database)
+        })
+    }
+}
