@@ -33,6 +33,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 wt_section='## Drive the demo with curl'
+# The file that holds it (shop's README: the front page links there).
+wt_readme=apps/shop/README.md
 # Where cargo (and scripts/test's `cargo test`) puts it.
 wt_shop_bin="${SHOP_BIN:-${CARGO_TARGET_DIR:-target}/debug/shop}"
 
@@ -102,9 +104,9 @@ wt_read_readme() {
       wt_cmd_blocks+=("$wt_blocks")
     fi
     cmd=""
-  done <README.md
+  done <"$wt_readme"
   if [ "$in_section" = 0 ]; then
-    echo "walkthrough: README.md has no section '$wt_section'" >&2
+    echo "walkthrough: $wt_readme has no section '$wt_section'" >&2
     exit 1
   fi
 }
@@ -115,7 +117,7 @@ wt_read_readme() {
 wt_fail() {
   {
     echo
-    echo "walkthrough: FAILED at README.md line $wt_line (block $wt_block, command $wt_step):"
+    echo "walkthrough: FAILED at $wt_readme line $wt_line (block $wt_block, command $wt_step):"
     printf '    %s\n' "$wt_cmd"
     echo "  $*"
     if [ -n "${wt_out:-}" ]; then
@@ -277,7 +279,7 @@ expect 2 '$PAY_ID/events'          'json payment_id "\"$PAY_ID\""; events_once e
 
 wt_read_readme
 if [ "$wt_blocks" != 2 ]; then
-  echo "walkthrough: expected two \`\`\`sh blocks in README.md's '$wt_section', found $wt_blocks" >&2
+  echo "walkthrough: expected two \`\`\`sh blocks in $wt_readme's '$wt_section', found $wt_blocks" >&2
   exit 1
 fi
 
@@ -314,7 +316,7 @@ for _ in $(seq 1 600); do
 done
 [ "$(curl -s -o /dev/null -w '%{http_code}' --max-time 5 "http://${wt_base:-none}/healthz" || true)" = 200 ] ||
   { tail -n 30 "$wt_tmp/shop.log" >&2; echo "walkthrough: shop did not answer within 60 s" >&2; exit 1; }
-echo "walkthrough: shop on http://$wt_base (fresh SQLite database), README.md's '$wt_section'"
+echo "walkthrough: shop on http://$wt_base (fresh SQLite database), $wt_readme's '$wt_section'"
 
 # curl as the README runs it, but with no user ~/.curlrc, no proxy for the
 # shop, and a bound on each request so that a hung shop fails the step
@@ -350,7 +352,7 @@ for wt_i in "${!wt_cmds[@]}"; do
   eval "$wt_run" >"$wt_out" 2>"$wt_out.err"
   set -euo pipefail
   eval "${wt_expect_checks[wt_i]}"
-  printf 'ok  README.md:%-4s %s\n' "$wt_line" "$(printf '%s' "$wt_cmd" | head -n 1)"
+  printf 'ok  %s:%-4s %s\n' "$wt_readme" "$wt_line" "$(printf '%s' "$wt_cmd" | head -n 1)"
 done
 if [ "${#wt_cmds[@]}" -lt "${#wt_expect_pieces[@]}" ]; then
   wt_step=$((${#wt_cmds[@]} + 1)) wt_line="(end)" wt_block="$wt_blocks" wt_cmd="" wt_out=""

@@ -365,11 +365,28 @@ async fn bad_flags_fail_with_a_clear_message() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("retention"), "{err}");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
-        .args(["--database-url", "mysql://x", "--listen", "127.0.0.1:0"])
+        .args(["--database-url", "oracle://x", "--listen", "127.0.0.1:0"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
+    // A mode a database cannot keep is refused at start, not half-kept.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args([
+            "--database-url",
+            "mysql://root@127.0.0.1:3306/test",
+            "--claim-in-transaction",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--claim-in-transaction needs a PostgreSQL"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

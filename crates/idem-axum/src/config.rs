@@ -12,9 +12,6 @@ use crate::scope::ScopeExtractor;
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) store: Arc<dyn Store>,
-    /// The store as its own type, for [`Guarded`](crate::Guarded), when the
-    /// layer was built with `from_store`.
-    pub(crate) typed_store: Option<crate::guarded::LayerStore>,
     pub(crate) policy: Arc<Policy>,
     pub(crate) scope: Arc<dyn ScopeExtractor>,
     pub(crate) methods: Vec<Method>,

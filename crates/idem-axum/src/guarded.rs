@@ -1,28 +1,22 @@
-//! [`Guarded`]: a handler's claim together with the layer's store, and one
-//! call that runs the business transaction and completes the record in it.
+//! [`Guarded`]: a handler's claim together with its store, and one call
+//! that runs the business transaction and completes the record in it.
 
-use std::any::Any;
-use std::sync::Arc;
-
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRef, FromRequestParts};
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
-use idem_core::{BeginTransaction, BoxFuture, OperationId};
+use idem_core::{BeginTransaction, OperationId, StoreError};
 use tracing::{error, warn};
 
 use crate::extract::Idempotency;
 use crate::rejection::IdempotencyRejection;
 
-/// The concrete store the layer was built with
-/// ([`IdempotencyLayer::from_store`](crate::IdempotencyLayer::from_store)),
-/// handed to [`Guarded`] through the request's extensions.
-#[derive(Clone)]
-pub(crate) struct LayerStore(pub(crate) Arc<dyn Any + Send + Sync>);
-
-/// What a guarded handler gets: its claim ([`Idempotency`]) and the store
-/// the layer claimed it in, so the store is named once (in
-/// [`IdempotencyLayer::from_store`](crate::IdempotencyLayer::from_store))
-/// and the record can only be completed where it was claimed.
+/// What a guarded handler gets: its claim ([`Idempotency`]) and the store,
+/// taken from the router's state like axum's `State<S>` (through
+/// [`FromRef`]), so the compiler checks the store's type: a handler asking
+/// for `Guarded<B>` on a router whose state holds an `A` does not compile.
+/// Give the state the store the layer was built on (`from_store(store.clone(),
+/// …)` and `.with_state(store)`); a record completed in another store is
+/// fenced out (`409`), never committed twice.
 ///
 /// [`transaction`](Guarded::transaction) is the whole of a guarded
 /// handler: it begins the transaction, runs your work in it, completes the
@@ -38,28 +32,39 @@ pub(crate) struct LayerStore(pub(crate) Arc<dyn Any + Send + Sync>);
 /// async fn create_order(guard: Guarded<SqliteStore>, body: String) -> Response {
 ///     let operation_id = guard.operation_id().to_string();
 ///     guard
-///         .transaction(|tx| Box::pin(async move {
+///         .transaction(async |tx| {
 ///             sqlx::query("INSERT INTO orders (operation_id, body) VALUES (?1, ?2)")
 ///                 .bind(operation_id)
 ///                 .bind(body)
-///                 .execute(&mut **tx)
-///                 .await?; // a database error: rolled back, 503, the claim released
+///                 .execute(&mut *tx)
+///                 .await?; // unavailable: rolled back, 503, the claim released
 ///             Ok((StatusCode::CREATED, "created"))
-///         }))
+///         })
 ///         .await
 /// }
 ///
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = SqliteStore::connect("sqlite:app.db").await?;
-/// let layer = IdempotencyLayer::from_store(store, Policy::default(), SingleScope("app".into()));
-/// let app: Router = Router::new().route("/orders", post(create_order).route_layer(layer));
+/// let layer = IdempotencyLayer::from_store(store.clone(), Policy::default(), SingleScope("app".into()));
+/// let app: Router = Router::new()
+///     .route("/orders", post(create_order).route_layer(layer))
+///     .with_state(store);
 /// # Ok(()) }
 /// ```
 ///
+/// Asking for a store the router's state does not hold does not compile:
+///
+/// ```compile_fail
+/// # use axum::{response::Response, routing::post, Router};
+/// # use idem_axum::Guarded;
+/// async fn pay(guard: Guarded<idem_postgres::PostgresStore>) -> Response { todo!() }
+/// # fn f(store: idem_sqlite::SqliteStore) {
+/// let app: Router = Router::new().route("/pay", post(pay)).with_state(store); // SqliteStore
+/// # }
+/// ```
+///
 /// Extracting it is a `500` (`idempotency-layer-missing`) on a route the
-/// layer does not guard, or whose layer was built with another store type
-/// (or with [`IdempotencyLayer::new`](crate::IdempotencyLayer::new), which
-/// knows its store only as `dyn Store`). Under
+/// layer does not guard. Under
 /// [`claim_in_transaction`](crate::IdempotencyLayer::claim_in_transaction),
 /// use [`DeferredClaim`](crate::DeferredClaim) instead.
 #[derive(Debug, Clone)]
@@ -69,13 +74,21 @@ pub struct Guarded<S> {
 }
 
 /// What a guarded transaction's work returns instead of its answer: the
-/// transaction is rolled back and this is the answer.
+/// transaction is rolled back and this is the answer. Every way to make
+/// one names the answer:
 ///
-/// Any error converts with `?` (a database error, say), and answers `503`
-/// (`store-unavailable`, with `Retry-After`): nothing committed, the layer
-/// releases the claim, and a retry with the same key runs afresh. For an
-/// answer of your own (a `4xx` the business refuses with, stored and
-/// replayed like any `4xx`), use [`HandlerError::answer`].
+/// - [`HandlerError::answer`]: an answer of your own (a `4xx` the business
+///   refuses with, stored and replayed like any `4xx`);
+/// - [`HandlerError::unavailable`]: `503` (`store-unavailable`, with
+///   `Retry-After`): nothing committed, the layer releases the claim, and a
+///   retry with the same key runs afresh;
+/// - [`HandlerError::failed`]: `500` (`handler-failed`), logged: a bug;
+///   the claim is released too;
+/// - `?` on a [`sqlx::Error`] (feature `sqlx`, on by default): `503` when a
+///   retry may get past it (the database unreachable, a deadlock, a
+///   serialization failure; see `idem_sql::ErrorClass`), `500` for
+///   anything else (a constraint, a syntax error), never a blanket `503`;
+/// - `?` on a [`StoreError`]: `503` when unavailable, `500` otherwise.
 pub struct HandlerError {
     response: Response,
 }
@@ -102,12 +115,40 @@ impl HandlerError {
         }
         Self { response }
     }
+
+    /// Rolls back and answers `503` with `Retry-After`: what stopped the
+    /// work may pass (the database was unreachable); the claim is released.
+    pub fn unavailable(cause: impl std::fmt::Display) -> Self {
+        warn!(error = %cause, "the guarded transaction could not finish; rolled back, 503");
+        Self::answer(IdempotencyRejection::StoreUnavailable)
+    }
+
+    /// Rolls back and answers `500` (`handler-failed`), logging `cause`: a
+    /// failure a retry will not mend. The claim is released.
+    pub fn failed(cause: impl std::fmt::Display) -> Self {
+        error!(error = %cause, "the guarded transaction failed; rolled back, 500");
+        Self::answer(IdempotencyRejection::HandlerFailed)
+    }
 }
 
-impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
-    fn from(e: E) -> Self {
-        warn!(error = %e, "the guarded transaction failed; rolled back");
-        Self::answer(IdempotencyRejection::StoreUnavailable)
+impl From<StoreError> for HandlerError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Unavailable(_) => Self::unavailable(e),
+            other => Self::failed(other),
+        }
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl From<sqlx::Error> for HandlerError {
+    /// `503` when a retry may get past it, `500` otherwise.
+    fn from(e: sqlx::Error) -> Self {
+        if idem_sql::classify(&e).is_retryable() {
+            Self::unavailable(e)
+        } else {
+            Self::failed(e)
+        }
     }
 }
 
@@ -141,11 +182,14 @@ impl<S> Guarded<S> {
     /// - Beginning or committing fails: `503`, and the claim is released.
     ///
     /// Every way out ends the transaction explicitly before answering.
+    ///
+    /// `work` is an async closure given the transaction's connection:
+    /// `guard.transaction(async |tx| { … .execute(&mut *tx) … })`.
     pub async fn transaction<R, F>(&self, work: F) -> Response
     where
         S: BeginTransaction + Send + Sync,
-        R: IntoResponse + Send,
-        F: for<'t> FnOnce(&'t mut S::Transaction) -> BoxFuture<'t, Result<R, HandlerError>> + Send,
+        R: IntoResponse,
+        F: AsyncFnOnce(&mut S::Connection) -> Result<R, HandlerError>,
     {
         let mut tx = match self.store.begin_transaction().await {
             Ok(tx) => tx,
@@ -154,7 +198,7 @@ impl<S> Guarded<S> {
                 return IdempotencyRejection::StoreUnavailable.into_response();
             }
         };
-        let response = match work(&mut tx).await {
+        let response = match work(S::connection(&mut tx)).await {
             Ok(answer) => answer.into_response(),
             Err(e) => return rolled_back::<S>(tx, e.response).await,
         };
@@ -191,29 +235,20 @@ async fn rolled_back<S: BeginTransaction>(tx: S::Transaction, response: Response
 
 impl<S, State> FromRequestParts<State> for Guarded<S>
 where
-    S: Clone + Send + Sync + 'static,
+    S: FromRef<State> + Send + Sync + 'static,
     State: Send + Sync,
 {
     type Rejection = IdempotencyRejection;
 
-    async fn from_request_parts(parts: &mut Parts, _: &State) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(parts: &mut Parts, state: &State) -> Result<Self, Self::Rejection> {
         let idempotency = parts
             .extensions
             .get::<Idempotency>()
             .cloned()
             .ok_or(IdempotencyRejection::LayerMissing)?;
-        let store = parts
-            .extensions
-            .get::<LayerStore>()
-            .and_then(|s| s.0.downcast_ref::<S>())
-            .cloned()
-            .ok_or_else(|| {
-                error!(
-                    wanted = std::any::type_name::<S>(),
-                    "Guarded: the layer's store is not of this type; build the layer with IdempotencyLayer::from_store"
-                );
-                IdempotencyRejection::LayerMissing
-            })?;
-        Ok(Self { idempotency, store })
+        Ok(Self {
+            idempotency,
+            store: S::from_ref(state),
+        })
     }
 }

@@ -90,15 +90,6 @@ where
     claimed(&claim, false);
     let handle = Idempotency::new(claim.clone(), config.policy.clone());
     parts.extensions.insert(handle.clone());
-    // The store of the layer that claimed, never an outer layer's.
-    match &config.typed_store {
-        Some(store) => {
-            parts.extensions.insert(store.clone());
-        }
-        None => {
-            parts.extensions.remove::<crate::guarded::LayerStore>();
-        }
-    }
     // The handler runs on a task of its own: a client that disconnects (or
     // times out) does not cancel it half-way, so its answer is stored and
     // the client's retry gets the replay. If the task itself is dropped or

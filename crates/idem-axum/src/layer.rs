@@ -12,7 +12,7 @@ use crate::scope::ScopeExtractor;
 use crate::service::IdempotencyService;
 
 /// A tower [`Layer`] that makes `POST` and `PATCH` requests idempotent; see
-/// the [crate docs](crate) for the contract it implements.
+/// the crate-level docs for the contract it implements.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -36,7 +36,6 @@ impl IdempotencyLayer {
         Self {
             config: Arc::new(Config {
                 store,
-                typed_store: None,
                 policy: Arc::new(policy),
                 scope: Arc::new(scope),
                 methods: vec![Method::POST, Method::PATCH],
@@ -45,10 +44,10 @@ impl IdempotencyLayer {
         }
     }
 
-    /// A layer over `store`, like [`new`](Self::new), that also hands the
-    /// store, as its own type, to [`Guarded<S>`](crate::Guarded) handlers:
-    /// the store is named once, and a handler completes its record in the
-    /// store that claimed it.
+    /// A layer over `store`, like [`new`](Self::new), for a store of a
+    /// type of its own: give the router's state the same store, for
+    /// [`Guarded<S>`](crate::Guarded) handlers to complete their records
+    /// in (the compiler checks its type).
     ///
     /// ```
     /// use axum::{routing::post, Router};
@@ -64,10 +63,7 @@ impl IdempotencyLayer {
     where
         S: Store + Clone + 'static,
     {
-        let mut layer = Self::new(Arc::new(store.clone()), policy, scope);
-        Arc::make_mut(&mut layer.config).typed_store =
-            Some(crate::guarded::LayerStore(Arc::new(store)));
-        layer
+        Self::new(Arc::new(store), policy, scope)
     }
 
     /// Replaces the set of guarded methods (default `POST` and `PATCH`).

@@ -24,32 +24,30 @@ use tower::ServiceExt;
 async fn sqlite_handler(guard: Guarded<SqliteStore>, body: String) -> Response {
     let operation_id = guard.operation_id().to_string();
     guard
-        .transaction(|tx| {
-            Box::pin(async move {
-                sqlx::query("INSERT INTO effects (operation_id, body) VALUES (?1, ?2)")
-                    .bind(operation_id)
-                    .bind(&body)
-                    .execute(&mut **tx)
-                    .await?;
-                match body.as_str() {
-                    "broken" => {
-                        sqlx::query("INSERT INTO no_such_table VALUES (1)")
-                            .execute(&mut **tx)
-                            .await?;
-                    }
-                    "refused" => {
-                        return Err(HandlerError::answer((
-                            StatusCode::UNPROCESSABLE_ENTITY,
-                            "insufficient funds",
-                        )))
-                    }
-                    "crashing" => {
-                        return Ok((StatusCode::BAD_GATEWAY, "downstream failed".to_owned()))
-                    }
-                    _ => {}
+        .transaction(async |tx| {
+            sqlx::query("INSERT INTO effects (operation_id, body) VALUES (?1, ?2)")
+                .bind(operation_id)
+                .bind(&body)
+                .execute(&mut *tx)
+                .await?;
+            match body.as_str() {
+                // A bug: a statement a retry cannot mend.
+                "broken" => {
+                    sqlx::query("INSERT INTO no_such_table VALUES (1)")
+                        .execute(&mut *tx)
+                        .await?;
                 }
-                Ok((StatusCode::CREATED, body))
-            })
+                "busy" => return Err(HandlerError::unavailable("the ledger is busy")),
+                "refused" => {
+                    return Err(HandlerError::answer((
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "insufficient funds",
+                    )))
+                }
+                "crashing" => return Ok((StatusCode::BAD_GATEWAY, "downstream failed".to_owned())),
+                _ => {}
+            }
+            Ok((StatusCode::CREATED, body))
         })
         .await
 }
@@ -86,7 +84,9 @@ async fn on_sqlite_every_way_out_ends_the_transaction() {
         .unwrap();
     let layer =
         IdempotencyLayer::from_store(store.clone(), Policy::default(), SingleScope("t".into()));
-    let app = Router::new().route("/orders", post(sqlite_handler).route_layer(layer));
+    let app = Router::new()
+        .route("/orders", post(sqlite_handler).route_layer(layer))
+        .with_state(store.clone());
     let count = |body: &'static str| {
         let pool = store.pool().clone();
         async move {
@@ -114,16 +114,22 @@ async fn on_sqlite_every_way_out_ends_the_transaction() {
         "completed in the transaction"
     );
 
-    // A database error in the work: rolled back, 503, the claim released.
+    // A bug in the work (a statement no retry mends): rolled back, 500,
+    // never a 503 that invites retries; the claim released.
     let (status, _, _) = send(&app, "k2", "broken").await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(count("broken").await, 0, "rolled back");
     let (status, replayed, _) = send(&app, "k2", "broken").await;
     assert_eq!(
         (status, replayed),
-        (StatusCode::SERVICE_UNAVAILABLE, false),
+        (StatusCode::INTERNAL_SERVER_ERROR, false),
         "released: the retry ran afresh"
     );
+    // Unavailable, by the work's own word: 503, released.
+    let (status, _, _) = send(&app, "k5", "busy").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(count("busy").await, 0, "rolled back");
+    assert!(!send(&app, "k5", "busy").await.1, "released");
 
     // The business refuses: rolled back, and the 4xx is stored and replayed.
     assert_eq!(
@@ -164,12 +170,13 @@ async fn on_sqlite_every_way_out_ends_the_transaction() {
 }
 
 #[tokio::test]
-async fn a_layer_that_knows_its_store_only_as_dyn_store_is_a_500_that_says_so() {
+async fn a_route_the_layer_does_not_guard_is_a_500_that_says_so() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("g.db").display());
     let store = SqliteStore::connect(&url).await.unwrap();
-    let layer = IdempotencyLayer::new(Arc::new(store), Policy::default(), SingleScope("t".into()));
-    let app = Router::new().route("/orders", post(sqlite_handler).route_layer(layer));
+    let app = Router::new()
+        .route("/orders", post(sqlite_handler))
+        .with_state(store);
     let response = app
         .oneshot(
             Request::post("/orders")
@@ -191,6 +198,25 @@ async fn a_layer_that_knows_its_store_only_as_dyn_store_is_a_500_that_says_so() 
 #[derive(Clone)]
 struct Gate(Arc<Notify>);
 
+/// The router's state: the store and the gate, each extracted by type.
+#[derive(Clone)]
+struct PgState {
+    store: PostgresStore,
+    gate: Gate,
+}
+
+impl axum::extract::FromRef<PgState> for PostgresStore {
+    fn from_ref(s: &PgState) -> Self {
+        s.store.clone()
+    }
+}
+
+impl axum::extract::FromRef<PgState> for Gate {
+    fn from_ref(s: &PgState) -> Self {
+        s.gate.clone()
+    }
+}
+
 async fn postgres_handler(
     guard: Guarded<PostgresStore>,
     axum::extract::State(gate): axum::extract::State<Gate>,
@@ -200,18 +226,16 @@ async fn postgres_handler(
     let token = guard.idempotency().token().0;
     let wait = headers.contains_key("x-wait");
     guard
-        .transaction(|tx| {
-            Box::pin(async move {
-                if wait {
-                    gate.0.notified().await;
-                }
-                sqlx::query("INSERT INTO effects (operation_id, token) VALUES ($1, $2)")
-                    .bind(operation_id)
-                    .bind(token)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok((StatusCode::CREATED, format!("token {token}")))
-            })
+        .transaction(async |tx| {
+            if wait {
+                gate.0.notified().await;
+            }
+            sqlx::query("INSERT INTO effects (operation_id, token) VALUES ($1, $2)")
+                .bind(operation_id)
+                .bind(token)
+                .execute(&mut *tx)
+                .await?;
+            Ok((StatusCode::CREATED, format!("token {token}")))
         })
         .await
 }
@@ -232,7 +256,10 @@ async fn on_postgres_a_stalled_attempt_taken_over_commits_nothing() {
     let layer = IdempotencyLayer::from_store(store.clone(), policy, SingleScope("t".into()));
     let app = Router::new()
         .route("/pay", post(postgres_handler).route_layer(layer))
-        .with_state(gate.clone());
+        .with_state(PgState {
+            store: store.clone(),
+            gate: gate.clone(),
+        });
     let request = |wait: bool| {
         let mut r = Request::post("/pay").header("idempotency-key", "k");
         if wait {
@@ -291,7 +318,9 @@ async fn answers_the_policy_does_not_store_are_rolled_back_and_released() {
         .build()
         .unwrap();
     let layer = IdempotencyLayer::from_store(store.clone(), policy, SingleScope("t".into()));
-    let app = Router::new().route("/orders", post(sqlite_handler).route_layer(layer));
+    let app = Router::new()
+        .route("/orders", post(sqlite_handler).route_layer(layer))
+        .with_state(store.clone());
     for _ in 0..2 {
         let (status, replayed, _) = send(&app, "k1", "refused").await;
         assert_eq!(

@@ -34,7 +34,7 @@ use idem_core::{
 
 type Records = HashMap<(String, String), Record>;
 
-/// An in-memory store; see the [crate docs](crate).
+/// An in-memory store; see the crate-level docs.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     records: Mutex<Records>,

@@ -60,7 +60,7 @@ pub use idem_sql::dialect::{
 };
 pub use idem_sql::{is_unavailable, store_error, MySql, TableName};
 
-/// The MySQL / MariaDB store; see the [crate docs](crate).
+/// The MySQL / MariaDB store; see the crate-level docs.
 pub type MySqlStore = idem_sql::SqlStore<MySql>;
 
 /// Applies idem's migrations of the records' table to `table` on `pool`

@@ -144,7 +144,7 @@ impl StreamSpec {
     }
 }
 
-/// Publishes outbox messages to JetStream; see the [crate docs](crate).
+/// Publishes outbox messages to JetStream; see the crate-level docs.
 #[derive(Debug, Clone)]
 pub struct NatsPublisher {
     js: jetstream::Context,
@@ -237,7 +237,7 @@ pub struct Incoming {
     pub headers: Vec<(String, String)>,
 }
 
-/// A durable pull consumer; see the [crate docs](crate).
+/// A durable pull consumer; see the crate-level docs.
 #[derive(Debug)]
 pub struct NatsConsumer {
     js: jetstream::Context,

@@ -73,6 +73,7 @@ pub trait OutboxDialect: Dialect + sealed::Sealed {
     }
 }
 
+#[allow(unused_macros)] // without a database feature
 macro_rules! claimable {
     ($clock:literal, $columns:literal) => {
         concat!(

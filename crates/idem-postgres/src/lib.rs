@@ -136,7 +136,7 @@ pub const MIGRATIONS: &[Migration] = &[Migration {
 /// never a hang.
 pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// The PostgreSQL store; see the [crate docs](crate).
+/// The PostgreSQL store; see the crate-level docs.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,

@@ -114,7 +114,7 @@ impl QueueSpec {
     }
 }
 
-/// Publishes outbox messages with publisher confirms; see the [crate docs](crate).
+/// Publishes outbox messages with publisher confirms; see the crate-level docs.
 #[derive(Debug)]
 pub struct RabbitPublisher {
     _connection: Connection,
@@ -257,7 +257,7 @@ pub struct Incoming {
     pub headers: Vec<(String, String)>,
 }
 
-/// Consumes a queue with manual acks; see the [crate docs](crate).
+/// Consumes a queue with manual acks; see the crate-level docs.
 #[derive(Debug)]
 pub struct RabbitConsumer {
     _connection: Connection,

@@ -60,7 +60,7 @@ pub use tier::TieredStore;
 use conn::Conn;
 use decode::{bytes_of, decode, number, parse_op, text};
 
-/// The Redis store; see the [crate docs](crate).
+/// The Redis store; see the crate-level docs.
 #[derive(Clone)]
 pub struct RedisStore {
     conn: Conn,

@@ -14,7 +14,7 @@ use crate::RedisStore;
 /// How long Redis is bypassed after it failed, before it is tried again.
 const BACKOFF: Duration = Duration::from_secs(1);
 
-/// Redis in front of a SQL store `S`; see the [crate docs](crate).
+/// Redis in front of a SQL store `S`; see the crate-level docs.
 ///
 /// - Replays of completed records and collisions with in-flight ones are
 ///   answered from Redis, without touching `S`, while Redis holds them.

@@ -39,7 +39,7 @@ pub use idem_sql::dialect::{
 };
 pub use idem_sql::{is_unavailable, store_error, Sqlite, TableName};
 
-/// The SQLite store; see the [crate docs](crate).
+/// The SQLite store; see the crate-level docs.
 pub type SqliteStore = idem_sql::SqlStore<Sqlite>;
 
 /// Applies idem's migrations of the records' table on `pool` (see

@@ -17,9 +17,17 @@ type Store = Arc<TieredStore<PostgresStore>>;
 
 #[derive(Clone)]
 struct Tables {
+    store: Store,
     outbox: OutboxTable,
     orders: String,
     subject: String,
+}
+
+/// `Guarded<Store>` takes the store from the state (the compiler checks its type).
+impl axum::extract::FromRef<Tables> for Store {
+    fn from_ref(t: &Tables) -> Store {
+        t.store.clone()
+    }
 }
 
 async fn create_order(
@@ -29,21 +37,19 @@ async fn create_order(
 ) -> Response {
     let id = guard.operation_id().to_string();
     guard
-        .transaction(|tx| {
-            Box::pin(async move {
-                sqlx::query(&format!(
-                    "INSERT INTO {} (id, body) VALUES ($1, $2)",
-                    t.orders
-                ))
-                .bind(&id)
-                .bind(&body)
-                .execute(&mut **tx)
-                .await?;
-                // The event commits with the order, or neither does.
-                let event = OutgoingMessage::new(format!("order-{id}"), t.subject, body);
-                t.outbox.enqueue(&mut **tx, &event).await?;
-                Ok((StatusCode::CREATED, id))
-            })
+        .transaction(async |tx| {
+            sqlx::query(&format!(
+                "INSERT INTO {} (id, body) VALUES ($1, $2)",
+                t.orders
+            ))
+            .bind(&id)
+            .bind(&body)
+            .execute(&mut *tx)
+            .await?;
+            // The event commits with the order, or neither does.
+            let event = OutgoingMessage::new(format!("order-{id}"), t.subject, body);
+            t.outbox.enqueue(tx, &event).await?;
+            Ok((StatusCode::CREATED, id))
         })
         .await
 }
@@ -118,11 +124,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         stopped,
     ));
 
-    // The HTTP service: the store is named once, in the layer.
-    let layer = IdempotencyLayer::from_store(store, Policy::default(), SingleScope("walk".into()));
+    // The HTTP service: the layer claims in the store, handlers complete in it.
+    let layer =
+        IdempotencyLayer::from_store(store.clone(), Policy::default(), SingleScope("walk".into()));
     let app = Router::new()
         .route("/orders", post(create_order).route_layer(layer))
         .with_state(Tables {
+            store,
             outbox,
             orders,
             subject: spec.subject().to_owned(),

@@ -17,15 +17,15 @@
 //! async fn create_order(guard: Guarded<SqliteStore>, body: String) -> Response {
 //!     let operation_id = guard.operation_id().to_string();
 //!     guard
-//!         .transaction(|tx| Box::pin(async move {
+//!         .transaction(async |tx| {
 //!             sqlx::query("INSERT INTO orders (operation_id, body) VALUES (?1, ?2)")
 //!                 .bind(operation_id)
 //!                 .bind(body)
-//!                 .execute(&mut **tx)
-//!                 .await?; // an error rolls back and answers 503; the claim is released
+//!                 .execute(&mut *tx)
+//!                 .await?; // rolls back: 503 if the database is unavailable, 500 for a bug
 //!             // Fenced by this attempt's token: if a retry took over, nothing commits.
 //!             Ok((StatusCode::CREATED, "order created"))
-//!         }))
+//!         })
 //!         .await
 //! }
 //!
@@ -34,7 +34,9 @@
 //! sqlx::query("CREATE TABLE orders (operation_id TEXT UNIQUE, body TEXT)").execute(store.pool()).await?;
 //!
 //! let layer = IdempotencyLayer::from_store(store.clone(), Policy::default(), SingleScope("shop".into()));
-//! let app = Router::new().route("/orders", post(create_order).route_layer(layer));
+//! let app = Router::new()
+//!     .route("/orders", post(create_order).route_layer(layer))
+//!     .with_state(store.clone()); // where Guarded<SqliteStore> finds its store
 //!
 //! let order = || ::axum::http::Request::post("/orders")
 //!     .header("idempotency-key", "c0ffee-1")
@@ -56,7 +58,7 @@
 //! |---|---|
 //! | [the HTTP contract](guide::contract) | every answer, every problem type, which `4xx` are stored; the five guards and which fits where |
 //! | [guarantees and their limits](guide::guarantees) | what holds in each mode, and what idem does not do |
-//! | [PostgreSQL](guide::postgres) | records shared by every instance; SQLite or PostgreSQL; a claim held by your transaction |
+//! | [databases](guide::postgres) | SQLite, PostgreSQL or MySQL/MariaDB; records shared by every instance; a claim held by your transaction |
 //! | [Redis](guide::redis) | the fast tier in front of SQL, the in-process cache, Redis alone |
 //! | [messages](guide::messages) | the transactional outbox, its relay, the inbox; a whole service with NATS |
 //! | [the client](guide::client) | one key per intent, safe retries |
@@ -71,9 +73,10 @@
 //! | [`cache`](cache/index.html) | `idem-cache` | the in-process replay tier in front of any store (feature `cache`) |
 //! | [`sqlite`](sqlite/index.html) | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
 //! | [`postgres`](postgres/index.html) | `idem-postgres` | the PostgreSQL store (feature `postgres`) |
+//! | [`mysql`](mysql/index.html) | `idem-mysql` | the MySQL / MariaDB store (feature `mysql`) |
 //! | [`axum`](axum/index.html) | `idem-axum` | the tower layer, axum extractor, `ETag` / `If-Match` (feature `axum`) |
 //! | [`redis`](redis/index.html) | `idem-redis` | the Redis store and `TieredStore` (feature `redis`) |
-//! | [`sql`](sql/index.html) | `idem-sql` | `create_once`, guarded `transition` (feature `sql`) |
+//! | [`sql`](sql/index.html) | `idem-sql` | the database layer (the `Dialect` trait), `create_once`, guarded `transition` (feature `sql`) |
 //! | [`client`](client/index.html) | `idem-client` | the reqwest retry middleware (feature `client`) |
 //! | [`outbox`](outbox/index.html) | `idem-outbox` | the transactional outbox, its relay, idempotent consumers (feature `outbox`) |
 //! | [`nats`](nats/index.html) | `idem-nats` | the outbox's publisher and consumers over NATS JetStream (feature `nats`) |
@@ -113,6 +116,20 @@ pub mod guide {
         ),
         doc = include_str!("../guide/messages.md")
     )]
+    #[cfg_attr(
+        not(any(
+            doc,
+            all(
+                feature = "axum",
+                feature = "postgres",
+                feature = "redis",
+                feature = "nats",
+                feature = "client"
+            )
+        )),
+        doc = "The messages guide: the outbox, its relay and the inbox (its whole \
+               program builds with the features axum, postgres, redis, nats and client)."
+    )]
     pub mod messages {}
     #[doc = include_str!("../guide/client.md")]
     pub mod client {}
@@ -133,7 +150,7 @@ pub mod cache {
 
 /// The embedded SQLite store: the quick start above; guarantees in the
 /// [guarantees guide](crate::guide::guarantees), and when to move to
-/// PostgreSQL in the [PostgreSQL guide](crate::guide::postgres).
+/// PostgreSQL or MySQL in the [databases guide](crate::guide::postgres).
 #[cfg(feature = "sqlite")]
 pub mod sqlite {
     pub use idem_sqlite::*;
@@ -141,10 +158,17 @@ pub mod sqlite {
 
 /// The PostgreSQL store: records shared by every instance, and a claim
 /// held by the business transaction. See the
-/// [PostgreSQL guide](crate::guide::postgres).
+/// [databases guide](crate::guide::postgres).
 #[cfg(feature = "postgres")]
 pub mod postgres {
     pub use idem_postgres::*;
+}
+
+/// The MySQL / MariaDB store: records shared by every instance, committed
+/// with the business write. See the [databases guide](crate::guide::postgres).
+#[cfg(feature = "mysql")]
+pub mod mysql {
+    pub use idem_mysql::*;
 }
 
 /// Redis: a store of its own, and the tier in front of SQL. See the
@@ -173,16 +197,23 @@ pub mod client {
 #[cfg(any(
     feature = "sqlite",
     feature = "postgres",
+    feature = "mysql",
     feature = "sql",
     feature = "outbox"
 ))]
 pub use sqlx;
 
-/// The transactional outbox, its relay, and idempotent consumers (inbox).
+/// The transactional outbox, its relay, and idempotent consumers (inbox):
+/// the outbox's names here (`idem::outbox::migrate`, `enqueue`, `Relay`),
+/// the inbox's under [`inbox`](idem_outbox::inbox) (`idem::outbox::inbox::process`).
 /// See the [messages guide](crate::guide::messages), with a whole service.
 #[cfg(feature = "outbox")]
 pub mod outbox {
-    pub use idem_outbox::*;
+    pub use idem_outbox::outbox::*;
+    pub use idem_outbox::{
+        consumer, inbox, transport, Consumer, Delivery, Handled, InboxError, InboxTable,
+        OutboxDialect, RelayErrorKind,
+    };
 }
 
 /// The outbox over NATS JetStream; see the

@@ -2,7 +2,7 @@
 //! and `GET /payments/{id}/events`, what was processed for a payment.
 //!
 //! Providers send no `Idempotency-Key` and no bearer token: the event id is
-//! the key. The event row is created with [`create_once`] in the same
+//! the key. The event row is created with [`create_once`](crate::db::create_once) in the same
 //! transaction as its effect, so a delivery repeated any number of times
 //! acts once and answers `200` every time.
 //!

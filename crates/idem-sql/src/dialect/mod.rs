@@ -210,6 +210,7 @@ pub(crate) fn classify_io(e: &sqlx::Error) -> ErrorClass {
 
 /// Ends a migration's transaction: commits what `staged` applied, or rolls
 /// it back and returns the error.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) async fn finish_migration<DB: sqlx::Database>(
     tx: sqlx::Transaction<'static, DB>,
     staged: Result<(), MigrateError>,
