@@ -12,6 +12,11 @@ pub(crate) struct Config {
     /// Address to listen on (port 0 picks a free one).
     #[arg(long, env = "SHOP_LISTEN", default_value = "127.0.0.1:8080")]
     pub(crate) listen: String,
+    /// Where clients reach this service (`https://api.example.com`): the
+    /// base of every problem `type`, `<public-url>/problems#<slug>`, a page
+    /// this service serves. Default: `http://` and the address it listens on.
+    #[arg(long, env = "SHOP_PUBLIC_URL")]
+    pub(crate) public_url: Option<String>,
 
     /// Database URL: `sqlite:FILE` (created if missing), `postgres://…` or
     /// `mysql://…` (MySQL 8 or MariaDB 10.6+).

@@ -153,6 +153,16 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     let addr = listener.local_addr()?;
+    // Every problem's `type` names a section of this service's own page.
+    let public = config
+        .public_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{addr}"));
+    idem_axum::problem::set_problem_type_base(format!(
+        "{}/problems#",
+        public.trim_end_matches('/')
+    ))
+    .map_err(|e| format!("--public-url: {e}"))?;
     info!(%addr, database = kind, "shop is ready");
     // Tests and scripts read this line to learn the port (with --listen …:0).
     println!("shop listening on http://{addr}");

@@ -335,6 +335,29 @@ async fn every_error_is_problem_json(db: Db) {
     );
     let bad_path = read(client.get(shop.url("/products/%FF"))).await;
     assert_problem(&bad_path, 400);
+    // Every problem's type is a section of the service's own page, shop's
+    // types and idem's alike: `<shop>/problems#<slug>`, an anchor it serves.
+    let page = client
+        .get(shop.url("/problems"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let missing_key = read(
+        as_client(&client, "alice", reqwest::Method::POST, shop.url("/payments"))
+            .header("content-type", "application/json")
+            .body(BODY),
+    )
+    .await;
+    for answer in [&wrong_method, &bad_path, &missing_key] {
+        let kind = answer.problem_type();
+        let slug = kind
+            .strip_prefix(&format!("{}/problems#", shop.base))
+            .unwrap_or_else(|| panic!("{kind} is not a section of {}/problems", shop.base));
+        assert!(page.contains(&format!("id=\"{slug}\"")), "no anchor {slug}");
+    }
     // (Last: the server may close this connection rather than read the rest.)
     let too_large = read(
         as_client(&client, "alice", reqwest::Method::POST, shop.url("/orders"))

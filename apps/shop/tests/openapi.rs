@@ -15,6 +15,7 @@ const ROUTES: &[(&str, &str)] = &[
     ("get", "/healthz"),
     ("get", "/metrics"),
     ("get", "/openapi.json"),
+    ("get", "/problems"),
     ("post", "/payments"),
     ("post", "/bare/payments"),
     ("get", "/payments/{id}"),

@@ -164,7 +164,13 @@ impl<S> Guarded<S> {
         self.idempotency.operation_id()
     }
 
-    /// The store the layer claimed in.
+    /// The scope (tenant, client) the key belongs to, as the layer's scope
+    /// extractor found it.
+    pub fn scope(&self) -> &str {
+        self.idempotency.scope()
+    }
+
+    /// The store, from the router's state.
     pub fn store(&self) -> &S {
         &self.store
     }

@@ -102,5 +102,5 @@ pub use problem::Problem;
 pub use rejection::IdempotencyRejection;
 pub use rejection::IDEMPOTENCY_REJECTION;
 pub use request::IDEMPOTENCY_KEY;
-pub use scope::{HeaderScope, ScopeExtractor, SingleScope};
+pub use scope::{scope_missing, HeaderScope, ScopeExtractor, SingleScope};
 pub use service::{IdempotencyService, ResponseFuture};

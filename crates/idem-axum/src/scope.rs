@@ -40,6 +40,38 @@ where
     }
 }
 
+/// The answer for a request whose scope cannot be found: `401`
+/// problem+json of idem's own type `scope-missing`, saying `detail`. For a
+/// scope function of yours to refuse the way [`HeaderScope`] does:
+///
+/// ```
+/// use http::request::Parts;
+///
+/// let by_token = |parts: &Parts| {
+///     parts.headers.get("authorization")
+///         .and_then(|v| v.to_str().ok())
+///         .and_then(|v| v.strip_prefix("Bearer "))
+///         .map(str::to_owned)
+///         .ok_or_else(|| idem_axum::scope_missing("send Authorization: Bearer <token>"))
+/// };
+/// let (parts, _) = http::Request::get("/").body(()).unwrap().into_parts();
+/// let refused = by_token(&parts).unwrap_err();
+/// assert_eq!(refused.status(), 401);
+/// assert_eq!(refused.headers()["content-type"], "application/problem+json");
+/// # fn check(_: impl idem_axum::ScopeExtractor) {}
+/// # check(by_token);
+/// ```
+pub fn scope_missing(detail: impl Into<String>) -> Response {
+    axum::response::IntoResponse::into_response(
+        crate::Problem::new(
+            http::StatusCode::UNAUTHORIZED,
+            "scope-missing",
+            "The request does not say which client it is",
+        )
+        .detail(detail.into()),
+    )
+}
+
 /// One scope for every request: for services with a single client, or whose
 /// keys are globally unique by construction. Choosing it is explicit, so a
 /// shared scope is never an accident.
@@ -95,17 +127,10 @@ impl ScopeExtractor for HeaderScope {
             .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_graphic()))
             .map(str::to_owned)
             .ok_or_else(|| {
-                axum::response::IntoResponse::into_response(
-                    crate::Problem::new(
-                        http::StatusCode::UNAUTHORIZED,
-                        "scope-missing",
-                        "The request does not say which client it is",
-                    )
-                    .detail(format!(
-                        "the {} header (set by authentication) is missing or invalid",
-                        self.0
-                    )),
-                )
+                scope_missing(format!(
+                    "the {} header (set by authentication) is missing or invalid",
+                    self.0
+                ))
             })
     }
 }

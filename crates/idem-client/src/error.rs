@@ -79,7 +79,9 @@ impl fmt::Display for StopReason {
         f.write_str(match self {
             Self::AttemptsExhausted => "attempts exhausted",
             Self::BudgetExhausted => "time budget spent",
-            Self::RetryAfterBeyondBudget => "Retry-After beyond the time budget",
+            Self::RetryAfterBeyondBudget => {
+                "time budget spent: the server's Retry-After would end past it"
+            }
             Self::NotRetryable => "not retryable",
             Self::BodyNotCloneable => "streamed body, sent once",
             Self::InvalidKey => "invalid Idempotency-Key, nothing sent",

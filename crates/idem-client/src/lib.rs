@@ -15,7 +15,7 @@
 //! #     format!("http://{}/payments", l.local_addr()?)
 //! # };
 //! let client = ClientBuilder::new(reqwest::Client::new())
-//!     // `IdempotentRetry::default()` keeps trying for 10 s; this gives up sooner
+//!     // `IdempotentRetry::default()` keeps trying for 35 s; this gives up sooner
 //!     .with(IdempotentRetry::builder().max_elapsed(Duration::from_millis(300)).build())
 //!     .build();
 //! let sent = client
@@ -61,15 +61,16 @@
 //!
 //! # How long
 //!
-//! The defaults ([`IdempotentRetry::default`]) keep trying for **10 s**
-//! (at most 40 attempts), so a server restarting or a load balancer
-//! failing over within that is ridden out:
+//! The defaults ([`IdempotentRetry::default`]) keep trying for **35 s**
+//! (at most 100 attempts): longer than idem's default lease (30 s), so a
+//! key whose holder crashed is taken over within the budget, and a server
+//! restarting or a load balancer failing over within it is ridden out:
 //!
 //! - between attempts, exponential backoff with decorrelated jitter: each
 //!   wait drawn from `[100 ms, 3 × the previous wait]`, never over **2 s**;
 //! - on `409`, `429` and `503`, the server's `Retry-After` (seconds or an
 //!   HTTP-date) instead, cut to at most **5 s** (and at least the base
-//!   delay); if that wait would end after the 10 s budget, the middleware
+//!   delay); if that wait would end after the 35 s budget, the middleware
 //!   gives up at once rather than retry before the server asked;
 //! - a backoff wait is shortened to end with the budget, so the last
 //!   attempt starts at the latest as the budget ends, and no sleep runs past
@@ -90,14 +91,13 @@
 //!
 //! Requests whose body cannot be cloned (streams) are sent once.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
-use http::{Extensions, HeaderName, HeaderValue, Method, StatusCode};
-use reqwest::{Request, Response};
-use reqwest_middleware::{Middleware, Next, Result};
-use tracing::debug;
+use http::{HeaderName, Method, StatusCode};
+use reqwest::Response;
 
 mod error;
+mod retry;
 mod wait;
 
 pub use error::{LastFailure, RetryError, RetryErrorExt, StopReason};
@@ -194,13 +194,15 @@ pub struct IdempotentRetry {
 }
 
 impl Default for IdempotentRetry {
-    /// Rides out about 10 s of outage: at most 40 attempts within 10 s;
-    /// backoff with decorrelated jitter from 100 ms, each wait at most 2 s;
-    /// `Retry-After` honoured up to 5 s; UUID v4 keys on `POST` and `PATCH`.
+    /// Rides out a crashed holder's whole lease (idem's default lease is
+    /// 30 s, during which a retry gets `409`) and about as long an
+    /// outage: at most 100 attempts within 35 s; backoff with decorrelated
+    /// jitter from 100 ms, each wait at most 2 s; `Retry-After` honoured up
+    /// to 5 s; UUID v4 keys on `POST` and `PATCH`.
     fn default() -> Self {
         Self {
-            max_attempts: 40,
-            max_elapsed: Duration::from_secs(10),
+            max_attempts: 100,
+            max_elapsed: Duration::from_secs(35),
             base_delay: Duration::from_millis(100),
             max_delay: Duration::from_secs(2),
             max_retry_after: Duration::from_secs(5),
@@ -231,17 +233,18 @@ impl IdempotentRetry {
 
 impl IdempotentRetryBuilder {
     /// The most attempts per request, the first included (at least 1;
-    /// default 40). Every backoff wait is at least
-    /// [`base_delay`](Self::base_delay), so with the defaults 40 attempts
-    /// span at least 3.9 s whatever the jitter draws; in practice the time
-    /// budget ends the retries first (10 s of refused connections take 9 to
-    /// 20 attempts, rarely up to about 35).
+    /// default 100). Every backoff wait is at least
+    /// [`base_delay`](Self::base_delay), so with the defaults 100 attempts
+    /// span at least 9.9 s whatever the jitter draws; in practice the time
+    /// budget ends the retries first (35 s of refused connections take
+    /// about 20 to 40 attempts).
     pub fn max_attempts(mut self, n: u32) -> Self {
         self.0.max_attempts = n.max(1);
         self
     }
 
-    /// The time budget (default 10 s), from the first attempt's start: no
+    /// The time budget (default 35 s: more than idem's default 30 s lease),
+    /// from the first attempt's start: no
     /// attempt starts after it and no wait runs past it. A backoff wait that
     /// would is shortened to end with it; a `Retry-After` that would makes
     /// the middleware give up at once
@@ -332,7 +335,7 @@ enum Verdict {
     Fail(LastFailure),
 }
 
-fn judge(result: Result<Response>) -> Verdict {
+fn judge(result: reqwest_middleware::Result<Response>) -> Verdict {
     match result {
         Ok(r) if is_retryable_status(r.status()) => {
             let after = if honours_retry_after(r.status()) {
@@ -362,152 +365,5 @@ fn attach_outcome(r: &mut Response, attempts: u32, key: &Option<String>) {
     });
 }
 
-impl IdempotentRetry {
-    /// The key this request is sent with, written into its header.
-    fn key(
-        &self,
-        req: &mut Request,
-        extensions: &Extensions,
-    ) -> std::result::Result<Option<String>, RetryError> {
-        if !self.keyed_methods.contains(req.method()) {
-            return Ok(None);
-        }
-        let existing = req
-            .headers()
-            .get(IDEMPOTENCY_KEY)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let key = match (existing, extensions.get::<IntentKey>()) {
-            (Some(k), _) => k,
-            (None, Some(k)) => k.0.clone(),
-            (None, None) => match self.key_kind {
-                KeyKind::V4 => IntentKey::random().0,
-                KeyKind::V7 => IntentKey::time_ordered().0,
-            },
-        };
-        match HeaderValue::from_str(&key) {
-            Ok(value) => {
-                req.headers_mut().insert(IDEMPOTENCY_KEY, value);
-                Ok(Some(key))
-            }
-            Err(e) => Err(RetryError::new(
-                0,
-                Some(key),
-                Duration::ZERO,
-                StopReason::InvalidKey,
-                LastFailure::InvalidKey(e),
-            )),
-        }
-    }
-}
-
-#[async_trait::async_trait]
-impl Middleware for IdempotentRetry {
-    async fn handle(
-        &self,
-        mut req: Request,
-        extensions: &mut Extensions,
-        next: Next<'_>,
-    ) -> Result<Response> {
-        let key = self.key(&mut req, extensions)?;
-        let started = Instant::now();
-        // `None`: a budget too large to represent, that is no budget.
-        let deadline = started.checked_add(self.max_elapsed);
-        let mut backoff = wait::Backoff::new(self.base_delay, self.max_delay);
-        let mut attempts = 0u32;
-        loop {
-            attempts += 1;
-            let give_up = |reason: StopReason, mut last: LastFailure| {
-                if let LastFailure::Status(r) = &mut last {
-                    attach_outcome(r, attempts, &key);
-                }
-                let e = RetryError::new(attempts, key.clone(), started.elapsed(), reason, last);
-                debug!(attempts, key = ?key, reason = %e.reason(), "giving up");
-                reqwest_middleware::Error::from(e)
-            };
-            // The last attempt, or a body that cannot be cloned (a stream),
-            // sends the request itself: no retry after it.
-            let last_allowed = attempts >= self.max_attempts;
-            let copy = if last_allowed { None } else { req.try_clone() };
-            let Some(copy) = copy else {
-                return match judge(next.run(req, extensions).await) {
-                    Verdict::Done(mut r) => {
-                        attach_outcome(&mut r, attempts, &key);
-                        Ok(r)
-                    }
-                    Verdict::Retry(last, _) if last_allowed => {
-                        Err(give_up(StopReason::AttemptsExhausted, last))
-                    }
-                    Verdict::Retry(last, _) => Err(give_up(StopReason::BodyNotCloneable, last)),
-                    Verdict::Fail(last) => Err(give_up(StopReason::NotRetryable, last)),
-                };
-            };
-            let (last, retry_after) = match judge(next.clone().run(copy, extensions).await) {
-                Verdict::Done(mut r) => {
-                    attach_outcome(&mut r, attempts, &key);
-                    return Ok(r);
-                }
-                Verdict::Fail(last) => return Err(give_up(StopReason::NotRetryable, last)),
-                Verdict::Retry(last, retry_after) => (last, retry_after),
-            };
-            let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if remaining.is_some_and(|r| r.is_zero()) {
-                return Err(give_up(StopReason::BudgetExhausted, last));
-            }
-            let pause = match retry_after {
-                Some(after) => {
-                    let after = after.max(self.base_delay).min(self.max_retry_after);
-                    if remaining.is_some_and(|r| after > r) {
-                        return Err(give_up(StopReason::RetryAfterBeyondBudget, last));
-                    }
-                    after
-                }
-                None => {
-                    let pause = backoff.next_wait();
-                    remaining.map_or(pause, |r| pause.min(r))
-                }
-            };
-            debug!(attempt = attempts, ?pause, key = ?key, last = %last, "retrying");
-            drop(last);
-            tokio::time::sleep(pause).await;
-        }
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_defaults_are_the_documented_ones() {
-        let d = IdempotentRetry::default();
-        assert_eq!(d.max_attempts, 40);
-        assert_eq!(d.max_elapsed, Duration::from_secs(10));
-        assert_eq!(d.base_delay, Duration::from_millis(100));
-        assert_eq!(d.max_delay, Duration::from_secs(2));
-        assert_eq!(d.max_retry_after, Duration::from_secs(5));
-        assert_eq!(d.key_kind, KeyKind::V4);
-        assert_eq!(d.keyed_methods, [Method::POST, Method::PATCH]);
-        // the attempt cap alone spans at least a few seconds, whatever the
-        // jitter draws
-        assert!(d.base_delay * (d.max_attempts - 1) >= Duration::from_secs(2));
-    }
-
-    #[test]
-    fn retryable_statuses() {
-        for s in [409, 429, 500, 502, 503, 504] {
-            assert!(
-                is_retryable_status(StatusCode::from_u16(s).unwrap_or_default()),
-                "{s}"
-            );
-        }
-        for s in [
-            200, 201, 301, 400, 401, 403, 404, 408, 410, 412, 413, 422, 501,
-        ] {
-            assert!(
-                !is_retryable_status(StatusCode::from_u16(s).unwrap_or_default()),
-                "{s}"
-            );
-        }
-    }
-}
+mod tests;

@@ -14,6 +14,27 @@ use tracing::{error, warn};
 
 use crate::bank::BankError;
 
+/// The problem types of shop's own, and what each means (served at
+/// `GET /problems`, one section each).
+pub(crate) const SHOP_PROBLEMS: &[(&str, &str)] = &[
+    ("validation", "The request is malformed or a value is out of range; nothing was written."),
+    ("unauthorized", "<code>Authorization: Bearer &lt;client-id&gt;</code> is missing or unusable."),
+    ("not-found", "No such resource for this client (another client's is not shown either), or no such route."),
+    ("conflict", "The request conflicts with the resource's state."),
+    ("payment-state-conflict", "The payment is in a state the action does not apply to."),
+    ("client-reference-reused", "The order reference names another order (other items)."),
+    ("corrupt-order", "A stored order is unreadable: a failure of ours."),
+    ("bad-signature", "The webhook's <code>X-Bank-Signature</code> is missing or wrong."),
+    ("bank-unavailable", "The bank could not be reached (or <code>X-Simulate: bank-error</code>); nothing was charged."),
+    ("database-unavailable", "The database is unavailable; retry after <code>Retry-After</code>."),
+    ("payload-too-large", "The body is over the limit."),
+    ("unsupported-media-type", "The body is not JSON."),
+    ("header-fields-too-large", "Too many or too large header fields."),
+    ("method-not-allowed", "The route does not take this method."),
+    ("bad-request", "The request is invalid (a path segment that does not decode, and the like)."),
+    ("internal", "A failure of ours."),
+];
+
 /// Why a request was not served.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Error {

@@ -90,6 +90,7 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
         .routes(routes!(get_metrics))
         .routes(routes!(demo_page))
         .routes(routes!(openapi_json))
+        .routes(routes!(problems))
         .merge(payments::router(&state, key_required))
         .merge(orders::router(key_optional))
         .merge(catalog::router())
@@ -227,6 +228,31 @@ async fn get_metrics(State(state): State<AppState>) -> Response {
 async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
     state.db.conn().await?.execute("SELECT 1", &[]).await?;
     Ok("ok")
+}
+
+/// What each problem `type` the service answers with means: one section
+/// per type, its slug the anchor (`/problems#not-found`).
+#[utoipa::path(get, path = "/problems", tag = "operations",
+    responses((status = 200, description = "The problem types", content_type = "text/html", body = String)))]
+async fn problems() -> Response {
+    let mut page = String::from(
+        "<!doctype html><meta charset=\"utf-8\"><title>shop: problem types</title>\n\
+         <h1>Problem types</h1>\n<p>Every error is <code>application/problem+json</code>; \
+         its <code>type</code> is this page and one of the sections below.</p>\n",
+    );
+    for (slug, meaning) in error::SHOP_PROBLEMS {
+        page.push_str(&format!(
+            "<h2 id=\"{slug}\">{slug}</h2>\n<p>{meaning}</p>\n"
+        ));
+    }
+    for slug in idem_axum::IdempotencyRejection::PROBLEM_TYPES {
+        page.push_str(&format!(
+            "<h2 id=\"{slug}\">{slug}</h2>\n<p>Answered by idem: see \
+             <a href=\"{}{slug}\">its definition</a>.</p>\n",
+            idem_axum::problem::DEFAULT_PROBLEM_TYPE_BASE
+        ));
+    }
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], page).into_response()
 }
 
 /// This document.
