@@ -346,9 +346,14 @@ async fn every_error_is_problem_json(db: Db) {
         .await
         .unwrap();
     let missing_key = read(
-        as_client(&client, "alice", reqwest::Method::POST, shop.url("/payments"))
-            .header("content-type", "application/json")
-            .body(BODY),
+        as_client(
+            &client,
+            "alice",
+            reqwest::Method::POST,
+            shop.url("/payments"),
+        )
+        .header("content-type", "application/json")
+        .body(BODY),
     )
     .await;
     for answer in [&wrong_method, &bad_path, &missing_key] {

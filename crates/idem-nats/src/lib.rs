@@ -19,7 +19,6 @@
 //! # let _ = (publisher, consumer); Ok(()) }
 //! ```
 
-use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -205,36 +204,18 @@ impl Publisher for NatsPublisher {
 }
 
 impl Consumer for NatsConsumer {
+    /// Runs `handler` on each message until `stop` turns true: `Ok` acks;
+    /// `Err` naks with the retry delay, or, on the last allowed delivery,
+    /// copies the message (headers included) to the dead-letter subject and
+    /// terminates it. A message in progress when `stop` flips finishes and
+    /// is acked first.
     fn consume(
         self: Box<Self>,
         handler: Handler,
         stop: watch::Receiver<bool>,
     ) -> BoxFuture<'static, Result<(), ConsumeError>> {
-        Box::pin(async move {
-            let on_message = |m: Incoming| {
-                handler(Delivery {
-                    message_id: m.message_id,
-                    payload: m.payload,
-                    headers: m.headers,
-                    redelivered: m.delivered > 1,
-                })
-            };
-            self.run(on_message, stop).await.map_err(Into::into)
-        })
+        Box::pin(async move { self.deliver(handler, stop).await.map_err(Into::into) })
     }
-}
-
-/// A delivered message, as a handler sees it.
-#[derive(Debug, Clone)]
-pub struct Incoming {
-    /// The `Nats-Msg-Id` header (what the inbox deduplicates on).
-    pub message_id: Option<String>,
-    /// The body.
-    pub payload: bytes::Bytes,
-    /// How many times JetStream has delivered it, this time included.
-    pub delivered: i64,
-    /// The message's headers (the first value of each).
-    pub headers: Vec<(String, String)>,
 }
 
 /// A durable pull consumer; see the crate-level docs.
@@ -310,20 +291,12 @@ impl NatsConsumer {
         self
     }
 
-    /// Runs `handler` on each message until `stop` turns true: `Ok` acks;
-    /// `Err` naks with the retry delay, or, on the last allowed delivery,
-    /// copies the message to the dead-letter subject and terminates it. A
-    /// message in progress when `stop` flips finishes and is acked first.
-    pub async fn run<F, Fut, E>(
+    /// What [`Consumer::consume`] runs.
+    async fn deliver(
         self,
-        handler: F,
+        handler: Handler,
         mut stop: watch::Receiver<bool>,
-    ) -> Result<(), NatsError>
-    where
-        F: Fn(Incoming) -> Fut,
-        Fut: Future<Output = Result<(), E>>,
-        E: std::fmt::Display,
-    {
+    ) -> Result<(), NatsError> {
         let messages_failed = |e: Source| NatsError::Messages {
             subject: self.spec.subject.clone(),
             source: e,
@@ -346,14 +319,14 @@ impl NatsConsumer {
             };
             let message = message.map_err(|e| messages_failed(e.into()))?;
             let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
-            let incoming = Incoming {
+            let incoming = Delivery {
                 message_id: message
                     .headers
                     .as_ref()
                     .and_then(|h| h.get("Nats-Msg-Id"))
                     .map(|v| v.as_str().to_owned()),
                 payload: message.payload.clone(),
-                delivered,
+                redelivered: delivered > 1,
                 headers: message
                     .headers
                     .as_ref()

@@ -21,7 +21,6 @@
 //! # let _ = (Arc::new(publisher), consumer); Ok(()) }
 //! ```
 
-use std::future::Future;
 use std::pin::Pin;
 use std::task::Poll;
 
@@ -225,36 +224,17 @@ fn text_headers(table: Option<&FieldTable>) -> Vec<(String, String)> {
 }
 
 impl Consumer for RabbitConsumer {
+    /// Runs `handler` on each delivery until `stop` turns true: `Ok` acks,
+    /// `Err` requeues (the queue dead-letters it past its delivery limit).
+    /// A delivery in progress when `stop` flips finishes and is acked first;
+    /// nothing is acked before its handler succeeded.
     fn consume(
         self: Box<Self>,
         handler: Handler,
         stop: watch::Receiver<bool>,
     ) -> BoxFuture<'static, Result<(), ConsumeError>> {
-        Box::pin(async move {
-            let on_message = |m: Incoming| {
-                handler(Delivery {
-                    message_id: m.message_id,
-                    payload: m.payload.into(),
-                    headers: m.headers,
-                    redelivered: m.redelivered,
-                })
-            };
-            self.run(on_message, stop).await.map_err(Into::into)
-        })
+        Box::pin(async move { self.deliver(handler, stop).await.map_err(Into::into) })
     }
-}
-
-/// A delivered message, as a handler sees it.
-#[derive(Debug, Clone)]
-pub struct Incoming {
-    /// The AMQP `message_id` (what the inbox deduplicates on).
-    pub message_id: Option<String>,
-    /// The body.
-    pub payload: Vec<u8>,
-    /// Whether the broker says it delivered this before.
-    pub redelivered: bool,
-    /// The message's headers whose values are text.
-    pub headers: Vec<(String, String)>,
 }
 
 /// Consumes a queue with manual acks; see the crate-level docs.
@@ -281,20 +261,12 @@ impl RabbitConsumer {
         })
     }
 
-    /// Runs `handler` on each delivery until `stop` turns true: `Ok` acks,
-    /// `Err` requeues (the queue dead-letters it past its delivery limit).
-    /// A delivery in progress when `stop` flips finishes and is acked first;
-    /// nothing is acked before its handler succeeded.
-    pub async fn run<F, Fut, E>(
+    /// What [`Consumer::consume`] runs.
+    async fn deliver(
         self,
-        handler: F,
+        handler: Handler,
         mut stop: watch::Receiver<bool>,
-    ) -> Result<(), RabbitError>
-    where
-        F: Fn(Incoming) -> Fut,
-        Fut: Future<Output = Result<(), E>>,
-        E: std::fmt::Display,
-    {
+    ) -> Result<(), RabbitError> {
         let mut consumer = self
             .channel
             .basic_consume(
@@ -319,13 +291,13 @@ impl RabbitConsumer {
                 return Ok(());
             };
             let delivery = delivery?;
-            let incoming = Incoming {
+            let incoming = Delivery {
                 message_id: delivery
                     .properties
                     .message_id()
                     .as_ref()
                     .map(|s| s.as_str().to_owned()),
-                payload: delivery.data.clone(),
+                payload: delivery.data.clone().into(),
                 redelivered: delivery.redelivered,
                 headers: text_headers(delivery.properties.headers().as_ref()),
             };

@@ -8,6 +8,7 @@ use axum::{http::StatusCode, response::Response, routing::post, Router};
 use idem::axum::{Guarded, IdempotencyLayer, SingleScope};
 use idem::client::{reqwest, reqwest_middleware, IdempotentRetry, IntentKey, RetryOutcomeExt};
 use idem::nats::{NatsConsumer, NatsPublisher, StreamSpec};
+use idem::outbox::consumer::{self, Consumer, Delivery};
 use idem::outbox::{Handled, InboxTable, OutboxTable, OutgoingMessage, Relay, RelayConfig};
 use idem::postgres::{PostgresStore, TableName};
 use idem::redis::{RedisConfig, RedisStore, TieredStore};
@@ -103,26 +104,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokio::spawn(Relay::new(&pool, Arc::new(publisher.clone()), config).run(stopped.clone()));
     let consumer = NatsConsumer::connect(&nats, &spec, "count-orders", 5).await?;
     let (pool2, inbox2, counted2) = (pool.clone(), inbox.clone(), counted.clone());
-    let consuming = tokio::spawn(consumer.run(
-        move |m| {
-            let (pool, inbox, counted) = (pool2.clone(), inbox2.clone(), counted2.clone());
-            async move {
-                let id = m.message_id.ok_or("a message without an id")?;
-                let (insert, row) = (format!("INSERT INTO {counted} VALUES ($1)"), id.clone());
-                let done = inbox
-                    .process(&pool, "count-orders", &id, async move |tx| {
-                        sqlx::query(&insert).bind(row).execute(&mut *tx).await?;
-                        Ok::<_, sqlx::Error>(())
-                    })
-                    .await?;
-                if done == Handled::Duplicate {
-                    println!("a redelivery, acknowledged without acting again");
-                }
-                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    // One way to consume, whatever the broker: the Consumer trait.
+    let on_message = consumer::handler(move |m: Delivery| {
+        let (pool, inbox, counted) = (pool2.clone(), inbox2.clone(), counted2.clone());
+        async move {
+            let id = m.message_id.ok_or("a message without an id")?;
+            let (insert, row) = (format!("INSERT INTO {counted} VALUES ($1)"), id.clone());
+            let done = inbox
+                .process(&pool, "count-orders", &id, async move |tx| {
+                    sqlx::query(&insert).bind(row).execute(&mut *tx).await?;
+                    Ok::<_, sqlx::Error>(())
+                })
+                .await?;
+            if done == Handled::Duplicate {
+                println!("a redelivery, acknowledged without acting again");
             }
-        },
-        stopped,
-    ));
+            Ok(())
+        }
+    });
+    let consuming = tokio::spawn(Box::new(consumer).consume(on_message, stopped));
 
     // The HTTP service: the layer claims in the store, handlers complete in it.
     let layer =
@@ -180,7 +180,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     stop.send(true)?;
     relay.await??;
-    consuming.await??;
+    consuming.await?.map_err(|e| e.to_string())?;
     publisher.context().delete_stream(spec.stream()).await?;
     server.abort();
     Ok(())

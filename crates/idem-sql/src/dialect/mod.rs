@@ -303,4 +303,3 @@ pub type Row<D> = <<D as Dialect>::Database as sqlx::Database>::Row;
 pub type Pool<D> = sqlx::Pool<<D as Dialect>::Database>;
 /// A dialect's transaction.
 pub type Transaction<D> = sqlx::Transaction<'static, <D as Dialect>::Database>;
-

@@ -175,4 +175,3 @@ impl<D: Dialect> Statement<D> {
             .map(move |&i| args.get(i).copied().unwrap_or(Arg::Null))
     }
 }
-

@@ -78,4 +78,3 @@ impl RecordDialect for crate::MySql {
         Box::pin(crate::dialect::mysql_pool(url))
     }
 }
-
