@@ -1,5 +1,5 @@
-"""Prints the CPU time (ms) used so far by every PostgreSQL process and by
-the process `pid`: `bench/run.sh` reads it before and after each scenario to
+"""Prints the CPU time (ms) used so far by every database server process
+(PostgreSQL's, MariaDB's or MySQL's) and by the process `pid`: `bench/run.sh` reads it before and after each scenario to
 show where the time of a request goes."""
 import os
 import sys
@@ -24,7 +24,7 @@ def postgres():
             continue
         try:
             with open(f"/proc/{p}/comm") as f:
-                if not f.read().startswith("postgres"):
+                if not f.read().startswith(("postgres", "mariadbd", "mysqld")):
                     continue
         except OSError:
             continue

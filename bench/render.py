@@ -83,7 +83,7 @@ out.append(f"- reproduce: `{command}` (after `bash scripts/test` has the service
 out.append("Scenarios: **bare** — no idem layer; **new** — a fresh `Idempotency-Key` each "
            "request; **replay** — completed keys sent again; **inflight** — duplicates of a "
            "key whose original is still running (answered `409`).\n")
-out.append("Where the time goes: **db µs** is the CPU time all of PostgreSQL spent per "
+out.append("Where the time goes: **db µs** is the CPU time the database servers (PostgreSQL, MariaDB) spent per "
            "request (both the shop's and the outbox's work), **shop µs** the CPU time of the "
            "shop process per request (in the kernel too: every round trip to the database "
            "is a write, a wake-up and a read). On a 2-core machine shared with the load "

@@ -9,7 +9,7 @@
 #   ONLY='^postgres$' bash bench/run.sh   # only the configurations matching (a quick look:
 #                                         # prints the table, leaves BENCHMARKS.md alone)
 #
-# Needs the services `bash scripts/test` starts (PostgreSQL, Redis), Node.js
+# Needs the services `bash scripts/test` starts (PostgreSQL, MariaDB, Redis), Node.js
 # and npm for the Node peers, pgbench for the ceilings, valgrind for the
 # instruction counts (bench/callgrind.sh).
 set -euo pipefail
@@ -20,6 +20,8 @@ MEMORY_SECONDS=${MEMORY_SECONDS:-300}
 ROUNDS=${ROUNDS:-5}
 ONLY=${ONLY:-}
 PG=${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
+# MySQL / MariaDB: the server (each run makes a database of its own on it).
+MY=${IDEM_BENCH_MYSQL_URL:-mysql://root@127.0.0.1:3306}
 REDIS=${IDEM_BENCH_REDIS_URL:-redis://127.0.0.1:6379}
 export PGOPTIONS="-c client_min_messages=warning"
 
@@ -32,15 +34,25 @@ cleanup() {
   if [ -f "$out/schemas" ]; then
     while read -r s; do psql "$PG" -qc "DROP SCHEMA IF EXISTS $s CASCADE" || true; done < "$out/schemas"
   fi
+  if [ -f "$out/databases" ]; then
+    while read -r d; do mysql -h127.0.0.1 -uroot -e "DROP DATABASE IF EXISTS $d" || true; done < "$out/databases"
+  fi
   rm -rf "$out"
 }
 trap cleanup EXIT
 results="$out/results.jsonl"
 : > "$results"
 
-start_shop() { # config name, then shop arguments; sets URL, PID, SCHEMA
+start_shop() { # config name, then shop arguments; sets URL, PID, SCHEMA, MYDB
   local args=("$@")
   SCHEMA=""
+  MYDB=""
+  if [[ " ${args[*]} " == *" MYDATABASE "* ]]; then
+    MYDB="bench_$(date +%s%N)"
+    mysql -h127.0.0.1 -uroot -e "CREATE DATABASE $MYDB"
+    echo "$MYDB" >> "$out/databases"
+    args=("${args[@]/MYDATABASE/$MY/$MYDB}")
+  fi
   if [[ " ${args[*]} " == *" PGSCHEMA "* ]]; then
     SCHEMA="bench_$(date +%s%N)"
     psql "$PG" -qc "CREATE SCHEMA $SCHEMA"
@@ -57,6 +69,7 @@ start_shop() { # config name, then shop arguments; sets URL, PID, SCHEMA
 stop_shop() {
   kill "$PID"; wait "$PID" 2>/dev/null || true
   if [ -n "$SCHEMA" ]; then psql "$PG" -qc "DROP SCHEMA $SCHEMA CASCADE"; fi
+  if [ -n "$MYDB" ]; then mysql -h127.0.0.1 -uroot -e "DROP DATABASE $MYDB"; fi
 }
 
 load() { # config, scenario, path, mix (LOAD_ARGS: more idem-load arguments)
@@ -66,7 +79,7 @@ load() { # config, scenario, path, mix (LOAD_ARGS: more idem-load arguments)
   "$BIN/idem-load" --url "$URL$3" --requests "$REQUESTS" --concurrency "$CONCURRENCY" \
     --mix "$4" --label "$1 / $2" ${LOAD_ARGS:-} 2>>"$out/raw.jsonl" | tee -a "$out/table.txt"
   after=$(python3 bench/cpu.py "$PID")
-  # CPU per request, in µs: all of PostgreSQL, and the server under test
+  # CPU per request, in µs: the database servers, and the server under test
   tail -n 1 "$out/raw.jsonl" | python3 -c "
 import json, sys
 d = json.load(sys.stdin)
@@ -96,6 +109,7 @@ run_config() { # name, then shop arguments
 echo "== scenarios: $REQUESTS requests each, concurrency $CONCURRENCY"
 run_config "sqlite"            --database-url "sqlite:$out/bench.db"
 run_config "postgres"          --database-url PGSCHEMA
+run_config "mysql"             --database-url MYDATABASE
 run_config "postgres (claim in tx)" --database-url PGSCHEMA --claim-in-transaction
 run_config "postgres+redis"    --database-url PGSCHEMA --redis-url "$REDIS" --redis-prefix "bench-$$"
 run_config "postgres+cache"    --database-url PGSCHEMA --replay-cache 10000

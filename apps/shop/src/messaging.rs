@@ -62,6 +62,24 @@ struct PaymentAuthorized {
     currency: String,
 }
 
+/// How a message ended, the `outcome` of `idem_messages_total`.
+#[derive(Debug, Clone, Copy)]
+enum MessageOutcome {
+    Processed,
+    Duplicate,
+    Failed,
+}
+
+impl MessageOutcome {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Processed => "processed",
+            Self::Duplicate => "duplicate",
+            Self::Failed => "failed",
+        }
+    }
+}
+
 /// What a consumer does with one message, once.
 async fn act(
     db: &Database,
@@ -94,15 +112,15 @@ async fn act(
     let outcome = db.consume(consumer, message_id, work).await;
     match outcome {
         Ok(Handled::Processed(())) => {
-            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => "processed").increment(1);
+            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => MessageOutcome::Processed.label()).increment(1);
             info!(message_id, "event processed")
         }
         Ok(Handled::Duplicate) => {
-            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => "duplicate").increment(1);
+            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => MessageOutcome::Duplicate.label()).increment(1);
             info!(message_id, "duplicate event acknowledged")
         }
         Err(e) => {
-            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => "failed")
+            metrics::counter!("idem_messages_total", "consumer" => consumer, "outcome" => MessageOutcome::Failed.label())
                 .increment(1);
             return Err(e);
         }

@@ -14,7 +14,7 @@ use idem_core::{
 };
 use tracing::{debug, info, warn};
 
-use crate::metrics::{count, timed};
+use crate::metrics::{count, timed, Outcome, StoreOp};
 use crate::rejection::IdempotencyRejection;
 
 /// The header that marks a replayed response.
@@ -52,7 +52,7 @@ where
     loop {
         let started = Instant::now();
         let found = attempt().await;
-        timed(store, "claim", started);
+        timed(store, StoreOp::Claim, started);
         let step = match found {
             Ok(Found::Acquired(claimed)) => return Ok(claimed),
             Ok(Found::Existing(record)) => retry.on_existing(&record, fingerprint),
@@ -68,7 +68,11 @@ where
 
 /// Counts and logs a claim that is ours.
 pub(crate) fn claimed(claim: &Claim, held_by_transaction: bool) {
-    count(if claim.takeover { "takeover" } else { "fresh" });
+    count(if claim.takeover {
+        Outcome::Takeover
+    } else {
+        Outcome::Fresh
+    });
     match (claim.takeover, held_by_transaction) {
         (true, _) => {
             info!(operation_id = %claim.operation_id, "took over an expired, released or abandoned claim")
@@ -82,7 +86,7 @@ pub(crate) fn claimed(claim: &Claim, held_by_transaction: bool) {
 
 /// `503`: the store failed; the request did not run.
 pub(crate) fn store_unavailable(e: &StoreError) -> Response {
-    count("store_unavailable");
+    count(Outcome::StoreUnavailable);
     warn!(error = %e, source = ?std::error::Error::source(e), "idempotency store unavailable");
     IdempotencyRejection::StoreUnavailable.into_response()
 }
@@ -121,7 +125,7 @@ impl<'p> ClaimRetry<'p> {
             Arrival::Replay => ClaimStep::Answer(replay(record, self.policy)),
             Arrival::Mismatch => {
                 info!("key reused with a different request");
-                count("mismatch");
+                count(Outcome::Mismatch);
                 ClaimStep::Answer(IdempotencyRejection::KeyReused.into_response())
             }
             Arrival::Conflict { retry_after } => {
@@ -179,7 +183,7 @@ impl<'p> ClaimRetry<'p> {
 
 /// `409` with `Retry-After`.
 fn conflict(retry_after: Duration) -> Response {
-    count("conflict");
+    count(Outcome::Conflict);
     IdempotencyRejection::KeyInUse { retry_after }.into_response()
 }
 
@@ -191,7 +195,7 @@ fn replay(record: &Record, policy: &Policy) -> Response {
     else {
         return conflict(Duration::from_secs(1));
     };
-    count("replay");
+    count(Outcome::Replay);
     debug!(status = stored.status, "replaying the stored response");
     let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut response = Response::new(Body::from(stored.body.clone()));

@@ -12,7 +12,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::Config;
 use crate::extract::{stored_response, Completion, Idempotency};
-use crate::metrics::{count, timed};
+use crate::metrics::{count, timed, Outcome, StoreOp};
 use crate::rejection::IdempotencyRejection;
 
 /// After the inner service returned: finish with its response, or release
@@ -45,7 +45,7 @@ async fn finish(
         Settlement::Store => {}
         Settlement::Release => {
             info!(status, "handler failed; releasing the claim");
-            count("released");
+            count(Outcome::Released);
             guard.release_now().await;
             return response;
         }
@@ -58,7 +58,7 @@ async fn finish(
             return response;
         }
         Completion::Lost => {
-            count("claim_lost");
+            count(Outcome::ClaimLost);
             warn!("the handler's claim was taken over; nothing stored");
             guard.disarm();
             config.store.settled(&guard.claim).await;
@@ -78,11 +78,11 @@ async fn finish(
     let stored = stored_response(&config.policy, &parts, bytes.clone());
     let started = std::time::Instant::now();
     let completed = config.store.complete(&guard.claim, &stored).await;
-    timed(config.store.kind(), "complete", started);
+    timed(config.store.kind(), StoreOp::Complete, started);
     match completed {
         Ok(()) => debug!(status, "stored the response"),
         Err(StoreError::ClaimLost) => {
-            count("claim_lost");
+            count(Outcome::ClaimLost);
             warn!("the claim was taken over while the handler ran, or rolled back with its transaction; its response is not stored")
         }
         // The effect happened but its record did not complete: keep the
@@ -99,7 +99,7 @@ async fn finish(
 /// The answer when the handler's task panicked or was cancelled; its claim
 /// was released.
 pub(crate) fn handler_failed(e: &tokio::task::JoinError) -> Response {
-    count("released");
+    count(Outcome::Released);
     warn!(
         panicked = e.is_panic(),
         "the handler did not finish; its claim was released"
@@ -138,7 +138,7 @@ impl ReleaseGuard {
 pub(crate) async fn release(store: &dyn Store, claim: &Claim) {
     let started = std::time::Instant::now();
     let released = store.release(claim).await;
-    timed(store.kind(), "release", started);
+    timed(store.kind(), StoreOp::Release, started);
     match released {
         Ok(()) => debug!(key = ?claim.key, "released the claim"),
         Err(StoreError::ClaimLost) => {

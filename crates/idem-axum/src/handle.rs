@@ -18,7 +18,7 @@ use crate::config::Config;
 use crate::deferred::DeferredClaim;
 use crate::extract::{Completion, Idempotency};
 use crate::finish::{finish_result, handler_failed, release, ReleaseGuard};
-use crate::metrics::count;
+use crate::metrics::{count, Outcome};
 use crate::request::{self, Identified};
 
 /// Serves one request the layer guards.
@@ -140,7 +140,7 @@ where
             // Its transaction ended without completing the record: until the
             // layer completes it below, the claim looks abandoned, and a
             // duplicate arriving now would run again.
-            count("completed_outside_transaction");
+            count(Outcome::CompletedOutsideTransaction);
             warn!("the handler answered without completing its record in its transaction (Idempotency::complete_in); the layer completes it now");
         }
         let guard = ReleaseGuard::new(finish_config.store.clone(), handle.claim().clone());

@@ -13,7 +13,7 @@ use idem_core::{on_missing_key, ClaimRequest, Fingerprint, IdempotencyKey, KeyEr
 use tracing::debug;
 
 use crate::config::Config;
-use crate::metrics::count;
+use crate::metrics::{count, Outcome};
 use crate::rejection::IdempotencyRejection;
 
 /// The request header carrying the key.
@@ -51,13 +51,13 @@ pub(crate) fn identify(config: &Config, parts: &Parts) -> Identified {
             MissingKey::PassThrough => Identified::PassThrough,
             MissingKey::Reject => {
                 debug!("rejecting a request without Idempotency-Key");
-                count("missing_key");
+                count(Outcome::MissingKey);
                 Identified::Refused(IdempotencyRejection::MissingKey.into_response())
             }
         },
         Err(e) => {
             debug!(error = %e, "rejecting an invalid Idempotency-Key");
-            count("invalid_key");
+            count(Outcome::InvalidKey);
             Identified::Refused(IdempotencyRejection::InvalidKey(e).into_response())
         }
     }
@@ -74,7 +74,7 @@ pub(crate) async fn read_guarded(
 ) -> Result<(ClaimRequest, Bytes), Response> {
     let policy = &config.policy;
     let too_large = || {
-        count("too_large");
+        count(Outcome::TooLarge);
         IdempotencyRejection::PayloadTooLarge {
             max: policy.max_body(),
         }

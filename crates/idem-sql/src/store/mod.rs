@@ -2,7 +2,10 @@
 //!
 //! # How the claim stays atomic
 //!
-//! A claim is one write transaction ([`Dialect::begin_write`]) of two
+//! A repeat is answered by a first look, one plain read that writes and
+//! locks nothing: a completed record, another request's record, or a claim
+//! under a live lease (see `first_look`). Anything else is claimed: one
+//! write transaction ([`Dialect::begin_write`]) of two
 //! statements. The first (`sql/<dialect>/claim.sql`) is an upsert that
 //! inserts a new record, replaces one past its retention, or takes over an
 //! expired lease of the same request, and otherwise changes nothing. The
@@ -188,6 +191,9 @@ impl<D: RecordDialect> SqlStore<D> {
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         self.check_scope(&req.scope)?;
+        if let Some(record) = self.first_look(req).await? {
+            return Ok(ClaimOutcome::Existing(record));
+        }
         let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
         let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
         let mut last = None;
@@ -215,6 +221,33 @@ impl<D: RecordDialect> SqlStore<D> {
             Some(e) => store_error(e),
             None => StoreError::Backend("the record kept vanishing between claim and read".into()),
         })
+    }
+
+    /// A plain read, before any write or lock: the record when it answers
+    /// the request without a claim. A completed record (a replay, or `422`
+    /// for another body) never changes until it is past its retention,
+    /// another request's record is `422` whatever happens to it, and a
+    /// claim under a live lease is only ever "try again later": a read
+    /// answers these as surely as the claim's transaction would, and a
+    /// repeat costs one statement. Anything else (no record, or a lease run
+    /// out) goes to the claim.
+    async fn first_look(&self, req: &ClaimRequest) -> Result<Option<Record>, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let args = [Arg::Text(&req.scope), Arg::Text(&req.key)];
+        let Some(row) = D::fetch_optional(&mut conn, &self.sql.get, &args)
+            .await
+            .map_err(store_error)?
+        else {
+            return Ok(None);
+        };
+        let now = now_of::<D>(&row)?;
+        let record = D::decode_record(&row)?;
+        let answers = record.fingerprint != req.fingerprint
+            || match &record.state {
+                RecordState::Completed { .. } => true,
+                RecordState::InProgress { locked_until, .. } => *locked_until > now,
+            };
+        Ok(answers.then_some(record))
     }
 
     /// One claim transaction: the upsert, then the row read back.
