@@ -99,22 +99,23 @@
 //! token: the holder is told the key is busy before it ran anything. It
 //! needs READ COMMITTED (PostgreSQL's default).
 
-use std::time::Duration;
-
 use idem_core::{
     BeginTransaction, BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId,
     Record, Store, StoreError, StoredResponse, TransactionalStore,
 };
 use idem_sql::migrate::Migration;
 use idem_sql::{decode_record, fenced};
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::Row;
 
 mod claim;
 mod conns;
 mod held;
 mod ops;
+mod pool;
 mod sql;
+
+pub use pool::{open_pool, DEFAULT_ACQUIRE_TIMEOUT, IDLE_CHECK_AFTER};
 
 pub use idem_sql::{is_unavailable, store_error};
 pub use idem_sql::{InvalidIdentifier, TableName};
@@ -131,11 +132,6 @@ pub const MIGRATIONS: &[Migration] = &[Migration {
     sql: include_str!("../migrations/postgres/0001_records.sql"),
 }];
 
-/// How long a request waits for a pooled connection before the store
-/// answers [`StoreError::Unavailable`]: an outage becomes a prompt `503`,
-/// never a hang.
-pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
-
 /// The PostgreSQL store; see the crate-level docs.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
@@ -143,38 +139,6 @@ pub struct PostgresStore {
     table: TableName,
     sql: std::sync::Arc<Sql>,
     claims: std::sync::Arc<ClaimConnections>,
-}
-
-/// A pooled connection idle at least this long is checked (one round trip)
-/// before it is handed out; see [`open_pool`].
-pub const IDLE_CHECK_AFTER: Duration = Duration::from_secs(1);
-
-/// Opens a pool with idem's defaults: a bounded acquire time-out, and a
-/// connection that sat idle for [`IDLE_CHECK_AFTER`] or more checked before
-/// use, so a restarted server is picked up.
-///
-/// Why not sqlx's `test_before_acquire` (a round trip on every checkout):
-/// sqlx 0.8 already checks every connection as it goes back to the pool, so
-/// one handed out again at once was alive a moment ago, and the check would
-/// cost a round trip and a server wake-up on every request (a third of a
-/// replay's database work). A connection that dies in that moment fails its
-/// statement, which is reported as [`StoreError::Unavailable`] (a `503`
-/// with `Retry-After`), and sqlx then discards it.
-pub async fn open_pool(url: &str) -> Result<PgPool, sqlx::Error> {
-    PgPoolOptions::new()
-        .max_connections(16)
-        .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
-        .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for >= IDLE_CHECK_AFTER {
-                    sqlx::Connection::ping(conn).await?;
-                }
-                Ok(true)
-            })
-        })
-        .connect(url)
-        .await
 }
 
 impl PostgresStore {

@@ -20,16 +20,16 @@
 use std::sync::Arc;
 
 use idem_core::{
-    BeginTransaction, BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection,
-    OperationId, Record, RecordState, Store, StoreError, StoreStats, StoredResponse,
-    TransactionalStore, UnixMillis,
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
+    RecordState, Store, StoreError, StoreStats, StoredResponse, UnixMillis,
 };
 
-use crate::dialect::{Arg, Conn, Dialect, ErrorClass, Pool, Statement, Transaction};
+use crate::dialect::{Arg, Dialect, ErrorClass, Pool, Statement, Transaction};
 use crate::migrate::Migration;
 use crate::{fenced, store_error, TableName};
 
 mod dialects;
+mod tx;
 
 pub use dialects::RecordDialect;
 #[doc(hidden)]
@@ -292,64 +292,6 @@ fn now_of<D: Dialect>(row: &crate::dialect::Row<D>) -> Result<UnixMillis, StoreE
     let corrupt = |e: sqlx::Error| StoreError::Corrupt(format!("the database's clock: {e}"));
     let value = D::get(row, "now").map_err(corrupt)?;
     Ok(UnixMillis(value.int("now").map_err(corrupt)?))
-}
-
-impl<D: RecordDialect> SqlStore<D> {
-    /// Completes `claim` with `response` on `conn`, usually the handler's
-    /// open transaction, so that the record commits with the business
-    /// write.
-    ///
-    /// Fenced by the claim's token: if the claim was taken over (or already
-    /// completed), nothing is written and [`StoreError::ClaimLost`] is
-    /// returned; the caller must then roll its transaction back, so its
-    /// effect does not commit a second time.
-    pub async fn complete_in(
-        &self,
-        conn: &mut Conn<D>,
-        claim: &Claim,
-        response: &StoredResponse,
-    ) -> Result<(), StoreError> {
-        let headers = response.encode_headers();
-        let args = [
-            Arg::Text(&claim.scope),
-            Arg::Text(&claim.key),
-            Arg::Int(claim.token.0),
-            Arg::Int(i64::from(response.status)),
-            Arg::Bytes(&headers),
-            Arg::Bytes(&response.body),
-        ];
-        fenced(D::execute(conn, &self.sql.complete, &args).await)
-    }
-}
-
-impl<D: RecordDialect> TransactionalStore<Conn<D>> for SqlStore<D> {
-    fn complete_in_tx<'a>(
-        &'a self,
-        conn: &'a mut Conn<D>,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.complete_in(conn, claim, response))
-    }
-}
-
-impl<D: RecordDialect> BeginTransaction for SqlStore<D> {
-    type Transaction = Transaction<D>;
-    type Connection = Conn<D>;
-
-    /// A write transaction ([`Dialect::begin_write`]).
-    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
-        Box::pin(async move { D::begin_write(&self.pool).await.map_err(store_error) })
-    }
-    fn connection(tx: &mut Self::Transaction) -> &mut Conn<D> {
-        tx
-    }
-    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
-        Box::pin(async move { tx.commit().await.map_err(store_error) })
-    }
-    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
-        Box::pin(async move { tx.rollback().await.map_err(store_error) })
-    }
 }
 
 impl<D: RecordDialect> Store for SqlStore<D> {
