@@ -22,7 +22,7 @@ pub struct RecordTemplates {
     pub(super) max_scope: Option<usize>,
 }
 
-/// A [`Dialect`] whose records [`SqlStore`] keeps (SQLite and MySQL;
+/// A [`Dialect`] whose records [`SqlStore`](super::SqlStore) keeps (SQLite and MySQL;
 /// PostgreSQL has a store of its own, `idem-postgres`, with a first look
 /// and claims held by the business transaction).
 pub trait RecordDialect: Dialect + sealed::Sealed {

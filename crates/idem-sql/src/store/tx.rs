@@ -51,7 +51,7 @@ impl<D: RecordDialect> BeginTransaction for SqlStore<D> {
     type Transaction = Transaction<D>;
     type Connection = Conn<D>;
 
-    /// A write transaction ([`Dialect::begin_write`]).
+    /// A write transaction ([`Dialect::begin_write`](crate::Dialect::begin_write)).
     fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
         Box::pin(async move { D::begin_write(&self.pool).await.map_err(store_error) })
     }
