@@ -1,12 +1,11 @@
 //! [`Ops`]: what the CLI's verbs need of a store, for every store at once.
 
-use idem_core::{Inspection, Store, StoreError, StoreStats};
+use idem_core::{Inspection, StoreError, StoreStats};
 use idem_outbox::{DeadLetter, OutboxDialect, OutboxStats};
-use idem_postgres::PostgresStore;
-use idem_sql::{ErrorClass, RecordDialect, SqlStore};
+use idem_sql::{ErrorClass, SqlRecords};
 
 /// A store the CLI operates: the records' table and the outbox beside it.
-pub(crate) trait Ops: Store {
+pub(crate) trait Ops: SqlRecords {
     /// Creates or upgrades the records table.
     async fn migrate_records(&self) -> Result<(), StoreError>;
     /// One record, past its retention or not, with the database's clock.
@@ -21,7 +20,12 @@ pub(crate) trait Ops: Store {
     async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error>;
 }
 
-impl<D: RecordDialect + OutboxDialect> Ops for SqlStore<D> {
+/// Every SQL store, whichever its database, once.
+impl<S> Ops for S
+where
+    S: SqlRecords,
+    S::Dialect: OutboxDialect,
+{
     async fn migrate_records(&self) -> Result<(), StoreError> {
         self.migrate().await
     }
@@ -36,31 +40,10 @@ impl<D: RecordDialect + OutboxDialect> Ops for SqlStore<D> {
         self.stats().await
     }
     async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error> {
+        let pool = self.records_pool();
         Ok((
-            idem_outbox::outbox::stats(self.pool()).await?,
-            idem_outbox::outbox::dead_letters(self.pool(), limit).await?,
-        ))
-    }
-}
-
-impl Ops for PostgresStore {
-    async fn migrate_records(&self) -> Result<(), StoreError> {
-        self.migrate().await
-    }
-    async fn inspect_record(
-        &self,
-        scope: &str,
-        key: &str,
-    ) -> Result<Option<Inspection>, StoreError> {
-        self.inspect(scope, key).await
-    }
-    async fn record_stats(&self) -> Result<StoreStats, StoreError> {
-        self.stats().await
-    }
-    async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error> {
-        Ok((
-            idem_outbox::outbox::stats(self.pool()).await?,
-            idem_outbox::outbox::dead_letters(self.pool(), limit).await?,
+            idem_outbox::outbox::stats(pool).await?,
+            idem_outbox::outbox::dead_letters(pool, limit).await?,
         ))
     }
 }

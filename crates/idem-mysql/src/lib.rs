@@ -58,7 +58,7 @@
 pub use idem_sql::dialect::{
     mysql_pool as open_pool, MYSQL_ACQUIRE_TIMEOUT as DEFAULT_ACQUIRE_TIMEOUT,
 };
-pub use idem_sql::{is_unavailable, store_error, MySql, TableName};
+pub use idem_sql::{is_unavailable, store_error, MySql, SqlRecords, TableName};
 
 /// The MySQL / MariaDB store; see the crate-level docs.
 pub type MySqlStore = idem_sql::SqlStore<MySql>;

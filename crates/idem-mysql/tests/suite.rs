@@ -2,7 +2,7 @@
 //! MySQL / MariaDB, each case in a database of its own.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use idem_mysql::{open_pool, MySqlStore, TableName};
+use idem_mysql::{open_pool, MySqlStore, SqlRecords, TableName};
 use idem_test_support::mysql::TestDatabase;
 
 async fn fresh() -> (MySqlStore, TestDatabase) {

@@ -118,7 +118,7 @@ mod sql;
 pub use pool::{open_pool, DEFAULT_ACQUIRE_TIMEOUT, IDLE_CHECK_AFTER};
 
 pub use idem_sql::{is_unavailable, store_error};
-pub use idem_sql::{InvalidIdentifier, TableName};
+pub use idem_sql::{InvalidIdentifier, SqlRecords, TableName};
 
 use claim::{corrupt, first_look, kept_racing, won_claim, ClaimBinds, FirstLook, CLAIM_TURNS};
 use conns::ClaimConnections;
@@ -184,15 +184,6 @@ impl PostgresStore {
     /// The table records live in.
     pub fn table(&self) -> &TableName {
         &self.table
-    }
-
-    /// Applies the embedded migrations that have not run yet. Several
-    /// instances starting at once serialise on an advisory lock.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        migrate(&self.pool, &self.table).await.map_err(|e| match e {
-            idem_sql::MigrateError::Database { source, .. } => store_error(source),
-            other => StoreError::Backend(Box::new(other)),
-        })
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {

@@ -8,10 +8,22 @@ use sqlx::Row;
 
 use crate::{corrupt, store_error, PostgresStore};
 
-impl PostgresStore {
+impl idem_sql::SqlRecords for PostgresStore {
+    type Dialect = idem_sql::Postgres;
+
+    fn records_pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies the embedded migrations that have not run yet. Several
+    /// instances starting at once serialise on an advisory lock.
+    async fn migrate(&self) -> Result<(), StoreError> {
+        Ok(crate::migrate(&self.pool, &self.table).await?)
+    }
+
     /// Reads a record as an operator sees it: past its retention or not,
     /// with the database's clock.
-    pub async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
+    async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
         let row = sqlx::query(&self.sql.select)
             .bind(scope)
             .bind(key)
@@ -25,7 +37,7 @@ impl PostgresStore {
     }
 
     /// Counts records by state, for operators.
-    pub async fn stats(&self) -> Result<StoreStats, StoreError> {
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
         let row = sqlx::query(&self.sql.stats)
             .fetch_one(&self.pool)
             .await

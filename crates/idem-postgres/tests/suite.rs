@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::{ClaimOutcome, Store, StoreError, StoredResponse};
-use idem_postgres::{PostgresStore, TableName};
+use idem_postgres::{PostgresStore, SqlRecords, TableName};
 use idem_sql::{insert_unique, DuplicateKey, Inserted};
 use idem_test_support::postgres::{database_url, TestSchema};
 

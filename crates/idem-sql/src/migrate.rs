@@ -106,6 +106,18 @@ impl MigrateError {
     }
 }
 
+impl From<MigrateError> for idem_core::StoreError {
+    /// The database's failure as the store's (unavailable when a retry may
+    /// get past it); anything else (a changed migration, a misconfigured
+    /// table) as a backend error that says so.
+    fn from(e: MigrateError) -> Self {
+        match e {
+            MigrateError::Database { source, .. } => crate::store_error(source),
+            other => idem_core::StoreError::Backend(Box::new(other)),
+        }
+    }
+}
+
 /// Applies `migrations` to `table` on `pool`: the entry point, the same for
 /// every database. The table's schema (PostgreSQL) or database (MySQL) is
 /// created if missing.

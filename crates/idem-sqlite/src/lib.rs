@@ -37,7 +37,7 @@ pub use idem_sql::dialect::{
     sqlite_connect_options as connect_options, sqlite_pool as open_pool,
     SQLITE_BUSY_TIMEOUT as DEFAULT_BUSY_TIMEOUT,
 };
-pub use idem_sql::{is_unavailable, store_error, Sqlite, TableName};
+pub use idem_sql::{is_unavailable, store_error, SqlRecords, Sqlite, TableName};
 
 /// The SQLite store; see the crate-level docs.
 pub type SqliteStore = idem_sql::SqlStore<Sqlite>;

@@ -17,6 +17,7 @@
 //! time-out ([`ErrorClass::RetryTransaction`]) runs the transaction again,
 //! a few times.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use idem_core::{
@@ -131,47 +132,6 @@ impl<D: RecordDialect> SqlStore<D> {
     /// The migrations of the records' table, in order.
     pub fn migrations() -> &'static [Migration] {
         D::RECORDS.migrations
-    }
-
-    /// Applies the migrations that have not run yet (see
-    /// [`crate::migrate`]); safe from several processes at once.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        D::migrate(&self.pool, &self.table, D::RECORDS.migrations)
-            .await
-            .map_err(|e| match e {
-                crate::MigrateError::Database { source, .. } => store_error(source),
-                other => StoreError::Backend(Box::new(other)),
-            })
-    }
-
-    /// Reads a record as an operator sees it, past its retention or not,
-    /// with the database's clock.
-    pub async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
-        let mut tx = D::begin_write(&self.pool).await.map_err(store_error)?;
-        let row = D::fetch_optional(
-            &mut tx,
-            &self.sql.select,
-            &[Arg::Text(scope), Arg::Text(key)],
-        )
-        .await;
-        let row = crate::finish(tx, row).await.map_err(store_error)?;
-        let Some(row) = row else { return Ok(None) };
-        let now = now_of::<D>(&row)?;
-        Ok(Some(Inspection {
-            record: D::decode_record(&row)?,
-            now,
-        }))
-    }
-
-    /// Counts records by state, for operators.
-    pub async fn stats(&self) -> Result<StoreStats, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
-        let row = D::fetch_optional(&mut conn, &self.sql.stats, &[])
-            .await
-            .map_err(store_error)?
-            .ok_or_else(|| StoreError::Corrupt("stats: no row".into()))?;
-        let now = now_of::<D>(&row)?;
-        D::decode_stats(&row, now)
     }
 
     fn check_scope(&self, scope: &str) -> Result<(), StoreError> {
@@ -292,6 +252,77 @@ fn now_of<D: Dialect>(row: &crate::dialect::Row<D>) -> Result<UnixMillis, StoreE
     let corrupt = |e: sqlx::Error| StoreError::Corrupt(format!("the database's clock: {e}"));
     let value = D::get(row, "now").map_err(corrupt)?;
     Ok(UnixMillis(value.int("now").map_err(corrupt)?))
+}
+
+/// What operators and tools do with a SQL store of idempotency records,
+/// whichever the database: [`SqlStore`] on SQLite and MySQL, and
+/// `idem_postgres::PostgresStore`. Code written once over it (the `idem`
+/// CLI's verbs) serves every one.
+pub trait SqlRecords: Store {
+    /// The database.
+    type Dialect: Dialect;
+
+    /// The pool, for the application's own queries and transactions.
+    fn records_pool(&self) -> &Pool<Self::Dialect>;
+
+    /// Applies the migrations of the records' table that have not run yet
+    /// (see [`crate::migrate`]); safe from several processes at once.
+    fn migrate(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Reads a record as an operator sees it, past its retention or not,
+    /// with the database's clock.
+    fn inspect(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Inspection>, StoreError>> + Send;
+
+    /// Counts records by state, for operators.
+    fn stats(&self) -> impl Future<Output = Result<StoreStats, StoreError>> + Send;
+}
+
+impl<D: RecordDialect> SqlRecords for SqlStore<D> {
+    type Dialect = D;
+
+    fn records_pool(&self) -> &Pool<D> {
+        &self.pool
+    }
+
+    /// Applies the migrations that have not run yet (see
+    /// [`crate::migrate`]); safe from several processes at once.
+    async fn migrate(&self) -> Result<(), StoreError> {
+        Ok(D::migrate(&self.pool, &self.table, D::RECORDS.migrations).await?)
+    }
+
+    /// Reads a record as an operator sees it, past its retention or not,
+    /// with the database's clock.
+    async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
+        let mut tx = D::begin_write(&self.pool).await.map_err(store_error)?;
+        let row = D::fetch_optional(
+            &mut tx,
+            &self.sql.select,
+            &[Arg::Text(scope), Arg::Text(key)],
+        )
+        .await;
+        let row = crate::finish(tx, row).await.map_err(store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let now = now_of::<D>(&row)?;
+        Ok(Some(Inspection {
+            record: D::decode_record(&row)?,
+            now,
+        }))
+    }
+
+    /// Counts records by state, for operators.
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let row = D::fetch_optional(&mut conn, &self.sql.stats, &[])
+            .await
+            .map_err(store_error)?
+            .ok_or_else(|| StoreError::Corrupt("stats: no row".into()))?;
+        let now = now_of::<D>(&row)?;
+        D::decode_stats(&row, now)
+    }
 }
 
 impl<D: RecordDialect> Store for SqlStore<D> {
