@@ -257,7 +257,7 @@ impl Target {
             .connect_with(options)
             .await
             .map_err(|e| format!("cannot connect to {}: {e}", redact(url)))?;
-        Ok(PostgresStore::new(pool, table))
+        Ok(PostgresStore::new(pool, table)?)
     }
 
     async fn mysql(&self) -> Result<MySqlStore, Failure> {

@@ -92,6 +92,37 @@ macro_rules! claimable {
     };
 }
 
+/// The statements SQLite and MySQL share: times in milliseconds of the
+/// database's clock (`{now}`), written once for both.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+mod millis {
+    pub(super) const ENQUEUE: &str = "INSERT INTO {table}
+                      (message_id, destination, ordering_key, payload, headers, created_at, next_attempt_at)
+                  VALUES ($1, $2, $3, $4, $5, {now}, {now})";
+    pub(super) const CLAIMABLE: &str = claimable!(
+        "{now}",
+        "c.seq, c.message_id, c.destination, c.ordering_key, c.payload, c.headers, c.attempts + 1 AS attempts"
+    );
+    pub(super) const LEASE: &str =
+        "UPDATE {table} SET claimed_until = {now} + $2, claim_token = $1, attempts = attempts + 1
+                WHERE seq IN ({seqs})";
+    pub(super) const LAG: &str =
+        "SELECT {now} - MIN(created_at) AS lag FROM {table} WHERE state = 'pending'";
+    pub(super) const MARK_FAILED: &str =
+        "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
+                          next_attempt_at = {now} + $4, state = $5
+                      WHERE seq = $1 AND claim_token = $2";
+    pub(super) const MARK_SENT: &str =
+        "UPDATE {table} SET state = 'sent', sent_at = {now}, claimed_until = NULL
+                    WHERE claim_token = $1 AND state = 'pending'";
+}
+
+/// What every database's outbox and inbox say alike.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+const DEAD: &str = "SELECT message_id, destination, attempts, last_error FROM {table}
+               WHERE state = 'dead' ORDER BY seq LIMIT $1";
+const MARK: &str = "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)";
+
 #[cfg(feature = "postgres")]
 impl sealed::Sealed for idem_sql::Postgres {}
 
@@ -130,7 +161,7 @@ impl OutboxDialect for idem_sql::Postgres {
             version: 1,
             sql: include_str!("../migrations/inbox_0001.sql"),
         }],
-        mark: "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)",
+        mark: MARK,
         sweep: "DELETE FROM {table} WHERE (consumer, message_id) IN (
                     SELECT consumer, message_id FROM {table}
                     WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)",
@@ -151,34 +182,24 @@ impl OutboxDialect for idem_sql::Sqlite {
             version: 1,
             sql: include_str!("../migrations/sqlite/outbox_0001.sql"),
         }],
-        enqueue: "INSERT INTO {table}
-                      (message_id, destination, ordering_key, payload, headers, created_at, next_attempt_at)
-                  VALUES ($1, $2, $3, $4, $5, {now}, {now})",
+        enqueue: millis::ENQUEUE,
         notify: None,
-        claimable: claimable!(
-            "{now}",
-            "c.seq, c.message_id, c.destination, c.ordering_key, c.payload, c.headers, c.attempts + 1 AS attempts"
-        ),
-        lease: "UPDATE {table} SET claimed_until = {now} + $2, claim_token = $1, attempts = attempts + 1
-                WHERE seq IN ({seqs})",
-        lag: "SELECT {now} - min(created_at) AS lag FROM {table} WHERE state = 'pending'",
-        mark_failed: "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
-                          next_attempt_at = {now} + $4, state = $5
-                      WHERE seq = $1 AND claim_token = $2",
-        mark_sent: "UPDATE {table} SET state = 'sent', sent_at = {now}, claimed_until = NULL
-                    WHERE claim_token = $1 AND state = 'pending'",
+        claimable: millis::CLAIMABLE,
+        lease: millis::LEASE,
+        lag: millis::LAG,
+        mark_failed: millis::MARK_FAILED,
+        mark_sent: millis::MARK_SENT,
         stats: "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
                        count(*) FILTER (WHERE state = 'sent') AS sent,
                        count(*) FILTER (WHERE state = 'dead') AS dead FROM {table}",
-        dead: "SELECT message_id, destination, attempts, last_error FROM {table}
-               WHERE state = 'dead' ORDER BY seq LIMIT $1",
+        dead: DEAD,
     };
     const INBOX: InboxSql = InboxSql {
         migrations: &[Migration {
             version: 1,
             sql: include_str!("../migrations/inbox_0001.sql"),
         }],
-        mark: "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)",
+        mark: MARK,
         sweep: "DELETE FROM {table} WHERE rowid IN (
                     SELECT rowid FROM {table}
                     WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)",
@@ -195,34 +216,24 @@ impl OutboxDialect for idem_sql::MySql {
             version: 1,
             sql: include_str!("../migrations/mysql/outbox_0001.sql"),
         }],
-        enqueue: "INSERT INTO {table}
-                      (message_id, destination, ordering_key, payload, headers, created_at, next_attempt_at)
-                  VALUES ($1, $2, $3, $4, $5, {now}, {now})",
+        enqueue: millis::ENQUEUE,
         notify: None,
-        claimable: claimable!(
-            "{now}",
-            "c.seq, c.message_id, c.destination, c.ordering_key, c.payload, c.headers, c.attempts + 1 AS attempts"
-        ),
-        lease: "UPDATE {table} SET claimed_until = {now} + $2, claim_token = $1, attempts = attempts + 1
-                WHERE seq IN ({seqs})",
-        lag: "SELECT {now} - MIN(created_at) AS lag FROM {table} WHERE state = 'pending'",
-        mark_failed: "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
-                          next_attempt_at = {now} + $4, state = $5
-                      WHERE seq = $1 AND claim_token = $2",
-        mark_sent: "UPDATE {table} SET state = 'sent', sent_at = {now}, claimed_until = NULL
-                    WHERE claim_token = $1 AND state = 'pending'",
+        claimable: millis::CLAIMABLE,
+        lease: millis::LEASE,
+        lag: millis::LAG,
+        mark_failed: millis::MARK_FAILED,
+        mark_sent: millis::MARK_SENT,
         stats: "SELECT CAST(COALESCE(SUM(state = 'pending'), 0) AS SIGNED) AS pending,
                        CAST(COALESCE(SUM(state = 'sent'), 0) AS SIGNED) AS sent,
                        CAST(COALESCE(SUM(state = 'dead'), 0) AS SIGNED) AS dead FROM {table}",
-        dead: "SELECT message_id, destination, attempts, last_error FROM {table}
-               WHERE state = 'dead' ORDER BY seq LIMIT $1",
+        dead: DEAD,
     };
     const INBOX: InboxSql = InboxSql {
         migrations: &[Migration {
             version: 1,
             sql: include_str!("../migrations/mysql/inbox_0001.sql"),
         }],
-        mark: "INSERT INTO {table} (consumer, message_id, processed_at) VALUES ($1, $2, $3)",
+        mark: MARK,
         sweep: "DELETE FROM {table} WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2",
     };
 }

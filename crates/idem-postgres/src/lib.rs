@@ -5,7 +5,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use idem_core::{ClaimOutcome, ClaimRequest, Fingerprint, Store, StoredResponse};
-//! use idem_postgres::{complete_in_tx, PostgresStore, TableName};
+//! use idem_postgres::{PostgresStore, TableName};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let table = TableName::new(Some("billing"), "idem_records")?;
@@ -21,7 +21,7 @@
 //!     let mut tx = store.pool().begin().await?;
 //!     // ... the business write on `tx` ...
 //!     let response = StoredResponse { status: 201, headers: vec![], body: "{}".into() };
-//!     complete_in_tx(&mut tx, store.table(), &claim, &response).await?; // fenced by the token
+//!     store.complete_in(&mut tx, &claim, &response).await?; // fenced by the token
 //!     tx.commit().await?;
 //! }
 //! # Ok(()) }
@@ -99,277 +99,22 @@
 //! token: the holder is told the key is busy before it ran anything. It
 //! needs READ COMMITTED (PostgreSQL's default).
 
-use idem_core::{
-    BeginTransaction, BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId,
-    Record, Store, StoreError, StoredResponse, TransactionalStore,
+pub use idem_sql::store::{
+    postgres_pool as open_pool, PgExtra, CLAIM_CONNECTIONS, DEFAULT_ACQUIRE_TIMEOUT,
+    IDLE_CHECK_AFTER,
 };
-use idem_sql::migrate::Migration;
-use idem_sql::{decode_record, fenced};
-use sqlx::postgres::{PgConnection, PgPool};
-use sqlx::Row;
+pub use idem_sql::{
+    is_unavailable, store_error, InvalidIdentifier, Postgres, SqlRecords, TableName,
+};
 
-mod claim;
-mod conns;
-mod held;
-mod ops;
-mod pool;
-mod sql;
+/// The PostgreSQL store; see the crate-level docs. It is
+/// [`idem_sql::SqlStore`] on the [`Postgres`] dialect, whose claims are
+/// its own (a first look, claim connections, claims held by the business
+/// transaction).
+pub type PostgresStore = idem_sql::SqlStore<Postgres>;
 
-pub use pool::{open_pool, DEFAULT_ACQUIRE_TIMEOUT, IDLE_CHECK_AFTER};
-
-pub use idem_sql::{is_unavailable, store_error};
-pub use idem_sql::{InvalidIdentifier, SqlRecords, TableName};
-
-use claim::{corrupt, first_look, kept_racing, won_claim, ClaimBinds, FirstLook, CLAIM_TURNS};
-use conns::ClaimConnections;
-pub use conns::CLAIM_CONNECTIONS;
-use sql::{complete_sql, Sql};
-
-/// The embedded migrations of the records' table, in order. The SQL names the
-/// table `{table}` and derives its index's name from `{name}`; see [`TableName`].
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    sql: include_str!("../migrations/postgres/0001_records.sql"),
-}];
-
-/// The PostgreSQL store; see the crate-level docs.
-#[derive(Debug, Clone)]
-pub struct PostgresStore {
-    pool: PgPool,
-    table: TableName,
-    sql: std::sync::Arc<Sql>,
-    claims: std::sync::Arc<ClaimConnections>,
-}
-
-impl PostgresStore {
-    /// Connects to `url` and applies the migrations, with the default table
-    /// (`idem_records` on the `search_path`).
-    pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        Self::connect_with(url, TableName::default()).await
-    }
-
-    /// Connects to `url` and applies the migrations to `table` (creating its
-    /// schema if needed).
-    pub async fn connect_with(url: &str, table: TableName) -> Result<Self, StoreError> {
-        let pool = open_pool(url).await.map_err(store_error)?;
-        let store = Self::new(pool, table);
-        store.migrate().await?;
-        Ok(store)
-    }
-
-    /// Uses an existing pool. Call [`PostgresStore::migrate`] once if the
-    /// table may be missing.
-    ///
-    /// Claims run on up to [`CLAIM_CONNECTIONS`] of `pool`'s connections,
-    /// which the store keeps checked out between claims (a claim is one
-    /// statement, and sqlx checks every connection it takes back with a
-    /// round trip of its own). They count in the pool's `max_connections`:
-    /// give the pool a few more than the business work needs.
-    pub fn new(pool: PgPool, table: TableName) -> Self {
-        let sql = std::sync::Arc::new(Sql::new(&table));
-        let claims = std::sync::Arc::new(ClaimConnections::new());
-        Self {
-            pool,
-            table,
-            sql,
-            claims,
-        }
-    }
-
-    /// The pool, for the application's own queries and transactions.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
-    /// The table records live in.
-    pub fn table(&self) -> &TableName {
-        &self.table
-    }
-
-    async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let mut checkout = self
-            .claims
-            .checkout(&self.pool)
-            .await
-            .map_err(store_error)?;
-        let outcome = self.claim_on(checkout.conn(), req).await?;
-        checkout.keep();
-        Ok(outcome)
-    }
-
-    async fn claim_on(
-        &self,
-        conn: &mut PgConnection,
-        req: &ClaimRequest,
-    ) -> Result<ClaimOutcome, StoreError> {
-        let binds = ClaimBinds::new(req);
-        let token = FencingToken::generate();
-        let proposed = OperationId::generate();
-        let first = binds
-            .query(&self.sql.claim_first, proposed, token)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
-        match first_look(req, token, proposed, first)? {
-            FirstLook::New(claim) => return Ok(ClaimOutcome::Acquired(claim)),
-            FirstLook::Existing(record) => return Ok(ClaimOutcome::Existing(record)),
-            FirstLook::Undecided => {}
-        }
-        // Normally one turn. A second only when the row we lost to was
-        // committed after the statement's snapshot (see the crate docs), or
-        // was swept in between.
-        for _ in 0..CLAIM_TURNS {
-            let token = FencingToken::generate();
-            let proposed = OperationId::generate();
-            let row = binds
-                .query(&self.sql.claim, proposed, token)
-                .fetch_optional(&mut *conn)
-                .await
-                .map_err(store_error)?;
-            let Some(row) = row else { continue };
-            let won: bool = row.try_get("won").map_err(|e| corrupt("won", e))?;
-            let record = decode_record(&row)?;
-            if !won {
-                return Ok(ClaimOutcome::Existing(record));
-            }
-            return Ok(ClaimOutcome::Acquired(won_claim(record, token, proposed)?));
-        }
-        Err(kept_racing())
-    }
-}
-
-/// Applies idem's [`MIGRATIONS`] to `table`, under an advisory lock (see
-/// [`idem_sql::migrate`]).
-pub async fn migrate(pool: &PgPool, table: &TableName) -> Result<(), idem_sql::MigrateError> {
-    idem_sql::migrate::migrate::<idem_sql::Postgres>(pool, table, MIGRATIONS).await
-}
-
-/// Completes `claim` with `response` on `conn`, usually the handler's open
-/// transaction, so that the record commits with the business write.
-///
-/// Fenced by the claim's token: if the claim was taken over (or completed
-/// already), nothing is written and [`StoreError::ClaimLost`] is returned.
-/// The caller must then roll its transaction back (dropping it does): its
-/// effect must not commit.
-pub async fn complete_in_tx(
-    conn: &mut PgConnection,
-    table: &TableName,
-    claim: &Claim,
-    response: &StoredResponse,
-) -> Result<(), StoreError> {
-    complete_with(conn, &complete_sql(table), claim, response).await
-}
-
-async fn complete_with(
-    conn: &mut PgConnection,
-    sql: &str,
-    claim: &Claim,
-    response: &StoredResponse,
-) -> Result<(), StoreError> {
-    fenced(
-        sqlx::query(sql)
-            .bind(&claim.scope)
-            .bind(&claim.key)
-            .bind(claim.token.0)
-            .bind(i32::from(response.status))
-            .bind(response.encode_headers())
-            .bind(response.body.as_ref())
-            .execute(&mut *conn)
-            .await
-            .map(|done| done.rows_affected()),
-    )
-}
-
-impl TransactionalStore<PgConnection> for PostgresStore {
-    fn complete_in_tx<'a>(
-        &'a self,
-        conn: &'a mut PgConnection,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(complete_with(conn, &self.sql.complete, claim, response))
-    }
-}
-
-impl BeginTransaction for PostgresStore {
-    type Transaction = sqlx::Transaction<'static, sqlx::Postgres>;
-    type Connection = PgConnection;
-
-    fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
-        Box::pin(async move { self.pool.begin().await.map_err(idem_sql::store_error) })
-    }
-    fn connection(tx: &mut Self::Transaction) -> &mut PgConnection {
-        tx
-    }
-    fn commit(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
-        Box::pin(async move { tx.commit().await.map_err(idem_sql::store_error) })
-    }
-    fn rollback(tx: Self::Transaction) -> BoxFuture<'static, Result<(), StoreError>> {
-        Box::pin(async move { tx.rollback().await.map_err(idem_sql::store_error) })
-    }
-}
-
-impl Store for PostgresStore {
-    fn kind(&self) -> &'static str {
-        "postgres"
-    }
-
-    fn claim<'a>(
-        &'a self,
-        request: &'a ClaimRequest,
-    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
-        Box::pin(self.claim_inner(request))
-    }
-
-    fn complete<'a>(
-        &'a self,
-        claim: &'a Claim,
-        response: &'a StoredResponse,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            let mut conn = self.pool.acquire().await.map_err(store_error)?;
-            complete_with(&mut conn, &self.sql.complete, claim, response).await
-        })
-    }
-
-    fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(async move {
-            fenced(
-                sqlx::query(&self.sql.release)
-                    .bind(&claim.scope)
-                    .bind(&claim.key)
-                    .bind(claim.token.0)
-                    .execute(&self.pool)
-                    .await
-                    .map(|done| done.rows_affected()),
-            )
-        })
-    }
-
-    fn get<'a>(
-        &'a self,
-        scope: &'a str,
-        key: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-        Box::pin(async move {
-            let row = sqlx::query(&self.sql.get)
-                .bind(scope)
-                .bind(key)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(store_error)?;
-            row.map(|r| decode_record(&r)).transpose()
-        })
-    }
-
-    fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
-        Box::pin(async move {
-            let done = sqlx::query(&self.sql.sweep)
-                .bind(i64::try_from(batch).unwrap_or(i64::MAX))
-                .execute(&self.pool)
-                .await
-                .map_err(store_error)?;
-            Ok(done.rows_affected())
-        })
-    }
+/// Applies idem's migrations of the records' table to `table`, under an
+/// advisory lock (see [`idem_sql::migrate`]).
+pub async fn migrate(pool: &sqlx::PgPool, table: &TableName) -> Result<(), idem_sql::MigrateError> {
+    idem_sql::migrate::migrate::<Postgres>(pool, table, PostgresStore::migrations()).await
 }

@@ -89,7 +89,7 @@ async fn migrations_are_idempotent_and_concurrent_starts_are_safe() {
     .fetch_one(store.pool())
     .await
     .unwrap();
-    assert_eq!(versions, idem_postgres::MIGRATIONS.len() as i64);
+    assert_eq!(versions, PostgresStore::migrations().len() as i64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

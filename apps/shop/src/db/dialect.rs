@@ -154,10 +154,8 @@ impl ShopDialect for idem_sql::Postgres {
     ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>> {
         Box::pin(async move {
             let pool = idem_postgres::open_pool(url).await?;
-            Ok(idem_postgres::PostgresStore::new(
-                pool,
-                store.table().clone(),
-            ))
+            idem_postgres::PostgresStore::new(pool, store.table().clone())
+                .map_err(|e| sqlx::Error::Configuration(Box::new(e)))
         })
     }
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {

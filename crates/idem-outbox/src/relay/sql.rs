@@ -158,6 +158,36 @@ pub(super) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// How many times a statement or transaction the database aborted (a
+/// deadlock, a lock wait time-out, a serialization failure) runs again at
+/// once before its error is the round's.
+const TURNS: usize = 5;
+
+impl<D: OutboxDialect> SqlOutbox<D> {
+    /// `Err` unless the database asked for the work to run again.
+    fn again(e: sqlx::Error) -> Result<sqlx::Error, sqlx::Error> {
+        if D::classify(&e) == ErrorClass::RetryTransaction {
+            Ok(e)
+        } else {
+            Err(e)
+        }
+    }
+
+    /// `statement` on a pooled connection, run again when the database
+    /// aborted it (two relays' writes may deadlock on InnoDB).
+    async fn write(&self, statement: &Statement<D>, args: &[Arg<'_>]) -> Result<(), sqlx::Error> {
+        let mut last = None;
+        for _ in 0..TURNS {
+            let mut conn = self.pool.acquire().await?;
+            match D::execute(&mut conn, statement, args).await {
+                Ok(_) => return Ok(()),
+                Err(e) => last = Some(Self::again(e)?),
+            }
+        }
+        Err(last.unwrap_or(sqlx::Error::PoolTimedOut))
+    }
+}
+
 impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
     fn claim(
         &self,
@@ -165,7 +195,16 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
         lease: Duration,
         token: i64,
     ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>> {
-        Box::pin(self.claim_batch(batch, lease, token))
+        Box::pin(async move {
+            let mut last = None;
+            for _ in 0..TURNS {
+                match self.claim_batch(batch, lease, token).await {
+                    Ok(claimed) => return Ok(claimed),
+                    Err(e) => last = Some(Self::again(e)?),
+                }
+            }
+            Err(last.unwrap_or(sqlx::Error::PoolTimedOut))
+        })
     }
 
     fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>> {
@@ -189,7 +228,6 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
         state: RowState,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            let mut conn = self.pool.acquire().await?;
             let args = [
                 Arg::Int(seq),
                 Arg::Int(token),
@@ -197,19 +235,12 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
                 Arg::Int(millis(backoff)),
                 Arg::Text(state.as_str()),
             ];
-            D::execute(&mut conn, &self.sql()?.mark_failed, &args)
-                .await
-                .map(drop)
+            self.write(&self.sql()?.mark_failed, &args).await
         })
     }
 
     fn mark_sent(&self, token: i64) -> BoxFuture<'_, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            let mut conn = self.pool.acquire().await?;
-            D::execute(&mut conn, &self.sql()?.mark_sent, &[Arg::Int(token)])
-                .await
-                .map(drop)
-        })
+        Box::pin(async move { self.write(&self.sql()?.mark_sent, &[Arg::Int(token)]).await })
     }
 
     fn check(&self) -> BoxFuture<'_, Result<(), sqlx::Error>> {

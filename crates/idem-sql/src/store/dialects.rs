@@ -1,10 +1,12 @@
 //! [`RecordDialect`]: the databases [`SqlStore`](super::SqlStore) keeps
 //! records on, and their statements (`sql/<dialect>/`).
 
-use idem_core::BoxFuture;
+use idem_core::{BoxFuture, ClaimOutcome, ClaimRequest, StoreError};
 
+use super::SqlStore;
 use crate::dialect::{sealed, Dialect, Pool};
 use crate::migrate::Migration;
+use crate::TableName;
 
 /// What a dialect's record statements are made from (`sql/<dialect>/`).
 #[derive(Debug)]
@@ -22,17 +24,49 @@ pub struct RecordTemplates {
     pub(super) max_scope: Option<usize>,
 }
 
-/// A [`Dialect`] whose records [`SqlStore`](super::SqlStore) keeps (SQLite and MySQL;
-/// PostgreSQL has a store of its own, `idem-postgres`, with a first look
-/// and claims held by the business transaction).
+/// A [`Dialect`] whose records [`SqlStore`] keeps: SQLite, PostgreSQL and
+/// MySQL. Each may claim its own way (PostgreSQL: a first look that
+/// inserts, claim connections kept between claims, claims held by the
+/// business transaction); the rest of the store is written once.
 pub trait RecordDialect: Dialect + sealed::Sealed {
     /// The statements.
     #[doc(hidden)]
     const RECORDS: RecordTemplates;
 
+    /// What `{columns}` becomes in the statements: a record's columns, as
+    /// [`decode_record`](crate::decode_record) reads them.
+    #[doc(hidden)]
+    const COLUMNS: &'static str = "";
+
+    /// What `{expired}` becomes: a record past its retention and not held
+    /// under a live lease.
+    #[doc(hidden)]
+    const EXPIRED: &'static str = "";
+
+    /// What a store keeps beside its pool and statements for its claims.
+    #[doc(hidden)]
+    type Extra: std::fmt::Debug + Send + Sync + 'static;
+
+    /// Makes the [`Extra`](Self::Extra) of a store of `table`.
+    #[doc(hidden)]
+    fn extra(table: &TableName) -> Result<Self::Extra, sqlx::Error>;
+
     /// Opens a pool on `url` with idem's defaults for this database.
     #[doc(hidden)]
     fn open_pool(url: &str) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>>;
+
+    /// Claims `req`: by default the first look, then the claim's write
+    /// transaction (see [`crate::store`]).
+    #[doc(hidden)]
+    fn claim<'a>(
+        store: &'a SqlStore<Self>,
+        req: &'a ClaimRequest,
+    ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>>
+    where
+        Self: Sized,
+    {
+        Box::pin(store.claim_generic(req))
+    }
 }
 
 #[cfg(feature = "sqlite")]
@@ -51,6 +85,11 @@ impl RecordDialect for crate::Sqlite {
         stats: include_str!("../../sql/sqlite/stats.sql"),
         max_scope: None,
     };
+    type Extra = ();
+
+    fn extra(_: &TableName) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
 
     fn open_pool(url: &str) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>> {
         Box::pin(crate::dialect::sqlite_pool(url))
@@ -73,6 +112,11 @@ impl RecordDialect for crate::MySql {
         stats: include_str!("../../sql/mysql/stats.sql"),
         max_scope: Some(2048),
     };
+    type Extra = ();
+
+    fn extra(_: &TableName) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
 
     fn open_pool(url: &str) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>> {
         Box::pin(crate::dialect::mysql_pool(url))

@@ -17,12 +17,11 @@
 //! time-out ([`ErrorClass::RetryTransaction`]) runs the transaction again,
 //! a few times.
 
-use std::future::Future;
 use std::sync::Arc;
 
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Inspection, OperationId, Record,
-    RecordState, Store, StoreError, StoreStats, StoredResponse, UnixMillis,
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId, Record, RecordState,
+    Store, StoreError, StoredResponse, UnixMillis,
 };
 
 use crate::dialect::{Arg, Dialect, ErrorClass, Pool, Statement, Transaction};
@@ -30,11 +29,20 @@ use crate::migrate::Migration;
 use crate::{fenced, store_error, TableName};
 
 mod dialects;
+#[cfg(feature = "postgres")]
+mod postgres;
+mod records;
 mod tx;
 
 pub use dialects::RecordDialect;
 #[doc(hidden)]
 pub use dialects::RecordTemplates;
+#[cfg(feature = "postgres")]
+pub use postgres::{
+    open_pool as postgres_pool, PgExtra, CLAIM_CONNECTIONS, DEFAULT_ACQUIRE_TIMEOUT,
+    IDLE_CHECK_AFTER,
+};
+pub use records::SqlRecords;
 
 /// The record statements, made for one table.
 #[derive(Debug)]
@@ -51,14 +59,20 @@ struct RecordSql<D> {
 impl<D: RecordDialect> RecordSql<D> {
     fn new(table: &TableName) -> Result<Self, sqlx::Error> {
         let t = &D::RECORDS;
+        let prepare = |template: &str| {
+            let filled = template
+                .replace("{columns}", D::COLUMNS.trim())
+                .replace("{expired}", D::EXPIRED.trim());
+            Statement::prepare(&filled, table)
+        };
         Ok(Self {
-            claim: Statement::prepare(t.claim, table)?,
-            select: Statement::prepare(t.select, table)?,
-            get: Statement::prepare(t.get, table)?,
-            complete: Statement::prepare(t.complete, table)?,
-            release: Statement::prepare(t.release, table)?,
-            sweep: Statement::prepare(t.sweep, table)?,
-            stats: Statement::prepare(t.stats, table)?,
+            claim: prepare(t.claim)?,
+            select: prepare(t.select)?,
+            get: prepare(t.get)?,
+            complete: prepare(t.complete)?,
+            release: prepare(t.release)?,
+            sweep: prepare(t.sweep)?,
+            stats: prepare(t.stats)?,
         })
     }
 }
@@ -70,11 +84,24 @@ const CLAIM_TURNS: usize = 5;
 /// The idempotency records in a SQL table, on SQLite
 /// (`idem_sqlite::SqliteStore`) or MySQL (`idem_mysql::MySqlStore`); see
 /// the [module docs](self) for why its claim is atomic.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct SqlStore<D: RecordDialect> {
     pool: Pool<D>,
     table: TableName,
     sql: Arc<RecordSql<D>>,
+    extra: Arc<D::Extra>,
+}
+
+/// A handle: clones share the pool, the statements and the claims' state.
+impl<D: RecordDialect> Clone for SqlStore<D> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            sql: self.sql.clone(),
+            extra: self.extra.clone(),
+        }
+    }
 }
 
 impl<D: RecordDialect> SqlStore<D> {
@@ -95,13 +122,8 @@ impl<D: RecordDialect> SqlStore<D> {
     /// The store on `pool`, in the default table (`idem_records`). Call
     /// [`migrate`](Self::migrate) once if the table may be missing.
     pub fn from_pool(pool: Pool<D>) -> Self {
-        let table = TableName::default();
-        match RecordSql::new(&table) {
-            Ok(sql) => Self {
-                pool,
-                table,
-                sql: Arc::new(sql),
-            },
+        match Self::new(pool, TableName::default()) {
+            Ok(store) => store,
             // The default table names no schema, which every database takes.
             Err(_) => unreachable!("the default table is valid on every database"),
         }
@@ -111,11 +133,14 @@ impl<D: RecordDialect> SqlStore<D> {
     /// once if the table may be missing. Fails when the table cannot live
     /// on this database (a schema on SQLite).
     pub fn new(pool: Pool<D>, table: TableName) -> Result<Self, StoreError> {
-        let sql = RecordSql::new(&table).map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let backend = |e: sqlx::Error| StoreError::Backend(Box::new(e));
+        let sql = RecordSql::new(&table).map_err(backend)?;
+        let extra = D::extra(&table).map_err(backend)?;
         Ok(Self {
             pool,
             table,
             sql: Arc::new(sql),
+            extra: Arc::new(extra),
         })
     }
 
@@ -149,7 +174,12 @@ impl<D: RecordDialect> SqlStore<D> {
         }
     }
 
-    async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+    /// The claim of SQLite and MySQL: the first look, then the claim's
+    /// write transaction.
+    pub(crate) async fn claim_generic(
+        &self,
+        req: &ClaimRequest,
+    ) -> Result<ClaimOutcome, StoreError> {
         self.check_scope(&req.scope)?;
         if let Some(record) = self.first_look(req).await? {
             return Ok(ClaimOutcome::Existing(record));
@@ -254,77 +284,6 @@ fn now_of<D: Dialect>(row: &crate::dialect::Row<D>) -> Result<UnixMillis, StoreE
     Ok(UnixMillis(value.int("now").map_err(corrupt)?))
 }
 
-/// What operators and tools do with a SQL store of idempotency records,
-/// whichever the database: [`SqlStore`] on SQLite and MySQL, and
-/// `idem_postgres::PostgresStore`. Code written once over it (the `idem`
-/// CLI's verbs) serves every one.
-pub trait SqlRecords: Store {
-    /// The database.
-    type Dialect: Dialect;
-
-    /// The pool, for the application's own queries and transactions.
-    fn records_pool(&self) -> &Pool<Self::Dialect>;
-
-    /// Applies the migrations of the records' table that have not run yet
-    /// (see [`crate::migrate`]); safe from several processes at once.
-    fn migrate(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
-
-    /// Reads a record as an operator sees it, past its retention or not,
-    /// with the database's clock.
-    fn inspect(
-        &self,
-        scope: &str,
-        key: &str,
-    ) -> impl Future<Output = Result<Option<Inspection>, StoreError>> + Send;
-
-    /// Counts records by state, for operators.
-    fn stats(&self) -> impl Future<Output = Result<StoreStats, StoreError>> + Send;
-}
-
-impl<D: RecordDialect> SqlRecords for SqlStore<D> {
-    type Dialect = D;
-
-    fn records_pool(&self) -> &Pool<D> {
-        &self.pool
-    }
-
-    /// Applies the migrations that have not run yet (see
-    /// [`crate::migrate`]); safe from several processes at once.
-    async fn migrate(&self) -> Result<(), StoreError> {
-        Ok(D::migrate(&self.pool, &self.table, D::RECORDS.migrations).await?)
-    }
-
-    /// Reads a record as an operator sees it, past its retention or not,
-    /// with the database's clock.
-    async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
-        let mut tx = D::begin_write(&self.pool).await.map_err(store_error)?;
-        let row = D::fetch_optional(
-            &mut tx,
-            &self.sql.select,
-            &[Arg::Text(scope), Arg::Text(key)],
-        )
-        .await;
-        let row = crate::finish(tx, row).await.map_err(store_error)?;
-        let Some(row) = row else { return Ok(None) };
-        let now = now_of::<D>(&row)?;
-        Ok(Some(Inspection {
-            record: D::decode_record(&row)?,
-            now,
-        }))
-    }
-
-    /// Counts records by state, for operators.
-    async fn stats(&self) -> Result<StoreStats, StoreError> {
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
-        let row = D::fetch_optional(&mut conn, &self.sql.stats, &[])
-            .await
-            .map_err(store_error)?
-            .ok_or_else(|| StoreError::Corrupt("stats: no row".into()))?;
-        let now = now_of::<D>(&row)?;
-        D::decode_stats(&row, now)
-    }
-}
-
 impl<D: RecordDialect> Store for SqlStore<D> {
     fn kind(&self) -> &'static str {
         D::NAME
@@ -334,7 +293,7 @@ impl<D: RecordDialect> Store for SqlStore<D> {
         &'a self,
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
-        Box::pin(self.claim_inner(request))
+        D::claim(self, request)
     }
 
     fn complete<'a>(

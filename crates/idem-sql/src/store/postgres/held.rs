@@ -7,19 +7,20 @@ use idem_core::{
     BoxFuture, Claim, ClaimInTransaction, ClaimRequest, FencingToken, OperationId, RecordState,
     StoreError, TxClaimOutcome,
 };
-use idem_sql::decode_record;
 use sqlx::Row;
 
-use crate::{
-    corrupt, first_look, kept_racing, store_error, won_claim, ClaimBinds, FirstLook, PostgresStore,
-    CLAIM_TURNS,
+use super::claim::{
+    corrupt, first_look, kept_racing, won_claim, ClaimBinds, FirstLook, CLAIM_TURNS,
 };
+use crate::store::SqlStore;
+use crate::{decode_record, store_error, Postgres};
 
-impl PostgresStore {
+impl SqlStore<Postgres> {
     /// The durable half of a transaction-held claim: the first look, then
     /// (when it did not decide) the deciding statement that respects row locks.
     async fn claim_held_inner(&self, req: &ClaimRequest) -> Result<TxClaimOutcome<()>, StoreError> {
         let mut checkout = self
+            .extra
             .claims
             .checkout(&self.pool)
             .await
@@ -41,7 +42,7 @@ impl PostgresStore {
             let token = FencingToken::generate();
             let proposed = OperationId::generate();
             let first = binds
-                .query(&self.sql.claim_first, proposed, token)
+                .query(&self.extra.sql.claim_first, proposed, token)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(store_error)?;
@@ -65,7 +66,7 @@ impl PostgresStore {
             }
             let token = FencingToken::generate();
             let row = binds
-                .query(&self.sql.claim_held, proposed, token)
+                .query(&self.extra.sql.claim_held, proposed, token)
                 .fetch_optional(&mut *conn)
                 .await
                 .map_err(store_error)?;
@@ -96,7 +97,7 @@ impl PostgresStore {
         let idle_ms = i64::try_from(lease.as_millis())
             .unwrap_or(i64::MAX)
             .clamp(1, i64::from(i32::MAX));
-        let held = sqlx::query(&self.sql.hold)
+        let held = sqlx::query(&self.extra.sql.hold)
             .bind(&claim.scope)
             .bind(&claim.key)
             .bind(claim.token.0)
@@ -124,7 +125,7 @@ impl PostgresStore {
     }
 }
 
-impl ClaimInTransaction for PostgresStore {
+impl ClaimInTransaction for SqlStore<Postgres> {
     type Transaction = sqlx::Transaction<'static, sqlx::Postgres>;
 
     fn claim_and_begin<'a>(

@@ -20,7 +20,7 @@ use sqlx::Connection;
 use sqlx::Postgres;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-use crate::IDLE_CHECK_AFTER;
+use super::IDLE_CHECK_AFTER;
 
 /// At most this many claims run at once on one store, each one statement;
 /// more wait for a connection (within the pool's acquire time-out). They

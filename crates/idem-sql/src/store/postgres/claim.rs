@@ -1,10 +1,10 @@
 //! What both claim paths share: the binds of a claim statement, and the
 //! claim read back from what a statement returned.
 
+use crate::decode_record;
 use idem_core::{
     Claim, ClaimRequest, FencingToken, OperationId, Record, RecordState, StoreError, UnixMillis,
 };
-use idem_sql::decode_record;
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 

@@ -6,5 +6,5 @@ SELECT
     count(*) FILTER (WHERE state = 'completed'),
     count(*) FILTER (WHERE {expired}),
     (extract(epoch FROM min(created_at)) * 1000)::bigint,
-    (extract(epoch FROM now()) * 1000)::bigint
+    {now} AS now
 FROM {table}

@@ -1,0 +1,80 @@
+//! [`SqlRecords`]: a SQL store as operators and tools use it.
+
+use std::future::Future;
+
+use idem_core::{Inspection, Store, StoreError, StoreStats};
+
+use super::{now_of, RecordDialect, SqlStore};
+use crate::dialect::{Arg, Dialect, Pool};
+use crate::store_error;
+
+/// What operators and tools do with a SQL store of idempotency records,
+/// whichever the database: [`SqlStore`] on SQLite and MySQL, and
+/// `idem_postgres::PostgresStore`. Code written once over it (the `idem`
+/// CLI's verbs) serves every one.
+pub trait SqlRecords: Store {
+    /// The database.
+    type Dialect: Dialect;
+
+    /// The pool, for the application's own queries and transactions.
+    fn records_pool(&self) -> &Pool<Self::Dialect>;
+
+    /// Applies the migrations of the records' table that have not run yet
+    /// (see [`crate::migrate`]); safe from several processes at once.
+    fn migrate(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Reads a record as an operator sees it, past its retention or not,
+    /// with the database's clock.
+    fn inspect(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Inspection>, StoreError>> + Send;
+
+    /// Counts records by state, for operators.
+    fn stats(&self) -> impl Future<Output = Result<StoreStats, StoreError>> + Send;
+}
+
+impl<D: RecordDialect> SqlRecords for SqlStore<D> {
+    type Dialect = D;
+
+    fn records_pool(&self) -> &Pool<D> {
+        &self.pool
+    }
+
+    /// Applies the migrations that have not run yet (see
+    /// [`crate::migrate`]); safe from several processes at once.
+    async fn migrate(&self) -> Result<(), StoreError> {
+        Ok(D::migrate(&self.pool, &self.table, D::RECORDS.migrations).await?)
+    }
+
+    /// Reads a record as an operator sees it, past its retention or not,
+    /// with the database's clock.
+    async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
+        let mut tx = D::begin_write(&self.pool).await.map_err(store_error)?;
+        let row = D::fetch_optional(
+            &mut tx,
+            &self.sql.select,
+            &[Arg::Text(scope), Arg::Text(key)],
+        )
+        .await;
+        let row = crate::finish(tx, row).await.map_err(store_error)?;
+        let Some(row) = row else { return Ok(None) };
+        let now = now_of::<D>(&row)?;
+        Ok(Some(Inspection {
+            record: D::decode_record(&row)?,
+            now,
+        }))
+    }
+
+    /// Counts records by state, for operators.
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let row = D::fetch_optional(&mut conn, &self.sql.stats, &[])
+            .await
+            .map_err(store_error)?
+            .ok_or_else(|| StoreError::Corrupt("stats: no row".into()))?;
+        let now = now_of::<D>(&row)?;
+        D::decode_stats(&row, now)
+    }
+}
