@@ -5,9 +5,10 @@
 
 use axum::response::{IntoResponse, Response};
 use idem_axum::{DeferredClaim, Idempotency, Problem};
-use idem_core::{BoxFuture, Store, StoreError, TransactionalStore};
+use idem_core::BoxFuture;
 use idem_outbox::OutboxDialect;
-use idem_sql::dialect::{Conn, Pool, Transaction};
+use idem_sql::dialect::{Pool, Transaction};
+use idem_sql::{RecordDialect, SqlStore};
 
 /// The statements whose SQL differs between databases. Each inserts
 /// nothing when its unique key exists already (`ON CONFLICT DO NOTHING`;
@@ -42,26 +43,28 @@ pub(crate) const ORDER_KEY: &str = "shop_orders_natural_key";
 pub(crate) const PRODUCT_KEY: &str = "PRIMARY";
 pub(crate) const BANK_EVENT_KEY: &str = "PRIMARY";
 
-/// A database the shop runs on.
-pub(crate) trait ShopDialect: OutboxDialect {
-    /// idem's store of records on it.
-    type Store: Store + TransactionalStore<Conn<Self>> + Clone + std::fmt::Debug;
+/// A database the shop runs on; idem's store of records on it is
+/// `SqlStore<Self>`.
+pub(crate) trait ShopDialect: OutboxDialect + RecordDialect {
     /// The statements that differ.
     const SQL: ShopSql;
-    /// Opens (migrating) idem's store at `url`.
-    fn connect(url: &str) -> BoxFuture<'_, Result<Self::Store, StoreError>>;
-    /// The store's pool.
-    fn pool(store: &Self::Store) -> &Pool<Self>;
-    /// The bank's store: connections of its own to `url`.
+    /// The bank's store: by default connections of its own to `url` (a
+    /// remote system does not borrow the shop's).
     fn bank_store<'a>(
-        store: &'a Self::Store,
+        store: &'a SqlStore<Self>,
         url: &'a str,
-    ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<SqlStore<Self>, sqlx::Error>> {
+        Box::pin(async move {
+            let pool = <Self as RecordDialect>::open_pool(url).await?;
+            SqlStore::new(pool, store.table().clone())
+                .map_err(|e| sqlx::Error::Configuration(Box::new(e)))
+        })
+    }
     /// Creates the shop's tables (several instances may start at once).
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>>;
     /// Claims in the transaction that will hold the claim.
     fn begin_claimed<'a>(
-        store: &'a Self::Store,
+        store: &'a SqlStore<Self>,
         deferred: &'a DeferredClaim,
     ) -> BoxFuture<'a, Result<(Transaction<Self>, Idempotency), Response>> {
         let _ = (store, deferred);
@@ -101,20 +104,13 @@ const ANSI: ShopSql = ShopSql {
 };
 
 impl ShopDialect for idem_sql::Sqlite {
-    type Store = idem_sqlite::SqliteStore;
     const SQL: ShopSql = ANSI;
 
-    fn connect(url: &str) -> BoxFuture<'_, Result<Self::Store, StoreError>> {
-        Box::pin(idem_sqlite::SqliteStore::connect(url))
-    }
-    fn pool(store: &Self::Store) -> &Pool<Self> {
-        store.pool()
-    }
     /// SQLite has one writer: the bank shares the shop's file.
     fn bank_store<'a>(
-        store: &'a Self::Store,
+        store: &'a SqlStore<Self>,
         _: &'a str,
-    ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<SqlStore<Self>, sqlx::Error>> {
         Box::pin(async move { Ok(store.clone()) })
     }
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
@@ -139,25 +135,8 @@ impl ShopDialect for idem_sql::Sqlite {
 }
 
 impl ShopDialect for idem_sql::Postgres {
-    type Store = idem_postgres::PostgresStore;
     const SQL: ShopSql = ANSI;
 
-    fn connect(url: &str) -> BoxFuture<'_, Result<Self::Store, StoreError>> {
-        Box::pin(idem_postgres::PostgresStore::connect(url))
-    }
-    fn pool(store: &Self::Store) -> &Pool<Self> {
-        store.pool()
-    }
-    fn bank_store<'a>(
-        store: &'a Self::Store,
-        url: &'a str,
-    ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>> {
-        Box::pin(async move {
-            let pool = idem_postgres::open_pool(url).await?;
-            idem_postgres::PostgresStore::new(pool, store.table().clone())
-                .map_err(|e| sqlx::Error::Configuration(Box::new(e)))
-        })
-    }
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
         Box::pin(async move {
             // Several instances may start at once: serialise the DDL.
@@ -180,7 +159,7 @@ impl ShopDialect for idem_sql::Postgres {
         })
     }
     fn begin_claimed<'a>(
-        store: &'a Self::Store,
+        store: &'a SqlStore<Self>,
         deferred: &'a DeferredClaim,
     ) -> BoxFuture<'a, Result<(Transaction<Self>, Idempotency), Response>> {
         Box::pin(async move {
@@ -193,7 +172,6 @@ impl ShopDialect for idem_sql::Postgres {
 }
 
 impl ShopDialect for idem_sql::MySql {
-    type Store = idem_mysql::MySqlStore;
     const SQL: ShopSql = ShopSql {
         schema: include_str!("schema_mysql.sql"),
         insert_charge: "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at, client_id)
@@ -211,23 +189,6 @@ impl ShopDialect for idem_sql::MySql {
         account_payments: "SELECT count(*) AS n, CAST(COALESCE(SUM(amount), 0) AS SIGNED) AS total
                            FROM shop_payments WHERE account_id = $1 AND client_id = $2",
     };
-
-    fn connect(url: &str) -> BoxFuture<'_, Result<Self::Store, StoreError>> {
-        Box::pin(idem_mysql::MySqlStore::connect(url))
-    }
-    fn pool(store: &Self::Store) -> &Pool<Self> {
-        store.pool()
-    }
-    fn bank_store<'a>(
-        store: &'a Self::Store,
-        url: &'a str,
-    ) -> BoxFuture<'a, Result<Self::Store, sqlx::Error>> {
-        Box::pin(async move {
-            let pool = idem_mysql::open_pool(url).await?;
-            idem_mysql::MySqlStore::new(pool, store.table().clone())
-                .map_err(|e| sqlx::Error::Configuration(Box::new(e)))
-        })
-    }
     /// Under a named lock; each statement commits by itself (MySQL's DDL),
     /// and each is written to be run again.
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {

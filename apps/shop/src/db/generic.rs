@@ -9,14 +9,14 @@ use idem_axum::{CompleteError, DeferredClaim, Idempotency};
 use idem_core::{BoxFuture, Store};
 use idem_outbox::{inbox, Handled, OutgoingMessage, Publisher, Relay, RelayConfig};
 use idem_sql::dialect::{Arg, Conn, Row as DialectRow, Statement, Transaction};
-use idem_sql::Dialect;
+use idem_sql::{Dialect, SqlStore};
 
 use super::dialect::ShopDialect;
 use super::{Claimed, Database, OpenError, Param, Row, ShopDb, ShopExec, ShopSql, ShopTx, Work};
 
 /// The shop's database on dialect `D`.
 pub(crate) struct Db<D: ShopDialect> {
-    store: D::Store,
+    store: SqlStore<D>,
 }
 
 impl<D: ShopDialect> std::fmt::Debug for Db<D> {
@@ -29,8 +29,8 @@ impl<D: ShopDialect> Db<D> {
     /// Opens idem's store at `url` and creates the shop's tables, the
     /// outbox and the inbox.
     pub(crate) async fn open(url: &str) -> Result<Self, OpenError> {
-        let store = D::connect(url).await?;
-        let pool = D::pool(&store);
+        let store = SqlStore::<D>::connect(url).await?;
+        let pool = store.pool();
         D::migrate_schema(pool).await?;
         inbox::migrate(pool).await?;
         idem_outbox::outbox::migrate(pool).await?;
@@ -100,7 +100,7 @@ impl<D: ShopDialect> ShopExec for PooledConn<D> {
 /// A write transaction, with the store its record completes in.
 struct Tx<D: ShopDialect> {
     tx: Transaction<D>,
-    store: D::Store,
+    store: SqlStore<D>,
 }
 
 impl<D: ShopDialect> ShopExec for Tx<D> {
@@ -190,14 +190,14 @@ impl<D: ShopDialect> ShopDb for Db<D> {
 
     fn conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
         Box::pin(async move {
-            let conn = D::pool(&self.store).acquire().await?;
+            let conn = self.store.pool().acquire().await?;
             Ok(Box::new(PooledConn::<D>(conn)) as Box<dyn ShopExec>)
         })
     }
 
     fn begin(&self) -> BoxFuture<'_, Result<Box<dyn ShopTx>, sqlx::Error>> {
         Box::pin(async move {
-            let tx = D::begin_write(D::pool(&self.store)).await?;
+            let tx = D::begin_write(self.store.pool()).await?;
             Ok(Box::new(Tx::<D> {
                 tx,
                 store: self.store.clone(),
@@ -226,23 +226,20 @@ impl<D: ShopDialect> ShopDb for Db<D> {
         work: Work,
     ) -> BoxFuture<'a, Result<Handled<()>, String>> {
         Box::pin(async move {
-            inbox::process(
-                D::pool(&self.store),
-                consumer,
-                message_id,
-                async move |conn| act::<D>(conn, work).await,
-            )
+            inbox::process(self.store.pool(), consumer, message_id, async move |conn| {
+                act::<D>(conn, work).await
+            })
             .await
             .map_err(|e| e.to_string())
         })
     }
 
     fn sweep_inbox(&self, retention: Duration) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
-        Box::pin(inbox::sweep(D::pool(&self.store), retention, 500))
+        Box::pin(inbox::sweep(self.store.pool(), retention, 500))
     }
 
     fn relay(&self, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Relay {
-        Relay::new(D::pool(&self.store), publisher, config)
+        Relay::new(self.store.pool(), publisher, config)
     }
 
     fn bank(&self, url: &str) -> BoxFuture<'_, Result<Database, sqlx::Error>> {
