@@ -23,6 +23,7 @@ use clap::{Args, Parser, Subcommand};
 use idem_core::{sweep_all, Inspection, RecordState, StoreError, StoreStats};
 use idem_mysql::MySqlStore;
 use idem_postgres::{PostgresStore, TableName};
+use idem_sql::dialect::DialectKind;
 use idem_sqlite::SqliteStore;
 use ops::{is_missing_table, Ops};
 use serde_json::json;
@@ -199,32 +200,6 @@ fn redis_line(record: Option<&idem_core::Record>, now: idem_core::UnixMillis) ->
 
 type Failure = Box<dyn std::error::Error>;
 
-/// The database a URL names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Scheme {
-    Sqlite,
-    Postgres,
-    MySql,
-}
-
-impl Scheme {
-    fn of(url: &str) -> Result<Self, Failure> {
-        if url.starts_with("sqlite:") {
-            Ok(Self::Sqlite)
-        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Ok(Self::Postgres)
-        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-            Ok(Self::MySql)
-        } else {
-            Err(format!(
-                "unsupported database URL {:?}: use sqlite:FILE, postgres://… or mysql://…",
-                redact(url)
-            )
-            .into())
-        }
-    }
-}
-
 impl Target {
     fn table(&self) -> Result<TableName, Failure> {
         Ok(TableName::new(self.schema.as_deref(), &self.table)?)
@@ -261,7 +236,7 @@ impl Target {
     }
 
     async fn mysql(&self) -> Result<MySqlStore, Failure> {
-        let url = self.database_url.replacen("mariadb://", "mysql://", 1);
+        let url = DialectKind::driver_url(&self.database_url);
         let table = self.table()?;
         let options = sqlx::mysql::MySqlConnectOptions::from_str(&url)?;
         let pool = sqlx::mysql::MySqlPoolOptions::new()
@@ -406,10 +381,15 @@ fn explain(e: StoreError) -> Failure {
 async fn run(cli: Cli) -> Result<ExitCode, Failure> {
     let target = cli.command.target();
     let create = matches!(cli.command, Command::Migrate(_));
-    match Scheme::of(&target.database_url)? {
-        Scheme::Sqlite => run_with(&target.sqlite(create).await?, cli.command).await,
-        Scheme::Postgres => run_with(&target.postgres().await?, cli.command).await,
-        Scheme::MySql => run_with(&target.mysql().await?, cli.command).await,
+    match DialectKind::of_url(&target.database_url) {
+        Some(DialectKind::Sqlite) => run_with(&target.sqlite(create).await?, cli.command).await,
+        Some(DialectKind::Postgres) => run_with(&target.postgres().await?, cli.command).await,
+        Some(DialectKind::MySql) => run_with(&target.mysql().await?, cli.command).await,
+        _ => Err(format!(
+            "unsupported database URL {:?}: use sqlite:FILE, postgres://… or mysql://…",
+            redact(&target.database_url)
+        )
+        .into()),
     }
 }
 

@@ -129,8 +129,8 @@ impl Config {
     /// Refuses flag combinations that cannot work together.
     pub(crate) fn check(&self) -> Result<(), String> {
         if self.claim_in_transaction {
-            let postgres = self.database_url.starts_with("postgres://")
-                || self.database_url.starts_with("postgresql://");
+            let postgres = idem_sql::dialect::DialectKind::of_url(&self.database_url)
+                == Some(idem_sql::dialect::DialectKind::Postgres);
             if !postgres || self.idem_store != IdemStore::Database {
                 return Err("--claim-in-transaction needs a PostgreSQL --database-url holding the records (--idem-store database)".into());
             }

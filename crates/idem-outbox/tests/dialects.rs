@@ -4,19 +4,16 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::BoxFuture;
 use idem_outbox::inbox::{self, Handled};
-use idem_outbox::outbox::{
-    self, OutgoingMessage, PublishError, Published, Publisher, Relay, RelayConfig, RelayError,
-};
+use idem_outbox::outbox::{self, OutgoingMessage, Relay, RelayConfig, RelayError};
 use idem_outbox::{InboxTable, OutboxDialect, OutboxTable};
 use idem_sql::dialect::{Arg, Statement};
 use idem_sql::{Dialect, Driver};
+use idem_test_support::messaging::Recording;
 use idem_test_support::mysql::TestDatabase;
 use idem_test_support::postgres::TestSchema;
 
@@ -35,35 +32,6 @@ async fn count<DB: Driver>(pool: &sqlx::Pool<DB>, sql: &str) -> i64 {
         .unwrap()
         .unwrap();
     DB::Dialect::get(&row, "n").unwrap().int("n").unwrap()
-}
-
-/// Publishes everything but messages to `poison` (refused) and `silent`
-/// (said nothing of), recording what went out.
-#[derive(Default)]
-struct Recording {
-    published: Mutex<Vec<String>>,
-    calls: AtomicUsize,
-}
-
-impl Publisher for Recording {
-    fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let mut published = self.published.lock().unwrap();
-        let results = batch
-            .iter()
-            .filter(|m| m.destination != "silent")
-            .map(|m| {
-                let result = if m.destination == "poison" {
-                    Err(PublishError::other("the broker refused it"))
-                } else {
-                    published.push(m.message_id.clone());
-                    Ok(())
-                };
-                (m.message_id.clone(), result)
-            })
-            .collect();
-        Box::pin(async move { results })
-    }
 }
 
 fn message(id: &str, destination: &str, key: Option<&str>) -> OutgoingMessage {

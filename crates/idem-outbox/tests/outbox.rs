@@ -3,16 +3,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use idem_core::BoxFuture;
 use idem_outbox::inbox::{self, Handled};
-use idem_outbox::outbox::{
-    self, OutgoingMessage, PublishError, Published, Publisher, Relay, RelayConfig,
-};
+use idem_outbox::outbox::{self, OutgoingMessage, Published, Publisher, Relay, RelayConfig};
+use idem_test_support::messaging::Recording;
 use idem_test_support::postgres::TestSchema;
 
 async fn pg() -> (sqlx::PgPool, TestSchema) {
@@ -134,36 +133,6 @@ async fn racing_consumers_act_once_on_sqlite() {
         .unwrap();
     assert_eq!(n, 1);
     assert_eq!(inbox::sweep(&pool, Duration::ZERO, 100).await.unwrap(), 1);
-}
-
-/// Records what it published; fails for destinations named `poison`, and
-/// says nothing of those named `silent`.
-#[derive(Default)]
-struct Recording {
-    published: Mutex<Vec<String>>,
-    calls: AtomicUsize,
-}
-
-impl Publisher for Recording {
-    fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let mut published = self.published.lock().unwrap();
-        let results = batch
-            .iter()
-            // A publisher that says nothing of a message: it is not sent.
-            .filter(|m| m.destination != "silent")
-            .map(|m| {
-                let result = if m.destination == "poison" {
-                    Err(PublishError::other("the broker refused it"))
-                } else {
-                    published.push(m.message_id.clone());
-                    Ok(())
-                };
-                (m.message_id.clone(), result)
-            })
-            .collect();
-        Box::pin(async move { results })
-    }
 }
 
 fn message(id: &str, destination: &str, key: Option<&str>) -> OutgoingMessage {

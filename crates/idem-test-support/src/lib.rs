@@ -16,3 +16,23 @@ pub mod broker;
 pub mod messaging;
 pub mod mysql;
 pub mod postgres;
+
+/// Runs the future `work` makes to its end, on a thread with a runtime of
+/// its own: how a `Drop` (outside async code) cleans up a server's test
+/// database or schema. `false` when it gave up (`None`) or the thread
+/// failed.
+pub(crate) fn cleanup<F, Fut>(work: F) -> bool
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Option<()>>,
+{
+    let done = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?
+            .block_on(work())
+    })
+    .join();
+    matches!(done, Ok(Some(())))
+}

@@ -91,6 +91,45 @@ pub async fn record_effect(
     Ok(())
 }
 
+/// A publisher for tests: records what it published; fails for
+/// destinations named `poison`, and says nothing of those named `silent`.
+#[derive(Debug, Default)]
+pub struct Recording {
+    /// The message ids published, in order.
+    pub published: Mutex<Vec<String>>,
+    /// How many batches it was handed.
+    pub calls: AtomicUsize,
+}
+
+impl idem_outbox::outbox::Publisher for Recording {
+    fn publish<'a>(
+        &'a self,
+        batch: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, idem_outbox::outbox::Published> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let results = match self.published.lock() {
+            Ok(mut published) => batch
+                .iter()
+                // A publisher that says nothing of a message: it is not sent.
+                .filter(|m| m.destination != "silent")
+                .map(|m| {
+                    let result = if m.destination == "poison" {
+                        Err(idem_outbox::outbox::PublishError::other(
+                            "the broker refused it",
+                        ))
+                    } else {
+                        published.push(m.message_id.clone());
+                        Ok(())
+                    };
+                    (m.message_id.clone(), result)
+                })
+                .collect(),
+            Err(_) => idem_outbox::outbox::Published::default(),
+        };
+        Box::pin(async move { results })
+    }
+}
+
 /// A test message to `destination`.
 pub fn message(id: &str, destination: &str) -> OutgoingMessage {
     OutgoingMessage {

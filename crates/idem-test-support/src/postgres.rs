@@ -64,28 +64,20 @@ impl Drop for TestSchema {
     fn drop(&mut self) {
         let url = self.base_url.clone();
         let name = self.name.clone();
-        // Drop runs outside async code: use a thread with its own runtime.
-        let done = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
+        let dropped = crate::cleanup(move || async move {
+            let mut conn = PgConnection::connect(&url).await.ok()?;
+            // Never hang a test run on a lock some leaked transaction holds.
+            sqlx::raw_sql("SET lock_timeout = '10s'")
+                .execute(&mut conn)
+                .await
                 .ok()?;
-            rt.block_on(async {
-                let mut conn = PgConnection::connect(&url).await.ok()?;
-                // Never hang a test run on a lock some leaked transaction holds.
-                sqlx::raw_sql("SET lock_timeout = '10s'")
-                    .execute(&mut conn)
-                    .await
-                    .ok()?;
-                sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
-                    .execute(&mut conn)
-                    .await
-                    .ok()?;
-                conn.close().await.ok()
-            })
-        })
-        .join();
-        if !matches!(done, Ok(Some(()))) {
+            sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                .execute(&mut conn)
+                .await
+                .ok()?;
+            conn.close().await.ok()
+        });
+        if !dropped {
             eprintln!("warning: could not drop test schema {}", self.name);
         }
     }

@@ -44,17 +44,19 @@ pub(crate) type Database = Arc<dyn ShopDb>;
 
 /// Opens (migrating) the database `url` names.
 pub(crate) async fn open(url: &str) -> Result<Database, OpenError> {
-    if url.starts_with("sqlite:") {
-        Ok(Arc::new(generic::Db::<idem_sql::Sqlite>::open(url).await?))
-    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        Ok(Arc::new(
+    use idem_sql::dialect::DialectKind;
+    let driver_url = DialectKind::driver_url(url);
+    match DialectKind::of_url(url) {
+        Some(DialectKind::Sqlite) => {
+            Ok(Arc::new(generic::Db::<idem_sql::Sqlite>::open(url).await?))
+        }
+        Some(DialectKind::Postgres) => Ok(Arc::new(
             generic::Db::<idem_sql::Postgres>::open(url).await?,
-        ))
-    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-        let url = url.replacen("mariadb://", "mysql://", 1);
-        Ok(Arc::new(generic::Db::<idem_sql::MySql>::open(&url).await?))
-    } else {
-        Err(OpenError::Unsupported(url.to_owned()))
+        )),
+        Some(DialectKind::MySql) => Ok(Arc::new(
+            generic::Db::<idem_sql::MySql>::open(&driver_url).await?,
+        )),
+        _ => Err(OpenError::Unsupported(url.to_owned())),
     }
 }
 

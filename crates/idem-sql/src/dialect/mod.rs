@@ -55,6 +55,48 @@ pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
+/// Which database a URL names: the one place idem reads a URL's scheme.
+///
+/// ```
+/// use idem_sql::dialect::DialectKind;
+/// assert_eq!(DialectKind::of_url("sqlite:shop.db"), Some(DialectKind::Sqlite));
+/// assert_eq!(DialectKind::of_url("postgresql://h/db"), Some(DialectKind::Postgres));
+/// assert_eq!(DialectKind::of_url("mariadb://root@h/db"), Some(DialectKind::MySql));
+/// assert_eq!(DialectKind::of_url("oracle://h"), None);
+/// assert_eq!(DialectKind::driver_url("mariadb://root@h/db"), "mysql://root@h/db");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DialectKind {
+    /// `sqlite:FILE`.
+    Sqlite,
+    /// `postgres://…` or `postgresql://…`.
+    Postgres,
+    /// `mysql://…` or `mariadb://…`.
+    MySql,
+}
+
+impl DialectKind {
+    /// The database `url` names, if idem runs on it.
+    pub fn of_url(url: &str) -> Option<Self> {
+        let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
+        match scheme {
+            "sqlite" => Some(Self::Sqlite),
+            "postgres" | "postgresql" => Some(Self::Postgres),
+            "mysql" | "mariadb" => Some(Self::MySql),
+            _ => None,
+        }
+    }
+
+    /// `url` as sqlx's driver takes it (`mariadb://` is spelled `mysql://`).
+    pub fn driver_url(url: &str) -> Cow<'_, str> {
+        match url.strip_prefix("mariadb://") {
+            Some(rest) => Cow::Owned(format!("mysql://{rest}")),
+            None => Cow::Borrowed(url),
+        }
+    }
+}
+
 /// A value bound to a statement's placeholder.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
