@@ -127,3 +127,25 @@ async fn an_overlong_scope_is_refused_never_truncated() {
     );
     assert!(store.claim(&req).await.is_ok());
 }
+
+/// A database the URL names that does not exist yet is created on connect,
+/// as a SQLite file is.
+#[tokio::test]
+async fn a_missing_database_is_created_on_connect() {
+    let home = TestDatabase::create("idem_home").await;
+    let name = format!("idem_fresh_{}", uuid::Uuid::new_v4().simple());
+    let url = home.url().replace(home.name(), &name);
+    let store = MySqlStore::connect(&url).await.unwrap();
+    let found: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = 'idem_records'",
+    )
+    .bind(&name)
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    sqlx::query(&format!("DROP DATABASE `{name}`"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(found, 1);
+}

@@ -24,13 +24,51 @@ pub const DEFAULT_ACQUIRE_TIMEOUT: std::time::Duration = std::time::Duration::fr
 /// Opens a pool on `url` (`mysql://user:password@host:3306/database`) with
 /// idem's defaults: a bounded acquire time-out, 16 connections, and
 /// sqlx's session settings (UTC, `utf8mb4`, strict SQL mode as the server
-/// has it).
+/// has it). A database the URL names that does not exist yet is created
+/// (as a SQLite file is), when its name is a plain identifier.
 pub async fn open_pool(url: &str) -> Result<sqlx::MySqlPool, sqlx::Error> {
-    sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(16)
-        .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
-        .connect(url)
-        .await
+    use std::str::FromStr;
+    let options = sqlx::mysql::MySqlConnectOptions::from_str(url)?;
+    let open = || {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
+            .connect_with(options.clone())
+    };
+    match open().await {
+        Err(sqlx::Error::Database(e))
+            if e.try_downcast_ref::<MySqlDatabaseError>()
+                .is_some_and(|my| my.number() == 1049) =>
+        {
+            let Some(name) = options.get_database().filter(|n| {
+                !n.is_empty() && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            }) else {
+                return Err(sqlx::Error::Database(e));
+            };
+            create_database(&options, name).await?;
+            open().await
+        }
+        other => other,
+    }
+}
+
+/// Creates database `name` (a plain identifier) on the server `options`
+/// names.
+async fn create_database(
+    options: &sqlx::mysql::MySqlConnectOptions,
+    name: &str,
+) -> Result<(), sqlx::Error> {
+    use sqlx::{ConnectOptions, Connection, Executor};
+    let mut conn = options
+        .clone()
+        .database("information_schema")
+        .connect()
+        .await?;
+    let created = conn
+        .execute(format!("CREATE DATABASE IF NOT EXISTS `{name}`").as_str())
+        .await;
+    let _ = conn.close().await;
+    created.map(drop)
 }
 
 /// How long a migration waits for another runner's lock, in seconds.
