@@ -1,0 +1,477 @@
+//! [`Operation`]: what a run's work is given, and its named [`Step`]s.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use idem_core::{
+    BeginTransaction, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, OperationId,
+    Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tracing::{debug, warn};
+use uuid::Uuid;
+
+use crate::run::{encode, OUTPUT};
+
+/// The longest step name, in bytes.
+pub const MAX_STEP_NAME: usize = 64;
+
+/// A claimed run: its operation id, its fencing token, and its steps.
+///
+/// Made by [`Runner`](crate::Runner) for the work it runs, or by an edge
+/// that claimed a key itself ([`Operation::new`]; e.g. an axum handler
+/// behind the idempotency layer, from its claim).
+#[derive(Debug)]
+pub struct Operation<'s, S: ?Sized> {
+    store: &'s S,
+    claim: Claim,
+    retention: Duration,
+    in_transaction: bool,
+    names: Mutex<Vec<String>>,
+}
+
+/// Why a step gave no output.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StepError<E> {
+    /// The step's work failed; nothing was stored, and a resumed run calls
+    /// it again (under the same step key).
+    #[error("step failed: {0}")]
+    Failed(E),
+    /// A step name is 1 to 64 of `A-Z a-z 0-9 _ . : -`.
+    #[error("invalid step name {0:?}: a step name is 1 to 64 of A-Z a-z 0-9 _ . : -")]
+    InvalidName(String),
+    /// This run already asked for a step of this name.
+    #[error("step {0:?} was already asked for in this run: step names are unique per operation")]
+    DuplicateName(String),
+    /// The operation's step at this position was stored under another
+    /// name: the resumed run asks for its steps in another order than the
+    /// first one did.
+    #[error("step #{index} is {name:?} in this run, but the operation stored another step at #{index}: steps must be asked for in the same order on every run")]
+    OutOfOrder {
+        /// The step's position (from 0).
+        index: usize,
+        /// The name this run asked for there.
+        name: String,
+    },
+    /// Steps run between transactions: not inside a transactional run.
+    #[error("steps cannot run inside a transactional run: use Runner::run with Operation::step_in_transaction")]
+    InsideTransaction,
+    /// The operation's lease ran out (another caller may have taken it
+    /// over), or the step's completion was fenced: stop, and let the
+    /// holder finish.
+    #[error("the operation's lease ran out; another caller may hold it now")]
+    LeaseLost,
+    /// The store failed; the step's output (if it ran) was not stored.
+    #[error("the store failed during the step")]
+    Store(#[source] StoreError),
+    /// The output does not serialize, or the stored one does not decode
+    /// into the type asked for.
+    #[error("the step's output does not (de)serialize: {0}")]
+    Codec(String),
+}
+
+impl<E> StepError<E> {
+    /// The same error for another work error type, when it is not
+    /// [`StepError::Failed`] (`Err(failed)` when it is).
+    pub fn cast<F>(self) -> Result<StepError<F>, E> {
+        Ok(match self {
+            StepError::Failed(e) => return Err(e),
+            StepError::InvalidName(n) => StepError::InvalidName(n),
+            StepError::DuplicateName(n) => StepError::DuplicateName(n),
+            StepError::OutOfOrder { index, name } => StepError::OutOfOrder { index, name },
+            StepError::InsideTransaction => StepError::InsideTransaction,
+            StepError::LeaseLost => StepError::LeaseLost,
+            StepError::Store(e) => StepError::Store(e),
+            StepError::Codec(e) => StepError::Codec(e),
+        })
+    }
+}
+
+/// A step that is this run's to run: its key, to pass downstream.
+#[derive(Debug)]
+pub struct Step {
+    name: String,
+    index: usize,
+    key: Uuid,
+    claim: Claim,
+}
+
+impl Step {
+    /// The step's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The step's position in the operation (from 0).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The step's own idempotency key: derived from the operation id and
+    /// the step's name, the same on every run of the operation (a resumed
+    /// run, a takeover). Pass it to the system the step calls, as *its*
+    /// idempotency key: a step that crashed after the call but before its
+    /// output was stored is called again under the same key.
+    pub fn key(&self) -> Uuid {
+        self.key
+    }
+
+    /// The claim on the step's record: complete it in your own transaction
+    /// with [`TransactionalStore::complete_in_tx`](idem_core::TransactionalStore::complete_in_tx)
+    /// and [`Step::stored`], then [`Operation::step_done`].
+    pub fn claim(&self) -> &Claim {
+        &self.claim
+    }
+
+    /// `output` as the step's record stores it.
+    pub fn stored<T: Serialize>(&self, output: &T) -> Result<StoredResponse, serde_json::Error> {
+        encode(OUTPUT, output)
+    }
+}
+
+/// What [`Operation::start_step`] found.
+#[derive(Debug)]
+pub enum StepStart<T> {
+    /// The step completed on an earlier run: its stored output.
+    Done(T),
+    /// The step is this run's to run.
+    Run(Step),
+}
+
+/// The step key of `name` in `operation`.
+pub fn step_key(operation: OperationId, name: &str) -> Uuid {
+    let mut h = Sha256::new();
+    h.update(b"idem-step-v1");
+    h.update(operation.0.as_bytes());
+    h.update(name.as_bytes());
+    let digest = h.finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    Uuid::new_v8(bytes)
+}
+
+/// The key of the record that holds step `index` of `operation`, in the
+/// operation's scope. It holds spaces, which no `Idempotency-Key` and no
+/// run key may: no request can collide with it.
+pub fn step_record_key(operation: OperationId, index: usize) -> String {
+    format!("{operation} step {index}")
+}
+
+/// The fingerprint a step's record is claimed with: its name.
+fn step_fingerprint(name: &str) -> Fingerprint {
+    Fingerprint::of_request("STEP", name, None, b"")
+}
+
+impl<'s, S: Store + ?Sized> Operation<'s, S> {
+    /// The operation of `claim`, a claim its caller holds on `store`;
+    /// its steps' records live in `store` too, kept for `retention`.
+    pub fn new(store: &'s S, claim: Claim, retention: Duration) -> Self {
+        Self {
+            store,
+            claim,
+            retention,
+            in_transaction: false,
+            names: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn in_transaction(mut self) -> Self {
+        self.in_transaction = true;
+        self
+    }
+
+    pub(crate) fn into_claim(self) -> Claim {
+        self.claim
+    }
+
+    /// The operation id: created at the first claim, the same on every
+    /// takeover. Pass it downstream as an idempotency key.
+    pub fn id(&self) -> OperationId {
+        self.claim.operation_id
+    }
+
+    /// This run's fencing token: a newer holder has another.
+    pub fn token(&self) -> FencingToken {
+        self.claim.token
+    }
+
+    /// Whether this run took over an earlier one (crashed, timed out, or
+    /// failed and released).
+    pub fn is_takeover(&self) -> bool {
+        self.claim.takeover
+    }
+
+    /// The claim this run holds.
+    pub fn claim(&self) -> &Claim {
+        &self.claim
+    }
+
+    /// The store the operation's records live in.
+    pub fn store(&self) -> &'s S {
+        self.store
+    }
+
+    /// Runs step `name` once per operation: the first run that gets here
+    /// calls `work` and stores its output (fenced); a run resumed after a
+    /// crash or a failure gets the stored output back without calling it.
+    ///
+    /// `work` gets the [`Step`], whose [`key`](Step::key) is the same on
+    /// every run: pass it to the system the step calls. Steps must be asked
+    /// for in the same order on every run ([`StepError::OutOfOrder`]).
+    pub async fn step<T, E, F>(&self, name: &str, work: F) -> Result<T, StepError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        F: AsyncFnOnce(&Step) -> Result<T, E>,
+    {
+        let step = match self.start_step(name).await? {
+            StepStart::Done(output) => return Ok(output),
+            StepStart::Run(step) => step,
+        };
+        match work(&step).await {
+            Ok(output) => {
+                self.step_done(&step, &output).await?;
+                Ok(output)
+            }
+            Err(e) => {
+                self.release_step(&step).await;
+                Err(StepError::Failed(e))
+            }
+        }
+    }
+
+    /// Runs step `name` once per operation, in a transaction on the
+    /// store's database: `work`'s writes and the step's output commit
+    /// together, fenced by the step's token. A run resumed after a crash
+    /// gets the stored output back; one that crashed before the commit
+    /// runs the step again (nothing of it committed).
+    pub async fn step_in_transaction<T, E, F>(&self, name: &str, work: F) -> Result<T, StepError<E>>
+    where
+        S: BeginTransaction,
+        T: Serialize + DeserializeOwned,
+        F: AsyncFnOnce(&Step, &mut S::Connection) -> Result<T, E>,
+    {
+        let step = match self.start_step(name).await? {
+            StepStart::Done(output) => return Ok(output),
+            StepStart::Run(step) => step,
+        };
+        let mut tx = match self.store.begin_transaction().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                self.release_step(&step).await;
+                return Err(StepError::Store(e));
+            }
+        };
+        let output = match work(&step, S::connection(&mut tx)).await {
+            Ok(output) => output,
+            Err(e) => {
+                rollback::<S>(tx).await;
+                self.release_step(&step).await;
+                return Err(StepError::Failed(e));
+            }
+        };
+        let stored = match step.stored(&output) {
+            Ok(stored) => stored,
+            Err(e) => {
+                rollback::<S>(tx).await;
+                self.release_step(&step).await;
+                return Err(StepError::Codec(e.to_string()));
+            }
+        };
+        if let Err(e) = self
+            .store
+            .complete_in_tx(S::connection(&mut tx), &step.claim, &stored)
+            .await
+        {
+            rollback::<S>(tx).await;
+            return Err(match e {
+                StoreError::ClaimLost => StepError::LeaseLost,
+                other => {
+                    self.release_step(&step).await;
+                    StepError::Store(other)
+                }
+            });
+        }
+        match S::commit(tx).await {
+            Ok(()) => {
+                self.store.settled(&step.claim).await;
+                Ok(output)
+            }
+            Err(e) => Err(StepError::Store(e)),
+        }
+    }
+
+    /// Claims step `name`: its stored output if an earlier run completed
+    /// it, or the [`Step`] to run. Finish a step run this way with
+    /// [`step_done`](Self::step_done) (or by completing its claim in your
+    /// transaction), or [`release_step`](Self::release_step).
+    pub async fn start_step<T, E>(&self, name: &str) -> Result<StepStart<T>, StepError<E>>
+    where
+        T: DeserializeOwned,
+    {
+        if self.in_transaction {
+            return Err(StepError::InsideTransaction);
+        }
+        if name.is_empty()
+            || name.len() > MAX_STEP_NAME
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b))
+        {
+            return Err(StepError::InvalidName(name.to_owned()));
+        }
+        let index = {
+            let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+            if names.iter().any(|n| n == name) {
+                return Err(StepError::DuplicateName(name.to_owned()));
+            }
+            names.push(name.to_owned());
+            names.len() - 1
+        };
+        let request = ClaimRequest {
+            scope: self.claim.scope.clone(),
+            key: step_record_key(self.claim.operation_id, index),
+            fingerprint: step_fingerprint(name),
+            lease: Duration::ZERO,
+            retention: self.retention,
+        };
+        let mut disagreements = 0u32;
+        loop {
+            // A step's lease ends with the operation's: a step never
+            // outlives the claim it runs under.
+            let now = UnixMillis::now();
+            let lease = now.until(self.claim.locked_until);
+            if lease.is_zero() {
+                return Err(StepError::LeaseLost);
+            }
+            let request = ClaimRequest {
+                lease,
+                ..request.clone()
+            };
+            let record = match self.store.claim(&request).await {
+                Ok(ClaimOutcome::Acquired(claim)) => {
+                    debug!(
+                        step = name,
+                        index,
+                        takeover = claim.takeover,
+                        "step claimed"
+                    );
+                    return Ok(StepStart::Run(Step {
+                        name: name.to_owned(),
+                        index,
+                        key: step_key(self.claim.operation_id, name),
+                        claim,
+                    }));
+                }
+                Ok(ClaimOutcome::Existing(record)) => record,
+                Err(e) => return Err(StepError::Store(e)),
+            };
+            let now = UnixMillis::now();
+            match self.existing_step(&record, &request.fingerprint, now) {
+                Existing::Done(stored) => {
+                    debug!(
+                        step = name,
+                        index, "step done on an earlier run; its output replayed"
+                    );
+                    return serde_json::from_slice(&stored.body)
+                        .map(StepStart::Done)
+                        .map_err(|e| {
+                            StepError::Codec(format!("the stored output of step {name:?}: {e}"))
+                        });
+                }
+                Existing::OtherName => {
+                    return Err(StepError::OutOfOrder {
+                        index,
+                        name: name.to_owned(),
+                    })
+                }
+                Existing::HeldUntil(until) => {
+                    // An earlier holder's step, whose lease ends with that
+                    // holder's (over by now, unless the clocks differ):
+                    // wait for it, within this run's own lease.
+                    if until >= self.claim.locked_until {
+                        return Err(StepError::LeaseLost);
+                    }
+                    let pause = now
+                        .until(until)
+                        .clamp(Duration::from_millis(5), Duration::from_millis(100));
+                    tokio::time::sleep(pause).await;
+                }
+                Existing::Disagree => {
+                    disagreements += 1;
+                    if disagreements > 5 {
+                        return Err(StepError::LeaseLost);
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    }
+
+    /// What a step's existing record says.
+    fn existing_step(
+        &self,
+        record: &Record,
+        fingerprint: &Fingerprint,
+        now: UnixMillis,
+    ) -> Existing {
+        if record.is_expired(now) {
+            return Existing::Disagree;
+        }
+        if record.fingerprint != *fingerprint {
+            return Existing::OtherName;
+        }
+        match &record.state {
+            RecordState::Completed { response, .. } => Existing::Done(response.clone()),
+            RecordState::InProgress { locked_until, .. } if *locked_until > now => {
+                Existing::HeldUntil(*locked_until)
+            }
+            RecordState::InProgress { .. } => Existing::Disagree,
+        }
+    }
+
+    /// Stores `output` as `step`'s (fenced by the step's token).
+    pub async fn step_done<T: Serialize, E>(
+        &self,
+        step: &Step,
+        output: &T,
+    ) -> Result<(), StepError<E>> {
+        let stored = match step.stored(output) {
+            Ok(stored) => stored,
+            Err(e) => {
+                self.release_step(step).await;
+                return Err(StepError::Codec(e.to_string()));
+            }
+        };
+        match self.store.complete(&step.claim, &stored).await {
+            Ok(()) => Ok(()),
+            Err(StoreError::ClaimLost) => Err(StepError::LeaseLost),
+            Err(e) => Err(StepError::Store(e)),
+        }
+    }
+
+    /// Releases `step` unfinished: the next run calls it again (under the
+    /// same step key).
+    pub async fn release_step(&self, step: &Step) {
+        if let Err(e) = self.store.release(&step.claim).await {
+            warn!(error = %e, step = %step.name, "step release failed; it frees with the operation's lease");
+        }
+    }
+}
+
+/// What a step's existing record says.
+enum Existing {
+    Done(StoredResponse),
+    OtherName,
+    HeldUntil(UnixMillis),
+    Disagree,
+}
+
+/// Rolls `tx` back now, before answering.
+async fn rollback<S: BeginTransaction + ?Sized>(tx: S::Transaction) {
+    if let Err(e) = S::rollback(tx).await {
+        warn!(error = %e, "rollback failed (the connection is gone, and the transaction with it)");
+    }
+}

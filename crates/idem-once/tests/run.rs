@@ -1,0 +1,574 @@
+//! Run once and steps against every store, each real: memory, SQLite,
+//! PostgreSQL, MySQL/MariaDB and Redis; the transactional variants on the
+//! three SQL databases. Each test works in a schema, database, file or key
+//! prefix of its own.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::Policy;
+use idem_once::{Failure, Outcome, RunError, Runner, StepError};
+
+/// A lease short enough for takeover tests, and the rest default.
+fn short_lease(ms: u64) -> Policy {
+    Policy::builder()
+        .lease(Duration::from_millis(ms))
+        .build()
+        .unwrap()
+}
+
+/// Waits for an in-flight holder instead of refusing at once.
+fn waiting() -> Policy {
+    Policy::builder()
+        .lease(Duration::from_secs(30))
+        .wait_for_in_flight(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+/// Cases every store passes. `$make` is an async expression giving
+/// `(store, guard)`; the guard cleans up when dropped.
+macro_rules! run_suite {
+    ($make:expr) => {
+        use crate::*;
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn racing_callers_run_once_and_all_get_the_first_output() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, waiting());
+            let runs = Arc::new(AtomicU32::new(0));
+            let mut tasks = Vec::new();
+            for _ in 0..12 {
+                let runner = runner.clone();
+                let runs = runs.clone();
+                tasks.push(tokio::spawn(async move {
+                    runner
+                        .run("tenant", "job-1", &("nightly", 1), async |op| -> Result<String, Failure<String>> {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            // Long enough that the others arrive while it runs.
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            Ok(op.id().to_string())
+                        })
+                        .await
+                }));
+            }
+            let mut outputs = Vec::new();
+            let mut fresh = 0;
+            for t in tasks {
+                match t.await.unwrap().unwrap() {
+                    Outcome::Fresh(v) => {
+                        fresh += 1;
+                        outputs.push(v)
+                    }
+                    Outcome::Replayed(v) => outputs.push(v),
+                }
+            }
+            assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran more than once");
+            assert_eq!(fresh, 1);
+            assert!(outputs.windows(2).all(|w| w[0] == w[1]), "{outputs:?}");
+        }
+
+        #[tokio::test]
+        async fn a_repeat_is_replayed_and_other_input_under_the_key_is_refused() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, Policy::default());
+            let runs = AtomicU32::new(0);
+            let work = async |_: &idem_once::Operation<'_, _>| -> Result<Vec<u32>, Failure<String>> {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok(vec![1, 2, 3])
+            };
+            let input = serde_json::json!({"amount": 1000, "currency": "EUR"});
+            assert_eq!(runner.run("t", "k", &input, work).await.unwrap(), Outcome::Fresh(vec![1, 2, 3]));
+            // The same input spelled otherwise is the same input.
+            let same = serde_json::json!({"currency": "EUR", "amount": 1000.0});
+            assert_eq!(runner.run("t", "k", &same, work).await.unwrap(), Outcome::Replayed(vec![1, 2, 3]));
+            let other = serde_json::json!({"amount": 1001, "currency": "EUR"});
+            assert!(matches!(runner.run("t", "k", &other, work).await, Err(RunError::KeyReused)));
+            // Another scope is another key.
+            assert!(matches!(runner.run("u", "k", &other, work).await, Ok(Outcome::Fresh(_))));
+            assert_eq!(runs.load(Ordering::SeqCst), 2);
+            // Keys follow the header's rules.
+            assert!(matches!(runner.run("t", "a b", &1, work).await, Err(RunError::InvalidKey(_))));
+            assert!(matches!(runner.run("t", "", &1, work).await, Err(RunError::InvalidKey(_))));
+            assert!(matches!(runner.run("", "k", &1, work).await, Err(RunError::InvalidKey(_))));
+        }
+
+        #[tokio::test]
+        async fn a_failure_releases_under_the_same_operation_and_a_final_one_is_stored() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, Policy::default());
+            let ids = Mutex::new(Vec::new());
+            let failing = async |op: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                ids.lock().unwrap().push(op.id());
+                Err("the mailer is down".to_owned())?
+            };
+            match runner.run("t", "k", &1, failing).await {
+                Err(RunError::Failed(e)) => assert_eq!(e, "the mailer is down"),
+                other => panic!("{other:?}"),
+            }
+            let ok = async |op: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                ids.lock().unwrap().push(op.id());
+                assert!(op.is_takeover(), "a released key is taken over");
+                Ok(7)
+            };
+            assert_eq!(runner.run("t", "k", &1, ok).await.unwrap(), Outcome::Fresh(7));
+            let ids = ids.into_inner().unwrap();
+            assert_eq!(ids.len(), 2);
+            assert_eq!(ids[0], ids[1], "the operation id is kept across a release");
+
+            let declined = async |_: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                Err(Failure::Final("card declined".to_owned()))
+            };
+            match runner.run("t", "final", &1, declined).await {
+                Err(RunError::Final { error, replayed: false }) => assert_eq!(error, "card declined"),
+                other => panic!("{other:?}"),
+            }
+            let never = async |_: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                panic!("a stored final error runs nothing")
+            };
+            match runner.run("t", "final", &1, never).await {
+                Err(RunError::Final { error, replayed: true }) => assert_eq!(error, "card declined"),
+                other => panic!("{other:?}"),
+            }
+        }
+
+        #[tokio::test]
+        async fn a_duplicate_while_the_first_runs_is_in_flight() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, Policy::default());
+            let (started_tx, started) = tokio::sync::oneshot::channel();
+            let (finish, finish_rx) = tokio::sync::oneshot::channel::<()>();
+            let first = {
+                let runner = runner.clone();
+                tokio::spawn(async move {
+                    runner
+                        .run("t", "k", &1, async |_| -> Result<u8, Failure<String>> {
+                            started_tx.send(()).unwrap();
+                            finish_rx.await.unwrap();
+                            Ok(1)
+                        })
+                        .await
+                })
+            };
+            started.await.unwrap();
+            let dup = runner
+                .run("t", "k", &1, async |_| -> Result<u8, Failure<String>> { panic!("ran twice") })
+                .await;
+            match dup {
+                Err(RunError::InFlight { retry_after }) => assert!(retry_after >= Duration::from_secs(1)),
+                other => panic!("{other:?}"),
+            }
+            finish.send(()).unwrap();
+            assert_eq!(first.await.unwrap().unwrap(), Outcome::Fresh(1));
+        }
+
+        #[tokio::test]
+        async fn a_zombie_past_its_lease_is_fenced_and_the_holder_stands() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, short_lease(300));
+            let zombie = {
+                let runner = runner.clone();
+                tokio::spawn(async move {
+                    runner
+                        .run("t", "k", &1, async |_| -> Result<String, Failure<String>> {
+                            // Stalls past its lease (a GC pause, a partition).
+                            tokio::time::sleep(Duration::from_millis(1500)).await;
+                            Ok("zombie".to_owned())
+                        })
+                        .await
+                })
+            };
+            // The retry comes after the lease and takes over.
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            let holder = runner
+                .run("t", "k", &1, async |op| -> Result<String, Failure<String>> {
+                    assert!(op.is_takeover());
+                    Ok("holder".to_owned())
+                })
+                .await
+                .unwrap();
+            assert_eq!(holder, Outcome::Fresh("holder".to_owned()));
+            assert!(matches!(zombie.await.unwrap(), Err(RunError::LeaseLost)));
+            let again = runner
+                .run("t", "k", &1, async |_| -> Result<String, Failure<String>> { panic!("ran again") })
+                .await
+                .unwrap();
+            assert_eq!(again, Outcome::Replayed("holder".to_owned()));
+        }
+
+        #[tokio::test]
+        async fn a_crash_mid_step_resumes_under_the_same_operation_and_step_keys() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, short_lease(400));
+            let calls = Mutex::new(Vec::<(String, uuid::Uuid)>::new());
+            let op_ids = Mutex::new(Vec::new());
+            let work = async |op: &idem_once::Operation<'_, _>| -> Result<String, Failure<String>> {
+                op_ids.lock().unwrap().push(op.id());
+                let charge: String = op
+                    .step("charge", async |s| -> Result<String, String> {
+                        calls.lock().unwrap().push(("charge".into(), s.key()));
+                        Ok(format!("ch-{}", s.key()))
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let receipt: String = op
+                    .step("receipt", async |s| -> Result<String, String> {
+                        calls.lock().unwrap().push(("receipt".into(), s.key()));
+                        // The first run dies here: after the call, before
+                        // its output is stored.
+                        if calls.lock().unwrap().len() == 2 {
+                            std::future::pending::<()>().await;
+                        }
+                        Ok("sent".into())
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(format!("{charge}/{receipt}"))
+            };
+            // The crash: the first run's future stops mid-step and is gone.
+            let crashed = tokio::time::timeout(Duration::from_millis(100), runner.run("t", "k", &1, work)).await;
+            assert!(crashed.is_err());
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let out = runner.run("t", "k", &1, work).await.unwrap();
+            assert!(matches!(out, Outcome::Fresh(_)));
+            let calls = calls.into_inner().unwrap();
+            let names: Vec<&str> = calls.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(names, ["charge", "receipt", "receipt"], "a completed step is not called again");
+            assert_eq!(calls[1].1, calls[2].1, "the step is called again under the same key");
+            assert_ne!(calls[0].1, calls[1].1, "each step has a key of its own");
+            let op_ids = op_ids.into_inner().unwrap();
+            assert_eq!(op_ids[0], op_ids[1], "resumed under the same operation id");
+            assert_eq!(calls[0].1, idem_once::step_key(op_ids[0], "charge"));
+            assert_eq!(out.into_inner(), format!("ch-{}/sent", calls[0].1));
+        }
+
+        #[tokio::test]
+        async fn steps_asked_for_in_another_order_are_refused() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, Policy::default());
+            let first = runner
+                .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                    op.step("a", async |_| -> Result<u8, String> { Ok(1) }).await.map_err(|e| e.to_string())?;
+                    Err("then failed".to_owned())?
+                })
+                .await;
+            assert!(matches!(first, Err(RunError::Failed(_))));
+            let second = runner
+                .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                    match op.step("b", async |_| -> Result<u8, String> { Ok(2) }).await {
+                        Err(StepError::OutOfOrder { index: 0, name }) => Err(Failure::Final(name)),
+                        other => panic!("{other:?}"),
+                    }
+                })
+                .await;
+            assert!(matches!(second, Err(RunError::Final { error, .. }) if error == "b"));
+            // Names are checked, and unique per run.
+            let third = runner
+                .run("t", "k2", &1, async |op| -> Result<u8, Failure<String>> {
+                    assert!(matches!(op.step("a b", async |_| -> Result<u8, String> { Ok(0) }).await, Err(StepError::InvalidName(_))));
+                    op.step("x", async |_| -> Result<u8, String> { Ok(0) }).await.map_err(|e| e.to_string())?;
+                    assert!(matches!(op.step("x", async |_| -> Result<u8, String> { Ok(0) }).await, Err(StepError::DuplicateName(_))));
+                    Ok(3)
+                })
+                .await;
+            assert_eq!(third.unwrap(), Outcome::Fresh(3));
+        }
+    };
+}
+
+/// Cases for a store whose records live in a SQL database: the
+/// transactional run and step. `$make` gives `(store, guard)`, `$effects`
+/// names the business table (created by the test).
+macro_rules! transactional_suite {
+    ($make:expr, $effects:expr, one_writer: $one_writer:expr) => {
+        async fn count(store: &Store_, table: &str) -> i64 {
+            sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+                .fetch_one(store.pool())
+                .await
+                .unwrap()
+        }
+
+        async fn setup() -> (Store_, Guard_, String) {
+            let (store, guard) = $make.await;
+            let table: String = ($effects)(&guard);
+            sqlx::query(&format!("CREATE TABLE {table} (k VARCHAR(64) NOT NULL)"))
+                .execute(store.pool())
+                .await
+                .unwrap();
+            (store, guard, table)
+        }
+
+        #[tokio::test]
+        async fn a_transactional_run_commits_its_writes_with_its_output_or_neither() {
+            let (store, _guard, table) = setup().await;
+            let runner = Runner::new(store.clone(), Policy::default());
+            let insert = format!("INSERT INTO {table} (k) VALUES ('x')");
+            let failed = runner
+                .run_in_transaction("t", "k", &1, async |_, tx| -> Result<u8, Failure<String>> {
+                    sqlx::query(&insert)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Err("refused after writing".to_owned())?
+                })
+                .await;
+            assert!(matches!(failed, Err(RunError::Failed(_))));
+            assert_eq!(
+                count(&store, &table).await,
+                0,
+                "a failed run's writes roll back"
+            );
+            let ok = runner
+                .run_in_transaction("t", "k", &1, async |_, tx| -> Result<u8, Failure<String>> {
+                    sqlx::query(&insert)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok(1)
+                })
+                .await;
+            assert_eq!(ok.unwrap(), Outcome::Fresh(1));
+            let again = runner
+                .run_in_transaction("t", "k", &1, async |_, _| -> Result<u8, Failure<String>> {
+                    panic!("ran twice")
+                })
+                .await;
+            assert_eq!(again.unwrap(), Outcome::Replayed(1));
+            assert_eq!(count(&store, &table).await, 1);
+            // No steps inside one transaction.
+            let inside = runner
+                .run_in_transaction(
+                    "t",
+                    "k2",
+                    &1,
+                    async |op, _| -> Result<u8, Failure<String>> {
+                        match op
+                            .step("s", async |_| -> Result<u8, String> { Ok(1) })
+                            .await
+                        {
+                            Err(StepError::InsideTransaction) => Ok(0),
+                            other => panic!("{other:?}"),
+                        }
+                    },
+                )
+                .await;
+            assert_eq!(inside.unwrap(), Outcome::Fresh(0));
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_zombie_transaction_commits_nothing() {
+            let (store, _guard, table) = setup().await;
+            let runner = Runner::new(store.clone(), short_lease(300));
+            let insert = format!("INSERT INTO {table} (k) VALUES ('x')");
+            let zombie = {
+                let runner = runner.clone();
+                let insert = insert.clone();
+                tokio::spawn(async move {
+                    runner
+                        .run_in_transaction(
+                            "t",
+                            "k",
+                            &1,
+                            async |_, tx| -> Result<u8, Failure<String>> {
+                                sqlx::query(&insert)
+                                    .execute(&mut *tx)
+                                    .await
+                                    .map_err(|e| e.to_string())?;
+                                tokio::time::sleep(Duration::from_millis(1200)).await;
+                                Ok(0)
+                            },
+                        )
+                        .await
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let holder = runner
+                .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                    assert!(op.is_takeover());
+                    Ok(1)
+                })
+                .await
+                .unwrap();
+            let zombie = zombie.await.unwrap();
+            if $one_writer {
+                // SQLite has one writer: no takeover can happen while the
+                // stalled run's transaction holds the write lock, so it
+                // completes, and the retry gets its answer.
+                assert_eq!(holder, Outcome::Replayed(0));
+                assert_eq!(zombie.unwrap(), Outcome::Fresh(0));
+                assert_eq!(count(&store, &table).await, 1);
+            } else {
+                assert_eq!(holder, Outcome::Fresh(1));
+                assert!(matches!(zombie, Err(RunError::LeaseLost)), "{zombie:?}");
+                assert_eq!(
+                    count(&store, &table).await,
+                    0,
+                    "the zombie's write rolled back"
+                );
+            }
+        }
+
+        #[tokio::test]
+        async fn a_transactional_step_commits_its_output_with_its_writes() {
+            let (store, _guard, table) = setup().await;
+            let runner = Runner::new(store.clone(), short_lease(400));
+            let insert = format!("INSERT INTO {table} (k) VALUES ('paid')");
+            let marks = AtomicU32::new(0);
+            let work =
+                async |op: &idem_once::Operation<'_, Store_>| -> Result<u32, Failure<String>> {
+                    let n = op
+                        .step_in_transaction("mark-paid", async |_, tx| -> Result<u32, String> {
+                            sqlx::query(&insert)
+                                .execute(&mut *tx)
+                                .await
+                                .map_err(|e| e.to_string())?;
+                            Ok(marks.fetch_add(1, Ordering::SeqCst) + 1)
+                        })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    // The first run fails after the step committed.
+                    if marks.load(Ordering::SeqCst) == 1 && !op.is_takeover() {
+                        Err("after the step".to_owned())?
+                    }
+                    Ok(n)
+                };
+            assert!(matches!(
+                runner.run("t", "k", &1, work).await,
+                Err(RunError::Failed(_))
+            ));
+            let resumed = runner.run("t", "k", &1, work).await.unwrap();
+            assert_eq!(
+                resumed,
+                Outcome::Fresh(1),
+                "the step's stored output, not a second run"
+            );
+            assert_eq!(marks.load(Ordering::SeqCst), 1);
+            assert_eq!(count(&store, &table).await, 1);
+            // A step whose work fails rolls back and runs again.
+            let tries = AtomicU32::new(0);
+            let flaky =
+                async |op: &idem_once::Operation<'_, Store_>| -> Result<u32, Failure<String>> {
+                    op.step_in_transaction("flaky", async |_, tx| -> Result<u32, String> {
+                        sqlx::query(&insert)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        if tries.fetch_add(1, Ordering::SeqCst) == 0 {
+                            return Err("first try fails".into());
+                        }
+                        Ok(2)
+                    })
+                    .await
+                    .map_err(|e| Failure::Retry(e.to_string()))
+                };
+            assert!(runner.run("t", "k3", &1, flaky).await.is_err());
+            assert_eq!(
+                runner.run("t", "k3", &1, flaky).await.unwrap(),
+                Outcome::Fresh(2)
+            );
+            assert_eq!(
+                count(&store, &table).await,
+                2,
+                "the failed try's write rolled back"
+            );
+        }
+    };
+}
+
+mod memory {
+    run_suite!(async { (Arc::new(idem_memory::MemoryStore::new()), (),) });
+}
+
+mod sqlite {
+    async fn make() -> (idem_sqlite::SqliteStore, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite:{}", dir.path().join("run.db").display());
+        (idem_sqlite::SqliteStore::connect(&url).await.unwrap(), dir)
+    }
+    mod suite {
+        run_suite!(super::make());
+    }
+    mod tx {
+        use crate::*;
+        type Store_ = idem_sqlite::SqliteStore;
+        type Guard_ = tempfile::TempDir;
+        transactional_suite!(super::make(), |_: &Guard_| "effects".to_owned(), one_writer: true);
+    }
+}
+
+mod postgres {
+    use idem_test_support::postgres::{database_url, TestSchema};
+    async fn make() -> (idem_postgres::PostgresStore, TestSchema) {
+        let schema = TestSchema::create("idem_once").await;
+        let table = idem_postgres::TableName::new(Some(schema.name()), "idem_records").unwrap();
+        let store = idem_postgres::PostgresStore::connect_with(&database_url(), table)
+            .await
+            .unwrap();
+        (store, schema)
+    }
+    mod suite {
+        run_suite!(super::make());
+    }
+    mod tx {
+        use crate::*;
+        type Store_ = idem_postgres::PostgresStore;
+        type Guard_ = idem_test_support::postgres::TestSchema;
+        transactional_suite!(super::make(), |g: &Guard_| format!("\"{}\".effects", g.name()), one_writer: false);
+    }
+}
+
+mod mysql {
+    use idem_test_support::mysql::TestDatabase;
+    async fn make() -> (idem_mysql::MySqlStore, TestDatabase) {
+        let db = TestDatabase::create("idem_once").await;
+        (
+            idem_mysql::MySqlStore::connect(&db.url()).await.unwrap(),
+            db,
+        )
+    }
+    mod suite {
+        run_suite!(super::make());
+    }
+    mod tx {
+        use crate::*;
+        type Store_ = idem_mysql::MySqlStore;
+        type Guard_ = idem_test_support::mysql::TestDatabase;
+        transactional_suite!(super::make(), |_: &Guard_| "effects".to_owned(), one_writer: false);
+    }
+}
+
+mod redis {
+    use idem_redis::{RedisConfig, RedisStore};
+
+    /// Deletes the test's keys when dropped.
+    pub(crate) struct Prefix(RedisStore);
+
+    impl Drop for Prefix {
+        fn drop(&mut self) {
+            let store = self.0.clone();
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .ok()?;
+                rt.block_on(store.clear()).ok()
+            })
+            .join();
+        }
+    }
+
+    async fn make() -> (RedisStore, Prefix) {
+        let url = std::env::var("IDEM_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+        let prefix = format!("idem-once-{}", uuid::Uuid::new_v4().simple());
+        let store = RedisStore::connect(RedisConfig::new(&url).prefix(prefix))
+            .await
+            .expect("Redis must be running for these tests");
+        (store.clone(), Prefix(store))
+    }
+    mod suite {
+        run_suite!(super::make());
+    }
+}
