@@ -8,10 +8,8 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use idem_core::{
-    decision::retry_after, on_arrival, Arrival, Claim, Fingerprint, Policy, Record, RecordState,
-    StoreError, UnixMillis,
-};
+use idem_core::{Claim, Fingerprint, Policy, Record, RecordState, StoreError};
+use idem_once::Refusal;
 use tracing::{debug, info, warn};
 
 use crate::metrics::{count, timed, Outcome, StoreOp};
@@ -20,24 +18,14 @@ use crate::rejection::IdempotencyRejection;
 /// The header that marks a replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// What one atomic claim found.
-pub(crate) enum Found<T> {
-    /// The claim is ours (`T` carries it, and in the transactional mode the
-    /// transaction holding it).
-    Acquired(T),
-    /// Someone else's record, as the store holds it.
-    Existing(Record),
-    /// A transaction holds the key and has not committed: in flight, for an
-    /// unknown while.
-    Busy,
-}
+pub(crate) use idem_once::Found;
 
-/// Claims until the claim is ours, or the answer to send instead.
+/// Claims until the claim is ours, or the answer to send instead: the
+/// run-once loop ([`idem_once::claim_until_decided`]), its refusals
+/// answered over HTTP.
 ///
 /// `attempt` makes one atomic claim on the store named `store` (for the
-/// metrics); turns repeat only while waiting (bounded by the policy) for an
-/// in-flight holder, or while this process's clock and the store's disagree
-/// about a lease (the store's view wins: it decides claims).
+/// metrics).
 pub(crate) async fn claim_until_decided<T, F, Fut>(
     policy: &Policy,
     fingerprint: &Fingerprint,
@@ -48,22 +36,30 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Found<T>, StoreError>>,
 {
-    let mut retry = ClaimRetry::new(policy);
-    loop {
+    let timed_attempt = || {
         let started = Instant::now();
-        let found = attempt().await;
-        timed(store, StoreOp::Claim, started);
-        let step = match found {
-            Ok(Found::Acquired(claimed)) => return Ok(claimed),
-            Ok(Found::Existing(record)) => retry.on_existing(&record, fingerprint),
-            Ok(Found::Busy) => retry.on_busy(),
-            Err(e) => return Err(store_unavailable(&e)),
-        };
-        match step {
-            ClaimStep::Answer(response) => return Err(response),
-            ClaimStep::RetryAfter(pause) => tokio::time::sleep(pause).await,
+        let claim = attempt();
+        async move {
+            let found = claim.await;
+            timed(store, StoreOp::Claim, started);
+            found
         }
-    }
+    };
+    idem_once::claim_until_decided(policy, fingerprint, timed_attempt)
+        .await
+        .map_err(|refusal| match refusal {
+            Refusal::Replay(record) => replay(&record, policy),
+            Refusal::Mismatch => {
+                info!("key reused with a different request");
+                count(Outcome::Mismatch);
+                IdempotencyRejection::KeyReused.into_response()
+            }
+            Refusal::InFlight { retry_after } => {
+                debug!(?retry_after, "request with this key is in flight");
+                conflict(retry_after)
+            }
+            Refusal::Unavailable(e) => store_unavailable(&e),
+        })
 }
 
 /// Counts and logs a claim that is ours.
@@ -89,96 +85,6 @@ pub(crate) fn store_unavailable(e: &StoreError) -> Response {
     count(Outcome::StoreUnavailable);
     warn!(error = %e, source = ?std::error::Error::source(e), "idempotency store unavailable");
     IdempotencyRejection::StoreUnavailable.into_response()
-}
-
-/// What to do after a claim found someone else's record.
-enum ClaimStep {
-    /// Answer this (a replay, `409`, `422`) without running the handler.
-    Answer(Response),
-    /// Claim again after this pause.
-    RetryAfter(Duration),
-}
-
-/// How one request's claim is retried: the bounded wait for an in-flight
-/// holder, and the bounded retries when the clocks disagree.
-struct ClaimRetry<'p> {
-    policy: &'p Policy,
-    deadline: Option<tokio::time::Instant>,
-    pause: Duration,
-    disagreements: u32,
-}
-
-impl<'p> ClaimRetry<'p> {
-    fn new(policy: &'p Policy) -> Self {
-        Self {
-            policy,
-            deadline: policy.wait().map(|w| tokio::time::Instant::now() + w),
-            pause: Duration::from_millis(10),
-            disagreements: 0,
-        }
-    }
-
-    /// A record the claim found, per the decision table.
-    fn on_existing(&mut self, record: &Record, fingerprint: &Fingerprint) -> ClaimStep {
-        let now = UnixMillis::now();
-        match on_arrival(self.policy, Some(record), fingerprint, now) {
-            Arrival::Replay => ClaimStep::Answer(replay(record, self.policy)),
-            Arrival::Mismatch => {
-                info!("key reused with a different request");
-                count(Outcome::Mismatch);
-                ClaimStep::Answer(IdempotencyRejection::KeyReused.into_response())
-            }
-            Arrival::Conflict { retry_after } => {
-                debug!(?retry_after, "request with this key is in flight");
-                ClaimStep::Answer(conflict(retry_after))
-            }
-            Arrival::Wait { .. } => {
-                let until = match &record.state {
-                    RecordState::InProgress { locked_until, .. } => *locked_until,
-                    RecordState::Completed { .. } => now,
-                };
-                self.wait(retry_after(now, until, self.policy.retry_after()))
-            }
-            // The store saw a live record where this clock sees none or an
-            // expired one (the lease ran out in between, or the clocks
-            // differ): claim again, a bounded number of times.
-            Arrival::Run | Arrival::TakeOver => {
-                self.disagreements += 1;
-                if self.disagreements > 5 {
-                    ClaimStep::Answer(conflict(Duration::from_secs(1)))
-                } else {
-                    ClaimStep::RetryAfter(Duration::from_millis(20))
-                }
-            }
-        }
-    }
-
-    /// The key is held by a transaction that has not committed.
-    fn on_busy(&mut self) -> ClaimStep {
-        debug!("request with this key is in flight (uncommitted)");
-        let hint = self.policy.retry_after();
-        if self.policy.wait().is_some() {
-            self.wait(hint)
-        } else {
-            ClaimStep::Answer(conflict(hint))
-        }
-    }
-
-    /// Waits for an in-flight holder while the policy allows, then `409`.
-    fn wait(&mut self, retry_after: Duration) -> ClaimStep {
-        let now = tokio::time::Instant::now();
-        match self.deadline {
-            Some(deadline) if now < deadline => {
-                let pause = self.pause.min(deadline - now);
-                self.pause = (self.pause * 2).min(Duration::from_millis(200));
-                ClaimStep::RetryAfter(pause)
-            }
-            _ => {
-                debug!("in flight after waiting; answering 409");
-                ClaimStep::Answer(conflict(retry_after))
-            }
-        }
-    }
 }
 
 /// `409` with `Retry-After`.

@@ -7,6 +7,12 @@ use idem_core::{Policy, Store};
 
 use crate::scope::ScopeExtractor;
 
+/// Checks a guarded request before its key is claimed: `Err` is the answer
+/// (a `400`), and nothing is stored.
+pub(crate) type Validator = dyn Fn(&http::request::Parts, &bytes::Bytes) -> Result<(), axum::response::Response>
+    + Send
+    + Sync;
+
 /// What every service the layer wraps shares; cloned on write
 /// ([`Arc::make_mut`]) by the builder methods.
 #[derive(Clone)]
@@ -16,4 +22,5 @@ pub(crate) struct Config {
     pub(crate) scope: Arc<dyn ScopeExtractor>,
     pub(crate) methods: Vec<Method>,
     pub(crate) claim_in_handler: bool,
+    pub(crate) validate: Option<Arc<Validator>>,
 }

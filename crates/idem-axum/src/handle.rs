@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::Request;
 use idem_core::{ClaimOutcome, ClaimRequest};
 use tower::Service;
-use tracing::{warn, Instrument};
+use tracing::{debug, warn, Instrument};
 
 use crate::claim::{claim_until_decided, claimed, Found};
 use crate::config::Config;
@@ -47,6 +47,13 @@ where
                 Ok(read) => read,
                 Err(refused) => return Ok(refused),
             };
+        if let Some(check) = &config.validate {
+            if let Err(refused) = check(&parts, &bytes) {
+                count(Outcome::Invalid);
+                debug!(status = %refused.status(), "refused by validation before the claim; nothing stored");
+                return Ok(refused);
+            }
+        }
         if config.claim_in_handler {
             run_deferred(config, inner, parts, bytes, claim_request).await
         } else {

@@ -40,6 +40,7 @@ impl IdempotencyLayer {
                 scope: Arc::new(scope),
                 methods: vec![Method::POST, Method::PATCH],
                 claim_in_handler: false,
+                validate: None,
             }),
         }
     }
@@ -104,6 +105,41 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Checks each guarded request (its head and whole body) **before**
+    /// its key is claimed. An `Err` is answered as it is and nothing is
+    /// stored: the client may correct the request and send it again under
+    /// the same key, as with Stripe, which saves nothing when parameters
+    /// fail validation. Without it, a handler's `4xx` is an answer, stored
+    /// and replayed (see the contract guide for which answers are stored).
+    ///
+    /// Validate here what decides whether the request can run at all
+    /// (its syntax, its bounds, its headers); leave to the handler what
+    /// depends on the state (a missing account, a declined card), whose
+    /// answer is stored.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// use axum::{http::StatusCode, response::IntoResponse};
+    /// use idem_axum::{IdempotencyLayer, SingleScope};
+    ///
+    /// let layer = IdempotencyLayer::new(Arc::new(idem_memory::MemoryStore::new()),
+    ///     Default::default(), SingleScope("app".into()))
+    ///     .validate(|_parts, body| match serde_json::from_slice::<serde_json::Value>(body) {
+    ///         Ok(v) if v["amount"].as_i64().is_some_and(|a| a > 0) => Ok(()),
+    ///         _ => Err((StatusCode::BAD_REQUEST, "amount must be a positive integer").into_response()),
+    ///     });
+    /// ```
+    pub fn validate<F>(mut self, check: F) -> Self
+    where
+        F: Fn(&http::request::Parts, &bytes::Bytes) -> Result<(), axum::response::Response>
+            + Send
+            + Sync
+            + 'static,
+    {
+        Arc::make_mut(&mut self.config).validate = Some(Arc::new(check));
+        self
+    }
+
     /// The policy in force.
     pub fn policy(&self) -> &Policy {
         &self.config.policy
@@ -122,6 +158,7 @@ impl fmt::Debug for IdempotencyLayer {
             .field("policy", &self.config.policy)
             .field("methods", &self.config.methods)
             .field("claim_in_handler", &self.config.claim_in_handler)
+            .field("validates", &self.config.validate.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -622,3 +622,67 @@ async fn a_declared_length_at_the_limit_passes_and_one_byte_more_is_413() {
     assert_eq!(send(&h.app, over).await.0, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(h.runs.get(), 1);
 }
+
+/// A request the route's validator refuses is answered before any claim,
+/// and nothing is stored: the corrected request runs under the same key,
+/// even with another body.
+#[tokio::test]
+async fn a_request_refused_by_validation_is_not_stored_and_the_corrected_retry_runs() {
+    let store = Arc::new(MemoryStore::new());
+    let runs = Runs::default();
+    let layer = IdempotencyLayer::new(store.clone(), Policy::default(), by_client_header())
+        .validate(|parts, body| {
+            let value: serde_json::Value = serde_json::from_slice(body)
+                .map_err(|_| (StatusCode::BAD_REQUEST, "not JSON").into_response())?;
+            if parts.headers.contains_key("x-bad") || !value["amount"].is_i64() {
+                return Err((StatusCode::BAD_REQUEST, "amount must be an integer").into_response());
+            }
+            Ok(())
+        });
+    let app = Router::new()
+        .route("/things", post(handler))
+        .layer(layer)
+        .with_state(runs.clone());
+    let refused = app
+        .clone()
+        .oneshot(req("k1", r#"{"amount": 10.5}"#))
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(runs.get(), 0, "the handler did not run");
+    assert!(
+        store.get("client-a", "k1").await.unwrap().is_none(),
+        "nothing stored"
+    );
+    // A bad header, then the same body with the header fixed.
+    let mut bad = req("k2", r#"{"amount": 10}"#);
+    bad.headers_mut().insert("x-bad", "1".parse().unwrap());
+    assert_eq!(
+        app.clone().oneshot(bad).await.unwrap().status(),
+        StatusCode::BAD_REQUEST
+    );
+    assert!(store.get("client-a", "k2").await.unwrap().is_none());
+    // The corrected requests run, under the same keys.
+    let fixed = app
+        .clone()
+        .oneshot(req("k1", r#"{"amount": 10}"#))
+        .await
+        .unwrap();
+    assert_eq!(fixed.status(), StatusCode::CREATED);
+    assert!(fixed.headers().get("idempotent-replayed").is_none());
+    let fixed = app
+        .clone()
+        .oneshot(req("k2", r#"{"amount": 10}"#))
+        .await
+        .unwrap();
+    assert_eq!(fixed.status(), StatusCode::CREATED);
+    assert_eq!(runs.get(), 2);
+    // A valid request's answer is stored as before.
+    let replay = app
+        .clone()
+        .oneshot(req("k1", r#"{"amount": 10}"#))
+        .await
+        .unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(runs.get(), 2);
+}
