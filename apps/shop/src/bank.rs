@@ -26,6 +26,8 @@ pub(crate) struct ChargeRequest<'a> {
     pub(crate) account_id: &'a str,
     pub(crate) amount: i64,
     pub(crate) currency: &'a str,
+    /// The merchant's own reference (an order id), or empty.
+    pub(crate) reference: &'a str,
 }
 
 /// The bank's side of the wire: on PostgreSQL and MySQL, a pool of its own (a remote
@@ -45,7 +47,8 @@ impl Bank {
         })
     }
 
-    /// Charges once per operation id; returns the charge id.
+    /// Charges once per operation id (the caller's idempotency key);
+    /// returns the charge id.
     pub(crate) async fn charge(&self, req: &ChargeRequest<'_>) -> Result<String, BankError> {
         let id = crate::db::bank_charge(
             &*self.db,
@@ -54,6 +57,7 @@ impl Bank {
             req.account_id,
             req.amount,
             req.currency,
+            req.reference,
         )
         .await?;
         Ok(id)

@@ -138,6 +138,8 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             bank,
             messaging: messaging.clone(),
             transactional,
+            records: store.clone(),
+            retention: policy.retention(),
             claim_in_transaction: config.claim_in_transaction,
             fault_injection: config.fault_injection,
             webhook_secret: config

@@ -1,12 +1,12 @@
 //! Events through the outbox, consumed once through the inbox.
 //!
-//! `POST /orders` enqueues `OrderPlaced` and a successful payment enqueues
-//! `PaymentAuthorized`, each in the transaction of its business write. A
-//! relay publishes them after the commit: through RabbitMQ or NATS
-//! JetStream when `--broker-url` names one, in process otherwise. Two
-//! consumers act on them once each through the inbox: `reserve-stock`
-//! (stock reserved per SKU) and `send-email` (one confirmation email per
-//! payment).
+//! `POST /orders` enqueues `OrderPlaced`, a successful payment enqueues
+//! `PaymentAuthorized`, and a checkout `OrderPaid`, each in the transaction
+//! of its business write. A relay publishes them after the commit: through
+//! RabbitMQ or NATS JetStream when `--broker-url` names one, in process
+//! otherwise. Three consumers act on them once each through the inbox:
+//! `reserve-stock` (stock reserved per SKU), `send-email` (one confirmation
+//! email per payment) and `send-receipt` (one receipt per paid order).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +25,15 @@ use crate::db::{Database, Work};
 /// The events, by the suffix of their destination.
 pub(crate) const ORDER_PLACED: &str = "orders.placed";
 pub(crate) const PAYMENT_AUTHORIZED: &str = "payments.authorized";
+pub(crate) const ORDER_PAID: &str = "orders.paid";
+
+/// Each event: its destination's suffix, the consumer that acts on it
+/// once, and (NATS) the suffix of its stream's name.
+const EVENTS: [(&str, &str, &str); 3] = [
+    (ORDER_PLACED, "reserve-stock", "ORDERS"),
+    (PAYMENT_AUTHORIZED, "send-email", "PAYMENTS"),
+    (ORDER_PAID, "send-receipt", "ORDERS_PAID"),
+];
 
 /// A running relay and its consumers.
 pub(crate) struct Messaging {
@@ -52,6 +61,15 @@ struct OrderPlaced {
 struct Line {
     sku: String,
     qty: i64,
+}
+
+#[derive(Debug, Deserialize)]
+struct OrderPaid {
+    order_id: String,
+    payment_id: String,
+    account_id: String,
+    amount: i64,
+    currency: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -94,6 +112,20 @@ async fn act(
         tracing::debug!(order = %event.order_id, "reserving stock");
         let lines = event.items.into_iter().map(|l| (l.sku, l.qty)).collect();
         ("reserve-stock", Work::ReserveStock(lines))
+    } else if destination_suffix == ORDER_PAID {
+        let event: OrderPaid =
+            serde_json::from_slice(payload).map_err(|e| format!("bad OrderPaid: {e}"))?;
+        let subject = format!(
+            "Receipt for order {}: {} {} paid",
+            event.order_id, event.amount, event.currency
+        );
+        let work = Work::SendEmail {
+            payment_id: event.payment_id,
+            account_id: event.account_id,
+            subject,
+            now,
+        };
+        ("send-receipt", work)
     } else {
         let event: PaymentAuthorized =
             serde_json::from_slice(payload).map_err(|e| format!("bad PaymentAuthorized: {e}"))?;
@@ -137,17 +169,14 @@ impl Messaging {
         prefix: &str,
     ) -> Result<Self, Box<dyn std::error::Error>> {
         let (stop, stop_rx) = watch::channel(false);
-        let destinations = [
-            format!("{prefix}.{ORDER_PLACED}"),
-            format!("{prefix}.{PAYMENT_AUTHORIZED}"),
-        ];
+        let destinations = EVENTS.map(|(suffix, _, _)| format!("{prefix}.{suffix}"));
         // Each event's consumer, on whatever carries the events; the
         // handler and its wiring are the same for all.
         let mut consumers: Vec<(Box<dyn Consumer>, &'static str)> = Vec::new();
         let publisher: Arc<dyn Publisher> = match broker_url {
             None => {
                 let transport = Arc::new(InProcess::new());
-                for (dest, suffix) in destinations.iter().zip([ORDER_PLACED, PAYMENT_AUTHORIZED]) {
+                for (dest, (suffix, _, _)) in destinations.iter().zip(EVENTS) {
                     consumers.push((Box::new(transport.consumer(dest)), suffix));
                 }
                 info!("messaging in process (no --broker-url)");
@@ -155,7 +184,7 @@ impl Messaging {
             }
             Some(url) if url.starts_with("amqp://") || url.starts_with("amqps://") => {
                 let publisher = idem_rabbitmq::RabbitPublisher::connect(url).await?;
-                for (dest, suffix) in destinations.iter().zip([ORDER_PLACED, PAYMENT_AUTHORIZED]) {
+                for (dest, (suffix, _, _)) in destinations.iter().zip(EVENTS) {
                     let spec = idem_rabbitmq::QueueSpec::new(dest.clone()).max_deliveries(5);
                     spec.declare(publisher.channel()).await?;
                     let consumer = idem_rabbitmq::RabbitConsumer::connect(url, spec, 32).await?;
@@ -175,22 +204,21 @@ impl Messaging {
                         }
                     })
                     .collect();
-                let specs = [
-                    idem_nats::StreamSpec::new(
-                        format!("{stream_prefix}_ORDERS"),
-                        destinations[0].clone(),
-                    ),
-                    idem_nats::StreamSpec::new(
-                        format!("{stream_prefix}_PAYMENTS"),
-                        destinations[1].clone(),
-                    ),
-                ];
+                let specs: Vec<idem_nats::StreamSpec> = destinations
+                    .iter()
+                    .zip(EVENTS)
+                    .map(|(dest, (_, _, stream))| {
+                        idem_nats::StreamSpec::new(
+                            format!("{stream_prefix}_{stream}"),
+                            dest.clone(),
+                        )
+                    })
+                    .collect();
                 let publisher = idem_nats::NatsPublisher::connect(url, &specs[0]).await?;
-                specs[1].declare(publisher.context()).await?;
-                for (spec, (suffix, durable)) in specs.iter().zip([
-                    (ORDER_PLACED, "reserve-stock"),
-                    (PAYMENT_AUTHORIZED, "send-email"),
-                ]) {
+                for spec in &specs[1..] {
+                    spec.declare(publisher.context()).await?;
+                }
+                for (spec, (suffix, durable, _)) in specs.iter().zip(EVENTS) {
                     let consumer = idem_nats::NatsConsumer::connect(url, spec, durable, 5).await?;
                     consumers.push((Box::new(consumer), suffix));
                 }
@@ -297,6 +325,29 @@ pub(crate) fn payment_authorized(m: &Messaging, payment: &crate::db::Payment) ->
         .to_string()
         .into(),
         headers: vec![("type".into(), "PaymentAuthorized".into())],
+    }
+}
+
+/// The outgoing event for a paid order (its checkout's payment).
+pub(crate) fn order_paid(
+    m: &Messaging,
+    order_id: &str,
+    payment: &crate::db::Payment,
+) -> OutgoingMessage {
+    OutgoingMessage {
+        message_id: format!("order-paid-{order_id}"),
+        destination: m.destination(ORDER_PAID),
+        ordering_key: Some(order_id.to_owned()),
+        payload: serde_json::json!({
+            "order_id": order_id,
+            "payment_id": payment.id,
+            "account_id": payment.account_id,
+            "amount": payment.amount,
+            "currency": payment.currency,
+        })
+        .to_string()
+        .into(),
+        headers: vec![("type".into(), "OrderPaid".into())],
     }
 }
 

@@ -19,13 +19,16 @@ pub(crate) struct ShopSql {
     /// The shop's tables (a script, run under a lock, re-runnable).
     pub(crate) schema: &'static str,
     /// $1 id, $2 operation id, $3 account, $4 amount, $5 currency, $6
-    /// created at, $7 client; unique on the operation id.
+    /// created at, $7 client, $8 reference; unique on the operation id.
     pub(crate) insert_charge: &'static str,
     /// $1 id … $9 created at; unique on the operation id.
     pub(crate) insert_payment: &'static str,
     /// $1 id, $2 client, $3 customer, $4 reference, $5 items, $6 created
     /// at; unique on the natural key.
     pub(crate) insert_order: &'static str,
+    /// $1 order, $2 client, $3 operation id, $4 created at; unique on
+    /// the order.
+    pub(crate) insert_checkout: &'static str,
     /// $1 sku, $2 name, $3 price; unique on the sku.
     pub(crate) insert_product: &'static str,
     /// $1 event id, $2 type, $3 payment, $4 received at; unique on the id.
@@ -41,6 +44,7 @@ pub(crate) const CHARGE_KEY: &str = "bank_charges_operation_id_key";
 pub(crate) const PAYMENT_KEY: &str = "shop_payments_operation_id_key";
 pub(crate) const ORDER_KEY: &str = "shop_orders_natural_key";
 pub(crate) const PRODUCT_KEY: &str = "PRIMARY";
+pub(crate) const CHECKOUT_KEY: &str = "PRIMARY";
 pub(crate) const BANK_EVENT_KEY: &str = "PRIMARY";
 
 /// A database the shop runs on; idem's store of records on it is
@@ -80,19 +84,26 @@ pub(crate) trait ShopDialect: OutboxDialect + RecordDialect {
     }
 }
 
+/// The index of the bank's charges by reference (SQLite, PostgreSQL),
+/// made after the column is (a database made before it has none).
+const REFERENCE_INDEX: &str =
+    "CREATE INDEX IF NOT EXISTS bank_charges_reference ON bank_charges (reference)";
+
 /// The tables on SQLite and PostgreSQL, whose SQL agrees.
 const SCHEMA: &str = include_str!("schema.sql");
 
 const ANSI: ShopSql = ShopSql {
     schema: SCHEMA,
-    insert_charge: "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at, client_id)
-                    VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (operation_id) DO NOTHING",
+    insert_charge: "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at, client_id, reference)
+                    VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (operation_id) DO NOTHING",
     insert_payment: "INSERT INTO shop_payments
                      (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
                      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (operation_id) DO NOTHING",
     insert_order: "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
                    VALUES ($1, $2, $3, $4, $5, 'placed', $6)
                    ON CONFLICT (client_id, customer_id, client_reference) DO NOTHING",
+    insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at)
+                      VALUES ($1, $2, $3, $4) ON CONFLICT (order_id) DO NOTHING",
     insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)
                      ON CONFLICT (sku) DO NOTHING",
     insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
@@ -129,6 +140,20 @@ impl ShopDialect for idem_sql::Sqlite {
                 .execute(pool)
                 .await?;
             }
+            // A database made before charges carried a reference.
+            let has_reference: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pragma_table_info('bank_charges') WHERE name = 'reference'",
+            )
+            .fetch_one(pool)
+            .await?;
+            if has_reference == 0 {
+                sqlx::query(
+                    "ALTER TABLE bank_charges ADD COLUMN reference TEXT NOT NULL DEFAULT ''",
+                )
+                .execute(pool)
+                .await?;
+            }
+            sqlx::query(REFERENCE_INDEX).execute(pool).await?;
             Ok(())
         })
     }
@@ -152,6 +177,13 @@ impl ShopDialect for idem_sql::Postgres {
                 )
                 .execute(&mut *tx)
                 .await?;
+                // A database made before charges carried a reference.
+                sqlx::query(
+                    "ALTER TABLE bank_charges ADD COLUMN IF NOT EXISTS reference TEXT NOT NULL DEFAULT ''",
+                )
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query(REFERENCE_INDEX).execute(&mut *tx).await?;
                 Ok(())
             }
             .await;
@@ -174,13 +206,15 @@ impl ShopDialect for idem_sql::Postgres {
 impl ShopDialect for idem_sql::MySql {
     const SQL: ShopSql = ShopSql {
         schema: include_str!("schema_mysql.sql"),
-        insert_charge: "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at, client_id)
-                        VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        insert_charge: "INSERT INTO bank_charges (id, operation_id, account_id, amount, currency, created_at, client_id, reference)
+                        VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         insert_payment: "INSERT INTO shop_payments
                          (id, client_id, account_id, amount, currency, status, bank_charge_id, operation_id, created_at)
                          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         insert_order: "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
                        VALUES ($1, $2, $3, $4, $5, 'placed', $6)",
+        insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at)
+                          VALUES ($1, $2, $3, $4)",
         insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)",
         insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
                             VALUES ($1, $2, $3, $4)",
@@ -202,7 +236,27 @@ impl ShopDialect for idem_sql::MySql {
                     "another shop held the schema lock for 60 s".into(),
                 ));
             }
-            let created = sqlx::Executor::execute(&mut *conn, Self::SQL.schema).await;
+            let created = async {
+                sqlx::Executor::execute(&mut *conn, Self::SQL.schema).await?;
+                // A database made before charges carried a reference.
+                let has_reference: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM information_schema.columns
+                     WHERE table_schema = DATABASE() AND table_name = 'bank_charges'
+                       AND column_name = 'reference'",
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                if has_reference == 0 {
+                    sqlx::query(
+                        "ALTER TABLE bank_charges ADD COLUMN reference VARBINARY(255) NOT NULL DEFAULT '',
+                         ADD INDEX bank_charges_reference (reference)",
+                    )
+                    .execute(&mut *conn)
+                    .await?;
+                }
+                Ok::<_, sqlx::Error>(())
+            }
+            .await;
             let released = sqlx::query("SELECT RELEASE_LOCK('shop-schema')")
                 .execute(&mut *conn)
                 .await;

@@ -134,6 +134,14 @@ impl<D: ShopDialect> ShopTx for Tx<D> {
     ) -> BoxFuture<'a, Result<Response, CompleteError>> {
         Box::pin(async move { idem.complete_in(&self.store, &mut *self.tx, response).await })
     }
+    fn complete_record<'a>(
+        &'a mut self,
+        claim: &'a idem_core::Claim,
+        stored: &'a idem_core::StoredResponse,
+    ) -> BoxFuture<'a, Result<(), idem_core::StoreError>> {
+        use idem_core::TransactionalStore;
+        self.store.complete_in_tx(&mut *self.tx, claim, stored)
+    }
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), sqlx::Error>> {
         Box::pin(self.tx.commit())
     }

@@ -151,6 +151,13 @@ pub(crate) trait ShopTx: ShopExec {
         idem: &'a Idempotency,
         response: Response,
     ) -> BoxFuture<'a, Result<Response, CompleteError>>;
+    /// Completes a claim on idem's records (a step's) with `stored`, in
+    /// this transaction, fenced by the claim's token.
+    fn complete_record<'a>(
+        &'a mut self,
+        claim: &'a idem_core::Claim,
+        stored: &'a idem_core::StoredResponse,
+    ) -> BoxFuture<'a, Result<(), idem_core::StoreError>>;
     /// Commits.
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), sqlx::Error>>;
     /// Rolls back.
@@ -381,6 +388,7 @@ pub(crate) async fn bank_charge(
     account_id: &str,
     amount: i64,
     currency: &str,
+    reference: &str,
 ) -> Result<String, sqlx::Error> {
     let operation_id = operation_id.to_string();
     let id = format!("ch_{}", uuid::Uuid::now_v7().simple());
@@ -397,6 +405,7 @@ pub(crate) async fn bank_charge(
                 currency.into(),
                 now.into(),
                 client_id.into(),
+                reference.into(),
             ],
         )
         .await;

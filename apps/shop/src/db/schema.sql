@@ -25,7 +25,9 @@ CREATE TABLE IF NOT EXISTS bank_charges (
     account_id   TEXT   NOT NULL,
     amount       BIGINT NOT NULL,
     currency     TEXT   NOT NULL,
-    created_at   BIGINT NOT NULL
+    created_at   BIGINT NOT NULL,
+    -- the merchant's own reference for the charge (an order id), or ''
+    reference    TEXT   NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS bank_charges_account ON bank_charges (client_id, account_id);
 
@@ -40,6 +42,15 @@ CREATE TABLE IF NOT EXISTS shop_orders (
     status           TEXT   NOT NULL,
     created_at       BIGINT NOT NULL,
     CONSTRAINT shop_orders_natural_key UNIQUE (client_id, customer_id, client_reference)
+);
+
+-- A checkout binds an order to the one operation (Idempotency-Key) that
+-- pays it: another key for the same order is refused, never charged.
+CREATE TABLE IF NOT EXISTS shop_checkouts (
+    order_id     TEXT   PRIMARY KEY,
+    client_id    TEXT   NOT NULL,
+    operation_id TEXT   NOT NULL,
+    created_at   BIGINT NOT NULL
 );
 
 -- Products are written with optimistic concurrency (ETag / If-Match).

@@ -27,8 +27,11 @@ CREATE TABLE IF NOT EXISTS bank_charges (
     amount       BIGINT          NOT NULL,
     currency     VARBINARY(16)   NOT NULL,
     created_at   BIGINT          NOT NULL,
+    -- the merchant's own reference for the charge (an order id), or ''
+    reference    VARBINARY(255)  NOT NULL DEFAULT '',
     CONSTRAINT bank_charges_operation_id_key UNIQUE (operation_id),
-    INDEX bank_charges_account (client_id, account_id)
+    INDEX bank_charges_account (client_id, account_id),
+    INDEX bank_charges_reference (reference)
 ) ENGINE = InnoDB;
 
 -- Orders are created once per natural key, per client.
@@ -41,6 +44,15 @@ CREATE TABLE IF NOT EXISTS shop_orders (
     status           VARBINARY(32)   NOT NULL,
     created_at       BIGINT          NOT NULL,
     CONSTRAINT shop_orders_natural_key UNIQUE (client_id, customer_id, client_reference)
+) ENGINE = InnoDB;
+
+-- A checkout binds an order to the one operation (Idempotency-Key) that
+-- pays it: another key for the same order is refused, never charged.
+CREATE TABLE IF NOT EXISTS shop_checkouts (
+    order_id     VARBINARY(255)  NOT NULL PRIMARY KEY,
+    client_id    VARBINARY(1020) NOT NULL,
+    operation_id VARBINARY(64)   NOT NULL,
+    created_at   BIGINT          NOT NULL
 ) ENGINE = InnoDB;
 
 -- Products are written with optimistic concurrency (ETag / If-Match).

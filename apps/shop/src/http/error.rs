@@ -23,6 +23,7 @@ pub(crate) const SHOP_PROBLEMS: &[(&str, &str)] = &[
     ("conflict", "The request conflicts with the resource's state."),
     ("payment-state-conflict", "The payment is in a state the action does not apply to."),
     ("client-reference-reused", "The order reference names another order (other items)."),
+    ("order-already-paid", "The order is paid, or being paid, under another <code>Idempotency-Key</code>."),
     ("corrupt-order", "A stored order is unreadable: a failure of ours."),
     ("bad-signature", "The webhook's <code>X-Bank-Signature</code> is missing or wrong."),
     ("bank-unavailable", "The bank could not be reached (or <code>X-Simulate: bank-error</code>); nothing was charged."),

@@ -4,6 +4,8 @@
 //! - [`payments`]: `POST /payments` (guarded by idem's layer), reading and
 //!   capturing payments, `/accounts/{id}`, `/emails`;
 //! - [`orders`]: `POST /orders`, deduplicated by its natural key;
+//! - [`checkout`]: `POST /orders/{id}/checkout`, in two named steps
+//!   (idem-once), each done once whatever crashes between them;
 //! - [`catalog`]: products with `ETag`/`If-Match`, and stock;
 //! - [`webhooks`]: the bank's events, once per event id;
 //! - [`auth`]: who is calling; [`input`]: what a request may hold;
@@ -11,6 +13,7 @@
 
 pub(crate) mod auth;
 pub(crate) mod catalog;
+pub(crate) mod checkout;
 pub(crate) mod error;
 pub(crate) mod input;
 pub(crate) mod orders;
@@ -47,6 +50,10 @@ pub(crate) struct AppState {
     /// Whether idempotency records live in `db`, so that handlers complete
     /// them in their own transaction (not so with Redis alone).
     pub(crate) transactional: bool,
+    /// idem's records (the layer's store), where checkout steps are kept.
+    pub(crate) records: Arc<dyn Store>,
+    /// How long records are kept.
+    pub(crate) retention: std::time::Duration,
     /// Whether `POST /payments` claims inside its own transaction.
     pub(crate) claim_in_transaction: bool,
     /// What `X-Simulate` may ask for.
@@ -91,6 +98,7 @@ pub(crate) fn router(state: AppState, store: Arc<dyn Store>, policy: Policy) -> 
         .routes(routes!(demo_page))
         .routes(routes!(openapi_json))
         .routes(routes!(problems))
+        .merge(checkout::router(&state, key_required.clone()))
         .merge(payments::router(&state, key_required))
         .merge(orders::router(key_optional))
         .merge(catalog::router())

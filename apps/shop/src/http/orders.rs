@@ -24,6 +24,12 @@ use crate::db::{self, dialect::ORDER_KEY, Row};
 /// `POST /orders` when one is sent.
 pub(super) fn router(layer: IdempotencyLayer) -> OpenApiRouter<AppState> {
     // Layers on the method router: another method still gets 405.
+    // A malformed order is refused before the key is claimed: not stored.
+    let layer = layer.validate(|_, body| {
+        NewOrder::parse(body)
+            .map(drop)
+            .map_err(IntoResponse::into_response)
+    });
     OpenApiRouter::new().routes(routes!(get_order)).routes(
         routes!(create_order)
             .map(|r| r.route_layer(layer))
@@ -88,8 +94,11 @@ pub(crate) struct Order {
     client_reference: String,
     /// Its lines.
     items: Vec<Item>,
-    /// `placed`.
+    /// `placed`, or `paid` once checked out.
     status: String,
+    /// How many charges the bank holds for this order: 1 once paid,
+    /// whatever the retries and crashes.
+    bank_charges: i64,
 }
 
 /// An order's row; `items` is JSON text.
@@ -135,8 +144,39 @@ impl TryFrom<OrderRow> for Order {
             client_reference: row.client_reference,
             items,
             status: row.status,
+            bank_charges: 0,
         })
     }
+}
+
+/// The calling client's order `id`, with the bank's charges for it;
+/// another client's is `404`.
+pub(super) async fn order_view(state: &AppState, client: &str, id: &str) -> Result<Order> {
+    let sql = format!("SELECT {COLUMNS} FROM shop_orders WHERE id = $1 AND client_id = $2");
+    let row = db::query_one(&*state.db, &sql, &[id.into(), client.into()])
+        .await?
+        .as_ref()
+        .map(OrderRow::try_from)
+        .transpose()?;
+    let Some(row) = row else {
+        return Err(Error::NotFound {
+            what: "order",
+            id: id.to_owned(),
+        });
+    };
+    let mut order = Order::try_from(row)?;
+    order.bank_charges = bank_charges(state, client, id).await?;
+    Ok(order)
+}
+
+/// The bank's charges made for the client's order `id`.
+async fn bank_charges(state: &AppState, client: &str, id: &str) -> Result<i64> {
+    const SQL: &str =
+        "SELECT count(*) AS n FROM bank_charges WHERE reference = $1 AND client_id = $2";
+    let row = db::query_one(&*state.db, SQL, &[id.into(), client.into()])
+        .await?
+        .ok_or(sqlx::Error::RowNotFound)?;
+    Ok(row.int("n")?)
 }
 
 /// Places an order once per natural key: `201` the first time, `200` with
@@ -252,7 +292,7 @@ async fn create_order(
     security(("bearer" = [])),
     params(("id" = String, Path, description = "The order id", pattern = "^[A-Za-z0-9_.:-]{1,64}$")),
     responses(
-        (status = 200, description = "The order", body = Order),
+        (status = 200, description = "The order, with `status` and the bank's charges for it (`bank_charges`)", body = Order),
         (status = 404, description = "No such order for this client", body = ProblemDoc, content_type = "application/problem+json"),
     )
 )]
@@ -262,14 +302,5 @@ async fn get_order(
     Path(id): Path<String>,
 ) -> Result<Json<Order>> {
     input::identifier("the order id", &id)?;
-    let sql = format!("SELECT {COLUMNS} FROM shop_orders WHERE id = $1 AND client_id = $2");
-    let row = db::query_one(&*state.db, &sql, &[(&id).into(), (&client).into()])
-        .await?
-        .as_ref()
-        .map(OrderRow::try_from)
-        .transpose()?;
-    match row {
-        Some(row) => Ok(Json(Order::try_from(row)?)),
-        None => Err(Error::NotFound { what: "order", id }),
-    }
+    Ok(Json(order_view(&state, &client, &id).await?))
 }

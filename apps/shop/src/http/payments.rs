@@ -33,6 +33,15 @@ pub(super) fn router(state: &AppState, layer: IdempotencyLayer) -> OpenApiRouter
     // idempotency layer fingerprints the body. Layers go on the method
     // router, so that another method still gets 405.
     let json = || axum::middleware::from_fn(super::auth::require_client_json);
+    // What makes the request unrunnable is refused before the claim, and
+    // not stored: the corrected request may come again under the same key.
+    let allowed = state.fault_injection;
+    let layer = layer.validate(move |parts, body| {
+        Simulate::parse(&parts.headers, allowed, SimulateOn::Payment)
+            .and_then(|_| NewPayment::parse(body))
+            .map(drop)
+            .map_err(IntoResponse::into_response)
+    });
     let create = if state.claim_in_transaction {
         routes!(create_payment_in_tx).map(|r| r.route_layer(layer.claim_in_transaction()))
     } else {
@@ -53,17 +62,17 @@ pub(super) fn router(state: &AppState, layer: IdempotencyLayer) -> OpenApiRouter
 pub(crate) struct NewPayment {
     /// The account to charge.
     #[schema(pattern = "^[A-Za-z0-9_.:-]{1,64}$", example = "acc_1")]
-    account_id: String,
+    pub(super) account_id: String,
     /// In minor units (cents).
     #[schema(minimum = 1, maximum = 1_000_000_000, example = 1000)]
-    amount: i64,
+    pub(super) amount: i64,
     /// Three letters.
     #[schema(pattern = "^[A-Za-z]{3}$", example = "EUR")]
-    currency: String,
+    pub(super) currency: String,
 }
 
 impl NewPayment {
-    fn parse(body: &[u8]) -> Result<Self> {
+    pub(super) fn parse(body: &[u8]) -> Result<Self> {
         let new: Self = input::json(body)?;
         input::identifier("account_id", &new.account_id)?;
         input::amount(new.amount)?;
@@ -78,15 +87,30 @@ const MAX_SIMULATED_DELAY: Duration = Duration::from_secs(60);
 /// Demo-only fault injection from the `X-Simulate` header, as far as
 /// `--fault-injection` allows it.
 #[derive(Debug, Default)]
-struct Simulate {
-    bank_delay: Option<Duration>,
-    bank_error: bool,
-    crash_before_bank: bool,
-    crash_after_bank: bool,
+pub(super) struct Simulate {
+    pub(super) bank_delay: Option<Duration>,
+    pub(super) bank_error: bool,
+    pub(super) crash_before_bank: bool,
+    pub(super) crash_after_bank: bool,
+    /// Checkout only: after the charge step's output is stored, before the
+    /// order is marked paid.
+    pub(super) crash_after_charge: bool,
+}
+
+/// Which route `X-Simulate` is read for: a checkout also takes
+/// `crash-after-charge`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SimulateOn {
+    Payment,
+    Checkout,
 }
 
 impl Simulate {
-    fn parse(headers: &HeaderMap, allowed: crate::config::FaultInjection) -> Result<Self> {
+    pub(super) fn parse(
+        headers: &HeaderMap,
+        allowed: crate::config::FaultInjection,
+        route: SimulateOn,
+    ) -> Result<Self> {
         use crate::config::FaultInjection;
         let mut sim = Simulate::default();
         for value in headers.get_all("x-simulate") {
@@ -103,20 +127,29 @@ impl Simulate {
                     "bank-error" => sim.bank_error = true,
                     "crash-before-bank" => sim.crash_before_bank = true,
                     "crash-after-bank" => sim.crash_after_bank = true,
+                    "crash-after-charge" if route == SimulateOn::Checkout => {
+                        sim.crash_after_charge = true
+                    }
                     d => match d.strip_prefix("bank-delay=").map(str::parse::<u64>) {
                         Some(Ok(ms)) if Duration::from_millis(ms) <= MAX_SIMULATED_DELAY => {
                             sim.bank_delay = Some(Duration::from_millis(ms))
                         }
                         _ => {
+                            let checkout = match route {
+                                SimulateOn::Checkout => ", crash-after-charge",
+                                SimulateOn::Payment => "",
+                            };
                             return Err(Error::validation(format!(
-                                "unknown X-Simulate directive {d:?}; expected bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank"
-                            )))
+                                "unknown X-Simulate directive {d:?}; expected bank-delay=MS (at most 60000), bank-error, crash-before-bank, crash-after-bank{checkout}"
+                            )));
                         }
                     },
                 }
             }
         }
-        if (sim.crash_before_bank || sim.crash_after_bank) && allowed != FaultInjection::All {
+        if (sim.crash_before_bank || sim.crash_after_bank || sim.crash_after_charge)
+            && allowed != FaultInjection::All
+        {
             return Err(Error::validation(
                 "X-Simulate crashes are refused: this shop runs with --fault-injection safe",
             ));
@@ -127,7 +160,7 @@ impl Simulate {
 
 /// Aborts the process at once, as a killed pod would: no unwinding, no
 /// response, no cleanup.
-fn crash(at: &str) -> ! {
+pub(super) fn crash(at: &str) -> ! {
     eprintln!("shop: simulated crash {at}");
     std::process::abort()
 }
@@ -290,7 +323,7 @@ async fn charge(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Payment> {
-    let simulate = Simulate::parse(headers, state.fault_injection)?;
+    let simulate = Simulate::parse(headers, state.fault_injection, SimulateOn::Payment)?;
     let new = NewPayment::parse(body)?;
     if simulate.crash_before_bank {
         crash("before the bank call");
@@ -304,6 +337,7 @@ async fn charge(
         account_id: &new.account_id,
         amount: new.amount,
         currency: &new.currency,
+        reference: "",
     };
     let bank_charge_id = state.bank.charge(&charge).await?;
     // The bank charged; its answer is slow to come back.

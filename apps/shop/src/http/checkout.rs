@@ -1,0 +1,345 @@
+//! `POST /orders/{id}/checkout`: paying an order in two named steps, each
+//! done once per `Idempotency-Key` whatever crashes between them.
+//!
+//! 1. `charge`: the bank charges the account under the step's own key
+//!    (derived from the operation id and the step's name), so a retry after
+//!    a crash between the bank's answer and the step's record charges
+//!    nothing more: the bank deduplicates on that key.
+//! 2. `mark-paid`: the payment row, the order's `paid` status and the
+//!    `OrderPaid` event (its receipt email) commit in one transaction, with
+//!    the step's record when the records live in this database.
+//!
+//! A run resumed after a crash (the retry takes the key over after the
+//! lease, under the same operation id) gets the stored output of each step
+//! it finds done, and runs the rest.
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use idem_axum::{Idempotency, IdempotencyLayer, Problem};
+use idem_core::{OperationId, UnixMillis};
+use idem_once::{Operation, StepError, StepStart};
+use idem_sql::Created;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::router::UtoipaMethodRouterExt;
+use utoipa_axum::routes;
+
+use super::error::{Error, Result};
+use super::orders::{order_view, Order};
+use super::payments::{crash, NewPayment, Simulate, SimulateOn};
+use super::{input, AppState, ProblemDoc};
+use crate::bank::ChargeRequest;
+use crate::db::dialect::{CHECKOUT_KEY, PAYMENT_KEY};
+use crate::db::{self, Payment, ShopTx, PAYMENT_COLUMNS};
+
+/// The checkout route; `layer` requires an `Idempotency-Key`, and refuses
+/// a malformed request (body, order id, `X-Simulate`) before the claim.
+pub(super) fn router(state: &AppState, layer: IdempotencyLayer) -> OpenApiRouter<AppState> {
+    let allowed = state.fault_injection;
+    let layer = layer.validate(move |parts, body| {
+        order_id_of(parts.uri.path())
+            .and_then(|_| Simulate::parse(&parts.headers, allowed, SimulateOn::Checkout))
+            .and_then(|_| NewPayment::parse(body))
+            .map(drop)
+            .map_err(IntoResponse::into_response)
+    });
+    OpenApiRouter::new().routes(
+        routes!(checkout)
+            .map(|r| r.route_layer(layer))
+            .map(|r| r.route_layer(axum::middleware::from_fn(super::auth::require_client_json))),
+    )
+}
+
+/// The order id of a checkout's path, checked.
+fn order_id_of(path: &str) -> Result<&str> {
+    let id = path
+        .strip_prefix("/orders/")
+        .and_then(|rest| rest.strip_suffix("/checkout"))
+        .unwrap_or_default();
+    input::identifier("the order id", id)?;
+    Ok(id)
+}
+
+/// What the `charge` step stores: the bank's charge.
+#[derive(Debug, Serialize, Deserialize)]
+struct Charged {
+    bank_charge_id: String,
+}
+
+/// What the `mark-paid` step stores: the payment it recorded.
+#[derive(Debug, Serialize, Deserialize)]
+struct Paid {
+    payment_id: String,
+}
+
+/// Pays an order once per `Idempotency-Key`: charges the account at the
+/// bank, then marks the order paid and sends its receipt.
+///
+/// A retry with the same key replays the answer; after a crash it resumes
+/// at the first step not done (the bank is never charged twice: it
+/// deduplicates on the charge step's key). Another key for an order being
+/// paid, or paid, is `409`.
+#[utoipa::path(
+    post,
+    path = "/orders/{id}/checkout",
+    tag = "orders",
+    security(("bearer" = [])),
+    params(
+        ("id" = String, Path, description = "The order id", pattern = "^[A-Za-z0-9_.:-]{1,64}$"),
+        ("Idempotency-Key" = String, Header, description = "One key per intended checkout, 1 to 255 visible ASCII characters; retries send the same key.", pattern = "^[!-~]{1,255}$"),
+        ("X-Simulate" = Option<String>, Header, description = "Demo fault injection (see --fault-injection): bank-delay=MS, bank-error, crash-after-bank, crash-after-charge; comma-separated.", pattern = "^(bank-error|bank-delay=[0-9]{1,3})$"),
+    ),
+    request_body(content = NewPayment, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Paid; a replay answers the same with `Idempotent-Replayed: true`", body = Order),
+        (status = 404, description = "No such order for this client", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "The same key is in flight (`Retry-After`), or the order is paid (or being paid) under another key", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "The key was used for another request", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error); retry with the same key", body = ProblemDoc, content_type = "application/problem+json"),
+    )
+)]
+async fn checkout(
+    State(state): State<AppState>,
+    idem: Idempotency,
+    Path(order_id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response> {
+    // Checked before the claim (the layer's validator); read for the values.
+    input::identifier("the order id", &order_id)?;
+    let simulate = Simulate::parse(&headers, state.fault_injection, SimulateOn::Checkout)?;
+    let new = NewPayment::parse(&body)?;
+    let client = idem.scope();
+    // Another client's order is not there.
+    order_view(&state, client, &order_id).await?;
+    bind(&state, client, &order_id, idem.operation_id()).await?;
+
+    let op = Operation::new(&*state.records, idem.claim().clone(), state.retention);
+    let charged: Charged = op
+        .step("charge", async |step| {
+            if simulate.bank_error {
+                return Err(Error::Bank(crate::bank::BankError::Simulated));
+            }
+            let bank_charge_id = state
+                .bank
+                .charge(&ChargeRequest {
+                    client_id: client,
+                    operation_id: OperationId(step.key()),
+                    account_id: &new.account_id,
+                    amount: new.amount,
+                    currency: &new.currency,
+                    reference: &order_id,
+                })
+                .await?;
+            if let Some(d) = simulate.bank_delay {
+                tokio::time::sleep(d).await;
+            }
+            if simulate.crash_after_bank {
+                crash("after the bank charged, before the charge step was stored");
+            }
+            Ok(Charged { bank_charge_id })
+        })
+        .await
+        .map_err(step_failed)?;
+    if simulate.crash_after_charge {
+        crash("after the charge step was stored, before the order was marked paid");
+    }
+    let paid = mark_paid(&state, &op, client, &order_id, &new, &charged).await?;
+    info!(order = %order_id, payment = %paid.payment_id, "order paid");
+    let order = order_view(&state, client, &order_id).await?;
+    Ok((StatusCode::OK, Json(order)).into_response())
+}
+
+/// Binds the order to this checkout's operation, once: another operation
+/// (another `Idempotency-Key`) for the same order is `409`, before anything
+/// is charged.
+async fn bind(state: &AppState, client: &str, order_id: &str, op: OperationId) -> Result<()> {
+    let op = op.to_string();
+    let mut tx = state.db.begin().await?;
+    let created = db::create_once(
+        &mut *tx,
+        (state.db.sql().insert_checkout, CHECKOUT_KEY),
+        &[
+            order_id.into(),
+            client.into(),
+            (&op).into(),
+            UnixMillis::now().0.into(),
+        ],
+        "SELECT operation_id FROM shop_checkouts WHERE order_id = $1",
+        &[order_id.into()],
+    )
+    .await;
+    let bound = match created {
+        Ok(Created::Created(row) | Created::Existing(row)) => row.text("operation_id"),
+        Err(e) => Err(e),
+    };
+    let bound = match bound {
+        Ok(bound) => {
+            tx.commit().await?;
+            bound
+        }
+        Err(e) => {
+            rollback(tx).await;
+            return Err(e.into());
+        }
+    };
+    if bound != op {
+        return Err(Problem::new(
+            StatusCode::CONFLICT,
+            "order-already-paid",
+            "The order is paid, or being paid, under another Idempotency-Key",
+        )
+        .detail(format!(
+            "order {order_id} has its own checkout; retry that one with its key"
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// The `mark-paid` step: the payment, the order's status and its event
+/// commit in one transaction, with the step's record when the records live
+/// in this database (else the step's record is stored right after the
+/// commit, and a crash between re-runs a transaction that changes nothing).
+async fn mark_paid(
+    state: &AppState,
+    op: &Operation<'_, dyn idem_core::Store>,
+    client: &str,
+    order_id: &str,
+    new: &NewPayment,
+    charged: &Charged,
+) -> Result<Paid> {
+    let step = match op.start_step::<Paid, Error>("mark-paid").await {
+        Ok(StepStart::Done(paid)) => return Ok(paid),
+        Ok(StepStart::Run(step)) => step,
+        Err(e) => return Err(step_failed(e)),
+    };
+    let mut tx = match state.db.begin().await {
+        Ok(tx) => tx,
+        Err(e) => {
+            op.release_step(&step).await;
+            return Err(e.into());
+        }
+    };
+    let staged = async {
+        // The payment, once per charge (its operation id is the charge
+        // step's key, which the bank charged under).
+        let charge_key = idem_once::step_key(op.id(), "charge").to_string();
+        let payment_id = format!("pay_{}", uuid::Uuid::now_v7().simple());
+        let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE operation_id = $1");
+        let created = db::create_once(
+            &mut *tx,
+            (state.db.sql().insert_payment, PAYMENT_KEY),
+            &[
+                (&payment_id).into(),
+                client.into(),
+                (&new.account_id).into(),
+                new.amount.into(),
+                (&new.currency).into(),
+                "authorized".into(),
+                (&charged.bank_charge_id).into(),
+                (&charge_key).into(),
+                UnixMillis::now().0.into(),
+            ],
+            &fetch,
+            &[(&charge_key).into()],
+        )
+        .await?;
+        let payment = match created {
+            Created::Created(row) => {
+                let payment = Payment::try_from(&row)?;
+                let event = crate::messaging::order_paid(&state.messaging, order_id, &payment);
+                tx.enqueue(&event).await?;
+                payment
+            }
+            // This transaction committed before, and its step's record did
+            // not (records outside this database): converge on it.
+            Created::Existing(row) => Payment::try_from(&row)?,
+        };
+        tx.execute(
+            "UPDATE shop_orders SET status = 'paid' WHERE id = $1 AND client_id = $2",
+            &[order_id.into(), client.into()],
+        )
+        .await?;
+        Ok::<_, sqlx::Error>(Paid {
+            payment_id: payment.id,
+        })
+    }
+    .await;
+    let paid = match staged {
+        Ok(paid) => paid,
+        Err(e) => {
+            rollback(tx).await;
+            op.release_step(&step).await;
+            return Err(e.into());
+        }
+    };
+    if state.transactional {
+        let stored = match step.stored(&paid) {
+            Ok(stored) => stored,
+            Err(e) => {
+                rollback(tx).await;
+                op.release_step(&step).await;
+                return Err(Error::Problem(internal(e)));
+            }
+        };
+        // Fenced by the step's token: a takeover makes this fail, and
+        // nothing of this attempt commits.
+        if let Err(e) = tx.complete_record(step.claim(), &stored).await {
+            rollback(tx).await;
+            return Err(step_failed(StepError::<Error>::Store(e)));
+        }
+        tx.commit().await.map_err(Error::Recording)?;
+        op.store().settled(step.claim()).await;
+    } else {
+        tx.commit().await.map_err(Error::Recording)?;
+        op.step_done::<_, Error>(&step, &paid)
+            .await
+            .map_err(step_failed)?;
+    }
+    state.messaging.wake();
+    Ok(paid)
+}
+
+/// A step that gave no output, as the answer.
+fn step_failed(e: StepError<Error>) -> Error {
+    match e {
+        StepError::Failed(e) => e,
+        StepError::LeaseLost => {
+            warn!("the checkout's lease ran out and another attempt holds it");
+            Error::Answered(
+                idem_axum::IdempotencyRejection::KeyInUse {
+                    retry_after: std::time::Duration::from_secs(1),
+                }
+                .into_response(),
+            )
+        }
+        StepError::Store(e) => {
+            warn!(error = %e, "a checkout step's record failed");
+            Error::Answered(idem_axum::IdempotencyRejection::StoreUnavailable.into_response())
+        }
+        other => Error::Problem(internal(other)),
+    }
+}
+
+/// `500`, logged: a failure of ours.
+fn internal(e: impl std::fmt::Display) -> Problem {
+    tracing::error!(error = %e, "checkout failed");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "A failure of ours",
+    )
+}
+
+/// Ends a transaction that must not commit, now.
+async fn rollback(tx: Box<dyn ShopTx>) {
+    if let Err(e) = tx.rollback().await {
+        warn!(error = %e, "rollback failed");
+    }
+}
