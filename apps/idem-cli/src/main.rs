@@ -5,6 +5,8 @@
 //! idem sweep   --database-url URL [--batch N]
 //! idem inspect --database-url URL --scope S --key K [--show-body]
 //! idem stats   --database-url URL
+//! idem once    --database-url URL --scope S --key K [--lease-ms N] [--ttl-secs N]
+//!              [--wait-ms N] [--store-failures] -- COMMAND [ARGS…]
 //! ```
 //!
 //! `URL` is `sqlite:FILE`, `postgres://…` or `mysql://…` (also read from
@@ -12,6 +14,7 @@
 //! schema, a MySQL database) and `--table` name the records table. Every
 //! verb is written once, generic over the store ([`ops::Ops`]).
 
+mod once;
 mod ops;
 mod time;
 
@@ -88,6 +91,11 @@ enum Command {
         #[arg(long, default_value_t = 20)]
         limit: i64,
     },
+    /// Run a command once per key, across hosts: a repeat prints the first
+    /// run's stdout and exits with its status without running it (cron on
+    /// many hosts, a deploy step). Exits 65 if the key was used with
+    /// another command line, 75 while another run holds it.
+    Once(Box<once::OnceArgs>),
     /// Count records by state: in progress, completed, past retention, oldest.
     Stats {
         #[command(flatten)]
@@ -166,15 +174,28 @@ impl Target {
 }
 
 impl Command {
-    /// The store the command works on.
-    fn target(&self) -> &Target {
+    /// The store the command works on (`once` names its own).
+    fn target(&self) -> Option<&Target> {
         match self {
             Command::Migrate(target)
             | Command::Sweep { target, .. }
             | Command::Inspect { target, .. }
             | Command::Release { target, .. }
             | Command::Outbox { target, .. }
-            | Command::Stats { target, .. } => target,
+            | Command::Stats { target, .. } => Some(target),
+            Command::Once(_) => None,
+        }
+    }
+
+    /// The secrets of the URLs the command was given, for [`scrub`].
+    fn secrets(&self) -> Vec<String> {
+        match self {
+            Command::Once(args) => {
+                let mut found = secrets(&args.database_url);
+                found.extend(args.redis_url.iter().flat_map(|u| secrets(u)));
+                found
+            }
+            other => other.target().map(Target::secrets).unwrap_or_default(),
         }
     }
 }
@@ -363,15 +384,21 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// A store error with its causes, and a hint when the table is missing.
-fn explain(e: StoreError) -> Failure {
-    let missing = is_missing_table(&e);
+/// An error and its causes, on one line.
+fn chain(e: &dyn std::error::Error) -> String {
     let mut msg = e.to_string();
-    let mut source = std::error::Error::source(&e);
+    let mut source = e.source();
     while let Some(s) = source {
         msg.push_str(&format!(": {s}"));
         source = s.source();
     }
+    msg
+}
+
+/// A store error with its causes, and a hint when the table is missing.
+fn explain(e: StoreError) -> Failure {
+    let missing = is_missing_table(&e);
+    let mut msg = chain(&e);
     if missing {
         msg.push_str(" (run `idem migrate` first)");
     }
@@ -379,7 +406,10 @@ fn explain(e: StoreError) -> Failure {
 }
 
 async fn run(cli: Cli) -> Result<ExitCode, Failure> {
-    let target = cli.command.target();
+    let target = match cli.command {
+        Command::Once(args) => return once::once(*args).await,
+        ref command => command.target().ok_or("no store named")?,
+    };
     let create = matches!(cli.command, Command::Migrate(_));
     match DialectKind::of_url(&target.database_url) {
         Some(DialectKind::Sqlite) => run_with(&target.sqlite(create).await?, cli.command).await,
@@ -420,14 +450,21 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 Some(redis) => Some(redis.peek(&scope, &key).await.map_err(explain)?),
                 None => None,
             };
+            let steps = steps(store, &seen).await.map_err(explain)?;
             if json {
                 let mut v = inspection_json(&seen, show_body);
+                if !steps.is_empty() {
+                    v["steps"] = steps.iter().map(Step::json).collect();
+                }
                 if let Some((record, now)) = &cached {
                     v["redis"] = json!(redis_line(record.as_ref(), *now));
                 }
                 println!("{v}");
             } else {
                 print!("{}", inspection_text(&seen, show_body));
+                for step in &steps {
+                    println!("{:<14}{}", format!("step {}:", step.index), step.line());
+                }
                 if let Some((record, now)) = &cached {
                     println!("{:<14}{}", "redis:", redis_line(record.as_ref(), *now));
                 }
@@ -510,6 +547,7 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 );
             }
         }
+        Command::Once(_) => return Err("idem once runs on its own store".into()),
         Command::Stats { target, json } => {
             let stats = store.record_stats().await.map_err(explain)?;
             let redis_keys = match target.redis().await? {
@@ -531,6 +569,72 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The most steps `inspect` looks for.
+const MAX_STEPS_SHOWN: usize = 100;
+
+/// A step of a run (idem-once), as `inspect` shows it.
+struct Step {
+    index: usize,
+    name: Option<String>,
+    record: idem_core::Record,
+}
+
+impl Step {
+    fn state(&self) -> &'static str {
+        match self.record.state {
+            RecordState::Completed { .. } => "completed",
+            RecordState::InProgress { .. } => "in_progress",
+        }
+    }
+
+    fn line(&self) -> String {
+        let name = self
+            .name
+            .as_deref()
+            .unwrap_or("(name stored when it completes)");
+        match &self.record.state {
+            RecordState::Completed { completed_at, .. } => {
+                format!("{name}: completed {}", time::rfc3339(*completed_at))
+            }
+            RecordState::InProgress { locked_until, .. } => {
+                format!(
+                    "{name}: in progress, lease until {}",
+                    time::rfc3339(*locked_until)
+                )
+            }
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({"index": self.index, "name": self.name, "state": self.state()})
+    }
+}
+
+/// The steps the record's operation stored (`Operation::step`), in order.
+async fn steps<S: Ops>(store: &S, seen: &Inspection) -> Result<Vec<Step>, StoreError> {
+    let mut steps = Vec::new();
+    for index in 0..MAX_STEPS_SHOWN {
+        let key = idem_once::step_record_key(seen.record.operation_id, index);
+        let Some(step) = store.inspect_record(&seen.record.scope, &key).await? else {
+            break;
+        };
+        let name = match &step.record.state {
+            RecordState::Completed { response, .. } => response
+                .headers
+                .iter()
+                .find(|(n, _)| n == idem_once::STEP_NAME_HEADER)
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned()),
+            RecordState::InProgress { .. } => None,
+        };
+        steps.push(Step {
+            index,
+            name,
+            record: step.record,
+        });
+    }
+    Ok(steps)
 }
 
 fn inspection_text(seen: &Inspection, show_body: bool) -> String {
@@ -688,7 +792,7 @@ fn stats_json(s: &StoreStats) -> serde_json::Value {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let secrets = cli.command.target().secrets();
+    let secrets = cli.command.secrets();
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
@@ -840,8 +944,8 @@ mod tests {
             "--redis-cluster",
         ])
         .expect("valid arguments");
-        let target = cli.command.target();
-        let found = target.secrets();
+        let target = cli.command.target().expect("stats names its store");
+        let found = cli.command.secrets();
         for s in ["hunter22", "redispass", "otherpass"] {
             assert!(found.iter().any(|f| f == s), "{s} in {found:?}");
         }
@@ -849,5 +953,25 @@ mod tests {
             target.redacted_redis_url(),
             "redis://:***@h1,redis://:***@h2"
         );
+        // `once` names its own store; its secrets are masked too.
+        let once = Cli::try_parse_from([
+            "idem",
+            "once",
+            "--database-url",
+            "postgres://u:hunter22@h/db",
+            "--redis-url",
+            "redis://:redispass@h1",
+            "--scope",
+            "s",
+            "--key",
+            "k",
+            "--",
+            "true",
+        ])
+        .expect("valid arguments");
+        let found = once.command.secrets();
+        for s in ["hunter22", "redispass"] {
+            assert!(found.iter().any(|f| f == s), "{s} in {found:?}");
+        }
     }
 }

@@ -59,5 +59,6 @@ mod run;
 pub use claim::{claim_until_decided, Found, Refusal};
 pub use operation::{
     step_key, step_record_key, Operation, Step, StepError, StepStart, MAX_STEP_NAME,
+    STEP_NAME_HEADER,
 };
 pub use run::{fingerprint, Failure, Outcome, RunError, Runner};

@@ -15,6 +15,9 @@ use uuid::Uuid;
 
 use crate::run::{encode, OUTPUT};
 
+/// The stored header that names a completed step (`idem inspect` shows it).
+pub const STEP_NAME_HEADER: &str = "idem-step";
+
 /// The longest step name, in bytes.
 pub const MAX_STEP_NAME: usize = 64;
 
@@ -126,9 +129,14 @@ impl Step {
         &self.claim
     }
 
-    /// `output` as the step's record stores it.
+    /// `output` as the step's record stores it (with the step's name, for
+    /// `idem inspect`).
     pub fn stored<T: Serialize>(&self, output: &T) -> Result<StoredResponse, serde_json::Error> {
-        encode(OUTPUT, output)
+        let mut stored = encode(OUTPUT, output)?;
+        stored
+            .headers
+            .push((STEP_NAME_HEADER.into(), self.name.as_bytes().to_vec()));
+        Ok(stored)
     }
 }
 

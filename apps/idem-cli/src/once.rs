@@ -1,0 +1,426 @@
+//! `idem once`: run a command once per `(scope, key)`, across hosts.
+//!
+//! The first run executes the command (with `IDEM_OPERATION_ID` in its
+//! environment), streams its stdout and stderr through, stores its exit
+//! status and its stdout, and exits with its status. A repeat prints the
+//! stored stdout and exits with the stored status without running it.
+//! Built on [`idem_once::Runner`]: the claim is fenced, and a run killed
+//! with `kill -9` is taken over after its lease under the same operation id.
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use idem_core::{Policy, Store, UnixMillis};
+use idem_once::{Failure, Operation, Outcome, RunError, Runner};
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt;
+
+/// The most stdout a run keeps for its replays.
+pub(crate) const MAX_STDOUT: usize = 1 << 20;
+
+/// Exit statuses of `idem once` itself (sysexits.h), besides the command's.
+pub(crate) mod exit {
+    /// `--key` or `--scope` is malformed (EX_USAGE).
+    pub(crate) const USAGE: u8 = 64;
+    /// The key was used with another command line (EX_DATAERR).
+    pub(crate) const KEY_REUSED: u8 = 65;
+    /// The store cannot be reached (EX_UNAVAILABLE).
+    pub(crate) const UNAVAILABLE: u8 = 69;
+    /// Another host runs it, or this run lost its claim (EX_TEMPFAIL).
+    pub(crate) const TEMPFAIL: u8 = 75;
+    /// The command ran past its lease and was killed (as `timeout` does).
+    pub(crate) const LEASE_RAN_OUT: u8 = 124;
+    /// The command could not be started (as a shell says).
+    pub(crate) const NOT_STARTED: u8 = 127;
+}
+
+/// `idem once`'s flags.
+#[derive(Debug, Args)]
+pub(crate) struct OnceArgs {
+    /// `sqlite:FILE`, `postgres://…`, `mysql://…`, or `redis://…` (Redis
+    /// alone). With a SQL URL, `--redis-url` puts Redis in front of it.
+    #[arg(long, env = "DATABASE_URL")]
+    pub(crate) database_url: String,
+    /// PostgreSQL and MySQL: the schema (MySQL: the database) of the
+    /// records table.
+    #[arg(long)]
+    pub(crate) schema: Option<String>,
+    /// PostgreSQL and MySQL: the records table.
+    #[arg(long, default_value = "idem_records")]
+    pub(crate) table: String,
+    /// Redis in front of the SQL database (tiered: the database decides).
+    #[arg(long, env = "REDIS_URL")]
+    pub(crate) redis_url: Option<String>,
+    /// The prefix of idem's keys in Redis.
+    #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
+    pub(crate) redis_prefix: String,
+    /// The scope the key belongs to (a job family, a team).
+    #[arg(long)]
+    pub(crate) scope: String,
+    /// The key: one per intended run, e.g. `nightly-report-2026-12-01`
+    /// (1 to 255 visible ASCII characters).
+    #[arg(long)]
+    pub(crate) key: String,
+    /// How long a run holds the key: a host that dies is taken over after
+    /// it; a command still running when it ends is killed (exit 124), so
+    /// two hosts never run it at once. Set it above the longest run.
+    #[arg(long, default_value_t = 600_000, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    pub(crate) lease_ms: u64,
+    /// How long a run's result is kept (and the key refused for others).
+    #[arg(long, default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
+    pub(crate) ttl_secs: u64,
+    /// While another host runs it, wait up to this long for its result
+    /// (then replay it); 0: exit 75 at once.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=86_400_000))]
+    pub(crate) wait_ms: u64,
+    /// Store a non-zero exit too: every repeat then gets it back instead
+    /// of running again.
+    #[arg(long)]
+    pub(crate) store_failures: bool,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub(crate) command: Vec<OsString>,
+}
+
+/// One argument of the command line, as the fingerprint sees it: text, or
+/// its bytes when it is not UTF-8 (never a lossy spelling, which could
+/// make two command lines one).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Arg {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+/// A command's stdout as stored: text, or bytes when it is not UTF-8.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+enum Captured {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+/// What a run stores: its exit status and its stdout.
+#[derive(Debug, Serialize, Deserialize)]
+struct Ran {
+    /// The exit status (a signal `n` is `128 + n`, as shells say).
+    status: u8,
+    /// Its stdout, if it was at most 1 MiB.
+    stdout: Option<Captured>,
+    /// How many bytes it wrote to stdout.
+    stdout_bytes: u64,
+}
+
+impl Ran {
+    fn stdout(&self) -> &[u8] {
+        match &self.stdout {
+            Some(Captured::Text(s)) => s.as_bytes(),
+            Some(Captured::Bytes(b)) => b,
+            None => &[],
+        }
+    }
+}
+
+/// Why the command did not give a result of its own.
+#[derive(Debug, Serialize, Deserialize)]
+enum NotRun {
+    /// It could not be started.
+    NotStarted(String),
+    /// It ran past its lease and was killed.
+    LeaseRanOut,
+}
+
+/// The work's failure: a run that ended non-zero, or one that never gave
+/// an exit status of its own.
+#[derive(Debug, Serialize, Deserialize)]
+enum Failed {
+    Exited(Ran),
+    NotRun(NotRun),
+}
+
+/// Runs `idem once`.
+pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
+    let store = open(&args).await?;
+    let mut policy = Policy::builder()
+        .lease(Duration::from_millis(args.lease_ms))
+        .retention(
+            Duration::from_secs(args.ttl_secs).max(Duration::from_millis(args.lease_ms + 1)),
+        );
+    if args.wait_ms > 0 {
+        policy = policy.wait_for_in_flight(Duration::from_millis(args.wait_ms));
+    }
+    let runner = Runner::new(store, policy.build()?);
+    let input: Vec<Arg> = args
+        .command
+        .iter()
+        .map(|a| match a.to_str() {
+            Some(s) => Arg::Text(s.to_owned()),
+            None => Arg::Bytes(a.as_encoded_bytes().to_vec()),
+        })
+        .collect();
+    let store_failures = args.store_failures;
+    let command = &args.command;
+    let result = runner
+        .run(&args.scope, &args.key, &input, async |op| {
+            execute(op, command, store_failures).await
+        })
+        .await;
+    let say = |message: String| eprintln!("idem once: {message}");
+    Ok(ExitCode::from(match result {
+        Ok(Outcome::Fresh(ran)) => ran.status,
+        Ok(Outcome::Replayed(ran)) => replay(&args, &ran, "succeeded"),
+        Err(RunError::Final {
+            error: Failed::Exited(ran),
+            replayed: true,
+        }) => replay(&args, &ran, "failed (stored with --store-failures)"),
+        Err(RunError::Final {
+            error: Failed::Exited(ran),
+            replayed: false,
+        }) => ran.status,
+        Err(RunError::Failed(Failed::Exited(ran))) => {
+            say(format!(
+                "the command exited {}; the key is released, so the next run executes it again (--store-failures keeps a failure)",
+                ran.status
+            ));
+            ran.status
+        }
+        Err(RunError::Failed(Failed::NotRun(NotRun::NotStarted(e))))
+        | Err(RunError::Final {
+            error: Failed::NotRun(NotRun::NotStarted(e)),
+            ..
+        }) => {
+            say(format!("cannot start {:?}: {e}", command[0]));
+            exit::NOT_STARTED
+        }
+        Err(RunError::Failed(Failed::NotRun(NotRun::LeaseRanOut)))
+        | Err(RunError::Final {
+            error: Failed::NotRun(NotRun::LeaseRanOut),
+            ..
+        }) => {
+            say(format!(
+                "the command ran past its lease ({} ms) and was killed, so that no other host runs it beside this one; raise --lease-ms above its longest run",
+                args.lease_ms
+            ));
+            exit::LEASE_RAN_OUT
+        }
+        Err(RunError::KeyReused) => {
+            say(format!(
+                "refused: key {:?} (scope {:?}) was used with another command line; nothing ran",
+                args.key, args.scope
+            ));
+            exit::KEY_REUSED
+        }
+        Err(RunError::InFlight { retry_after }) => {
+            say(format!(
+                "another run holds key {:?} (scope {:?}); nothing ran. Retry in {} s, or wait for it with --wait-ms",
+                args.key,
+                args.scope,
+                retry_after.as_secs().max(1)
+            ));
+            exit::TEMPFAIL
+        }
+        Err(RunError::LeaseLost) => {
+            say("this run's lease ran out and another run took the key over; its result stands, not this one's".to_owned());
+            exit::TEMPFAIL
+        }
+        Err(RunError::InvalidKey(why)) => {
+            say(format!("invalid --key or --scope: {why}"));
+            exit::USAGE
+        }
+        Err(RunError::Unavailable(e)) => {
+            say(format!(
+                "the store is unavailable; nothing ran: {}",
+                crate::chain(&e)
+            ));
+            exit::UNAVAILABLE
+        }
+        Err(RunError::NotStored(why)) => {
+            say(format!(
+                "the command ran but its result was not stored ({why}); a run after the lease ({} ms) takes it over",
+                args.lease_ms
+            ));
+            exit::TEMPFAIL
+        }
+        Err(RunError::Decode(why)) => {
+            say(format!(
+                "the record under key {:?} is not an `idem once` result: {why}",
+                args.key
+            ));
+            exit::KEY_REUSED
+        }
+        Err(other) => {
+            say(format!("{other:?}"));
+            exit::TEMPFAIL
+        }
+    }))
+}
+
+/// Prints a stored run's stdout and says on stderr that it was replayed.
+fn replay(args: &OnceArgs, ran: &Ran, how: &str) -> u8 {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(ran.stdout()).and_then(|()| out.flush());
+    let kept = if ran.stdout.is_none() && ran.stdout_bytes > 0 {
+        format!(
+            "; its stdout ({} bytes, over 1 MiB) was not kept and is not replayed",
+            ran.stdout_bytes
+        )
+    } else {
+        String::new()
+    };
+    eprintln!(
+        "idem once: replayed: key {:?} (scope {:?}) already ran and {how}; not run again, exit status {}{kept}",
+        args.key, args.scope, ran.status
+    );
+    ran.status
+}
+
+/// Runs the command under `op`, streaming its output through.
+async fn execute(
+    op: &Operation<'_, Arc<dyn Store>>,
+    command: &[OsString],
+    store_failures: bool,
+) -> Result<Ran, Failure<Failed>> {
+    let fail = |f: Failed| {
+        if store_failures {
+            Failure::Final(f)
+        } else {
+            Failure::Retry(f)
+        }
+    };
+    let Some((program, rest)) = command.split_first() else {
+        return Err(Failure::Retry(Failed::NotRun(NotRun::NotStarted(
+            "no command".into(),
+        ))));
+    };
+    let mut child = tokio::process::Command::new(program)
+        .args(rest)
+        .env("IDEM_OPERATION_ID", op.id().to_string())
+        .stdin(Stdio::inherit())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| Failure::Retry(Failed::NotRun(NotRun::NotStarted(e.to_string()))))?;
+    let mut stdout = child.stdout.take();
+    let lease = UnixMillis::now().until(op.claim().locked_until);
+    let mut captured = Vec::new();
+    let mut total: u64 = 0;
+    let copy = async {
+        let Some(pipe) = stdout.as_mut() else {
+            return;
+        };
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match pipe.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let chunk = &buf[..n];
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(chunk).and_then(|()| out.flush());
+            total += n as u64;
+            if captured.len() <= MAX_STDOUT {
+                captured.extend_from_slice(chunk);
+            }
+        }
+    };
+    let ran = async {
+        copy.await;
+        child.wait().await
+    };
+    let status = match tokio::time::timeout(lease, ran).await {
+        Ok(Ok(status)) => status,
+        Ok(Err(e)) => {
+            return Err(Failure::Retry(Failed::NotRun(NotRun::NotStarted(
+                e.to_string(),
+            ))))
+        }
+        Err(_) => {
+            let _ = child.kill().await;
+            return Err(Failure::Retry(Failed::NotRun(NotRun::LeaseRanOut)));
+        }
+    };
+    let code = status.code().map_or_else(
+        || {
+            use std::os::unix::process::ExitStatusExt;
+            128 + status.signal().unwrap_or(0)
+        },
+        |c| c,
+    );
+    let stdout = (captured.len() <= MAX_STDOUT).then(|| match String::from_utf8(captured) {
+        Ok(text) => Captured::Text(text),
+        Err(e) => Captured::Bytes(e.into_bytes()),
+    });
+    let ran = Ran {
+        status: u8::try_from(code & 0xff).unwrap_or(1),
+        stdout,
+        stdout_bytes: total,
+    };
+    if code == 0 {
+        Ok(ran)
+    } else {
+        Err(fail(Failed::Exited(ran)))
+    }
+}
+
+/// The store `args` name, its table made if missing.
+async fn open(args: &OnceArgs) -> Result<Arc<dyn Store>, crate::Failure> {
+    use idem_sql::dialect::DialectKind;
+    use idem_sql::SqlRecords;
+    let url = &args.database_url;
+    if url.starts_with("redis://") || url.starts_with("rediss://") {
+        let store = idem_redis::RedisStore::connect(
+            idem_redis::RedisConfig::new(url).prefix(&args.redis_prefix),
+        )
+        .await
+        .map_err(|e| format!("cannot connect to Redis at {}: {e}", crate::redact(url)))?;
+        return Ok(Arc::new(store));
+    }
+    let target = crate::Target {
+        database_url: url.clone(),
+        schema: args.schema.clone(),
+        table: args.table.clone(),
+        redis_url: None,
+        redis_cluster: false,
+        redis_prefix: args.redis_prefix.clone(),
+    };
+    let sql: Arc<dyn Store> = match DialectKind::of_url(url) {
+        Some(DialectKind::Sqlite) => {
+            let store = target.sqlite(true).await?;
+            store.migrate().await.map_err(crate::explain)?;
+            Arc::new(store)
+        }
+        Some(DialectKind::Postgres) => {
+            let store = target.postgres().await?;
+            store.migrate().await.map_err(crate::explain)?;
+            Arc::new(store)
+        }
+        Some(DialectKind::MySql) => {
+            let store = target.mysql().await?;
+            store.migrate().await.map_err(crate::explain)?;
+            Arc::new(store)
+        }
+        _ => {
+            return Err(format!(
+            "unsupported database URL {:?}: use sqlite:FILE, postgres://…, mysql://… or redis://…",
+            crate::redact(url)
+        )
+            .into())
+        }
+    };
+    match &args.redis_url {
+        Some(redis) => {
+            let redis = idem_redis::RedisStore::connect(
+                idem_redis::RedisConfig::new(redis).prefix(&args.redis_prefix),
+            )
+            .await
+            .map_err(|e| format!("cannot connect to Redis at {}: {e}", crate::redact(redis)))?;
+            Ok(Arc::new(idem_redis::TieredStore::new(sql, redis)))
+        }
+        None => Ok(sql),
+    }
+}

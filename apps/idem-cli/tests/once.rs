@@ -1,0 +1,414 @@
+//! `idem once` against real stores (SQLite, PostgreSQL, MySQL, Redis):
+//! racing "hosts" run the command once, a repeat replays its stdout and
+//! status, another command line under the key exits 65, a run in flight
+//! exits 75 (or is waited for), a failure releases the key unless stored,
+//! and a run killed with `kill -9` is taken over after its lease under the
+//! same operation id. `idem inspect` shows a run's steps.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn idem(url: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_idem"));
+    c.args(args)
+        .env("DATABASE_URL", url)
+        .env_remove("REDIS_URL")
+        .env("IDEM_REDIS_PREFIX", prefix_for(url));
+    c
+}
+
+/// Redis tests run under a prefix of their own, named in the URL's
+/// fragment by [`redis_url`]; others under the default.
+fn prefix_for(url: &str) -> String {
+    url.split_once('#')
+        .map_or_else(|| "idem".to_owned(), |(_, p)| p.to_owned())
+}
+
+fn once(url: &str, key: &str, extra: &[&str], command: &[&str]) -> Output {
+    let url_only = url.split('#').next().unwrap();
+    let mut args = vec!["once", "--scope", "cron", "--key", key];
+    args.extend(extra);
+    args.push("--");
+    args.extend(command);
+    idem(url, &args)
+        .env("DATABASE_URL", url_only)
+        .output()
+        .unwrap()
+}
+
+/// A command that counts its runs in `dir/runs` and prints a line.
+fn counting(dir: &Path, line: &str) -> Vec<String> {
+    vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "echo \"$IDEM_OPERATION_ID\" >> '{}/runs'; sleep 0.3; echo '{line}'",
+            dir.display()
+        ),
+    ]
+}
+
+fn runs(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join("runs"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The whole of `idem once`'s contract on the store `url` names.
+fn exercise(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = counting(dir.path(), "report done");
+    let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+
+    // Three hosts start the same job at once: it runs once, and each
+    // exits 0 with its stdout (the others wait for it).
+    let url_only = url.split('#').next().unwrap().to_owned();
+    let hosts: Vec<_> = (0..3)
+        .map(|_| {
+            let mut args = vec![
+                "once",
+                "--scope",
+                "cron",
+                "--key",
+                "nightly",
+                "--wait-ms",
+                "20000",
+                "--",
+            ];
+            args.extend(cmd.iter().copied());
+            idem(url, &args)
+                .env("DATABASE_URL", &url_only)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<Output> = hosts
+        .into_iter()
+        .map(|h| h.wait_with_output().unwrap())
+        .collect();
+    for o in &outputs {
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        assert_eq!(text(&o.stdout), "report done\n", "{}", text(&o.stderr));
+    }
+    assert_eq!(
+        runs(dir.path()).len(),
+        1,
+        "the job ran once across the hosts"
+    );
+    let replayed = outputs
+        .iter()
+        .filter(|o| text(&o.stderr).contains("replayed"))
+        .count();
+    assert_eq!(replayed, 2);
+
+    // A repeat replays, without running.
+    let again = once(url, "nightly", &[], &cmd);
+    assert!(again.status.success());
+    assert_eq!(text(&again.stdout), "report done\n");
+    assert!(
+        text(&again.stderr).contains("replayed"),
+        "{}",
+        text(&again.stderr)
+    );
+    assert_eq!(runs(dir.path()).len(), 1);
+
+    // Another command line under the key: 65, nothing ran.
+    let other = once(url, "nightly", &[], &["sh", "-c", "echo other"]);
+    assert_eq!(other.status.code(), Some(65), "{}", text(&other.stderr));
+    assert!(text(&other.stderr).contains("another command line"));
+    assert!(other.stdout.is_empty());
+
+    // A failure releases the key: the next run executes again.
+    let failing = ["sh", "-c", "echo attempt; exit 3"];
+    let first = once(url, "flaky", &[], &failing);
+    assert_eq!(first.status.code(), Some(3));
+    assert_eq!(text(&first.stdout), "attempt\n");
+    let second = once(url, "flaky", &[], &failing);
+    assert_eq!(second.status.code(), Some(3));
+    assert!(!text(&second.stderr).contains("replayed"));
+    // ... unless stored: then every repeat gets the failure back.
+    let stored = once(url, "final", &["--store-failures"], &failing);
+    assert_eq!(stored.status.code(), Some(3));
+    let replay = once(url, "final", &["--store-failures"], &failing);
+    assert_eq!(replay.status.code(), Some(3));
+    assert_eq!(text(&replay.stdout), "attempt\n");
+    assert!(
+        text(&replay.stderr).contains("replayed"),
+        "{}",
+        text(&replay.stderr)
+    );
+
+    // In flight on another host: 75 at once.
+    let slow = counting(dir.path(), "slow done");
+    let slow = [
+        slow[0].as_str(),
+        slow[1].as_str(),
+        &format!("sleep 2; {}", slow[2]),
+    ];
+    let mut holder = {
+        let mut args = vec!["once", "--scope", "cron", "--key", "slow", "--"];
+        args.extend(slow.iter().copied());
+        idem(url, &args)
+            .env("DATABASE_URL", &url_only)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while runs(dir.path()).len() < 2 {
+        assert!(Instant::now() < deadline, "the slow job never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let busy = once(url, "slow", &[], &slow);
+    assert_eq!(busy.status.code(), Some(75), "{}", text(&busy.stderr));
+    assert!(text(&busy.stderr).contains("another run holds"));
+    assert!(holder.wait().unwrap().success());
+
+    // Bad input is refused before anything runs.
+    let bad = once(url, "a key with spaces", &[], &["true"]);
+    assert_eq!(bad.status.code(), Some(64));
+    let missing = once(url, "nothing-to-run", &[], &["/no/such/program"]);
+    assert_eq!(
+        missing.status.code(),
+        Some(127),
+        "{}",
+        text(&missing.stderr)
+    );
+    // More than 1 MiB of stdout: the run counts, its stdout is not kept,
+    // and the replay says so.
+    let big = ["sh", "-c", "head -c 1100000 /dev/zero"];
+    let first = once(url, "big", &[], &big);
+    assert!(first.status.success());
+    assert_eq!(first.stdout.len(), 1_100_000, "streamed through whole");
+    let replay = once(url, "big", &[], &big);
+    assert!(replay.status.success());
+    assert!(replay.stdout.is_empty());
+    assert!(
+        text(&replay.stderr).contains("over 1 MiB"),
+        "{}",
+        text(&replay.stderr)
+    );
+}
+
+/// `kill -9` of a running `idem once`: after the lease, the next run takes
+/// over and runs the command under the same operation id.
+fn killed_run_is_taken_over(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let url_only = url.split('#').next().unwrap().to_owned();
+    // The command outlives no lease: it stops by itself after 1 s.
+    let cmd = format!(
+        "echo \"$IDEM_OPERATION_ID\" >> '{}/runs'; sleep 1",
+        dir.path().display()
+    );
+    let args = [
+        "once",
+        "--scope",
+        "cron",
+        "--key",
+        "deploy",
+        "--lease-ms",
+        "1500",
+        "--",
+        "sh",
+        "-c",
+        &cmd,
+    ];
+    let mut first = idem(url, &args)
+        .env("DATABASE_URL", &url_only)
+        .spawn()
+        .unwrap();
+    let claimed = Instant::now();
+    let deadline = claimed + Duration::from_secs(20);
+    while runs(dir.path()).is_empty() {
+        assert!(Instant::now() < deadline, "the command never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    // Within the lease: in flight.
+    let busy = idem(url, &args)
+        .env("DATABASE_URL", &url_only)
+        .output()
+        .unwrap();
+    if claimed.elapsed() < Duration::from_millis(1400) {
+        assert_eq!(busy.status.code(), Some(75), "{}", text(&busy.stderr));
+    }
+    std::thread::sleep(Duration::from_millis(1700).saturating_sub(claimed.elapsed()));
+    let second = idem(url, &args)
+        .env("DATABASE_URL", &url_only)
+        .output()
+        .unwrap();
+    assert!(second.status.success(), "{}", text(&second.stderr));
+    let seen = runs(dir.path());
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0], seen[1], "taken over under the same operation id");
+    assert!(uuid::Uuid::parse_str(&seen[0]).is_ok(), "{seen:?}");
+}
+
+mod sqlite {
+    fn url(dir: &tempfile::TempDir) -> String {
+        format!("sqlite:{}", dir.path().join("once.db").display())
+    }
+    #[test]
+    fn once() {
+        let dir = tempfile::tempdir().unwrap();
+        super::exercise(&url(&dir));
+    }
+    #[test]
+    fn kill9() {
+        let dir = tempfile::tempdir().unwrap();
+        super::killed_run_is_taken_over(&url(&dir));
+    }
+}
+
+mod postgres {
+    use idem_test_support::postgres::TestSchema;
+    async fn url() -> (String, TestSchema) {
+        let schema = TestSchema::create("idem_once_cli").await;
+        (schema.url(), schema)
+    }
+    #[tokio::test(flavor = "multi_thread")]
+    async fn once() {
+        let (url, _schema) = url().await;
+        tokio::task::spawn_blocking(move || super::exercise(&url))
+            .await
+            .unwrap();
+    }
+    #[tokio::test(flavor = "multi_thread")]
+    async fn kill9() {
+        let (url, _schema) = url().await;
+        tokio::task::spawn_blocking(move || super::killed_run_is_taken_over(&url))
+            .await
+            .unwrap();
+    }
+}
+
+mod mysql {
+    use idem_test_support::mysql::TestDatabase;
+    #[tokio::test(flavor = "multi_thread")]
+    async fn once() {
+        let db = TestDatabase::create("idem_once_cli").await;
+        let url = db.url();
+        tokio::task::spawn_blocking(move || super::exercise(&url))
+            .await
+            .unwrap();
+    }
+    #[tokio::test(flavor = "multi_thread")]
+    async fn kill9() {
+        let db = TestDatabase::create("idem_once_cli").await;
+        let url = db.url();
+        tokio::task::spawn_blocking(move || super::killed_run_is_taken_over(&url))
+            .await
+            .unwrap();
+    }
+}
+
+mod redis {
+    /// The test's Redis, its prefix in the fragment; its keys deleted
+    /// when dropped.
+    struct Prefixed(String);
+
+    impl Prefixed {
+        fn new() -> Self {
+            let url = std::env::var("IDEM_TEST_REDIS_URL")
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+            Self(format!(
+                "{url}#idem-once-cli-{}",
+                uuid::Uuid::new_v4().simple()
+            ))
+        }
+    }
+
+    impl Drop for Prefixed {
+        fn drop(&mut self) {
+            let (url, prefix) = self.0.split_once('#').unwrap();
+            let _ = std::process::Command::new("redis-cli")
+                .args(["-u", url, "EVAL"])
+                .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
+                .args(["0", &format!("{prefix}:*")])
+                .output();
+        }
+    }
+
+    #[test]
+    fn once() {
+        let url = Prefixed::new();
+        super::exercise(&url.0);
+    }
+    #[test]
+    fn kill9() {
+        let url = Prefixed::new();
+        super::killed_run_is_taken_over(&url.0);
+    }
+}
+
+/// `idem inspect` lists a run's steps (idem-once), in order, by name.
+#[tokio::test]
+async fn inspect_shows_a_runs_steps() {
+    use idem_once::{Failure, Runner};
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("steps.db").display());
+    let store = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
+    let runner = Runner::new(store, idem_core::Policy::default());
+    runner
+        .run(
+            "shop",
+            "checkout-1",
+            &1,
+            async |op| -> Result<u8, Failure<String>> {
+                op.step("charge", async |_| -> Result<u8, String> { Ok(1) })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                op.step("mark-paid", async |_| -> Result<u8, String> { Ok(2) })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(3)
+            },
+        )
+        .await
+        .unwrap();
+    let shown = idem(&url, &["inspect", "--scope", "shop", "--key", "checkout-1"])
+        .output()
+        .unwrap();
+    let out = text(&shown.stdout);
+    assert!(shown.status.success(), "{}", text(&shown.stderr));
+    let charge = out.find("step 0:").expect(&out);
+    let paid = out.find("step 1:").expect(&out);
+    assert!(charge < paid);
+    assert!(
+        out[charge..].starts_with("step 0:       charge: completed"),
+        "{out}"
+    );
+    assert!(
+        out[paid..].starts_with("step 1:       mark-paid: completed"),
+        "{out}"
+    );
+    let json = idem(
+        &url,
+        &[
+            "inspect",
+            "--scope",
+            "shop",
+            "--key",
+            "checkout-1",
+            "--json",
+        ],
+    )
+    .output()
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["steps"][0]["name"], "charge");
+    assert_eq!(v["steps"][1]["name"], "mark-paid");
+    assert_eq!(v["steps"][1]["state"], "completed");
+    assert_eq!(v["steps"].as_array().unwrap().len(), 2);
+}
