@@ -139,7 +139,6 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             messaging: messaging.clone(),
             transactional,
             records: store.clone(),
-            retention: policy.retention(),
             claim_in_transaction: config.claim_in_transaction,
             fault_injection: config.fault_injection,
             webhook_secret: config

@@ -337,7 +337,9 @@ pub(crate) fn order_paid(
     OutgoingMessage {
         message_id: format!("order-paid-{order_id}"),
         destination: m.destination(ORDER_PAID),
-        ordering_key: Some(order_id.to_owned()),
+        // Not ordered behind `OrderPlaced`: a receipt must not wait out the
+        // relay lease of a placed order's event held by a process that died.
+        ordering_key: None,
         payload: serde_json::json!({
             "order_id": order_id,
             "payment_id": payment.id,

@@ -26,7 +26,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{start_in, Db, Mode, RedisPrefix, Shop};
+use common::fleet::Fleet;
+use common::{Db, Mode};
 
 const LEASE_MS: u64 = 1500;
 const TTL_SECS: u64 = 12;
@@ -99,80 +100,6 @@ impl Attempt {
     }
 }
 
-/// The `shop` processes of one mode, restarted when they die.
-struct Fleet {
-    mode: Mode,
-    db: Db,
-    prefix: RedisPrefix,
-    slots: tokio::sync::Mutex<Vec<Shop>>,
-    bases: Mutex<Vec<String>>,
-    kills: Mutex<u64>,
-    restarts: Mutex<u64>,
-}
-
-impl Fleet {
-    async fn start(mode: Mode) -> Arc<Fleet> {
-        let db = mode.db().await;
-        let prefix = RedisPrefix::new("history");
-        let mut slots = Vec::new();
-        for _ in 0..PROCESSES {
-            slots.push(Self::spawn(mode, &db, &prefix).await);
-        }
-        let bases = slots.iter().map(|s| s.base.clone()).collect();
-        Arc::new(Fleet {
-            mode,
-            db,
-            prefix,
-            slots: tokio::sync::Mutex::new(slots),
-            bases: Mutex::new(bases),
-            kills: Mutex::new(0),
-            restarts: Mutex::new(0),
-        })
-    }
-
-    async fn spawn(mode: Mode, db: &Db, prefix: &RedisPrefix) -> Shop {
-        let lease = LEASE_MS.to_string();
-        let ttl = TTL_SECS.to_string();
-        start_in(
-            mode,
-            db,
-            &prefix.0,
-            &["--lease-ms", &lease, "--ttl-secs", &ttl],
-        )
-        .await
-    }
-
-    fn base(&self, rng: &mut Rng) -> Option<String> {
-        let bases = self.bases.lock().unwrap();
-        if bases.is_empty() {
-            return None;
-        }
-        Some(bases[rng.below(bases.len() as u64) as usize].clone())
-    }
-
-    /// Restarts every process that died; `kill` one first, if asked.
-    async fn tend(&self, kill: Option<usize>) {
-        let mut slots = self.slots.lock().await;
-        if let Some(i) = kill {
-            let i = i % slots.len();
-            slots[i].kill9();
-            *self.kills.lock().unwrap() += 1;
-        }
-        let mut changed = kill.is_some();
-        for i in 0..slots.len() {
-            if slots[i].exited() {
-                changed = true;
-                self.bases.lock().unwrap().retain(|b| *b != slots[i].base);
-                slots[i] = Self::spawn(self.mode, &self.db, &self.prefix).await;
-                *self.restarts.lock().unwrap() += 1;
-            }
-        }
-        if changed {
-            *self.bases.lock().unwrap() = slots.iter().map(|s| s.base.clone()).collect();
-        }
-    }
-}
-
 fn body(amount: u64) -> String {
     format!(r#"{{"account_id":"{ACCOUNT}","amount":{amount},"currency":"EUR"}}"#)
 }
@@ -223,7 +150,7 @@ async fn send(
     simulate: Option<String>,
     timeout: Duration,
 ) -> Attempt {
-    let outcome = match shared.fleet.base(rng) {
+    let outcome = match shared.fleet.base(rng.next()) {
         None => Outcome::Failed,
         Some(base) => {
             let mut r = shared
@@ -557,7 +484,15 @@ async fn run(mode: Mode) {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0);
-    let fleet = Fleet::start(mode).await;
+    let lease = LEASE_MS.to_string();
+    let ttl = TTL_SECS.to_string();
+    let fleet = Fleet::start(
+        mode,
+        "history",
+        PROCESSES,
+        &["--lease-ms", &lease, "--ttl-secs", &ttl],
+    )
+    .await;
     let shared = Arc::new(Shared {
         fleet: fleet.clone(),
         http: reqwest::Client::new(),

@@ -25,6 +25,7 @@ const ROUTES: &[(&str, &str)] = &[
     ("get", "/emails"),
     ("post", "/orders"),
     ("get", "/orders/{id}"),
+    ("post", "/orders/{id}/checkout"),
     ("get", "/products/{sku}"),
     ("put", "/products/{sku}"),
     ("get", "/stock/{sku}"),
@@ -81,6 +82,15 @@ async fn the_document_covers_every_route(db: Db) {
     assert!(header_params(&payments).contains("idempotency-key"));
     assert!(header_params(&payments).contains("x-simulate"));
     assert!(header_params(&op("post", "/orders")).contains("idempotency-key"));
+    let checkout = op("post", "/orders/{id}/checkout");
+    assert!(header_params(&checkout).contains("idempotency-key"));
+    assert!(header_params(&checkout).contains("x-simulate"));
+    for status in ["200", "404", "409", "422", "502"] {
+        assert!(
+            checkout["responses"][status].is_object(),
+            "POST /orders/{{id}}/checkout documents {status}"
+        );
+    }
     assert!(header_params(&op("put", "/products/{sku}")).contains("if-match"));
     for (status, _) in [("201", ()), ("409", ()), ("422", ()), ("502", ())] {
         assert!(

@@ -117,6 +117,22 @@ impl Idempotency {
         &self.inner.claim
     }
 
+    /// This request's operation, for named steps
+    /// ([`Operation::step`](idem_once::Operation::step)) on `store`, the
+    /// store the layer claims in: each step runs once per operation, and a
+    /// retry that takes the request over after a crash resumes at the
+    /// first step not done, under the same operation id.
+    pub fn operation<'s, S: idem_core::Store + ?Sized>(
+        &self,
+        store: &'s S,
+    ) -> idem_once::Operation<'s, S> {
+        idem_once::Operation::new(
+            store,
+            self.inner.claim.clone(),
+            self.inner.policy.retention(),
+        )
+    }
+
     /// Whether an answer with `status` releases the claim rather than
     /// being stored (`5xx`; `4xx` when the policy does not store client
     /// errors): the one rule the layer applies after the handler.

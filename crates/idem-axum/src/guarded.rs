@@ -175,6 +175,19 @@ impl<S> Guarded<S> {
         &self.store
     }
 
+    /// This request's operation, for named steps on the store: each step
+    /// runs once per operation (an external call under
+    /// [`Step::key`](idem_once::Step::key), a transactional write with
+    /// [`step_in_transaction`](idem_once::Operation::step_in_transaction)),
+    /// and a retry that takes over after a crash resumes at the first step
+    /// not done.
+    pub fn operation(&self) -> idem_once::Operation<'_, S>
+    where
+        S: idem_core::Store,
+    {
+        self.idempotency.operation(&self.store)
+    }
+
     /// Runs `work` in a new transaction on the store's database, completes
     /// the record with its answer in the same transaction (fenced by this
     /// attempt's token) and commits: the business write and the record

@@ -62,6 +62,7 @@
 //! | [Redis](guide::redis) | the fast tier in front of SQL, the in-process cache, Redis alone |
 //! | [messages](guide::messages) | the transactional outbox, its relay, the inbox; a whole service with NATS |
 //! | [the client](guide::client) | one key per intent, safe retries |
+//! | [run once, step by step](guide::once) | any async work once per key, named steps that resume after a crash, `idem once` for cron on many hosts |
 //! | [operations](guide::operations) | the `idem` CLI and the metrics |
 //!
 //! # Crates
@@ -69,6 +70,7 @@
 //! | module | crate | what |
 //! |---|---|---|
 //! | (root) | `idem-core` | keys, fingerprints, records, the decision table, [`Policy`], the [`Store`] trait; no I/O |
+//! | [`once`](once/index.html) | `idem-once` | run any async work once per key; named steps; the claim loop every edge uses |
 //! | [`memory`](memory/index.html) | `idem-memory` | an in-memory store for tests |
 //! | [`cache`](cache/index.html) | `idem-cache` | the in-process replay tier in front of any store (feature `cache`) |
 //! | [`sqlite`](sqlite/index.html) | `idem-sqlite` | the embedded SQLite store (feature `sqlite`) |
@@ -133,8 +135,16 @@ pub mod guide {
     pub mod messages {}
     #[doc = include_str!("../guide/client.md")]
     pub mod client {}
+    #[doc = include_str!("../guide/once.md")]
+    pub mod once {}
     #[doc = include_str!("../guide/operations.md")]
     pub mod operations {}
+}
+
+/// Run once: any async work at most once per key, named steps that
+/// resume after a crash; see the [run-once guide](crate::guide::once).
+pub mod once {
+    pub use idem_once::*;
 }
 
 /// The in-memory store, for tests and examples.

@@ -119,7 +119,7 @@ async fn checkout(
     order_view(&state, client, &order_id).await?;
     bind(&state, client, &order_id, idem.operation_id()).await?;
 
-    let op = Operation::new(&*state.records, idem.claim().clone(), state.retention);
+    let op = idem.operation(&*state.records);
     let charged: Charged = op
         .step("charge", async |step| {
             if simulate.bank_error {

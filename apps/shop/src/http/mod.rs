@@ -52,8 +52,6 @@ pub(crate) struct AppState {
     pub(crate) transactional: bool,
     /// idem's records (the layer's store), where checkout steps are kept.
     pub(crate) records: Arc<dyn Store>,
-    /// How long records are kept.
-    pub(crate) retention: std::time::Duration,
     /// Whether `POST /payments` claims inside its own transaction.
     pub(crate) claim_in_transaction: bool,
     /// What `X-Simulate` may ask for.

@@ -7,6 +7,8 @@
     clippy::expect_used
 )]
 
+pub mod fleet;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
