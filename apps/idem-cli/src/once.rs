@@ -344,13 +344,10 @@ async fn execute(
             return Err(Failure::Retry(Failed::NotRun(NotRun::LeaseRanOut)));
         }
     };
-    let code = status.code().map_or_else(
-        || {
-            use std::os::unix::process::ExitStatusExt;
-            128 + status.signal().unwrap_or(0)
-        },
-        |c| c,
-    );
+    let code = status.code().unwrap_or_else(|| {
+        use std::os::unix::process::ExitStatusExt;
+        128 + status.signal().unwrap_or(0)
+    });
     let stdout = (captured.len() <= MAX_STDOUT).then(|| match String::from_utf8(captured) {
         Ok(text) => Captured::Text(text),
         Err(e) => Captured::Bytes(e.into_bytes()),
