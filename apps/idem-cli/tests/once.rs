@@ -314,41 +314,34 @@ mod mysql {
 }
 
 mod redis {
-    /// The test's Redis, its prefix in the fragment; its keys deleted
-    /// when dropped.
-    struct Prefixed(String);
+    use idem_test_support::redis::{redis_url, TestPrefix};
+
+    /// The test's Redis, its prefix in the fragment (see `prefix_for`).
+    struct Prefixed {
+        url: String,
+        /// Deletes the test's keys when dropped.
+        _prefix: TestPrefix,
+    }
 
     impl Prefixed {
         fn new() -> Self {
-            let url = std::env::var("IDEM_TEST_REDIS_URL")
-                .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-            Self(format!(
-                "{url}#idem-once-cli-{}",
-                uuid::Uuid::new_v4().simple()
-            ))
-        }
-    }
-
-    impl Drop for Prefixed {
-        fn drop(&mut self) {
-            let (url, prefix) = self.0.split_once('#').unwrap();
-            let _ = std::process::Command::new("redis-cli")
-                .args(["-u", url, "EVAL"])
-                .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
-                .args(["0", &format!("{prefix}:*")])
-                .output();
+            let prefix = TestPrefix::new("idem-once-cli");
+            Self {
+                url: format!("{}#{}", redis_url(), prefix.name()),
+                _prefix: prefix,
+            }
         }
     }
 
     #[test]
     fn once() {
         let url = Prefixed::new();
-        super::exercise(&url.0);
+        super::exercise(&url.url);
     }
     #[test]
     fn kill9() {
         let url = Prefixed::new();
-        super::killed_run_is_taken_over(&url.0);
+        super::killed_run_is_taken_over(&url.url);
     }
 }
 

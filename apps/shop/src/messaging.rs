@@ -98,6 +98,16 @@ impl MessageOutcome {
     }
 }
 
+/// One email about a payment.
+fn email(payment_id: String, account_id: String, subject: String, now: i64) -> Work {
+    Work::SendEmail {
+        payment_id,
+        account_id,
+        subject,
+        now,
+    }
+}
+
 /// What a consumer does with one message, once.
 async fn act(
     db: &Database,
@@ -119,12 +129,7 @@ async fn act(
             "Receipt for order {}: {} {} paid",
             event.order_id, event.amount, event.currency
         );
-        let work = Work::SendEmail {
-            payment_id: event.payment_id,
-            account_id: event.account_id,
-            subject,
-            now,
-        };
+        let work = email(event.payment_id, event.account_id, subject, now);
         ("send-receipt", work)
     } else {
         let event: PaymentAuthorized =
@@ -133,12 +138,7 @@ async fn act(
             "Payment {} of {} {} authorized",
             event.payment_id, event.amount, event.currency
         );
-        let work = Work::SendEmail {
-            payment_id: event.payment_id,
-            account_id: event.account_id,
-            subject,
-            now,
-        };
+        let work = email(event.payment_id, event.account_id, subject, now);
         ("send-email", work)
     };
     let outcome = db.consume(consumer, message_id, work).await;

@@ -237,6 +237,22 @@ async fn the_checkout_contract(mode: Mode, db: Db) {
     assert_eq!(get(&shop, "/accounts/acc-c").await["bank_charges"], 1);
     assert_eq!(receipts(&shop, "acc-c", 1).await.len(), 1);
 
+    // An attempt that outlives its lease (the bank answers after it) stores
+    // nothing: it answers 409 and its retry resumes (found by the checkout
+    // history: the 409 used to be stored, and replayed for a day).
+    let order = place_order(&shop, "slow-bank").await;
+    let slow = read(
+        checkout(&shop, &order, Some("k-slow"), "acc-e", "300")
+            .header("x-simulate", &format!("bank-delay={}", LEASE_MS + 500)),
+    )
+    .await;
+    assert_eq!(slow.status, 409, "{slow:?}");
+    assert!(!slow.replayed);
+    let resumed = read(checkout(&shop, &order, Some("k-slow"), "acc-e", "300")).await;
+    assert_eq!(resumed.status, 200, "{resumed:?}");
+    assert_eq!(resumed.json()["bank_charges"], 1, "{resumed:?}");
+    assert_eq!(get(&shop, "/accounts/acc-e").await["bank_charges"], 1);
+
     // Two keys racing for one order: one pays, the other is 409.
     let order = place_order(&shop, "two-keys").await;
     let a = tokio::spawn(read(

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::fleet::Fleet;
-use common::{read, Mode};
+use common::{read, Mode, Rng};
 use serde_json::Value;
 
 const LEASE_MS: u64 = 1500;
@@ -35,21 +35,6 @@ struct Tally {
     requests: u64,
     crashes: u64,
     answers: Vec<(usize, u16, bool, Vec<u8>)>,
-}
-
-/// xorshift64*: reproducible from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
 }
 
 fn client() -> reqwest::Client {
@@ -85,7 +70,7 @@ async fn get(base: &str, path: &str) -> Value {
 /// One order's client: faults first, then retries without them until
 /// paid.
 async fn pay(fleet: Arc<Fleet>, tally: Arc<Mutex<Tally>>, i: usize, order: String, seed: u64) {
-    let mut rng = Rng(seed.max(1));
+    let mut rng = Rng::new(seed);
     let key = format!("checkout-{i}");
     let account = format!("acc-h-{i}");
     for _ in 0..CHAOS_ATTEMPTS {
@@ -131,26 +116,47 @@ async fn pay(fleet: Arc<Fleet>, tally: Arc<Mutex<Tally>>, i: usize, order: Strin
     }
     // Settle: retried without faults until paid.
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = String::new();
     loop {
-        assert!(Instant::now() < deadline, "order {i} never settled");
+        assert!(
+            Instant::now() < deadline,
+            "order {i} never settled; last answer: {last}"
+        );
         let Some(base) = fleet.base(rng.next()) else {
             fleet.tend(None).await;
             continue;
         };
         tally.lock().unwrap().requests += 1;
-        match read(checkout(&base, &order, &key, &account)).await {
-            a if a.status == 200 => {
+        // Another client's fault may take this process down mid-request.
+        let answer = match checkout(&base, &order, &key, &account).send().await {
+            Ok(answer) => answer,
+            Err(e) => {
+                last = e.to_string();
+                fleet.tend(None).await;
+                continue;
+            }
+        };
+        let status = answer.status().as_u16();
+        let replayed = answer.headers().contains_key("idempotent-replayed");
+        let body = answer.bytes().await.map(|b| b.to_vec()).unwrap_or_default();
+        match status {
+            200 => {
+                tally.lock().unwrap().answers.push((i, 200, replayed, body));
+                break;
+            }
+            409 | 502 | 503 => {
+                last = format!("{status} {}", String::from_utf8_lossy(&body));
                 tally
                     .lock()
                     .unwrap()
                     .answers
-                    .push((i, 200, a.replayed, a.body));
-                break;
-            }
-            a if a.status == 409 || a.status == 502 || a.status == 503 => {
+                    .push((i, status, replayed, body));
                 tokio::time::sleep(Duration::from_millis(200 + rng.below(300))).await;
             }
-            a => panic!("order {i}: unexpected answer {a:?}"),
+            other => panic!(
+                "order {i}: unexpected answer {other}: {}",
+                String::from_utf8_lossy(&body)
+            ),
         }
     }
 }

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::fleet::Fleet;
-use common::{Db, Mode};
+use common::{Db, Mode, Rng};
 
 const LEASE_MS: u64 = 1500;
 const TTL_SECS: u64 = 12;
@@ -36,30 +36,6 @@ const CHAOS_MS: u64 = 4000;
 const CLIENTS: usize = 10;
 const PROCESSES: usize = 2;
 const ACCOUNT: &str = "acc-history";
-
-/// xorshift64*: enough randomness for a load, reproducible from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.max(1))
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn between(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-    fn percent(&mut self, p: u64) -> bool {
-        self.below(100) < p
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Variant {

@@ -153,6 +153,16 @@ impl Idempotency {
             .unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Tells the layer that this attempt lost its claim: its lease ran
+    /// out (a step said [`StepError::LeaseLost`](idem_once::StepError::LeaseLost))
+    /// or another attempt took it over. Whatever the handler answers is
+    /// then not stored, and the claim is neither completed nor released:
+    /// the retry takes it over (after the lease) and resumes. Answer the
+    /// client `409` (`IdempotencyRejection::TakenOver`) so that it retries.
+    pub fn abandon(&self) {
+        self.set_completion(Completion::Lost);
+    }
+
     fn set_completion(&self, c: Completion) {
         *self
             .inner

@@ -195,15 +195,7 @@ impl<S: Store> Runner<S> {
         let claim = op.into_claim();
         match result {
             Ok(output) => {
-                let stored = match encode(OUTPUT, &output) {
-                    Ok(stored) => stored,
-                    Err(e) => {
-                        self.release(&claim).await;
-                        return Err(RunError::NotStored(format!(
-                            "the output does not serialize: {e}"
-                        )));
-                    }
-                };
+                let stored = self.encode_output(&claim, &output).await?;
                 match self.store.complete(&claim, &stored).await {
                     Ok(()) => Ok(Outcome::Fresh(output)),
                     Err(e) => Err(not_stored(e)),
@@ -275,10 +267,7 @@ impl<S: Store> Runner<S> {
             Ok(stored) => stored,
             Err(e) => {
                 rollback::<S>(tx).await;
-                self.release(&claim).await;
-                return Err(RunError::NotStored(format!(
-                    "the output does not serialize: {e}"
-                )));
+                return Err(self.unencodable(&claim, &e).await);
             }
         };
         if let Err(e) = self
@@ -348,6 +337,25 @@ impl<S: Store> Runner<S> {
             Err(Refusal::InFlight { retry_after }) => Err(RunError::InFlight { retry_after }),
             Err(Refusal::Unavailable(e)) => Err(RunError::Unavailable(e)),
         }
+    }
+
+    /// `output` as the record stores it; if it does not serialize, the
+    /// claim is released and the error says why.
+    async fn encode_output<T: Serialize, E>(
+        &self,
+        claim: &Claim,
+        output: &T,
+    ) -> Result<StoredResponse, RunError<E>> {
+        match encode(OUTPUT, output) {
+            Ok(stored) => Ok(stored),
+            Err(e) => Err(self.unencodable(claim, &e).await),
+        }
+    }
+
+    /// Releases `claim`, whose output does not serialize.
+    async fn unencodable<E>(&self, claim: &Claim, e: &serde_json::Error) -> RunError<E> {
+        self.release(claim).await;
+        RunError::NotStored(format!("the output does not serialize: {e}"))
     }
 
     /// Stores `error` as the run's final answer.

@@ -541,32 +541,14 @@ mod mysql {
 
 mod redis {
     use idem_redis::{RedisConfig, RedisStore};
+    use idem_test_support::redis::{redis_url, TestPrefix};
 
-    /// Deletes the test's keys when dropped.
-    pub(crate) struct Prefix(RedisStore);
-
-    impl Drop for Prefix {
-        fn drop(&mut self) {
-            let store = self.0.clone();
-            let _ = std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .ok()?;
-                rt.block_on(store.clear()).ok()
-            })
-            .join();
-        }
-    }
-
-    async fn make() -> (RedisStore, Prefix) {
-        let url = std::env::var("IDEM_TEST_REDIS_URL")
-            .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-        let prefix = format!("idem-once-{}", uuid::Uuid::new_v4().simple());
-        let store = RedisStore::connect(RedisConfig::new(&url).prefix(prefix))
+    async fn make() -> (RedisStore, TestPrefix) {
+        let prefix = TestPrefix::new("idem-once");
+        let store = RedisStore::connect(RedisConfig::new(redis_url()).prefix(prefix.name()))
             .await
             .expect("Redis must be running for these tests");
-        (store.clone(), Prefix(store))
+        (store, prefix)
     }
     mod suite {
         run_suite!(super::make());

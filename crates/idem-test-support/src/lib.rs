@@ -5,6 +5,8 @@
 //!   after it, so tests run in parallel and leave nothing behind;
 //! - [`mysql`]: a MySQL / MariaDB database of its own for each test,
 //!   dropped after it;
+//! - [`redis`]: a Redis key prefix of its own for each test, its keys
+//!   deleted after it;
 //! - [`broker`]: the broker conformance suite, run on RabbitMQ and NATS;
 //! - [`messaging`]: the outbox and inbox fixtures the broker tests use (an
 //!   outbox in a fresh schema, messages, recorded effects).
@@ -16,6 +18,7 @@ pub mod broker;
 pub mod messaging;
 pub mod mysql;
 pub mod postgres;
+pub mod redis;
 
 /// Runs the future `work` makes to its end, on a thread with a runtime of
 /// its own: how a `Drop` (outside async code) cleans up a server's test

@@ -127,31 +127,27 @@ impl ShopDialect for idem_sql::Sqlite {
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
         Box::pin(async move {
             sqlx::Executor::execute(pool, SCHEMA).await?;
-            // A database made before charges named their merchant.
-            let has_client: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pragma_table_info('bank_charges') WHERE name = 'client_id'",
-            )
-            .fetch_one(pool)
-            .await?;
-            if has_client == 0 {
-                sqlx::query(
+            // A database made before charges named their merchant, or
+            // carried a reference.
+            for (column, ddl) in [
+                (
+                    "client_id",
                     "ALTER TABLE bank_charges ADD COLUMN client_id TEXT NOT NULL DEFAULT ''",
-                )
-                .execute(pool)
-                .await?;
-            }
-            // A database made before charges carried a reference.
-            let has_reference: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pragma_table_info('bank_charges') WHERE name = 'reference'",
-            )
-            .fetch_one(pool)
-            .await?;
-            if has_reference == 0 {
-                sqlx::query(
+                ),
+                (
+                    "reference",
                     "ALTER TABLE bank_charges ADD COLUMN reference TEXT NOT NULL DEFAULT ''",
+                ),
+            ] {
+                let has: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pragma_table_info('bank_charges') WHERE name = ?1",
                 )
-                .execute(pool)
+                .bind(column)
+                .fetch_one(pool)
                 .await?;
+                if has == 0 {
+                    sqlx::query(ddl).execute(pool).await?;
+                }
             }
             sqlx::query(REFERENCE_INDEX).execute(pool).await?;
             Ok(())

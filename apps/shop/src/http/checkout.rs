@@ -120,36 +120,53 @@ async fn checkout(
     bind(&state, client, &order_id, idem.operation_id()).await?;
 
     let op = idem.operation(&*state.records);
-    let charged: Charged = op
-        .step("charge", async |step| {
-            if simulate.bank_error {
-                return Err(Error::Bank(crate::bank::BankError::Simulated));
-            }
-            let bank_charge_id = state
-                .bank
-                .charge(&ChargeRequest {
-                    client_id: client,
-                    operation_id: OperationId(step.key()),
-                    account_id: &new.account_id,
-                    amount: new.amount,
-                    currency: &new.currency,
-                    reference: &order_id,
-                })
-                .await?;
-            if let Some(d) = simulate.bank_delay {
-                tokio::time::sleep(d).await;
-            }
-            if simulate.crash_after_bank {
-                crash("after the bank charged, before the charge step was stored");
-            }
-            Ok(Charged { bank_charge_id })
-        })
-        .await
-        .map_err(step_failed)?;
-    if simulate.crash_after_charge {
-        crash("after the charge step was stored, before the order was marked paid");
+    let paid = async {
+        let charged: Charged = op
+            .step("charge", async |step| {
+                if simulate.bank_error {
+                    return Err(Error::Bank(crate::bank::BankError::Simulated));
+                }
+                let bank_charge_id = state
+                    .bank
+                    .charge(&ChargeRequest {
+                        client_id: client,
+                        operation_id: OperationId(step.key()),
+                        account_id: &new.account_id,
+                        amount: new.amount,
+                        currency: &new.currency,
+                        reference: &order_id,
+                    })
+                    .await?;
+                if let Some(d) = simulate.bank_delay {
+                    tokio::time::sleep(d).await;
+                }
+                if simulate.crash_after_bank {
+                    crash("after the bank charged, before the charge step was stored");
+                }
+                Ok(Charged { bank_charge_id })
+            })
+            .await?;
+        if simulate.crash_after_charge {
+            crash("after the charge step was stored, before the order was marked paid");
+        }
+        mark_paid(&state, &op, client, &order_id, &new, &charged).await
     }
-    let paid = mark_paid(&state, &op, client, &order_id, &new, &charged).await?;
+    .await;
+    let paid = match paid {
+        Ok(paid) => paid,
+        Err(StepError::LeaseLost) => {
+            // This attempt ran past its lease: its answer must not be
+            // stored, nor its claim released under a newer holder. The
+            // retry takes the key over and resumes at the first step not
+            // done.
+            warn!(order = %order_id, "the checkout ran past its lease; the retry resumes it");
+            idem.abandon();
+            return Err(Error::Answered(
+                idem_axum::IdempotencyRejection::TakenOver.into_response(),
+            ));
+        }
+        Err(e) => return Err(step_failed(e)),
+    };
     info!(order = %order_id, payment = %paid.payment_id, "order paid");
     let order = order_view(&state, client, &order_id).await?;
     Ok((StatusCode::OK, Json(order)).into_response())
@@ -213,17 +230,17 @@ async fn mark_paid(
     order_id: &str,
     new: &NewPayment,
     charged: &Charged,
-) -> Result<Paid> {
-    let step = match op.start_step::<Paid, Error>("mark-paid").await {
-        Ok(StepStart::Done(paid)) => return Ok(paid),
-        Ok(StepStart::Run(step)) => step,
-        Err(e) => return Err(step_failed(e)),
+) -> Result<Paid, StepError<Error>> {
+    let step = match op.start_step::<Paid, Error>("mark-paid").await? {
+        StepStart::Done(paid) => return Ok(paid),
+        StepStart::Run(step) => step,
     };
+    let failed = |e: Error| StepError::Failed(e);
     let mut tx = match state.db.begin().await {
         Ok(tx) => tx,
         Err(e) => {
             op.release_step(&step).await;
-            return Err(e.into());
+            return Err(failed(e.into()));
         }
     };
     let staged = async {
@@ -276,7 +293,7 @@ async fn mark_paid(
         Err(e) => {
             rollback(tx).await;
             op.release_step(&step).await;
-            return Err(e.into());
+            return Err(failed(e.into()));
         }
     };
     if state.transactional {
@@ -285,40 +302,37 @@ async fn mark_paid(
             Err(e) => {
                 rollback(tx).await;
                 op.release_step(&step).await;
-                return Err(Error::Problem(internal(e)));
+                return Err(StepError::Codec(e.to_string()));
             }
         };
         // Fenced by the step's token: a takeover makes this fail, and
         // nothing of this attempt commits.
-        if let Err(e) = tx.complete_record(step.claim(), &stored).await {
-            rollback(tx).await;
-            return Err(step_failed(StepError::<Error>::Store(e)));
+        match tx.complete_record(step.claim(), &stored).await {
+            Ok(()) => {}
+            Err(idem_core::StoreError::ClaimLost) => {
+                rollback(tx).await;
+                return Err(StepError::LeaseLost);
+            }
+            Err(e) => {
+                rollback(tx).await;
+                op.release_step(&step).await;
+                return Err(StepError::Store(e));
+            }
         }
-        tx.commit().await.map_err(Error::Recording)?;
+        tx.commit().await.map_err(|e| failed(Error::Recording(e)))?;
         op.store().settled(step.claim()).await;
     } else {
-        tx.commit().await.map_err(Error::Recording)?;
-        op.step_done::<_, Error>(&step, &paid)
-            .await
-            .map_err(step_failed)?;
+        tx.commit().await.map_err(|e| failed(Error::Recording(e)))?;
+        op.step_done(&step, &paid).await?;
     }
     state.messaging.wake();
     Ok(paid)
 }
 
-/// A step that gave no output, as the answer.
+/// A step that gave no output (its lease aside), as the answer.
 fn step_failed(e: StepError<Error>) -> Error {
     match e {
         StepError::Failed(e) => e,
-        StepError::LeaseLost => {
-            warn!("the checkout's lease ran out and another attempt holds it");
-            Error::Answered(
-                idem_axum::IdempotencyRejection::KeyInUse {
-                    retry_after: std::time::Duration::from_secs(1),
-                }
-                .into_response(),
-            )
-        }
         StepError::Store(e) => {
             warn!(error = %e, "a checkout step's record failed");
             Error::Answered(idem_axum::IdempotencyRejection::StoreUnavailable.into_response())

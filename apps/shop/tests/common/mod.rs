@@ -384,12 +384,7 @@ impl Drop for RedisPrefix {
         let mut urls = vec![redis_url()];
         urls.extend(redis_cluster_urls().split(',').map(str::to_owned));
         for url in urls {
-            // One key at a time: a cluster node refuses a DEL across slots.
-            let _ = Command::new("redis-cli")
-                .args(["-u", &url, "EVAL"])
-                .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
-                .args(["0", &format!("{}:*", self.0)])
-                .output();
+            idem_test_support::redis::clear_prefix(&url, &self.0);
         }
     }
 }
@@ -445,4 +440,28 @@ pub fn signed_in() -> reqwest::Client {
         .default_headers(headers)
         .build()
         .expect("an HTTP client")
+}
+
+/// xorshift64*: enough randomness for a load, reproducible from its seed.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    pub fn between(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+    pub fn percent(&mut self, p: u64) -> bool {
+        self.below(100) < p
+    }
 }
