@@ -245,6 +245,49 @@ macro_rules! run_suite {
         }
 
         #[tokio::test]
+        async fn a_runs_steps_are_swept_with_it() {
+            use idem_core::Store as _;
+            let (store, _guard) = $make.await;
+            let policy = Policy::builder()
+                .lease(Duration::from_millis(200))
+                .retention(Duration::from_millis(600))
+                .build()
+                .unwrap();
+            let runner = Runner::new(store, policy);
+            let ran = runner
+                .run("t", "k", &1, async |op| -> Result<String, Failure<String>> {
+                    op.step("a", async |_| -> Result<u8, String> { Ok(1) })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    op.step("b", async |_| -> Result<u8, String> { Ok(2) })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok(op.id().to_string())
+                })
+                .await
+                .unwrap();
+            let op = idem_core::OperationId(ran.into_inner().parse().unwrap());
+            let store = runner.store();
+            for index in 0..2 {
+                let key = idem_once::step_record_key(op, index);
+                assert!(store.get("t", &key).await.unwrap().is_some(), "step {index} stored");
+            }
+            tokio::time::sleep(Duration::from_millis(900)).await;
+            let swept = idem_core::sweep_all(store, 100).await.unwrap();
+            if store.kind() == "redis" {
+                // Redis expires them itself (each key has the record's TTL).
+                assert_eq!(swept, 0);
+            } else {
+                assert_eq!(swept, 3, "the run's record and its two steps' went");
+            }
+            assert!(store.get("t", "k").await.unwrap().is_none());
+            for index in 0..2 {
+                let key = idem_once::step_record_key(op, index);
+                assert!(store.get("t", &key).await.unwrap().is_none(), "step {index} swept");
+            }
+        }
+
+        #[tokio::test]
         async fn steps_asked_for_in_another_order_are_refused() {
             let (store, _guard) = $make.await;
             let runner = Runner::new(store, Policy::default());
