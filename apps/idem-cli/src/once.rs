@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use idem_core::{Policy, Store, UnixMillis};
+use idem_core::{Policy, Store};
 use idem_once::{Failure, Operation, Outcome, RunError, Runner};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt;
@@ -66,8 +66,8 @@ pub(crate) struct OnceArgs {
     #[arg(long)]
     pub(crate) key: String,
     /// How long a run holds the key: a host that dies is taken over after
-    /// it; a command still running when it ends is killed (exit 124), so
-    /// two hosts never run it at once. Set it above the longest run.
+    /// it; a command still running when it ends is killed with its process
+    /// group (exit 124). Set it above the longest run.
     #[arg(long, default_value_t = 600_000, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
     pub(crate) lease_ms: u64,
     /// How long a run's result is kept (and the key refused for others).
@@ -132,6 +132,8 @@ enum NotRun {
     NotStarted(String),
     /// It ran past its lease and was killed.
     LeaseRanOut,
+    /// `idem once` was told to stop (this signal): the command was killed.
+    Stopped(i32),
 }
 
 /// The work's failure: a run that ended non-zero, or one that never gave
@@ -207,6 +209,16 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
             ));
             exit::LEASE_RAN_OUT
         }
+        Err(RunError::Failed(Failed::NotRun(NotRun::Stopped(number))))
+        | Err(RunError::Final {
+            error: Failed::NotRun(NotRun::Stopped(number)),
+            ..
+        }) => {
+            say(format!(
+                "stopped by signal {number}: the command's process group was killed and the key released"
+            ));
+            u8::try_from(128 + number).unwrap_or(1)
+        }
         Err(RunError::KeyReused) => {
             say(format!(
                 "refused: key {:?} (scope {:?}) was used with another command line; nothing ran",
@@ -279,11 +291,19 @@ fn replay(args: &OnceArgs, ran: &Ran, how: &str) -> u8 {
 }
 
 /// Runs the command under `op`, streaming its output through.
+///
+/// The command runs in a process group of its own. At the end of its lease
+/// (less a margin, on this process's clock), or when `idem once` is told to
+/// stop (SIGTERM, SIGINT, SIGHUP), the whole group is killed before the key
+/// is let go: no host runs it beside another.
 async fn execute(
     op: &Operation<'_, Arc<dyn Store>>,
     command: &[OsString],
     store_failures: bool,
 ) -> Result<Ran, Failure<Failed>> {
+    use tokio::io::AsyncWriteExt;
+    use tokio::signal::unix::{signal, SignalKind};
+
     let fail = |f: Failed| {
         if store_failures {
             Failure::Final(f)
@@ -291,28 +311,41 @@ async fn execute(
             Failure::Retry(f)
         }
     };
+    let not_run = |n: NotRun| Failure::Retry(Failed::NotRun(n));
     let Some((program, rest)) = command.split_first() else {
-        return Err(Failure::Retry(Failed::NotRun(NotRun::NotStarted(
-            "no command".into(),
-        ))));
+        return Err(not_run(NotRun::NotStarted("no command".into())));
     };
+    let mut signals = Vec::new();
+    for (kind, number) in [
+        (SignalKind::terminate(), 15),
+        (SignalKind::interrupt(), 2),
+        (SignalKind::hangup(), 1),
+    ] {
+        let stream = signal(kind)
+            .map_err(|e| not_run(NotRun::NotStarted(format!("cannot watch signals: {e}"))))?;
+        signals.push((stream, number));
+    }
     let mut child = tokio::process::Command::new(program)
         .args(rest)
         .env("IDEM_OPERATION_ID", op.id().to_string())
         .stdin(Stdio::inherit())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| Failure::Retry(Failed::NotRun(NotRun::NotStarted(e.to_string()))))?;
+        .map_err(|e| not_run(NotRun::NotStarted(e.to_string())))?;
+    let group = child.id();
+    let margin = (op.lease_left() / 10).min(Duration::from_secs(1));
+    let lease = op.lease_left().saturating_sub(margin);
     let mut stdout = child.stdout.take();
-    let lease = UnixMillis::now().until(op.claim().locked_until);
     let mut captured = Vec::new();
     let mut total: u64 = 0;
     let copy = async {
         let Some(pipe) = stdout.as_mut() else {
             return;
         };
+        let mut out = tokio::io::stdout();
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = match pipe.read(&mut buf).await {
@@ -320,8 +353,10 @@ async fn execute(
                 Ok(n) => n,
             };
             let chunk = &buf[..n];
-            let mut out = std::io::stdout().lock();
-            let _ = out.write_all(chunk).and_then(|()| out.flush());
+            // A reader that went away does not stop the command's output
+            // from being kept.
+            let _ = out.write_all(chunk).await;
+            let _ = out.flush().await;
             total += n as u64;
             if captured.len() <= MAX_STDOUT {
                 captured.extend_from_slice(chunk);
@@ -332,18 +367,28 @@ async fn execute(
         copy.await;
         child.wait().await
     };
-    let status = match tokio::time::timeout(lease, ran).await {
-        Ok(Ok(status)) => status,
-        Ok(Err(e)) => {
-            return Err(Failure::Retry(Failed::NotRun(NotRun::NotStarted(
-                e.to_string(),
-            ))))
+    let stopped = async {
+        let waits = signals.iter_mut().map(|(stream, number)| {
+            let number = *number;
+            Box::pin(async move {
+                stream.recv().await;
+                number
+            })
+        });
+        futures_select_all(waits).await
+    };
+    let status = tokio::select! {
+        status = ran => status,
+        () = tokio::time::sleep(lease) => {
+            kill_group(group);
+            return Err(not_run(NotRun::LeaseRanOut));
         }
-        Err(_) => {
-            let _ = child.kill().await;
-            return Err(Failure::Retry(Failed::NotRun(NotRun::LeaseRanOut)));
+        number = stopped => {
+            kill_group(group);
+            return Err(not_run(NotRun::Stopped(number)));
         }
     };
+    let status = status.map_err(|e| not_run(NotRun::NotStarted(e.to_string())))?;
     let code = status.code().unwrap_or_else(|| {
         use std::os::unix::process::ExitStatusExt;
         128 + status.signal().unwrap_or(0)
@@ -361,6 +406,38 @@ async fn execute(
         Ok(ran)
     } else {
         Err(fail(Failed::Exited(ran)))
+    }
+}
+
+/// The first of `waits` to finish.
+async fn futures_select_all<F>(waits: impl Iterator<Item = std::pin::Pin<Box<F>>>) -> i32
+where
+    F: std::future::Future<Output = i32>,
+{
+    let mut waits: Vec<_> = waits.collect();
+    std::future::poll_fn(|cx| {
+        for w in &mut waits {
+            if let std::task::Poll::Ready(n) = w.as_mut().poll(cx) {
+                return std::task::Poll::Ready(n);
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+/// Kills the command's process group (the command and whatever it
+/// started), with `kill(1)`: no unsafe code here.
+fn kill_group(group: Option<u32>) {
+    let Some(group) = group else {
+        return;
+    };
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", "--", &format!("-{group}")])
+        .stderr(Stdio::null())
+        .status();
+    if !killed.is_ok_and(|s| s.success()) {
+        eprintln!("idem once: could not kill process group {group}; kill it by hand");
     }
 }
 

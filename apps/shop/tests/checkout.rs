@@ -272,7 +272,45 @@ async fn the_checkout_contract(mode: Mode, db: Db) {
     assert_eq!(get(&shop, "/accounts/acc-d").await["bank_charges"], 1);
 }
 
+/// The same key back after its record expired (or Redis lost it) gets a
+/// new operation id; the order's checkout resumes under the one bound
+/// first, and the bank answers with the charge it made.
+async fn a_key_back_after_its_record_expired_resumes_under_the_bound_operation(mode: Mode, db: Db) {
+    let prefix = RedisPrefix::new("checkout-expired");
+    let flags = [
+        "--fault-injection",
+        "all",
+        "--lease-ms",
+        "1000",
+        "--ttl-secs",
+        "3",
+    ];
+    let mut shop = start_in(mode, &db, &prefix.0, &flags).await;
+    let order = place_order(&shop, "expired").await;
+    let lost = checkout(&shop, &order, Some("k-exp"), "acc-x", "900")
+        .header("x-simulate", "crash-after-bank")
+        .send()
+        .await;
+    assert!(lost.is_err());
+    assert!(!shop.wait_exit(Duration::from_secs(10)).success());
+    drop(shop);
+    let shop = start_in(mode, &db, &prefix.0, &flags).await;
+    // Past the retention: the key's record is gone, the key is new again.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let retry = read(checkout(&shop, &order, Some("k-exp"), "acc-x", "900")).await;
+    assert_eq!(retry.status, 200, "{retry:?}");
+    assert_eq!(retry.json()["status"], "paid");
+    assert_eq!(retry.json()["bank_charges"], 1, "charged once: {retry:?}");
+    let acc = get(&shop, "/accounts/acc-x").await;
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(1), Some(1)),
+        "{acc}"
+    );
+}
+
 in_every_mode!(
     a_crash_after_the_bank_or_after_the_charge_step_resumes_with_one_charge,
     the_checkout_contract,
+    a_key_back_after_its_record_expired_resumes_under_the_bound_operation,
 );

@@ -136,14 +136,15 @@ impl DeferredClaim {
             });
         }
         let request = &self.inner.request;
-        let (claim, transaction) = claim_until_decided(
+        let (claim, transaction, claimed_at) = claim_until_decided(
             &self.inner.policy,
             &request.fingerprint,
             store.kind(),
             || async {
+                let sent = std::time::Instant::now();
                 Ok(match store.claim_and_begin(request).await? {
                     TxClaimOutcome::Acquired { claim, transaction } => {
-                        Found::Acquired((claim, transaction))
+                        Found::Acquired((claim, transaction, sent))
                     }
                     TxClaimOutcome::Existing(record) => Found::Existing(record),
                     TxClaimOutcome::Busy => Found::Busy,
@@ -153,7 +154,7 @@ impl DeferredClaim {
         .await
         .map_err(|response| ClaimRefused { response })?;
         claimed(&claim, true);
-        let handle = Idempotency::new(claim, self.inner.policy.clone());
+        let handle = Idempotency::new(claim, self.inner.policy.clone(), claimed_at);
         *self.inner.claimed.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle.clone());
         Ok((transaction, handle))
     }

@@ -28,6 +28,8 @@ pub(crate) enum Completion {
 struct Inner {
     claim: Claim,
     policy: Arc<Policy>,
+    /// When the winning claim was sent: its lease counts from then.
+    claimed_at: std::time::Instant,
     completion: Mutex<Completion>,
 }
 
@@ -76,11 +78,12 @@ impl IntoResponse for CompleteError {
 }
 
 impl Idempotency {
-    pub(crate) fn new(claim: Claim, policy: Arc<Policy>) -> Self {
+    pub(crate) fn new(claim: Claim, policy: Arc<Policy>, claimed_at: std::time::Instant) -> Self {
         Self {
             inner: Arc::new(Inner {
                 claim,
                 policy,
+                claimed_at,
                 completion: Mutex::new(Completion::ByLayer),
             }),
         }
@@ -129,7 +132,8 @@ impl Idempotency {
         idem_once::Operation::new(
             store,
             self.inner.claim.clone(),
-            self.inner.policy.retention(),
+            &self.inner.policy,
+            self.inner.claimed_at,
         )
     }
 

@@ -41,7 +41,19 @@ async fn finish(
     response: Response,
 ) -> Response {
     let status = response.status().as_u16();
-    match on_handler_end(&config.policy, HandlerEnd::Answered { status }) {
+    // The layer's own "in flight" answer, returned by a handler (a step an
+    // earlier attempt still holds): nothing happened that a replay should
+    // give; the claim is released for the retry.
+    let in_flight = response
+        .headers()
+        .get(crate::rejection::IDEMPOTENCY_REJECTION)
+        .is_some_and(|v| v.as_bytes().ends_with(b"idempotency-key-in-use"));
+    let settlement = if in_flight && handle.completion() == Completion::ByLayer {
+        Settlement::Release
+    } else {
+        on_handler_end(&config.policy, HandlerEnd::Answered { status })
+    };
+    match settlement {
         Settlement::Store => {}
         Settlement::Release => {
             info!(status, "handler failed; releasing the claim");

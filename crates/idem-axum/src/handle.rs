@@ -83,19 +83,20 @@ where
         &request.fingerprint,
         store.kind(),
         || async {
+            let sent = std::time::Instant::now();
             Ok(match store.claim(&request).await? {
-                ClaimOutcome::Acquired(claim) => Found::Acquired(claim),
+                ClaimOutcome::Acquired(claim) => Found::Acquired((claim, sent)),
                 ClaimOutcome::Existing(record) => Found::Existing(record),
             })
         },
     )
     .await;
-    let claim = match found {
+    let (claim, claimed_at) = match found {
         Ok(claim) => claim,
         Err(answer) => return Ok(answer),
     };
     claimed(&claim, false);
-    let handle = Idempotency::new(claim.clone(), config.policy.clone());
+    let handle = Idempotency::new(claim.clone(), config.policy.clone(), claimed_at);
     parts.extensions.insert(handle.clone());
     // The handler runs on a task of its own: a client that disconnects (or
     // times out) does not cancel it half-way, so its answer is stored and

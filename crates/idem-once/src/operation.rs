@@ -1,11 +1,11 @@
 //! [`Operation`]: what a run's work is given, and its named [`Step`]s.
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_core::{
     BeginTransaction, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, OperationId,
-    Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
+    Policy, Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -17,6 +17,10 @@ use crate::run::{encode, OUTPUT};
 
 /// The stored header that names a completed step (`idem inspect` shows it).
 pub const STEP_NAME_HEADER: &str = "idem-step";
+
+/// How long a step held by an earlier attempt is waited for before
+/// [`StepError::InFlight`].
+const MAX_STEP_WAIT: Duration = Duration::from_secs(2);
 
 /// The longest step name, in bytes.
 pub const MAX_STEP_NAME: usize = 64;
@@ -31,6 +35,9 @@ pub struct Operation<'s, S: ?Sized> {
     store: &'s S,
     claim: Claim,
     retention: Duration,
+    /// When the claim's lease ends, on this process's monotonic clock
+    /// (never compared with the store's clock).
+    deadline: Instant,
     in_transaction: bool,
     names: Mutex<Vec<String>>,
 }
@@ -59,6 +66,14 @@ pub enum StepError<E> {
         /// The name this run asked for there.
         name: String,
     },
+    /// An earlier attempt's claim on this step is still alive (it failed
+    /// without releasing it, or still runs): retry after `retry_after`.
+    /// Nothing ran.
+    #[error("an earlier attempt still holds this step; retry after {retry_after:?}")]
+    InFlight {
+        /// When the earlier attempt's claim on the step ends.
+        retry_after: Duration,
+    },
     /// Steps run between transactions: not inside a transactional run.
     #[error("steps cannot run inside a transactional run: use Runner::run with Operation::step_in_transaction")]
     InsideTransaction,
@@ -85,6 +100,7 @@ impl<E> StepError<E> {
             StepError::InvalidName(n) => StepError::InvalidName(n),
             StepError::DuplicateName(n) => StepError::DuplicateName(n),
             StepError::OutOfOrder { index, name } => StepError::OutOfOrder { index, name },
+            StepError::InFlight { retry_after } => StepError::InFlight { retry_after },
             StepError::InsideTransaction => StepError::InsideTransaction,
             StepError::LeaseLost => StepError::LeaseLost,
             StepError::Store(e) => StepError::Store(e),
@@ -174,16 +190,25 @@ fn step_fingerprint(name: &str) -> Fingerprint {
 }
 
 impl<'s, S: Store + ?Sized> Operation<'s, S> {
-    /// The operation of `claim`, a claim its caller holds on `store`;
-    /// its steps' records live in `store` too, kept for `retention`.
-    pub fn new(store: &'s S, claim: Claim, retention: Duration) -> Self {
+    /// The operation of `claim`, a claim its caller holds on `store`
+    /// under `policy`, asked for at `claimed_at` (before the claim was
+    /// sent: the lease is counted from then, on this process's clock, so
+    /// it ends no later than the store's). Its steps' records live in
+    /// `store` too.
+    pub fn new(store: &'s S, claim: Claim, policy: &Policy, claimed_at: Instant) -> Self {
         Self {
             store,
             claim,
-            retention,
+            retention: policy.retention(),
+            deadline: claimed_at + policy.lease(),
             in_transaction: false,
             names: Mutex::new(Vec::new()),
         }
+    }
+
+    /// How much of the claim's lease is left, on this process's clock.
+    pub fn lease_left(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
     }
 
     pub(crate) fn in_transaction(mut self) -> Self {
@@ -191,8 +216,8 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         self
     }
 
-    pub(crate) fn into_claim(self) -> Claim {
-        self.claim
+    pub(crate) fn into_parts(self) -> (Claim, Instant) {
+        (self.claim, self.deadline)
     }
 
     /// The operation id: created at the first claim, the same on every
@@ -330,14 +355,40 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         {
             return Err(StepError::InvalidName(name.to_owned()));
         }
+        // The name takes the next position, and keeps it only once the
+        // claim decided (a store error leaves it free for a retry).
         let index = {
-            let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+            let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
             if names.iter().any(|n| n == name) {
                 return Err(StepError::DuplicateName(name.to_owned()));
             }
-            names.push(name.to_owned());
-            names.len() - 1
+            names.len()
         };
+        let started = self.decide_step(name, index).await;
+        if matches!(started, Ok(_) | Err(StepError::OutOfOrder { .. })) {
+            let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+            if names.len() != index {
+                // Another step took the position meanwhile: steps run one
+                // after another, never at once.
+                return Err(StepError::OutOfOrder {
+                    index,
+                    name: name.to_owned(),
+                });
+            }
+            names.push(name.to_owned());
+        }
+        started
+    }
+
+    /// Claims step `index`, `name`: its stored output, or the step to run.
+    async fn decide_step<T, E>(
+        &self,
+        name: &str,
+        index: usize,
+    ) -> Result<StepStart<T>, StepError<E>>
+    where
+        T: DeserializeOwned,
+    {
         let request = ClaimRequest {
             scope: self.claim.scope.clone(),
             key: step_record_key(self.claim.operation_id, index),
@@ -345,12 +396,13 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             lease: Duration::ZERO,
             retention: self.retention,
         };
+        // An earlier attempt's step is waited for this long at most.
+        let wait_until = Instant::now() + MAX_STEP_WAIT;
         let mut disagreements = 0u32;
         loop {
             // A step's lease ends with the operation's: a step never
             // outlives the claim it runs under.
-            let now = UnixMillis::now();
-            let lease = now.until(self.claim.locked_until);
+            let lease = self.lease_left();
             if lease.is_zero() {
                 return Err(StepError::LeaseLost);
             }
@@ -396,21 +448,25 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                     })
                 }
                 Existing::HeldUntil(until) => {
-                    // An earlier holder's step, whose lease ends with that
-                    // holder's (over by now, unless the clocks differ):
-                    // wait for it, within this run's own lease.
-                    if until >= self.claim.locked_until {
-                        return Err(StepError::LeaseLost);
+                    // An earlier attempt's step, whose lease ends with that
+                    // attempt's (over by now, unless it failed without
+                    // releasing the step, or the clocks differ): wait a
+                    // little, then say when to come back.
+                    let left = now.until(until);
+                    if Instant::now() >= wait_until {
+                        return Err(StepError::InFlight {
+                            retry_after: left.max(Duration::from_secs(1)),
+                        });
                     }
-                    let pause = now
-                        .until(until)
-                        .clamp(Duration::from_millis(5), Duration::from_millis(100));
+                    let pause = left.clamp(Duration::from_millis(5), Duration::from_millis(100));
                     tokio::time::sleep(pause).await;
                 }
                 Existing::Disagree => {
                     disagreements += 1;
                     if disagreements > 5 {
-                        return Err(StepError::LeaseLost);
+                        return Err(StepError::InFlight {
+                            retry_after: Duration::from_secs(1),
+                        });
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
@@ -453,7 +509,7 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                 return Err(StepError::Codec(e.to_string()));
             }
         };
-        match self.store.complete(&step.claim, &stored).await {
+        match crate::run::complete_retrying(self.store, &step.claim, &stored, self.deadline).await {
             Ok(()) => Ok(()),
             Err(StoreError::ClaimLost) => Err(StepError::LeaseLost),
             Err(e) => Err(StepError::Store(e)),

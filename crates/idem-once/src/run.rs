@@ -1,6 +1,6 @@
 //! [`Runner`]: run an async closure at most once per `(scope, key)`.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_core::{
     BeginTransaction, Claim, ClaimOutcome, ClaimRequest, Fingerprint, Policy, Record, RecordState,
@@ -101,10 +101,11 @@ pub enum RunError<E> {
         "the lease ran out and another caller took the key over; this run's output was not stored"
     )]
     LeaseLost,
-    /// The work ran, but its output could not be stored (the store failed,
-    /// or the output does not serialize). The key stays claimed until the
-    /// lease runs out; a retry then runs the work again under the same
-    /// operation id, its completed steps replayed.
+    /// The work ran, but its output could not be stored. If the store
+    /// failed (it was tried again while the lease lasted), the key stays
+    /// claimed until the lease runs out; if the output does not serialize,
+    /// the claim is released. Either way a retry runs the work again under
+    /// the same operation id, its completed steps replayed.
     #[error("the work ran but its output was not stored: {0}")]
     NotStored(String),
     /// The work failed; the claim was released, so the next call runs it
@@ -186,17 +187,18 @@ impl<S: Store> Runner<S> {
         E: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&Operation<'_, S>) -> Result<T, Failure<E>>,
     {
+        let claimed_at = Instant::now();
         let claim = match self.claim(scope, key, input).await? {
             Claimed::Replay(outcome) => return outcome,
             Claimed::Ours(claim) => claim,
         };
-        let op = Operation::new(&self.store, claim, self.policy.retention());
+        let op = Operation::new(&self.store, claim, &self.policy, claimed_at);
         let result = work(&op).await;
-        let claim = op.into_claim();
+        let (claim, deadline) = op.into_parts();
         match result {
             Ok(output) => {
                 let stored = self.encode_output(&claim, &output).await?;
-                match self.store.complete(&claim, &stored).await {
+                match complete_retrying(&self.store, &claim, &stored, deadline).await {
                     Ok(()) => Ok(Outcome::Fresh(output)),
                     Err(e) => Err(not_stored(e)),
                 }
@@ -205,7 +207,7 @@ impl<S: Store> Runner<S> {
                 self.release(&claim).await;
                 Err(RunError::Failed(error))
             }
-            Err(Failure::Final(error)) => self.store_final(&claim, error).await,
+            Err(Failure::Final(error)) => self.store_final(&claim, error, deadline).await,
         }
     }
 
@@ -236,6 +238,7 @@ impl<S: Store> Runner<S> {
         E: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&Operation<'_, S>, &mut S::Connection) -> Result<T, Failure<E>>,
     {
+        let claimed_at = Instant::now();
         let claim = match self.claim(scope, key, input).await? {
             Claimed::Replay(outcome) => return outcome,
             Claimed::Ours(claim) => claim,
@@ -247,9 +250,9 @@ impl<S: Store> Runner<S> {
                 return Err(RunError::Unavailable(e));
             }
         };
-        let op = Operation::new(&self.store, claim, self.policy.retention()).in_transaction();
+        let op = Operation::new(&self.store, claim, &self.policy, claimed_at).in_transaction();
         let result = work(&op, S::connection(&mut tx)).await;
-        let claim = op.into_claim();
+        let (claim, deadline) = op.into_parts();
         let output = match result {
             Ok(output) => output,
             Err(failure) => {
@@ -259,7 +262,7 @@ impl<S: Store> Runner<S> {
                         self.release(&claim).await;
                         Err(RunError::Failed(error))
                     }
-                    Failure::Final(error) => self.store_final(&claim, error).await,
+                    Failure::Final(error) => self.store_final(&claim, error, deadline).await,
                 };
             }
         };
@@ -363,6 +366,7 @@ impl<S: Store> Runner<S> {
         &self,
         claim: &Claim,
         error: E,
+        deadline: Instant,
     ) -> Result<Outcome<T>, RunError<E>> {
         let stored = match encode(FINAL_ERROR, &error) {
             Ok(stored) => stored,
@@ -372,7 +376,7 @@ impl<S: Store> Runner<S> {
                 return Err(RunError::Failed(error));
             }
         };
-        match self.store.complete(claim, &stored).await {
+        match complete_retrying(&self.store, claim, &stored, deadline).await {
             Ok(()) => Err(RunError::Final {
                 error,
                 replayed: false,
@@ -393,6 +397,28 @@ impl<S: Store> Runner<S> {
 enum Claimed<T, E> {
     Ours(Claim),
     Replay(Result<Outcome<T>, RunError<E>>),
+}
+
+/// Completes `claim` with `stored`, trying again (with a growing pause)
+/// while the store fails and the lease lasts: the work ran, and a
+/// completion is fenced, so trying again is safe and spares a re-run.
+pub(crate) async fn complete_retrying<S: Store + ?Sized>(
+    store: &S,
+    claim: &Claim,
+    stored: &StoredResponse,
+    deadline: Instant,
+) -> Result<(), StoreError> {
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match store.complete(claim, stored).await {
+            Err(StoreError::Unavailable(e)) if Instant::now() + pause < deadline => {
+                warn!(error = %e, "completing failed; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            other => return other,
+        }
+    }
 }
 
 /// What a completion failure means for the caller.

@@ -26,8 +26,8 @@ pub(crate) struct ShopSql {
     /// $1 id, $2 client, $3 customer, $4 reference, $5 items, $6 created
     /// at; unique on the natural key.
     pub(crate) insert_order: &'static str,
-    /// $1 order, $2 client, $3 operation id, $4 created at; unique on
-    /// the order.
+    /// $1 order, $2 client, $3 operation id, $4 created at, $5 the
+    /// Idempotency-Key; unique on the order.
     pub(crate) insert_checkout: &'static str,
     /// $1 sku, $2 name, $3 price; unique on the sku.
     pub(crate) insert_product: &'static str,
@@ -102,8 +102,8 @@ const ANSI: ShopSql = ShopSql {
     insert_order: "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
                    VALUES ($1, $2, $3, $4, $5, 'placed', $6)
                    ON CONFLICT (client_id, customer_id, client_reference) DO NOTHING",
-    insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at)
-                      VALUES ($1, $2, $3, $4) ON CONFLICT (order_id) DO NOTHING",
+    insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at, idempotency_key)
+                      VALUES ($1, $2, $3, $4, $5) ON CONFLICT (order_id) DO NOTHING",
     insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)
                      ON CONFLICT (sku) DO NOTHING",
     insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
@@ -209,8 +209,8 @@ impl ShopDialect for idem_sql::MySql {
                          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         insert_order: "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
                        VALUES ($1, $2, $3, $4, $5, 'placed', $6)",
-        insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at)
-                          VALUES ($1, $2, $3, $4)",
+        insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at, idempotency_key)
+                          VALUES ($1, $2, $3, $4, $5)",
         insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)",
         insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
                             VALUES ($1, $2, $3, $4)",

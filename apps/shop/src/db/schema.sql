@@ -47,10 +47,13 @@ CREATE TABLE IF NOT EXISTS shop_orders (
 -- A checkout binds an order to the one operation (Idempotency-Key) that
 -- pays it: another key for the same order is refused, never charged.
 CREATE TABLE IF NOT EXISTS shop_checkouts (
-    order_id     TEXT   PRIMARY KEY,
-    client_id    TEXT   NOT NULL,
-    operation_id TEXT   NOT NULL,
-    created_at   BIGINT NOT NULL
+    order_id        TEXT   PRIMARY KEY,
+    client_id       TEXT   NOT NULL,
+    operation_id    TEXT   NOT NULL,
+    -- the key is kept too: the same key back with a new operation id (its
+    -- record expired, or Redis lost it) resumes under the bound one
+    idempotency_key TEXT   NOT NULL,
+    created_at      BIGINT NOT NULL
 );
 
 -- Products are written with optimistic concurrency (ETag / If-Match).

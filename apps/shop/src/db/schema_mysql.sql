@@ -49,10 +49,13 @@ CREATE TABLE IF NOT EXISTS shop_orders (
 -- A checkout binds an order to the one operation (Idempotency-Key) that
 -- pays it: another key for the same order is refused, never charged.
 CREATE TABLE IF NOT EXISTS shop_checkouts (
-    order_id     VARBINARY(255)  NOT NULL PRIMARY KEY,
-    client_id    VARBINARY(1020) NOT NULL,
-    operation_id VARBINARY(64)   NOT NULL,
-    created_at   BIGINT          NOT NULL
+    order_id        VARBINARY(255)  NOT NULL PRIMARY KEY,
+    client_id       VARBINARY(1020) NOT NULL,
+    operation_id    VARBINARY(64)   NOT NULL,
+    -- the key is kept too: the same key back with a new operation id (its
+    -- record expired, or Redis lost it) resumes under the bound one
+    idempotency_key VARBINARY(255)  NOT NULL,
+    created_at      BIGINT          NOT NULL
 ) ENGINE = InnoDB;
 
 -- Products are written with optimistic concurrency (ETag / If-Match).

@@ -117,12 +117,20 @@ async fn checkout(
     let client = idem.scope();
     // Another client's order is not there.
     order_view(&state, client, &order_id).await?;
-    bind(&state, client, &order_id, idem.operation_id()).await?;
+    let bound = bind(&state, client, &order_id, idem.operation_id(), idem.key()).await?;
+    // The bank's key: the charge step's, of the operation bound to the
+    // order (this one, unless the same Idempotency-Key came back with a new
+    // operation id after its record expired or was lost: then the bank
+    // answers with the charge it made).
+    let charge_key = idem_once::step_key(bound, "charge");
 
     let op = idem.operation(&*state.records);
     let paid = async {
         let charged: Charged = op
-            .step("charge", async |step| {
+            .step("charge", async |_| {
+                if simulate.crash_before_bank {
+                    crash("before the bank call");
+                }
                 if simulate.bank_error {
                     return Err(Error::Bank(crate::bank::BankError::Simulated));
                 }
@@ -130,7 +138,7 @@ async fn checkout(
                     .bank
                     .charge(&ChargeRequest {
                         client_id: client,
-                        operation_id: OperationId(step.key()),
+                        operation_id: OperationId(charge_key),
                         account_id: &new.account_id,
                         amount: new.amount,
                         currency: &new.currency,
@@ -149,7 +157,7 @@ async fn checkout(
         if simulate.crash_after_charge {
             crash("after the charge step was stored, before the order was marked paid");
         }
-        mark_paid(&state, &op, client, &order_id, &new, &charged).await
+        mark_paid(&state, &op, client, &order_id, &new, &charged, charge_key).await
     }
     .await;
     let paid = match paid {
@@ -165,6 +173,13 @@ async fn checkout(
                 idem_axum::IdempotencyRejection::TakenOver.into_response(),
             ));
         }
+        Err(StepError::InFlight { retry_after }) => {
+            // An earlier attempt still holds a step: nothing ran; the
+            // layer releases this claim rather than store its 409.
+            return Err(Error::Answered(
+                idem_axum::IdempotencyRejection::KeyInUse { retry_after }.into_response(),
+            ));
+        }
         Err(e) => return Err(step_failed(e)),
     };
     info!(order = %order_id, payment = %paid.payment_id, "order paid");
@@ -172,10 +187,17 @@ async fn checkout(
     Ok((StatusCode::OK, Json(order)).into_response())
 }
 
-/// Binds the order to this checkout's operation, once: another operation
-/// (another `Idempotency-Key`) for the same order is `409`, before anything
-/// is charged.
-async fn bind(state: &AppState, client: &str, order_id: &str, op: OperationId) -> Result<()> {
+/// Binds the order to this checkout's operation and key, once: another
+/// key for the same order is `409`, before anything is charged. The same
+/// key back with another operation id (its record expired, or Redis lost
+/// it) resumes under the operation bound first. Returns that operation.
+async fn bind(
+    state: &AppState,
+    client: &str,
+    order_id: &str,
+    op: OperationId,
+    key: &str,
+) -> Result<OperationId> {
     let op = op.to_string();
     let mut tx = state.db.begin().await?;
     let created = db::create_once(
@@ -186,16 +208,19 @@ async fn bind(state: &AppState, client: &str, order_id: &str, op: OperationId) -
             client.into(),
             (&op).into(),
             UnixMillis::now().0.into(),
+            key.into(),
         ],
-        "SELECT operation_id FROM shop_checkouts WHERE order_id = $1",
+        "SELECT operation_id, idempotency_key FROM shop_checkouts WHERE order_id = $1",
         &[order_id.into()],
     )
     .await;
     let bound = match created {
-        Ok(Created::Created(row) | Created::Existing(row)) => row.text("operation_id"),
+        Ok(Created::Created(row) | Created::Existing(row)) => row
+            .text("operation_id")
+            .and_then(|o| Ok((o, row.text("idempotency_key")?))),
         Err(e) => Err(e),
     };
-    let bound = match bound {
+    let (bound, bound_key) = match bound {
         Ok(bound) => {
             tx.commit().await?;
             bound
@@ -205,7 +230,7 @@ async fn bind(state: &AppState, client: &str, order_id: &str, op: OperationId) -
             return Err(e.into());
         }
     };
-    if bound != op {
+    if bound != op && bound_key != key {
         return Err(Problem::new(
             StatusCode::CONFLICT,
             "order-already-paid",
@@ -216,7 +241,9 @@ async fn bind(state: &AppState, client: &str, order_id: &str, op: OperationId) -
         ))
         .into());
     }
-    Ok(())
+    uuid::Uuid::parse_str(&bound)
+        .map(OperationId)
+        .map_err(|e| Error::Problem(internal(format!("a stored operation id: {e}"))))
 }
 
 /// The `mark-paid` step: the payment, the order's status and its event
@@ -230,6 +257,7 @@ async fn mark_paid(
     order_id: &str,
     new: &NewPayment,
     charged: &Charged,
+    charge_key: uuid::Uuid,
 ) -> Result<Paid, StepError<Error>> {
     let step = match op.start_step::<Paid, Error>("mark-paid").await? {
         StepStart::Done(paid) => return Ok(paid),
@@ -246,7 +274,7 @@ async fn mark_paid(
     let staged = async {
         // The payment, once per charge (its operation id is the charge
         // step's key, which the bank charged under).
-        let charge_key = idem_once::step_key(op.id(), "charge").to_string();
+        let charge_key = charge_key.to_string();
         let payment_id = format!("pay_{}", uuid::Uuid::now_v7().simple());
         let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE operation_id = $1");
         let created = db::create_once(
