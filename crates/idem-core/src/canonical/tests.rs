@@ -213,3 +213,272 @@ fn serde_json_private_raw_value_key_is_an_ordinary_key() {
     assert_eq!(canon(wrapped).ok().as_deref(), Some(wrapped));
     assert_ne!(canon(wrapped).ok(), canon(r#"{"a":1}"#).ok());
 }
+
+/// The message of a refusal, e.g. `nested too deep at byte 127`.
+fn refusal(s: &str) -> String {
+    match canon(s) {
+        Ok(out) => panic!("{s:?} accepted as {out:?}"),
+        Err(e) => e.0,
+    }
+}
+
+/// Asserts each input canonicalises to exactly the bytes given.
+fn assert_spellings(cases: &[(&str, &str)]) {
+    for &(input, want) in cases {
+        assert_eq!(canon(input).ok().as_deref(), Some(want), "{input:?}");
+    }
+}
+
+#[test]
+fn nesting_limit_is_exactly_128_in_arrays_and_objects() {
+    let arrays = |n| format!("{}{}", "[".repeat(n), "]".repeat(n));
+    let objects = |n| format!("{}0{}", r#"{"a":"#.repeat(n), "}".repeat(n));
+    let mixed = |n: usize| {
+        let open: String = (0..n)
+            .map(|i| if i % 2 == 0 { "[" } else { r#"{"k":"# })
+            .collect();
+        let close: String = (0..n)
+            .rev()
+            .map(|i| if i % 2 == 0 { "]" } else { "}" })
+            .collect();
+        format!("{open}0{close}")
+    };
+    for deep in [arrays(127), objects(127), mixed(127)] {
+        assert_eq!(canon(&deep).ok().as_deref(), Some(deep.as_str()));
+    }
+    // The 128th opening bracket is refused where it stands.
+    assert_eq!(refusal(&arrays(128)), "nested too deep at byte 127");
+    assert_eq!(refusal(&objects(128)), "nested too deep at byte 635");
+    // 64 `[` and 63 `{"k":` before it.
+    assert_eq!(refusal(&mixed(128)), "nested too deep at byte 379");
+}
+
+#[test]
+fn closing_a_container_gives_its_depth_back() {
+    // Many siblings, each entered and left: the depth returns to 1 each time.
+    for doc in [
+        format!("[{}[]]", "[],".repeat(300)),
+        format!("[{}{{}}]", "{},".repeat(300)),
+        format!("[{}0]", r#"{"a":[{}]},"#.repeat(300)),
+        format!(
+            "{{{}\"z\":0}}",
+            (0..300)
+                .map(|i| format!(r#""k{i:03}":[],"#))
+                .collect::<String>()
+        ),
+    ] {
+        assert_eq!(canon(&doc).ok().as_deref(), Some(doc.as_str()));
+    }
+    // Two siblings each reaching the limit: after the first closes, the
+    // second may go exactly as deep again, and no deeper.
+    let arrays = |n| format!("{}{}", "[".repeat(n), "]".repeat(n));
+    let objects = |n| format!("{}0{}", r#"{"a":"#.repeat(n), "}".repeat(n));
+    let at_limit = [
+        format!("[{},{}]", arrays(126), arrays(126)),
+        format!("[{},{}]", objects(126), objects(126)),
+        format!(r#"{{"a":{},"b":{}}}"#, objects(126), arrays(126)),
+        format!(r#"{{"a":{},"b":{}}}"#, arrays(126), objects(126)),
+    ];
+    for doc in &at_limit {
+        assert_eq!(canon(doc).ok().as_deref(), Some(doc.as_str()));
+    }
+    assert_eq!(
+        refusal(&format!("[{},{}]", arrays(126), arrays(127))),
+        "nested too deep at byte 380"
+    );
+    assert_eq!(
+        refusal(&format!(r#"{{"a":{},"b":{}}}"#, objects(126), objects(127))),
+        // `{"a":`, 126 objects (`{"a":` and `}` each, and the `0`), `,"b":`,
+        // then 126 `{"a":` before the refused one.
+        format!(
+            "nested too deep at byte {}",
+            5 + (126 * 6 + 1) + 5 + 126 * 5
+        ),
+    );
+}
+
+#[test]
+fn control_characters_and_spaces_in_strings() {
+    for b in 0u8..0x20 {
+        let named = match b {
+            0x08 => "\\b".to_owned(),
+            0x09 => "\\t".to_owned(),
+            0x0a => "\\n".to_owned(),
+            0x0c => "\\f".to_owned(),
+            0x0d => "\\r".to_owned(),
+            _ => format!("\\u{b:04x}"),
+        };
+        let want = format!("\"{named}\"");
+        for input in [format!("\"\\u{b:04x}\""), format!("\"\\u{b:04X}\"")] {
+            assert_eq!(canon(&input).ok(), Some(want.clone()), "{input:?}");
+        }
+        // Raw, a control character is refused where it stands.
+        assert_eq!(
+            refusal(&format!("\"a{}\"", char::from(b))),
+            "control character in a string at byte 2"
+        );
+    }
+    assert_spellings(&[
+        // The first character that is not a control one is written as is.
+        (r#""\u0020""#, r#"" ""#),
+        (r#""a b""#, r#""a b""#),
+        (r#"" ""#, r#"" ""#),
+        (r#""\u0021\u007e\u007F""#, "\"!~\u{7f}\""),
+        (r#""\/\"\\""#, r#""/\"\\""#),
+    ]);
+}
+
+#[test]
+fn unicode_escapes_and_surrogate_pairs() {
+    assert_spellings(&[
+        (r#""\ud83d\ude00""#, "\"\u{1f600}\""),
+        (r#""\uD83D\uDE00""#, "\"\u{1f600}\""),
+        (r#""\uD83d\udE00""#, "\"\u{1f600}\""),
+        (r#""\ud800\udc00""#, "\"\u{10000}\""),
+        (r#""\udbff\udfff""#, "\"\u{10ffff}\""),
+        (r#""\ud801\udc37""#, "\"\u{10437}\""),
+        (r#""\ud852\udf62""#, "\"\u{24b62}\""),
+        (
+            r#""x\ud83d\ude00y\ud83d\ude01""#,
+            "\"x\u{1f600}y\u{1f601}\"",
+        ),
+        (r#""\u00e9\u00E9\u00c9""#, "\"\u{e9}\u{e9}\u{c9}\""),
+        (r#""\uabcd\uABCD\uAbCd""#, "\"\u{abcd}\u{abcd}\u{abcd}\""),
+        (
+            r#""\u0123\u4567\u89ab\ucdef""#,
+            "\"\u{123}\u{4567}\u{89ab}\u{cdef}\"",
+        ),
+        (r#""\uFFFF\ud7ff\ue000""#, "\"\u{ffff}\u{d7ff}\u{e000}\""),
+        (
+            r#""\u00A0\u00a1\u00B2\u00f3""#,
+            "\"\u{a0}\u{a1}\u{b2}\u{f3}\"",
+        ),
+    ]);
+    for (input, want) in [
+        (r#""\ud800""#, "lone leading surrogate at byte 7"),
+        (r#""\udbff x""#, "lone leading surrogate at byte 7"),
+        (r#""\ud83d\u0041""#, "lone leading surrogate at byte 13"),
+        (r#""\ud83d\ud83d""#, "lone leading surrogate at byte 13"),
+        (r#""\ud83d\ue000""#, "lone leading surrogate at byte 13"),
+        (r#""\ud83d\n""#, "lone leading surrogate at byte 7"),
+        (r#""\udc00""#, "lone trailing surrogate at byte 7"),
+        (r#""\udfff\ud800""#, "lone trailing surrogate at byte 7"),
+        (r#""\ude00\ud83d""#, "lone trailing surrogate at byte 7"),
+        (r#""\u12""#, "short \\u escape at byte 3"),
+        (r#""\u12g4""#, "invalid \\u escape at byte 3"),
+        (r#""\u"#, "short \\u escape at byte 3"),
+        (r#""\ud83d\ude0"#, "short \\u escape at byte 9"),
+        (r#""\x""#, "invalid escape at byte 3"),
+    ] {
+        assert_eq!(refusal(input), want, "{input:?}");
+    }
+}
+
+#[test]
+fn numbers_in_their_shortest_spelling() {
+    assert_spellings(&[
+        ("0", "0"),
+        ("-0", "0"),
+        ("-0.0", "0"),
+        ("0e5", "0"),
+        ("-0.0e-3", "0"),
+        ("1.0", "1"),
+        ("-1.0", "-1"),
+        ("1e2", "100"),
+        ("1E2", "100"),
+        ("1e+2", "100"),
+        ("1.5e3", "1500"),
+        ("-1.5E-3", "-0.0015"),
+        ("2.5e0", "2.5"),
+        ("12.50", "12.5"),
+        ("12.5", "12.5"),
+        ("-12.5", "-12.5"),
+        ("0.1", "0.1"),
+        ("0.000001", "0.000001"),
+        ("0.0000012345", "0.0000012345"),
+        ("4.35e-5", "0.0000435"),
+        ("0.0000001", "1e-7"),
+        ("1e-7", "1e-7"),
+        ("5e-324", "5e-324"),
+        ("1e20", "100000000000000000000"),
+        ("1e21", "1e+21"),
+        ("1.7976931348623157e308", "1.7976931348623157e+308"),
+        // Sixteen and more significant digits: the nearest double's
+        // shortest spelling, not the digits sent.
+        ("9.000000000000001", "9.000000000000002"),
+        ("1.00000000000000001", "1"),
+        ("0.0010000000000000001", "0.001"),
+        ("0.12345678901234567", "0.12345678901234566"),
+        ("0.1234567890123456", "0.1234567890123456"),
+        ("123456789012.3456", "123456789012.3456"),
+        // Integers that fit 64 bits keep their digits; others become doubles.
+        ("9223372036854775807", "9223372036854775807"),
+        ("-9223372036854775808", "-9223372036854775808"),
+        ("-9223372036854775809", "-9223372036854776000"),
+        ("18446744073709551615", "18446744073709551615"),
+        ("18446744073709551616", "18446744073709552000"),
+        ("123456789012345678901", "123456789012345680000"),
+        ("-123456789012345678901", "-123456789012345680000"),
+    ]);
+    for (input, want) in [
+        ("1e400", "number out of range at byte 5"),
+        ("-1e400", "number out of range at byte 6"),
+        ("01", "leading zero in a number at byte 1"),
+        ("1.", "invalid number at byte 2"),
+        ("1e", "invalid number at byte 2"),
+        ("1e+", "invalid number at byte 3"),
+        ("-", "invalid number at byte 1"),
+        ("-a", "invalid number at byte 1"),
+    ] {
+        assert_eq!(refusal(input), want, "{input:?}");
+    }
+}
+
+#[test]
+fn object_members_sorted_and_last_duplicate_kept() {
+    assert_spellings(&[
+        ("{}", "{}"),
+        ("{ }", "{}"),
+        ("[ ]", "[]"),
+        (r#"{"c":3,"b":2,"a":1}"#, r#"{"a":1,"b":2,"c":3}"#),
+        (r#"{"a":1,"b":2,"a":3}"#, r#"{"a":3,"b":2}"#),
+        (r#"{"a":1,"a":2,"a":3}"#, r#"{"a":3}"#),
+        (r#"{"b":1,"b":2,"a":3,"a":4}"#, r#"{"a":4,"b":2}"#),
+        (r#"{"\u0041":1,"A":2}"#, r#"{"A":2}"#),
+        (r#"{"A":1,"\u0041":2}"#, r#"{"A":2}"#),
+        // Keys sharing their first eight bytes and more.
+        (
+            r#"{"abcdefghij":1,"abcdefghi":2,"abcdefghia":3,"abcdefgh":4}"#,
+            r#"{"abcdefgh":4,"abcdefghi":2,"abcdefghia":3,"abcdefghij":1}"#,
+        ),
+        (
+            r#"{"abcdefghiz":1,"abcdefghia":2,"abcdefghiz":3}"#,
+            r#"{"abcdefghia":2,"abcdefghiz":3}"#,
+        ),
+        // Sorted by the canonical key's bytes: `\n` before `\u0001`.
+        (r#"{"\u0001":1,"\n":2}"#, r#"{"\n":2,"\u0001":1}"#),
+        (r#"{"é":1,"z":2,"😀":3}"#, r#"{"z":2,"é":1,"😀":3}"#),
+        // Objects inside arrays and objects, each sorted on its own.
+        (
+            r#"[{"b":1,"a":2},{"d":[{"f":1,"e":2}],"c":3},{"x":{}}]"#,
+            r#"[{"a":2,"b":1},{"c":3,"d":[{"e":2,"f":1}]},{"x":{}}]"#,
+        ),
+        (
+            r#"{"z":{"y":{"x":1,"w":2},"v":[3,{"u":4,"t":5}]},"a":[{"c":1,"b":2}]}"#,
+            r#"{"a":[{"b":2,"c":1}],"z":{"v":[3,{"t":5,"u":4}],"y":{"w":2,"x":1}}}"#,
+        ),
+        (
+            r#"{"b":{"k":1,"k":2},"a":{"k":3},"b":{"j":4,"k":5}}"#,
+            r#"{"a":{"k":3},"b":{"j":4,"k":5}}"#,
+        ),
+    ]);
+    for (input, want) in [
+        (r#"{"a":1,}"#, "expected a key at byte 7"),
+        (r#"{"a" 1}"#, "expected `:` at byte 5"),
+        (r#"{"a":1 "b":2}"#, "expected `,` or `}` at byte 7"),
+        ("[1 2]", "expected `,` or `]` at byte 3"),
+        ("[1] 2", "trailing characters at byte 4"),
+    ] {
+        assert_eq!(refusal(input), want, "{input:?}");
+    }
+}
