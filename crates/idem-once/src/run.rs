@@ -187,10 +187,9 @@ impl<S: Store> Runner<S> {
         E: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&Operation<'_, S>) -> Result<T, Failure<E>>,
     {
-        let claimed_at = Instant::now();
-        let claim = match self.claim(scope, key, input).await? {
+        let (claim, claimed_at) = match self.claim(scope, key, input).await? {
             Claimed::Replay(outcome) => return outcome,
-            Claimed::Ours(claim) => claim,
+            Claimed::Ours(claim, at) => (claim, at),
         };
         let op = Operation::new(&self.store, claim, &self.policy, claimed_at);
         let result = work(&op).await;
@@ -238,10 +237,9 @@ impl<S: Store> Runner<S> {
         E: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&Operation<'_, S>, &mut S::Connection) -> Result<T, Failure<E>>,
     {
-        let claimed_at = Instant::now();
-        let claim = match self.claim(scope, key, input).await? {
+        let (claim, claimed_at) = match self.claim(scope, key, input).await? {
             Claimed::Replay(outcome) => return outcome,
-            Claimed::Ours(claim) => claim,
+            Claimed::Ours(claim, at) => (claim, at),
         };
         let mut tx = match self.store.begin_transaction().await {
             Ok(tx) => tx,
@@ -320,20 +318,22 @@ impl<S: Store> Runner<S> {
             retention: self.policy.retention(),
         };
         let found = claim_until_decided(&self.policy, &request.fingerprint, || async {
+            // The lease counts from when the winning claim was sent.
+            let sent = Instant::now();
             Ok(match self.store.claim(&request).await? {
-                ClaimOutcome::Acquired(claim) => Found::Acquired(claim),
+                ClaimOutcome::Acquired(claim) => Found::Acquired((claim, sent)),
                 ClaimOutcome::Existing(record) => Found::Existing(record),
             })
         })
         .await;
         match found {
-            Ok(claim) => {
+            Ok((claim, sent)) => {
                 if claim.takeover {
                     info!(operation_id = %claim.operation_id, "run: took over an expired or released claim");
                 } else {
                     debug!(operation_id = %claim.operation_id, "run: claimed");
                 }
-                Ok(Claimed::Ours(claim))
+                Ok(Claimed::Ours(claim, sent))
             }
             Err(Refusal::Replay(record)) => Ok(Claimed::Replay(replay(&record))),
             Err(Refusal::Mismatch) => Err(RunError::KeyReused),
@@ -395,7 +395,8 @@ impl<S: Store> Runner<S> {
 
 /// A claim that is ours, or the stored result to give back.
 enum Claimed<T, E> {
-    Ours(Claim),
+    /// The claim, and when it was sent.
+    Ours(Claim, Instant),
     Replay(Result<Outcome<T>, RunError<E>>),
 }
 
