@@ -60,7 +60,7 @@ impl Middleware for IdempotentRetry {
         let started = Instant::now();
         // `None`: a budget too large to represent, that is no budget.
         let deadline = started.checked_add(self.max_elapsed);
-        let mut backoff = wait::Backoff::new(self.base_delay, self.max_delay);
+        let mut backoff = idem_core::Backoff::new(self.base_delay, self.max_delay);
         let mut attempts = 0u32;
         loop {
             attempts += 1;

@@ -24,6 +24,7 @@
 //! # Ok::<(), idem_core::KeyError>(())
 //! ```
 
+pub mod backoff;
 mod canonical;
 pub mod decision;
 pub mod fingerprint;
@@ -33,6 +34,7 @@ pub mod policy;
 pub mod record;
 pub mod store;
 
+pub use backoff::Backoff;
 pub use decision::{
     on_arrival, on_handler_end, on_missing_key, Arrival, HandlerEnd, MissingKey, Settlement,
 };

@@ -80,6 +80,7 @@
 //! | [`redis`](redis/index.html) | `idem-redis` | the Redis store and `TieredStore` (feature `redis`) |
 //! | [`sql`](sql/index.html) | `idem-sql` | the database layer (the `Dialect` trait), `create_once`, guarded `transition` (feature `sql`) |
 //! | [`client`](client/index.html) | `idem-client` | the reqwest retry middleware (feature `client`) |
+//! | [`tonic`](tonic/index.html) | `idem-tonic` | the gRPC layer for tonic's unary methods, and its client layer (feature `tonic`) |
 //! | [`outbox`](outbox/index.html) | `idem-outbox` | the transactional outbox, its relay, idempotent consumers (feature `outbox`) |
 //! | [`nats`](nats/index.html) | `idem-nats` | the outbox's publisher and consumers over NATS JetStream (feature `nats`) |
 //! | [`rabbitmq`](rabbitmq/index.html) | `idem-rabbitmq` | the outbox's publisher and consumers over RabbitMQ (feature `rabbitmq`) |
@@ -200,6 +201,14 @@ pub mod sql {
 #[cfg(feature = "client")]
 pub mod client {
     pub use idem_client::*;
+}
+
+/// The gRPC edge: a tower layer for tonic servers' unary methods
+/// (`idempotency-key` metadata, the same contract in gRPC statuses), and a
+/// client layer for channels that keeps one key per intent.
+#[cfg(feature = "tonic")]
+pub mod tonic {
+    pub use idem_tonic::*;
 }
 
 /// The sqlx idem's stores are built on (0.8), with the drivers of the

@@ -1,0 +1,371 @@
+//! The client half: a tower layer for tonic channels that keeps **one
+//! `idempotency-key` per intent** across every retry, knows which statuses
+//! to retry, and rides out a few seconds of outage.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body_util::{BodyExt, Full};
+use idem_core::{Backoff, BoxFuture};
+use tonic::{body::Body, Code};
+use tower::{Layer, Service, ServiceExt};
+use tracing::debug;
+
+use crate::answer::{code_of, Buffered, IDEMPOTENT_REPLAYED, RETRY_PUSHBACK};
+use crate::handle::IDEMPOTENCY_KEY;
+
+/// A boxed error, as tonic's clients take it.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The key of one intent (one logical call, whatever its retries), chosen
+/// by the caller and put in the request's extensions
+/// (`request.extensions_mut().insert(IntentKey::new(..))`). Without one,
+/// and without `idempotency-key` metadata, the layer generates a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IntentKey(String);
+
+impl IntentKey {
+    /// A key from the caller: 1 to 255 visible ASCII characters.
+    pub fn new(key: impl Into<String>) -> Self {
+        Self(key.into())
+    }
+
+    /// The key.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// What the retries came to, in the extensions of the answer given back
+/// (`response.extensions().get::<RetryOutcome>()`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryOutcome {
+    /// How many times the call was sent.
+    pub attempts: u32,
+    /// The key every attempt carried.
+    pub key: String,
+    /// Whether the answer was a replay of the first one.
+    pub replayed: bool,
+}
+
+/// Why the layer gave up on a call that never got an answer: every attempt
+/// failed in transport. (A call that got an answer, even an error status,
+/// gives it back as it came.)
+#[derive(Debug, thiserror::Error)]
+#[error("gave up after {attempts} attempt(s) in {elapsed:?} under idempotency-key {key:?}: {last}")]
+pub struct RetryError {
+    /// How many times the call was sent.
+    pub attempts: u32,
+    /// The key every attempt carried: retry later with it to get the
+    /// first answer rather than run the call again.
+    pub key: String,
+    /// How long it tried.
+    pub elapsed: Duration,
+    /// The last attempt's transport error.
+    #[source]
+    pub last: BoxError,
+}
+
+/// How the layer retries.
+#[derive(Debug, Clone)]
+struct Config {
+    methods: HashSet<String>,
+    max_attempts: u32,
+    max_elapsed: Duration,
+    base_delay: Duration,
+    max_delay: Duration,
+    max_pushback: Duration,
+}
+
+/// A tower [`Layer`] for tonic channels: each call to a chosen unary
+/// method is sent with one `idempotency-key` (yours, or a random UUID) and
+/// retried under that same key until it gets an answer worth keeping, or
+/// the budget runs out.
+///
+/// Retried: transport errors (refused, reset, closed before the answer),
+/// `UNAVAILABLE`, `ABORTED` (the first attempt is still in flight; the
+/// server's `grpc-retry-pushback-ms` says when to come back),
+/// `RESOURCE_EXHAUSTED`, `INTERNAL`, `UNKNOWN` and `DEADLINE_EXCEEDED`.
+/// Never any other status: the call itself is wrong (`INVALID_ARGUMENT`,
+/// `FAILED_PRECONDITION` for a key reused with another message,
+/// `NOT_FOUND`, ...), and sending it again cannot help.
+///
+/// The defaults keep trying for 35 s (longer than idem's default 30 s
+/// lease, so a key whose holder crashed is taken over within the budget),
+/// backing off from 100 ms to 2 s with jitter, honouring a pushback of at
+/// most 5 s.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_tonic::IdempotentRetryLayer;
+///
+/// let layer = IdempotentRetryLayer::builder()
+///     .method("/shop.v1.Payments/CreatePayment")
+///     .max_elapsed(Duration::from_secs(10))
+///     .build();
+/// // let channel = tower::ServiceBuilder::new().layer(layer).service(channel);
+/// // let mut client = PaymentsClient::new(channel);
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotentRetryLayer {
+    config: Arc<Config>,
+}
+
+/// Builds an [`IdempotentRetryLayer`].
+#[derive(Debug, Clone)]
+pub struct IdempotentRetryBuilder(Config);
+
+impl IdempotentRetryLayer {
+    /// A builder with the defaults, guarding no method until told which.
+    pub fn builder() -> IdempotentRetryBuilder {
+        IdempotentRetryBuilder(Config {
+            methods: HashSet::new(),
+            max_attempts: 100,
+            max_elapsed: Duration::from_secs(35),
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(2),
+            max_pushback: Duration::from_secs(5),
+        })
+    }
+}
+
+impl IdempotentRetryBuilder {
+    /// Keys and retries calls to the unary method at `path`
+    /// (`/package.Service/Method`). Other calls pass through untouched:
+    /// a streaming call is never buffered or sent twice.
+    pub fn method(mut self, path: impl Into<String>) -> Self {
+        self.0.methods.insert(path.into());
+        self
+    }
+
+    /// At most this many attempts (default 100; at least 1).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.0.max_attempts = n.max(1);
+        self
+    }
+
+    /// Gives up once this much time has passed since the first attempt
+    /// (default 35 s); no wait runs past it.
+    pub fn max_elapsed(mut self, d: Duration) -> Self {
+        self.0.max_elapsed = d;
+        self
+    }
+
+    /// The shortest backoff wait (default 100 ms).
+    pub fn base_delay(mut self, d: Duration) -> Self {
+        self.0.base_delay = d;
+        self
+    }
+
+    /// The longest backoff wait (default 2 s).
+    pub fn max_delay(mut self, d: Duration) -> Self {
+        self.0.max_delay = d;
+        self
+    }
+
+    /// The longest server pushback honoured (default 5 s); a longer one is
+    /// cut to it.
+    pub fn max_pushback(mut self, d: Duration) -> Self {
+        self.0.max_pushback = d;
+        self
+    }
+
+    /// The layer.
+    pub fn build(self) -> IdempotentRetryLayer {
+        IdempotentRetryLayer {
+            config: Arc::new(self.0),
+        }
+    }
+}
+
+impl<S> Layer<S> for IdempotentRetryLayer {
+    type Service = IdempotentRetry<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotentRetry {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}
+
+/// The service made by [`IdempotentRetryLayer`].
+#[derive(Clone)]
+pub struct IdempotentRetry<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> fmt::Debug for IdempotentRetry<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotentRetry")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether a call that ended with `code` is sent again.
+pub fn is_retryable_code(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable
+            | Code::Aborted
+            | Code::ResourceExhausted
+            | Code::Internal
+            | Code::Unknown
+            | Code::DeadlineExceeded
+    )
+}
+
+impl<S, B> Service<Request<Body>> for IdempotentRetry<S>
+where
+    S: Service<Request<Body>, Response = Response<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError> + Send,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<Response<Body>, BoxError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        if !self.config.methods.contains(request.uri().path()) {
+            let call = inner.call(request);
+            return Box::pin(async move { Ok(call.await.map_err(Into::into)?.map(Body::new)) });
+        }
+        Box::pin(send_with_retries(self.config.clone(), inner, request))
+    }
+}
+
+/// Sends one intent, as many times as it takes.
+async fn send_with_retries<S, B>(
+    config: Arc<Config>,
+    mut inner: S,
+    request: Request<Body>,
+) -> Result<Response<Body>, BoxError>
+where
+    S: Service<Request<Body>, Response = Response<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError> + Send,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let (mut parts, body) = request.into_parts();
+    let key = key_for(&mut parts)?;
+    let body = body.collect().await?.to_bytes();
+    let started = Instant::now();
+    let mut backoff = Backoff::new(config.base_delay, config.max_delay);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let attempt = copy(&parts, body.clone());
+        let sent = match inner.ready().await {
+            Ok(ready) => ready.call(attempt).await,
+            Err(e) => Err(e),
+        };
+        let (wait, last) = match sent.map_err(Into::into) {
+            Ok(response) => {
+                let (head, body) = response.into_parts();
+                match body.collect().await.map_err(Into::into) {
+                    Ok(collected) => {
+                        let trailers = collected.trailers().cloned();
+                        let code = code_of(head.status, &head.headers, trailers.as_ref());
+                        let pushback = pushback(&head.headers, trailers.as_ref());
+                        let mut response = Response::from_parts(
+                            head,
+                            Body::new(Buffered::new(collected.to_bytes(), trailers)),
+                        );
+                        let replayed = response.headers().contains_key(IDEMPOTENT_REPLAYED);
+                        response.extensions_mut().insert(RetryOutcome {
+                            attempts,
+                            key: key.clone(),
+                            replayed,
+                        });
+                        if !is_retryable_code(code) {
+                            return Ok(response);
+                        }
+                        debug!(?code, attempts, "retrying under the same key");
+                        (pushback, Last::Answer(response))
+                    }
+                    Err(e) => (None, Last::Error(e)),
+                }
+            }
+            Err(e) => {
+                debug!(error = %e, attempts, "transport error; retrying under the same key");
+                (None, Last::Error(e))
+            }
+        };
+        let wait = match wait {
+            Some(pushback) => pushback.min(config.max_pushback).max(config.base_delay),
+            None => backoff.next_wait(),
+        };
+        let elapsed = started.elapsed();
+        let left = config.max_elapsed.saturating_sub(elapsed);
+        if attempts >= config.max_attempts || left.is_zero() || wait > left {
+            return match last {
+                Last::Answer(response) => Ok(response),
+                Last::Error(last) => Err(Box::new(RetryError {
+                    attempts,
+                    key,
+                    elapsed,
+                    last,
+                })),
+            };
+        }
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// The last attempt's result, given back when the layer stops.
+enum Last {
+    Answer(Response<Body>),
+    Error(BoxError),
+}
+
+/// The intent's key: the metadata the caller set, or its [`IntentKey`],
+/// or a new random one; set as the call's metadata.
+fn key_for(parts: &mut http::request::Parts) -> Result<String, BoxError> {
+    if let Some(v) = parts.headers.get(IDEMPOTENCY_KEY) {
+        return Ok(v.to_str()?.to_owned());
+    }
+    let key = match parts.extensions.get::<IntentKey>() {
+        Some(k) => k.0.clone(),
+        None => uuid::Uuid::new_v4().to_string(),
+    };
+    parts
+        .headers
+        .insert(IDEMPOTENCY_KEY, HeaderValue::from_str(&key)?);
+    Ok(key)
+}
+
+/// One attempt: the same head, the same message.
+fn copy(parts: &http::request::Parts, body: Bytes) -> Request<Body> {
+    let mut request = Request::new(Body::new(Full::new(body)));
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = parts.version;
+    *request.headers_mut() = parts.headers.clone();
+    *request.extensions_mut() = parts.extensions.clone();
+    request
+}
+
+/// The server's `grpc-retry-pushback-ms`, if it sent a valid one.
+fn pushback(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<Duration> {
+    let value = trailers
+        .and_then(|t| t.get(RETRY_PUSHBACK))
+        .or_else(|| headers.get(RETRY_PUSHBACK))?;
+    let ms: u64 = value.to_str().ok()?.parse().ok()?;
+    Some(Duration::from_millis(ms))
+}

@@ -1,0 +1,354 @@
+//! One guarded call's way through: who and which key, its message read
+//! and fingerprinted, the claim, the handler on a task of its own, and
+//! the answer stored or the claim released.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use http_body_util::{BodyExt, Full};
+use idem_core::{
+    on_missing_key, Claim, ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, KeyError,
+    MissingKey, OperationId, RecordState, Store, StoreError,
+};
+use idem_once::{Found, Refusal};
+use tonic::{body::Body, Status};
+use tower::Service;
+use tracing::{debug, info, warn, Instrument};
+
+use crate::answer::{self, Buffered};
+use crate::frame;
+use crate::layer::{Config, Guarded};
+
+/// The request metadata carrying the key.
+pub const IDEMPOTENCY_KEY: &str = idem_core::IDEMPOTENCY_KEY_HEADER;
+
+/// What the handler of a guarded call finds in its request's extensions
+/// (`request.extensions().get::<Idempotency>()`): the claim it runs under.
+#[derive(Debug, Clone)]
+pub struct Idempotency {
+    scope: String,
+    key: String,
+    operation_id: OperationId,
+    takeover: bool,
+}
+
+impl Idempotency {
+    /// The operation this call stands for: the same across every retry
+    /// and takeover of its key. Pass it downstream (a payment provider, an
+    /// email service) as *their* idempotency key.
+    pub fn operation_id(&self) -> OperationId {
+        self.operation_id
+    }
+
+    /// The key the client sent.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The scope the key belongs to.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// Whether this attempt took the key over from one that crashed, was
+    /// released or ran out of its lease: its effects may have happened
+    /// already, under the same operation id.
+    pub fn is_takeover(&self) -> bool {
+        self.takeover
+    }
+}
+
+/// How a guarded call ended, the `outcome` of `idem_grpc_calls_total`.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Fresh,
+    Takeover,
+    MissingKey,
+    InvalidKey,
+    Invalid,
+    StoreUnavailable,
+    Mismatch,
+    Conflict,
+    Replay,
+    Released,
+    ClaimLost,
+}
+
+fn count(outcome: Outcome) {
+    let label = match outcome {
+        Outcome::Fresh => "fresh",
+        Outcome::Takeover => "takeover",
+        Outcome::MissingKey => "missing_key",
+        Outcome::InvalidKey => "invalid_key",
+        Outcome::Invalid => "invalid",
+        Outcome::StoreUnavailable => "store_unavailable",
+        Outcome::Mismatch => "mismatch",
+        Outcome::Conflict => "conflict",
+        Outcome::Replay => "replay",
+        Outcome::Released => "released",
+        Outcome::ClaimLost => "claim_lost",
+    };
+    metrics::counter!("idem_grpc_calls_total", "outcome" => label).increment(1);
+}
+
+/// Serves one call to a guarded method.
+pub(crate) async fn handle<S, B>(
+    config: Arc<Config>,
+    guarded: Guarded,
+    mut inner: S,
+    request: Request<Body>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (parts, body) = request.into_parts();
+    let scope = match config.scope.scope(&parts) {
+        Ok(scope) => scope,
+        Err(status) => return Ok(answer::refuse(status)),
+    };
+    let values = parts
+        .headers
+        .get_all(IDEMPOTENCY_KEY)
+        .iter()
+        .map(HeaderValue::as_bytes);
+    let key = match IdempotencyKey::from_header_values(values) {
+        Ok(key) => key,
+        Err(KeyError::Missing) => match on_missing_key(&config.policy) {
+            MissingKey::PassThrough => {
+                let call = inner.call(Request::from_parts(parts, body));
+                return Ok(call.await?.map(Body::new));
+            }
+            MissingKey::Reject => {
+                count(Outcome::MissingKey);
+                return Ok(answer::refuse(Status::invalid_argument(format!(
+                    "{} requires idempotency-key metadata: one key per intended call (1 to 255 visible ASCII characters), sent again with every retry",
+                    parts.uri.path()
+                ))));
+            }
+        },
+        Err(e) => {
+            count(Outcome::InvalidKey);
+            return Ok(answer::refuse(Status::invalid_argument(format!(
+                "the idempotency-key metadata is invalid: {e}"
+            ))));
+        }
+    };
+    let span = tracing::info_span!("idempotency", method = parts.uri.path(), scope = ?scope, key = ?key.as_str());
+    async move {
+        let max = config.policy.max_body();
+        // The frame's 5 bytes ride on top of the message's limit.
+        let bytes = match frame::read_body(body, max.saturating_add(5)).await {
+            Ok(bytes) => bytes,
+            Err(e) => return Ok(answer::refuse(e.into_status())),
+        };
+        let canonical = frame::message(&parts.headers, &bytes, max)
+            .map_err(frame::FrameError::into_status)
+            .and_then(|message| (guarded.read)(&parts, &message));
+        let canonical = match canonical {
+            Ok(canonical) => canonical,
+            Err(status) => {
+                count(Outcome::Invalid);
+                debug!(code = ?status.code(), "refused before the claim; nothing stored");
+                return Ok(answer::refuse(status));
+            }
+        };
+        let fingerprint = Fingerprint::of_request(
+            "GRPC",
+            parts.uri.path(),
+            Some("application/grpc"),
+            &canonical,
+        );
+        let claim_request = ClaimRequest {
+            scope: scope.clone(),
+            key: key.as_str().to_owned(),
+            fingerprint,
+            lease: config.policy.lease(),
+            retention: config.policy.retention(),
+        };
+        let claim = match claim(&config, &claim_request).await {
+            Ok(claim) => claim,
+            Err(answer) => return Ok(answer),
+        };
+        run_claimed(config, inner, parts, bytes, claim, scope, key).await
+    }
+    .instrument(span)
+    .await
+}
+
+/// Claims until the claim is ours, or the answer to send instead.
+async fn claim(config: &Config, request: &ClaimRequest) -> Result<Claim, Response<Body>> {
+    let store = &config.store;
+    let found = idem_once::claim_until_decided(&config.policy, &request.fingerprint, || async {
+        Ok(match store.claim(request).await? {
+            ClaimOutcome::Acquired(claim) => Found::Acquired(claim),
+            ClaimOutcome::Existing(record) => Found::Existing(record),
+        })
+    })
+    .await;
+    found.map_err(|refusal| match refusal {
+        Refusal::Replay(record) => match &record.state {
+            RecordState::Completed { response, .. } => {
+                count(Outcome::Replay);
+                debug!("replaying the stored answer");
+                answer::replay(response)
+            }
+            RecordState::InProgress { .. } => answer::in_flight(config.policy.retry_after()),
+        },
+        Refusal::Mismatch => {
+            count(Outcome::Mismatch);
+            info!("key reused with another message");
+            answer::refuse(Status::failed_precondition(
+                "this idempotency-key was first used with another request message or method; a new call needs a new key",
+            ))
+        }
+        Refusal::InFlight { retry_after } => {
+            count(Outcome::Conflict);
+            debug!(?retry_after, "a call with this key is in flight");
+            answer::in_flight(retry_after)
+        }
+        Refusal::Unavailable(e) => {
+            count(Outcome::StoreUnavailable);
+            warn!(error = %e, "idempotency store unavailable");
+            answer::refuse(Status::unavailable(
+                "the idempotency store is unavailable; nothing ran: retry with the same idempotency-key",
+            ))
+        }
+    })
+}
+
+/// Runs the handler holding the claim, on a task of its own (a client
+/// that goes away does not cancel it half-way), then stores its answer or
+/// releases the claim.
+async fn run_claimed<S, B>(
+    config: Arc<Config>,
+    mut inner: S,
+    mut parts: http::request::Parts,
+    bytes: Bytes,
+    claim: Claim,
+    scope: String,
+    key: IdempotencyKey,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    count(if claim.takeover {
+        Outcome::Takeover
+    } else {
+        Outcome::Fresh
+    });
+    debug!(operation_id = %claim.operation_id, takeover = claim.takeover, "claimed");
+    parts.extensions.insert(Idempotency {
+        scope,
+        key: key.into_string(),
+        operation_id: claim.operation_id,
+        takeover: claim.takeover,
+    });
+    // The answer is stored as sent and replayed to any client: it must not
+    // be compressed with an encoding only this caller accepts.
+    parts.headers.remove("grpc-accept-encoding");
+    let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
+    let store = config.store.clone();
+    let held = claim.clone();
+    let run = async move {
+        let result = inner.call(request).await;
+        finish(&config, &claim, result).await
+    };
+    match tokio::spawn(run.in_current_span()).await {
+        Ok(result) => result,
+        Err(e) => {
+            count(Outcome::Released);
+            warn!(
+                panicked = e.is_panic(),
+                "the handler did not finish; releasing the claim"
+            );
+            release(&*store, &held).await;
+            Ok(answer::refuse(Status::internal(
+                "the handler failed before answering; nothing was stored: retry with the same idempotency-key",
+            )))
+        }
+    }
+}
+
+/// After the handler: store its answer, or release the claim.
+async fn finish<B, E>(
+    config: &Config,
+    claim: &Claim,
+    result: Result<Response<B>, E>,
+) -> Result<Response<Body>, E>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let response = match result {
+        Ok(response) => response,
+        Err(e) => {
+            count(Outcome::Released);
+            release(&*config.store, claim).await;
+            return Err(e);
+        }
+    };
+    let (parts, body) = response.into_parts();
+    let collected = body.collect().await.map_err(|e| e.into().to_string());
+    let collected = match collected {
+        Ok(collected) => collected,
+        Err(e) => {
+            warn!(error = %e, "the handler's answer failed; releasing the claim");
+            count(Outcome::Released);
+            release(&*config.store, claim).await;
+            return Ok(answer::refuse(Status::internal(
+                "the handler's answer failed; nothing was stored: retry with the same idempotency-key",
+            )));
+        }
+    };
+    let trailers = collected.trailers().cloned();
+    let data = collected.to_bytes();
+    let code = answer::code_of(parts.status, &parts.headers, trailers.as_ref());
+    if answer::is_stored(code, config.policy.store_client_errors()) {
+        let stored = answer::stored(&parts.headers, trailers.as_ref(), data.clone(), |name| {
+            config.replays(name)
+        });
+        match config.store.complete(claim, &stored).await {
+            Ok(()) => debug!(?code, "stored the answer"),
+            Err(StoreError::ClaimLost) => {
+                count(Outcome::ClaimLost);
+                warn!("the claim was taken over while the handler ran; its answer is not stored")
+            }
+            // The effect happened but its record did not complete: keep
+            // the claim, so that only a retry after the lease runs out runs
+            // again, under the same operation id.
+            Err(e) => {
+                warn!(error = %e, "could not store the answer; the claim stays until its lease runs out")
+            }
+        }
+    } else {
+        count(Outcome::Released);
+        info!(?code, "the handler failed; releasing the claim");
+        release(&*config.store, claim).await;
+    }
+    Ok(Response::from_parts(
+        parts,
+        Body::new(Buffered::new(data, trailers)),
+    ))
+}
+
+/// Releases `claim` so that the next retry runs afresh.
+async fn release(store: &dyn Store, claim: &Claim) {
+    let started = Instant::now();
+    match store.release(claim).await {
+        Ok(()) => debug!(elapsed = ?started.elapsed(), "released the claim"),
+        Err(StoreError::ClaimLost) => debug!("nothing to release: the claim had moved on"),
+        Err(e) => {
+            warn!(error = %e, "could not release the claim; it frees itself when its lease runs out")
+        }
+    }
+}

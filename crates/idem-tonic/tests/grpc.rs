@@ -1,0 +1,651 @@
+//! The layer on a real tonic server over TCP, called by a real tonic
+//! client: the contract, call by call, on the memory store and on
+//! PostgreSQL (racing duplicates).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::uri::PathAndQuery;
+use idem_core::{Policy, Store};
+use idem_tonic::{
+    Idempotency, IdempotencyLayer, IdempotentRetryLayer, IntentKey, MetadataScope, RetryError,
+    RetryOutcome,
+};
+use tonic::body::Body;
+use tonic::codec::CompressionEncoding;
+use tonic::server::NamedService;
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Request, Response, Status};
+use tonic_prost::ProstCodec;
+
+const CHARGE: &str = "/test.v1.Bank/Charge";
+const BALANCE: &str = "/test.v1.Bank/Balance";
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Charge {
+    #[prost(string, tag = "1")]
+    pub account: String,
+    #[prost(int64, tag = "2")]
+    pub amount: i64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Receipt {
+    #[prost(string, tag = "1")]
+    pub id: String,
+    #[prost(string, tag = "2")]
+    pub operation_id: String,
+    #[prost(int64, tag = "3")]
+    pub amount: i64,
+}
+
+/// What the bank did: each charge it ran, by account.
+#[derive(Default)]
+struct Ledger {
+    runs: Mutex<HashMap<String, Vec<(String, String)>>>,
+    ids: AtomicUsize,
+}
+
+impl Ledger {
+    fn runs(&self, account: &str) -> Vec<(String, String)> {
+        self.runs
+            .lock()
+            .unwrap()
+            .get(account)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+/// A bank written the way tonic's generated code is: one route per method.
+#[derive(Clone)]
+struct Bank(Arc<Ledger>);
+
+impl NamedService for Bank {
+    const NAME: &'static str = "test.v1.Bank";
+}
+
+impl tower::Service<http::Request<Body>> for Bank {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Infallible>> + Send>,
+    >;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let bank = self.clone();
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(ProstCodec::<Receipt, Charge>::default())
+                .accept_compressed(CompressionEncoding::Gzip)
+                .send_compressed(CompressionEncoding::Gzip);
+            Ok(match request.uri().path() {
+                CHARGE | BALANCE => grpc.unary(ChargeCall(bank), request).await,
+                _ => Status::unimplemented("no such method").into_http(),
+            })
+        })
+    }
+}
+
+struct ChargeCall(Bank);
+
+impl tonic::server::UnaryService<Charge> for ChargeCall {
+    type Response = Receipt;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Response<Receipt>, Status>> + Send>,
+    >;
+
+    fn call(&mut self, request: Request<Charge>) -> Self::Future {
+        let ledger = self.0 .0.clone();
+        Box::pin(async move {
+            let operation = request
+                .extensions()
+                .get::<Idempotency>()
+                .map(|i| i.operation_id().to_string())
+                .unwrap_or_default();
+            let key = request
+                .metadata()
+                .get("idempotency-key")
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default();
+            let charge = request.into_inner();
+            let account = charge.account.clone();
+            let attempt = {
+                let mut runs = ledger.runs.lock().unwrap();
+                let runs = runs.entry(account.clone()).or_default();
+                runs.push((operation.clone(), key));
+                runs.len()
+            };
+            if let Some(ms) = account.strip_prefix("slow-") {
+                tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+            }
+            match account.as_str() {
+                "unavailable-once" if attempt == 1 => return Err(Status::unavailable("try again")),
+                "not-found" => return Err(Status::not_found("no such account")),
+                "panics-once" if attempt == 1 => panic!("the handler panicked"),
+                _ => {}
+            }
+            let id = ledger.ids.fetch_add(1, Ordering::SeqCst);
+            let mut response = Response::new(Receipt {
+                id: format!("rcpt_{id}"),
+                operation_id: operation,
+                amount: charge.amount,
+            });
+            response
+                .metadata_mut()
+                .insert("x-cost", id.to_string().parse().unwrap());
+            response
+                .metadata_mut()
+                .insert("x-trace", "per-call".parse().unwrap());
+            Ok(response)
+        })
+    }
+}
+
+/// A server on a port of its own, with the layer over `store`.
+async fn serve(store: Arc<dyn Store>, policy: Policy) -> (SocketAddr, Arc<Ledger>) {
+    let ledger = Arc::new(Ledger::default());
+    let layer = IdempotencyLayer::new(store, policy, MetadataScope::new("x-client-id"))
+        .unary_checked(CHARGE, |_, charge: &Charge| {
+            if charge.amount > 0 {
+                Ok(())
+            } else {
+                Err(Status::invalid_argument("amount must be positive"))
+            }
+        })
+        .replay_metadata("x-cost");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let bank = Bank(ledger.clone());
+    tokio::spawn(
+        Server::builder()
+            .layer(layer)
+            .add_service(bank)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    (addr, ledger)
+}
+
+async fn channel(addr: SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// One call: the answer's metadata and message, or its status.
+async fn call<T>(
+    channel: T,
+    path: &'static str,
+    client: &str,
+    key: Option<&str>,
+    charge: Charge,
+) -> Result<Response<Receipt>, Status>
+where
+    T: tonic::client::GrpcService<Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <T::ResponseBody as http_body::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unknown(e.into().to_string()))?;
+    let mut request = Request::new(charge);
+    request
+        .metadata_mut()
+        .insert("x-client-id", client.parse().unwrap());
+    if let Some(key) = key {
+        request
+            .metadata_mut()
+            .insert("idempotency-key", key.parse().unwrap());
+    }
+    grpc.unary(
+        request,
+        PathAndQuery::from_static(path),
+        ProstCodec::<Charge, Receipt>::default(),
+    )
+    .await
+}
+
+fn charge(account: &str, amount: i64) -> Charge {
+    Charge {
+        account: account.to_owned(),
+        amount,
+    }
+}
+
+fn replayed<T>(response: &Response<T>) -> bool {
+    response
+        .metadata()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+fn memory() -> Arc<dyn Store> {
+    Arc::new(idem_memory::MemoryStore::new())
+}
+
+#[tokio::test]
+async fn a_replay_is_the_first_answer_marked_and_only_allow_listed_metadata() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let ch = channel(addr).await;
+    let first = call(ch.clone(), CHARGE, "c1", Some("k1"), charge("acc", 100))
+        .await
+        .unwrap();
+    assert!(!replayed(&first));
+    let again = call(ch.clone(), CHARGE, "c1", Some("k1"), charge("acc", 100))
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.get_ref(), first.get_ref());
+    assert!(!first.get_ref().operation_id.is_empty());
+    assert_eq!(
+        again.metadata().get("x-cost"),
+        first.metadata().get("x-cost")
+    );
+    assert!(first.metadata().get("x-trace").is_some());
+    assert!(
+        again.metadata().get("x-trace").is_none(),
+        "not allow-listed"
+    );
+    assert_eq!(ledger.runs("acc").len(), 1);
+
+    // The same key in another scope is another call.
+    let other = call(ch.clone(), CHARGE, "c2", Some("k1"), charge("acc", 100))
+        .await
+        .unwrap();
+    assert!(!replayed(&other));
+    assert_ne!(other.get_ref().id, first.get_ref().id);
+    assert_eq!(ledger.runs("acc").len(), 2);
+}
+
+#[tokio::test]
+async fn a_key_reused_with_another_message_is_failed_precondition() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let ch = channel(addr).await;
+    call(ch.clone(), CHARGE, "c1", Some("k"), charge("acc", 100))
+        .await
+        .unwrap();
+    let other = call(ch.clone(), CHARGE, "c1", Some("k"), charge("acc", 101))
+        .await
+        .unwrap_err();
+    assert_eq!(other.code(), Code::FailedPrecondition);
+    assert!(
+        other.message().contains("another request message"),
+        "{}",
+        other.message()
+    );
+    assert_eq!(ledger.runs("acc").len(), 1);
+}
+
+#[tokio::test]
+async fn keys_are_required_checked_and_other_methods_pass_through() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let ch = channel(addr).await;
+    let missing = call(ch.clone(), CHARGE, "c1", None, charge("acc", 100))
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument);
+    assert!(
+        missing.message().contains("requires idempotency-key"),
+        "{}",
+        missing.message()
+    );
+    let long = "x".repeat(256);
+    let invalid = call(ch.clone(), CHARGE, "c1", Some(&long), charge("acc", 100))
+        .await
+        .unwrap_err();
+    assert_eq!(invalid.code(), Code::InvalidArgument);
+    assert!(
+        invalid.message().contains("idempotency-key"),
+        "{}",
+        invalid.message()
+    );
+    // refused before the claim: the handler never ran
+    assert_eq!(ledger.runs("acc").len(), 0);
+    // Balance is not guarded: no key needed, every call runs.
+    for _ in 0..2 {
+        let r = call(ch.clone(), BALANCE, "c1", None, charge("bal", 1))
+            .await
+            .unwrap();
+        assert!(!replayed(&r));
+    }
+    assert_eq!(ledger.runs("bal").len(), 2);
+}
+
+#[tokio::test]
+async fn a_call_refused_by_the_check_is_not_stored() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let ch = channel(addr).await;
+    let refused = call(ch.clone(), CHARGE, "c1", Some("k"), charge("acc", 0))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert_eq!(refused.message(), "amount must be positive");
+    // corrected, under the same key: it runs
+    let fixed = call(ch.clone(), CHARGE, "c1", Some("k"), charge("acc", 5))
+        .await
+        .unwrap();
+    assert!(!replayed(&fixed));
+    assert_eq!(ledger.runs("acc").len(), 1);
+}
+
+#[tokio::test]
+async fn a_duplicate_while_the_first_runs_is_aborted_with_a_retry_hint() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let ch = channel(addr).await;
+    let first = tokio::spawn(call(
+        ch.clone(),
+        CHARGE,
+        "c1",
+        Some("k"),
+        charge("slow-1500", 1),
+    ));
+    // the duplicate arrives while the first surely runs
+    while ledger.runs("slow-1500").is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let dup = call(ch.clone(), CHARGE, "c1", Some("k"), charge("slow-1500", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(dup.code(), Code::Aborted);
+    let pushback: u64 = dup
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1000..=30_000).contains(&pushback), "{pushback}");
+    assert!(dup.metadata().get("retry-after").is_some());
+    let first = first.await.unwrap().unwrap();
+    let after = call(ch.clone(), CHARGE, "c1", Some("k"), charge("slow-1500", 1))
+        .await
+        .unwrap();
+    assert!(replayed(&after));
+    assert_eq!(after.get_ref(), first.get_ref());
+    assert_eq!(ledger.runs("slow-1500").len(), 1);
+}
+
+#[tokio::test]
+async fn unavailable_and_a_panic_release_the_key_and_not_found_is_stored() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let ch = channel(addr).await;
+    let failed = call(
+        ch.clone(),
+        CHARGE,
+        "c1",
+        Some("u"),
+        charge("unavailable-once", 1),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(failed.code(), Code::Unavailable);
+    let retried = call(
+        ch.clone(),
+        CHARGE,
+        "c1",
+        Some("u"),
+        charge("unavailable-once", 1),
+    )
+    .await
+    .unwrap();
+    assert!(!replayed(&retried), "released: the retry ran");
+    let runs = ledger.runs("unavailable-once");
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0].0, runs[1].0, "one operation id across the retry");
+
+    let panicked = call(
+        ch.clone(),
+        CHARGE,
+        "c1",
+        Some("p"),
+        charge("panics-once", 1),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(panicked.code(), Code::Internal);
+    let retried = call(
+        ch.clone(),
+        CHARGE,
+        "c1",
+        Some("p"),
+        charge("panics-once", 1),
+    )
+    .await
+    .unwrap();
+    assert!(!replayed(&retried));
+    let runs = ledger.runs("panics-once");
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0].0, runs[1].0);
+
+    let missing = call(ch.clone(), CHARGE, "c1", Some("n"), charge("not-found", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+    assert!(missing.metadata().get("idempotent-replayed").is_none());
+    let again = call(ch.clone(), CHARGE, "c1", Some("n"), charge("not-found", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::NotFound);
+    assert_eq!(again.message(), "no such account");
+    assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(ledger.runs("not-found").len(), 1);
+}
+
+#[tokio::test]
+async fn a_compressed_message_is_the_same_call_as_a_plain_one() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let ch = channel(addr).await;
+    let plain = call(ch.clone(), CHARGE, "c1", Some("z"), charge("gz", 7))
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(ch.clone())
+        .send_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Gzip);
+    grpc.ready().await.unwrap();
+    let mut request = Request::new(charge("gz", 7));
+    request
+        .metadata_mut()
+        .insert("x-client-id", "c1".parse().unwrap());
+    request
+        .metadata_mut()
+        .insert("idempotency-key", "z".parse().unwrap());
+    let zipped: Response<Receipt> = grpc
+        .unary(
+            request,
+            PathAndQuery::from_static(CHARGE),
+            ProstCodec::default(),
+        )
+        .await
+        .unwrap();
+    assert!(replayed(&zipped));
+    assert_eq!(zipped.get_ref(), plain.get_ref());
+    // and a gzip-accepting first call stores an answer any client reads
+    grpc.ready().await.unwrap();
+    let mut request = Request::new(charge("gz2", 7));
+    request
+        .metadata_mut()
+        .insert("x-client-id", "c1".parse().unwrap());
+    request
+        .metadata_mut()
+        .insert("idempotency-key", "z2".parse().unwrap());
+    let first: Response<Receipt> = grpc
+        .unary(
+            request,
+            PathAndQuery::from_static(CHARGE),
+            ProstCodec::default(),
+        )
+        .await
+        .unwrap();
+    let plain = call(ch.clone(), CHARGE, "c1", Some("z2"), charge("gz2", 7))
+        .await
+        .unwrap();
+    assert!(replayed(&plain));
+    assert_eq!(plain.get_ref(), first.get_ref());
+    assert_eq!(ledger.runs("gz").len() + ledger.runs("gz2").len(), 2);
+}
+
+/// Racing duplicates on PostgreSQL: one run, every answer the same.
+#[tokio::test]
+async fn racing_duplicates_run_once_on_postgres() {
+    use idem_test_support::postgres::{database_url, TestSchema};
+    let schema = TestSchema::create("idem_tonic").await;
+    let table = idem_postgres::TableName::new(Some(schema.name()), "idem_records").unwrap();
+    let store = idem_postgres::PostgresStore::connect_with(&database_url(), table)
+        .await
+        .unwrap();
+    let policy = Policy::builder()
+        .wait_for_in_flight(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let (addr, ledger) = serve(Arc::new(store), policy).await;
+    let ch = channel(addr).await;
+    for round in 0..5 {
+        let account = format!("slow-{}", 20 * round);
+        let key: &'static str = Box::leak(format!("race-{round}").into_boxed_str());
+        let calls: Vec<_> = (0..12)
+            .map(|_| {
+                tokio::spawn(call(
+                    ch.clone(),
+                    CHARGE,
+                    "c1",
+                    Some(key),
+                    charge(&account, 9),
+                ))
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for c in calls {
+            answers.push(c.await.unwrap().unwrap());
+        }
+        assert_eq!(ledger.runs(&account).len(), 1, "round {round}");
+        let fresh = answers.iter().filter(|a| !replayed(a)).count();
+        assert_eq!(fresh, 1, "round {round}");
+        assert!(answers.iter().all(|a| a.get_ref() == answers[0].get_ref()));
+    }
+}
+
+#[tokio::test]
+async fn the_client_layer_keeps_one_key_across_retries() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let retrying = tower::ServiceBuilder::new()
+        .layer(
+            IdempotentRetryLayer::builder()
+                .method(CHARGE)
+                .base_delay(Duration::from_millis(10))
+                .build(),
+        )
+        .service(channel(addr).await);
+    // UNAVAILABLE the first time: retried under the key it generated
+    let r = call(
+        retrying.clone(),
+        CHARGE,
+        "c1",
+        None,
+        charge("unavailable-once", 3),
+    )
+    .await
+    .unwrap();
+    let runs = ledger.runs("unavailable-once");
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0].1, runs[1].1, "one key");
+    assert_eq!(runs[0].0, runs[1].0, "one operation");
+    let outcome = r.extensions().get::<RetryOutcome>().unwrap();
+    assert_eq!(outcome.attempts, 2);
+    assert_eq!(outcome.key, runs[0].1);
+    assert!(!outcome.replayed);
+
+    // ABORTED while the first attempt runs: waits for it, then gets the replay
+    let first = tokio::spawn(call(
+        retrying.clone(),
+        CHARGE,
+        "c1",
+        Some("slow"),
+        charge("slow-800", 1),
+    ));
+    while ledger.runs("slow-800").is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut grpc = tonic::client::Grpc::new(retrying.clone());
+    grpc.ready().await.unwrap();
+    let mut request = Request::new(charge("slow-800", 1));
+    request
+        .metadata_mut()
+        .insert("x-client-id", "c1".parse().unwrap());
+    request.extensions_mut().insert(IntentKey::new("slow"));
+    let dup: Response<Receipt> = grpc
+        .unary(
+            request,
+            PathAndQuery::from_static(CHARGE),
+            ProstCodec::default(),
+        )
+        .await
+        .unwrap();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(dup.get_ref(), first.get_ref());
+    let outcome = dup.extensions().get::<RetryOutcome>().unwrap();
+    assert!(outcome.attempts >= 2, "{outcome:?}");
+    assert!(outcome.replayed);
+    assert_eq!(outcome.key, "slow");
+    assert_eq!(ledger.runs("slow-800").len(), 1);
+
+    // a status retrying cannot fix comes back at once
+    let r = call(retrying.clone(), CHARGE, "c1", None, charge("not-found", 3))
+        .await
+        .unwrap_err();
+    assert_eq!(r.code(), Code::NotFound);
+    assert_eq!(ledger.runs("not-found").len(), 1);
+}
+
+#[tokio::test]
+async fn the_client_layer_gives_up_with_the_key_it_used() {
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    let mut retrying = tower::ServiceBuilder::new()
+        .layer(
+            IdempotentRetryLayer::builder()
+                .method(CHARGE)
+                .base_delay(Duration::from_millis(10))
+                .max_elapsed(Duration::from_millis(300))
+                .build(),
+        )
+        .service(channel);
+    let mut request = http::Request::new(Body::empty());
+    *request.method_mut() = http::Method::POST;
+    *request.uri_mut() = format!("http://{addr}{CHARGE}").parse().unwrap();
+    request.extensions_mut().insert(IntentKey::new("gone"));
+    use tower::{Service, ServiceExt};
+    let err = retrying
+        .ready()
+        .await
+        .unwrap()
+        .call(request)
+        .await
+        .unwrap_err();
+    let err = err.downcast::<RetryError>().unwrap();
+    assert_eq!(err.key, "gone");
+    assert!(err.attempts >= 2, "{err}");
+    assert!(
+        err.to_string().contains("under idempotency-key \"gone\""),
+        "{err}"
+    );
+}
