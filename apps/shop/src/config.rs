@@ -12,6 +12,9 @@ pub(crate) struct Config {
     /// Address to listen on (port 0 picks a free one).
     #[arg(long, env = "SHOP_LISTEN", default_value = "127.0.0.1:8080")]
     pub(crate) listen: String,
+    /// Also serve the gRPC API (`shop.v1.Payments`, proto/shop.proto) on this address (port 0 picks a free one).
+    #[arg(long, env = "SHOP_GRPC_LISTEN")]
+    pub(crate) grpc_listen: Option<String>,
     /// Where clients reach this service (`https://api.example.com`): the
     /// base of every problem `type`, `<public-url>/problems#<slug>`, a page
     /// this service serves. Default: `http://` and the address it listens on.

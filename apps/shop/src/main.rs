@@ -7,6 +7,7 @@
 mod bank;
 mod config;
 mod db;
+mod grpc;
 mod http;
 mod messaging;
 mod serve;
@@ -132,24 +133,50 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         )
         .await?,
     );
-    let app = http::router(
-        http::AppState {
-            db: database,
-            bank,
-            messaging: messaging.clone(),
-            transactional,
-            records: store.clone(),
-            claim_in_transaction: config.claim_in_transaction,
-            fault_injection: config.fault_injection,
-            webhook_secret: config
-                .webhook_secret
-                .as_ref()
-                .map(|s| Arc::from(s.as_bytes())),
-            metrics,
-        },
-        store,
-        policy,
-    );
+    let state = http::AppState {
+        db: database,
+        bank,
+        messaging: messaging.clone(),
+        transactional,
+        records: store.clone(),
+        claim_in_transaction: config.claim_in_transaction,
+        fault_injection: config.fault_injection,
+        webhook_secret: config
+            .webhook_secret
+            .as_ref()
+            .map(|s| Arc::from(s.as_bytes())),
+        metrics,
+    };
+    let grpc_listener = match &config.grpc_listen {
+        Some(at) => Some(
+            tokio::net::TcpListener::bind(at)
+                .await
+                .map_err(|e| format!("cannot listen for gRPC on {at}: {e}"))?,
+        ),
+        None => None,
+    };
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let stopped = |mut stopping: tokio::sync::watch::Receiver<bool>| async move {
+        // An error means the sender is gone: stop as well.
+        let _ = stopping.wait_for(|stop| *stop).await;
+    };
+    let grpc = match grpc_listener {
+        Some(listener) => {
+            let addr = listener.local_addr()?;
+            let serving = grpc::serve(
+                listener,
+                state.clone(),
+                store.clone(),
+                policy.clone(),
+                stopped(stopping.clone()),
+            );
+            // Tests and scripts read this line to learn the port.
+            println!("shop gRPC listening on http://{addr}");
+            Some(tokio::spawn(serving))
+        }
+        None => None,
+    };
+    let app = http::router(state, store, policy);
     let listener = tokio::net::TcpListener::bind(&config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
@@ -174,7 +201,18 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         max_connections: usize::try_from(config.max_connections).unwrap_or(usize::MAX),
         grace: Duration::from_secs(config.shutdown_grace_secs),
     };
-    serve::serve(listener, app, limits, shutdown_signal()).await;
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop.send(true);
+    });
+    serve::serve(listener, app, limits, stopped(stopping)).await;
+    if let Some(grpc) = grpc {
+        match grpc.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "the gRPC server failed"),
+            Err(e) => warn!(error = %e, "the gRPC server's task failed"),
+        }
+    }
     sweeper.abort();
     upkeep.abort();
     // In-flight messages finish and are acknowledged before the consumers stop.

@@ -245,6 +245,50 @@ pub(crate) async fn problems_everywhere(request: Request, next: Next) -> Respons
     Response::from_parts(parts, body)
 }
 
+impl Error {
+    /// This error as a gRPC status (shop's gRPC API): the cases of the
+    /// HTTP answers, in gRPC's codes. What a retry may get past
+    /// (`UNAVAILABLE`, `INTERNAL`) frees the idempotency key; the rest is
+    /// an answer.
+    pub(crate) fn into_status(self) -> tonic::Status {
+        use tonic::Status;
+        match self {
+            Self::Validation(detail) => Status::invalid_argument(detail),
+            Self::Unauthorized(detail) => Status::unauthenticated(detail),
+            Self::NotFound { what, id } => Status::not_found(format!("no {what} {id:?}")),
+            Self::Database(e) | Self::Recording(e) if is_unavailable(&e) => {
+                error!(error = %e, "database unavailable");
+                Status::unavailable("the database is unavailable; retry with the same idempotency-key: the bank will not charge twice")
+            }
+            Self::Bank(BankError::Ledger(e)) if is_unavailable(&e) => {
+                error!(error = %e, "the bank's ledger is unavailable");
+                Status::unavailable("the database is unavailable; retry with the same idempotency-key: the bank will not charge twice")
+            }
+            Self::Bank(e) => {
+                warn!(error = ?e, "bank call failed");
+                Status::unavailable("the bank could not be reached; retry with the same idempotency-key: the bank will not charge twice")
+            }
+            Self::Database(e) | Self::Recording(e) => {
+                error!(error = %e, "database statement failed");
+                Status::internal("the request failed")
+            }
+            other => {
+                let message = other.to_string();
+                let code = match other.into_response().status().as_u16() {
+                    400 => tonic::Code::InvalidArgument,
+                    401 => tonic::Code::Unauthenticated,
+                    403 => tonic::Code::PermissionDenied,
+                    404 => tonic::Code::NotFound,
+                    409 | 412 => tonic::Code::FailedPrecondition,
+                    429 | 503 | 502 => tonic::Code::Unavailable,
+                    _ => tonic::Code::Internal,
+                };
+                Status::new(code, message)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

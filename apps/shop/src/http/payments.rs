@@ -62,22 +62,27 @@ pub(super) fn router(state: &AppState, layer: IdempotencyLayer) -> OpenApiRouter
 pub(crate) struct NewPayment {
     /// The account to charge.
     #[schema(pattern = "^[A-Za-z0-9_.:-]{1,64}$", example = "acc_1")]
-    pub(super) account_id: String,
+    pub(crate) account_id: String,
     /// In minor units (cents).
     #[schema(minimum = 1, maximum = 1_000_000_000, example = 1000)]
-    pub(super) amount: i64,
+    pub(crate) amount: i64,
     /// Three letters.
     #[schema(pattern = "^[A-Za-z]{3}$", example = "EUR")]
-    pub(super) currency: String,
+    pub(crate) currency: String,
 }
 
 impl NewPayment {
     pub(super) fn parse(body: &[u8]) -> Result<Self> {
         let new: Self = input::json(body)?;
-        input::identifier("account_id", &new.account_id)?;
-        input::amount(new.amount)?;
-        input::currency(&new.currency)?;
+        new.check()?;
         Ok(new)
+    }
+
+    /// The bounds every payment keeps, over HTTP and gRPC.
+    pub(crate) fn check(&self) -> Result<()> {
+        input::identifier("account_id", &self.account_id)?;
+        input::amount(self.amount)?;
+        input::currency(&self.currency)
     }
 }
 
@@ -87,11 +92,11 @@ const MAX_SIMULATED_DELAY: Duration = Duration::from_secs(60);
 /// Demo-only fault injection from the `X-Simulate` header, as far as
 /// `--fault-injection` allows it.
 #[derive(Debug, Default)]
-pub(super) struct Simulate {
-    pub(super) bank_delay: Option<Duration>,
-    pub(super) bank_error: bool,
-    pub(super) crash_before_bank: bool,
-    pub(super) crash_after_bank: bool,
+pub(crate) struct Simulate {
+    pub(crate) bank_delay: Option<Duration>,
+    pub(crate) bank_error: bool,
+    pub(crate) crash_before_bank: bool,
+    pub(crate) crash_after_bank: bool,
     /// Checkout only: after the charge step's output is stored, before the
     /// order is marked paid.
     pub(super) crash_after_charge: bool,
@@ -100,13 +105,13 @@ pub(super) struct Simulate {
 /// Which route `X-Simulate` is read for: a checkout also takes
 /// `crash-after-charge`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum SimulateOn {
+pub(crate) enum SimulateOn {
     Payment,
     Checkout,
 }
 
 impl Simulate {
-    pub(super) fn parse(
+    pub(crate) fn parse(
         headers: &HeaderMap,
         allowed: crate::config::FaultInjection,
         route: SimulateOn,
@@ -325,6 +330,19 @@ async fn charge(
 ) -> Result<Payment> {
     let simulate = Simulate::parse(headers, state.fault_injection, SimulateOn::Payment)?;
     let new = NewPayment::parse(body)?;
+    charge_new(state, client_id, operation_id, &simulate, new).await
+}
+
+/// Charges the bank under `operation_id` for a payment already parsed and
+/// checked (over HTTP or gRPC). `Err` is the answer to send, with nothing
+/// of ours written.
+pub(crate) async fn charge_new(
+    state: &AppState,
+    client_id: &str,
+    operation_id: OperationId,
+    simulate: &Simulate,
+    new: NewPayment,
+) -> Result<Payment> {
     if simulate.crash_before_bank {
         crash("before the bank call");
     }
@@ -373,48 +391,12 @@ async fn record_payment(
     payment: &Payment,
     open: Option<Box<dyn ShopTx>>,
 ) -> Result<Response> {
-    let operation_id = operation_id.to_string();
-    let now = UnixMillis::now().0;
-    let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE operation_id = $1");
     let mut tx = match open {
         Some(tx) => tx,
         None => state.db.begin().await.map_err(Error::Recording)?,
     };
     let staged = async {
-        let created = db::create_once(
-            &mut *tx,
-            (state.db.sql().insert_payment, PAYMENT_KEY),
-            &[
-                (&payment.id).into(),
-                client_id.into(),
-                (&payment.account_id).into(),
-                payment.amount.into(),
-                (&payment.currency).into(),
-                (&payment.status).into(),
-                (&payment.bank_charge_id).into(),
-                (&operation_id).into(),
-                now.into(),
-            ],
-            &fetch,
-            &[(&operation_id).into()],
-        )
-        .await
-        .map_err(Error::Recording)?;
-        let recorded = match created {
-            Created::Created(row) => {
-                // The event commits with the payment.
-                let event = crate::messaging::payment_authorized(&state.messaging, payment);
-                tx.enqueue(&event).await.map_err(Error::Recording)?;
-                row
-            }
-            // The safety net caught a second attempt of this operation:
-            // converge on the payment that exists (its event went with it).
-            Created::Existing(row) => {
-                warn!(operation_id = %operation_id, "payment recorded by another attempt of this operation; answering with it");
-                row
-            }
-        };
-        let recorded = Payment::try_from(&recorded).map_err(Error::Recording)?;
+        let recorded = write_payment(state, &mut *tx, client_id, operation_id, payment).await?;
         let response = payment_created(&recorded);
         // Fenced by the claim's token: if a retry took this request
         // over, this fails and the transaction rolls back.
@@ -440,6 +422,77 @@ async fn record_payment(
             Err(refused)
         }
     }
+}
+
+/// Writes the payment in a transaction of its own (for a caller whose
+/// record the idempotency layer completes, as over gRPC): the payment as
+/// recorded, once per operation id.
+pub(crate) async fn record_payment_alone(
+    state: &AppState,
+    client_id: &str,
+    operation_id: OperationId,
+    payment: &Payment,
+) -> Result<Payment> {
+    let mut tx = state.db.begin().await.map_err(Error::Recording)?;
+    match write_payment(state, &mut *tx, client_id, operation_id, payment).await {
+        Ok(recorded) => {
+            tx.commit().await.map_err(Error::Recording)?;
+            state.messaging.wake();
+            Ok(recorded)
+        }
+        Err(refused) => {
+            rollback(tx).await;
+            Err(refused)
+        }
+    }
+}
+
+/// Writes the payment, with its event, in `tx`, once per operation id;
+/// the payment as recorded.
+async fn write_payment(
+    state: &AppState,
+    tx: &mut dyn ShopTx,
+    client_id: &str,
+    operation_id: OperationId,
+    payment: &Payment,
+) -> Result<Payment> {
+    let operation_id = operation_id.to_string();
+    let now = UnixMillis::now().0;
+    let fetch = format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE operation_id = $1");
+    let created = db::create_once(
+        &mut *tx,
+        (state.db.sql().insert_payment, PAYMENT_KEY),
+        &[
+            (&payment.id).into(),
+            client_id.into(),
+            (&payment.account_id).into(),
+            payment.amount.into(),
+            (&payment.currency).into(),
+            (&payment.status).into(),
+            (&payment.bank_charge_id).into(),
+            (&operation_id).into(),
+            now.into(),
+        ],
+        &fetch,
+        &[(&operation_id).into()],
+    )
+    .await
+    .map_err(Error::Recording)?;
+    let recorded = match created {
+        Created::Created(row) => {
+            // The event commits with the payment.
+            let event = crate::messaging::payment_authorized(&state.messaging, payment);
+            tx.enqueue(&event).await.map_err(Error::Recording)?;
+            row
+        }
+        // The safety net caught a second attempt of this operation:
+        // converge on the payment that exists (its event went with it).
+        Created::Existing(row) => {
+            warn!(operation_id = %operation_id, "payment recorded by another attempt of this operation; answering with it");
+            row
+        }
+    };
+    Payment::try_from(&recorded).map_err(Error::Recording)
 }
 
 /// `201 Created` with the payment and its `Location`.

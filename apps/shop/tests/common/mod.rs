@@ -22,6 +22,8 @@ use serde_json::Value;
 pub struct Shop {
     child: Child,
     pub base: String,
+    /// `http://host:port` of the gRPC API, when started with `--grpc-listen`.
+    pub grpc: Option<String>,
 }
 
 impl Shop {
@@ -44,14 +46,24 @@ impl Shop {
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 if let Some(addr) = line.strip_prefix("shop listening on ") {
-                    let _ = tx.send(addr.to_owned());
+                    let _ = tx.send((false, addr.to_owned()));
+                } else if let Some(addr) = line.strip_prefix("shop gRPC listening on ") {
+                    let _ = tx.send((true, addr.to_owned()));
                 }
             }
         });
-        let base = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("shop did not print its address within 30 s");
-        let shop = Shop { child, base };
+        // The gRPC line comes first, when there is one.
+        let mut grpc = None;
+        let base = loop {
+            match rx
+                .recv_timeout(Duration::from_secs(30))
+                .expect("shop did not print its address within 30 s")
+            {
+                (true, addr) => grpc = Some(addr),
+                (false, addr) => break addr,
+            }
+        };
+        let shop = Shop { child, base, grpc };
         let client = reqwest::Client::new();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {

@@ -1,0 +1,160 @@
+//! shop's gRPC API (`--grpc-listen`): `shop.v1.Payments`
+//! (`proto/shop.proto`), the same payments as `POST /payments` and
+//! `GET /payments/{id}`, on the same database and bank.
+//!
+//! `CreatePayment` is guarded by idem's gRPC layer over the same records
+//! store as the HTTP API: the same key rules, the validation before the
+//! claim (nothing stored for a call that cannot run), the bank charged
+//! under the claim's operation id, the payment recorded once per
+//! operation id.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::request::Parts;
+use idem_core::{Policy, Store};
+use idem_tonic::{Idempotency, IdempotencyLayer};
+use tonic::{Request, Response, Status};
+use tracing::info;
+
+use crate::db::{self, Payment, PAYMENT_COLUMNS};
+use crate::http::auth::client_id;
+use crate::http::payments::{self, NewPayment, Simulate, SimulateOn};
+use crate::http::{input, AppState};
+
+#[allow(
+    missing_docs,
+    unreachable_pub,
+    dead_code,
+    missing_debug_implementations,
+    clippy::all
+)]
+pub(crate) mod pb;
+
+use pb::payments_server::{Payments, PaymentsServer};
+
+/// The guarded method's path.
+const CREATE_PAYMENT: &str = "/shop.v1.Payments/CreatePayment";
+
+/// The tenant of a call: `authorization: Bearer <client>`, as over HTTP.
+fn tenant(parts: &Parts) -> Result<String, Status> {
+    client_id(&parts.headers).map_err(crate::http::error::Error::into_status)
+}
+
+/// `shop.v1.Payments`.
+#[derive(Debug, Clone)]
+struct PaymentsApi {
+    state: AppState,
+}
+
+#[tonic::async_trait]
+impl Payments for PaymentsApi {
+    async fn create_payment(
+        &self,
+        request: Request<pb::CreatePaymentRequest>,
+    ) -> Result<Response<pb::Payment>, Status> {
+        let (metadata, extensions, message) = request.into_parts();
+        let headers = metadata.into_headers();
+        let client = client_id(&headers).map_err(|e| e.into_status())?;
+        let Some(idem) = extensions.get::<Idempotency>() else {
+            return Err(Status::internal(
+                "CreatePayment ran without its idempotency claim",
+            ));
+        };
+        let simulate = Simulate::parse(&headers, self.state.fault_injection, SimulateOn::Payment)
+            .map_err(|e| e.into_status())?;
+        let new = new_payment(message);
+        new.check().map_err(|e| e.into_status())?;
+        let operation_id = idem.operation_id();
+        let charged = payments::charge_new(&self.state, &client, operation_id, &simulate, new)
+            .await
+            .map_err(|e| e.into_status())?;
+        let recorded = payments::record_payment_alone(&self.state, &client, operation_id, &charged)
+            .await
+            .map_err(|e| e.into_status())?;
+        Ok(Response::new(to_message(
+            recorded,
+            operation_id.to_string(),
+        )))
+    }
+
+    async fn get_payment(
+        &self,
+        request: Request<pb::GetPaymentRequest>,
+    ) -> Result<Response<pb::Payment>, Status> {
+        let client =
+            client_id(&request.metadata().clone().into_headers()).map_err(|e| e.into_status())?;
+        let id = request.into_inner().id;
+        input::identifier("the payment id", &id).map_err(|e| e.into_status())?;
+        let sql = format!(
+            "SELECT {PAYMENT_COLUMNS}, operation_id FROM shop_payments WHERE id = $1 AND client_id = $2"
+        );
+        let row = db::query_one(&*self.state.db, &sql, &[(&id).into(), (&client).into()])
+            .await
+            .map_err(|e| crate::http::error::Error::Database(e).into_status())?;
+        let Some(row) = row else {
+            return Err(Status::not_found(format!("no payment {id:?}")));
+        };
+        let read = Payment::try_from(&row).and_then(|p| Ok((p, row.text("operation_id")?)));
+        let (payment, operation_id) =
+            read.map_err(|e| crate::http::error::Error::Database(e).into_status())?;
+        Ok(Response::new(to_message(payment, operation_id)))
+    }
+}
+
+/// The payment a `CreatePaymentRequest` asks for.
+fn new_payment(message: pb::CreatePaymentRequest) -> NewPayment {
+    NewPayment {
+        account_id: message.account_id,
+        amount: message.amount,
+        currency: message.currency,
+    }
+}
+
+/// A payment as its message.
+fn to_message(payment: Payment, operation_id: String) -> pb::Payment {
+    pb::Payment {
+        id: payment.id,
+        account_id: payment.account_id,
+        amount: payment.amount,
+        currency: payment.currency,
+        status: payment.status,
+        operation_id,
+    }
+}
+
+/// The payments service behind idem's gRPC layer over `store`: what a
+/// call cannot run with (a bad tenant, bounds, `x-simulate` past what
+/// `--fault-injection` allows) is refused before the claim.
+fn layer(state: &AppState, store: Arc<dyn Store>, policy: Policy) -> IdempotencyLayer {
+    let allowed = state.fault_injection;
+    IdempotencyLayer::new(store, policy, tenant).unary_checked(
+        CREATE_PAYMENT,
+        move |parts: &Parts, message: &pb::CreatePaymentRequest| {
+            Simulate::parse(&parts.headers, allowed, SimulateOn::Payment)
+                .and_then(|_| new_payment(message.clone()).check())
+                .map_err(|e| e.into_status())
+        },
+    )
+}
+
+/// Serves `shop.v1.Payments` on `listener` until `shutdown` completes.
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    store: Arc<dyn Store>,
+    policy: Policy,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
+    let addr: Option<SocketAddr> = listener.local_addr().ok();
+    info!(?addr, "gRPC ready");
+    let layer = layer(&state, store, policy);
+    tonic::transport::Server::builder()
+        .layer(layer)
+        .add_service(PaymentsServer::new(PaymentsApi { state }))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await
+}
