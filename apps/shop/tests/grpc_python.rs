@@ -15,7 +15,12 @@ async fn from_python(mode: Mode) {
     let db = mode.db().await;
     let prefix = RedisPrefix::new("grpc-python");
     let shop = start_in(mode, &db, &prefix.0, &["--grpc-listen", "127.0.0.1:0"]).await;
-    let target = shop.grpc.clone().unwrap().trim_start_matches("http://").to_owned();
+    let target = shop
+        .grpc
+        .clone()
+        .unwrap()
+        .trim_start_matches("http://")
+        .to_owned();
     let python = std::env::var("IDEM_TEST_PYTHON").unwrap_or_else(|_| "python3".to_owned());
     let dir = env!("CARGO_MANIFEST_DIR");
     let account_id = format!("acc_py_{}", uuid::Uuid::new_v4().simple());
