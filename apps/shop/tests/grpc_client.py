@@ -109,6 +109,12 @@ def main():
     reply, call = stub.CreatePayment.with_call(request, metadata=[who, ("idempotency-key", "py-1")])
     seen["replay"] = payment_dict(reply)
     seen["replay_marked"] = dict(call.initial_metadata()).get("idempotent-replayed")
+    # The same call sent gzip-compressed is the same call: a replay.
+    reply, call = stub.CreatePayment.with_call(
+        request, metadata=[who, ("idempotency-key", "py-1")], compression=grpc.Compression.Gzip
+    )
+    seen["gzip_replay"] = payment_dict(reply)
+    seen["gzip_replay_marked"] = dict(call.initial_metadata()).get("idempotent-replayed")
     seen["reused_key"] = code_of(
         lambda: stub.CreatePayment(
             pb.CreatePaymentRequest(account_id=a.account, amount=1251, currency="EUR"),

@@ -47,6 +47,8 @@ async fn from_python(mode: Mode) {
     assert_eq!(payment["status"], "authorized");
     assert_eq!(payment["operation_id"].as_str().unwrap().len(), 36);
     assert_eq!(seen["replay_marked"], "true", "{seen}");
+    assert_eq!(&seen["gzip_replay"], payment, "{seen}");
+    assert_eq!(seen["gzip_replay_marked"], "true", "{seen}");
     let race = seen["race"].as_array().unwrap();
     assert_eq!(race.len(), 8);
     assert!(race.iter().all(|p| p == payment), "{seen}");

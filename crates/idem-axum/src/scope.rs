@@ -116,15 +116,8 @@ impl HeaderScope {
 
 impl ScopeExtractor for HeaderScope {
     fn scope(&self, parts: &Parts) -> Result<String, Response> {
-        let mut values = parts.headers.get_all(self.0.as_str()).iter();
-        // Exactly one: a client's own value beside the one authentication
-        // added must never be able to pick the scope.
-        let only = match (values.next(), values.next()) {
-            (Some(v), None) => Some(v),
-            _ => None,
-        };
-        only.and_then(|v| v.to_str().ok())
-            .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_graphic()))
+        let values = parts.headers.get_all(self.0.as_str()).iter();
+        idem_core::single_visible_value(values.map(http::HeaderValue::as_bytes))
             .map(str::to_owned)
             .ok_or_else(|| {
                 scope_missing(format!(

@@ -282,3 +282,38 @@ mod tests {
         );
     }
 }
+
+/// The value of a header (or gRPC metadata entry) that a request must
+/// carry exactly once, as a non-empty run of visible ASCII: the rule for
+/// the headers an idem scope is read from. Absent, repeated (a client's
+/// own value beside the one authentication added must never pick the
+/// scope), empty or anything else is `None`.
+pub fn single_visible_value<'a, I>(values: I) -> Option<&'a str>
+where
+    I: IntoIterator<Item = &'a [u8]>,
+{
+    let mut values = values.into_iter();
+    let only = match (values.next(), values.next()) {
+        (Some(v), None) => v,
+        _ => return None,
+    };
+    if only.is_empty() || !only.iter().all(u8::is_ascii_graphic) {
+        return None;
+    }
+    std::str::from_utf8(only).ok()
+}
+
+#[cfg(test)]
+mod single_value_tests {
+    use super::single_visible_value;
+
+    #[test]
+    fn exactly_one_visible_value() {
+        assert_eq!(single_visible_value([&b"acme"[..]]), Some("acme"));
+        assert_eq!(single_visible_value(Vec::<&[u8]>::new()), None);
+        assert_eq!(single_visible_value([&b"a"[..], &b"a"[..]]), None);
+        for bad in [&b""[..], b"a b", b"caf\xc3\xa9", b"a\tb"] {
+            assert_eq!(single_visible_value([bad]), None, "{bad:?}");
+        }
+    }
+}

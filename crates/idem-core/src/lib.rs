@@ -39,7 +39,9 @@ pub use decision::{
     on_arrival, on_handler_end, on_missing_key, Arrival, HandlerEnd, MissingKey, Settlement,
 };
 pub use fingerprint::Fingerprint;
-pub use key::{IdempotencyKey, KeyError, IDEMPOTENCY_KEY_HEADER, MAX_KEY_LEN};
+pub use key::{
+    single_visible_value, IdempotencyKey, KeyError, IDEMPOTENCY_KEY_HEADER, MAX_KEY_LEN,
+};
 pub use ops::{Inspection, StoreStats};
 pub use policy::{Policy, PolicyBuilder, PolicyError};
 pub use record::{

@@ -93,7 +93,9 @@ struct Config {
 /// `RESOURCE_EXHAUSTED`, `INTERNAL`, `UNKNOWN` and `DEADLINE_EXCEEDED`.
 /// Never any other status: the call itself is wrong (`INVALID_ARGUMENT`,
 /// `FAILED_PRECONDITION` for a key reused with another message,
-/// `NOT_FOUND`, ...), and sending it again cannot help.
+/// `NOT_FOUND`, ...), and sending it again cannot help. Nor a replayed
+/// answer (`idempotent-replayed: true`), whatever its status: it is the
+/// first answer, stored, and stays so.
 ///
 /// The defaults keep trying for 35 s (longer than idem's default 30 s
 /// lease, so a key whose holder crashed is taken over within the budget),
@@ -293,7 +295,9 @@ where
                             key: key.clone(),
                             replayed,
                         });
-                        if !is_retryable_code(code) {
+                        // A replay is the first answer, and will stay so:
+                        // sending it again cannot change it.
+                        if replayed || !is_retryable_code(code) {
                             return Ok(response);
                         }
                         debug!(?code, attempts, "retrying under the same key");

@@ -132,6 +132,7 @@ impl tonic::server::UnaryService<Charge> for ChargeCall {
             match account.as_str() {
                 "unavailable-once" if attempt == 1 => return Err(Status::unavailable("try again")),
                 "not-found" => return Err(Status::not_found("no such account")),
+                "conflicted" => return Err(Status::aborted("the handler's own conflict")),
                 "panics-once" if attempt == 1 => panic!("the handler panicked"),
                 _ => {}
             }
@@ -198,7 +199,39 @@ where
     T::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     <T::ResponseBody as http_body::Body>::Error: Into<tonic::codegen::StdError> + Send,
 {
-    let mut grpc = tonic::client::Grpc::new(channel);
+    let key = key.map(Key::Metadata);
+    call_on(
+        &mut tonic::client::Grpc::new(channel),
+        path,
+        client,
+        key,
+        charge,
+    )
+    .await
+}
+
+/// How a call names its key.
+enum Key<'a> {
+    /// As `idempotency-key` metadata.
+    Metadata(&'a str),
+    /// As an [`IntentKey`] for the client layer.
+    Intent(&'a str),
+}
+
+/// One call on a client of the caller's (compression, layers).
+async fn call_on<T>(
+    grpc: &mut tonic::client::Grpc<T>,
+    path: &'static str,
+    client: &str,
+    key: Option<Key<'_>>,
+    charge: Charge,
+) -> Result<Response<Receipt>, Status>
+where
+    T: tonic::client::GrpcService<Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    <T::ResponseBody as http_body::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
     grpc.ready()
         .await
         .map_err(|e| Status::unknown(e.into().to_string()))?;
@@ -206,10 +239,16 @@ where
     request
         .metadata_mut()
         .insert("x-client-id", client.parse().unwrap());
-    if let Some(key) = key {
-        request
-            .metadata_mut()
-            .insert("idempotency-key", key.parse().unwrap());
+    match key {
+        Some(Key::Metadata(key)) => {
+            request
+                .metadata_mut()
+                .insert("idempotency-key", key.parse().unwrap());
+        }
+        Some(Key::Intent(key)) => {
+            request.extensions_mut().insert(IntentKey::new(key));
+        }
+        None => {}
     }
     grpc.unary(
         request,
@@ -456,41 +495,27 @@ async fn a_compressed_message_is_the_same_call_as_a_plain_one() {
     let mut grpc = tonic::client::Grpc::new(ch.clone())
         .send_compressed(CompressionEncoding::Gzip)
         .accept_compressed(CompressionEncoding::Gzip);
-    grpc.ready().await.unwrap();
-    let mut request = Request::new(charge("gz", 7));
-    request
-        .metadata_mut()
-        .insert("x-client-id", "c1".parse().unwrap());
-    request
-        .metadata_mut()
-        .insert("idempotency-key", "z".parse().unwrap());
-    let zipped: Response<Receipt> = grpc
-        .unary(
-            request,
-            PathAndQuery::from_static(CHARGE),
-            ProstCodec::default(),
-        )
-        .await
-        .unwrap();
+    let zipped = call_on(
+        &mut grpc,
+        CHARGE,
+        "c1",
+        Some(Key::Metadata("z")),
+        charge("gz", 7),
+    )
+    .await
+    .unwrap();
     assert!(replayed(&zipped));
     assert_eq!(zipped.get_ref(), plain.get_ref());
     // and a gzip-accepting first call stores an answer any client reads
-    grpc.ready().await.unwrap();
-    let mut request = Request::new(charge("gz2", 7));
-    request
-        .metadata_mut()
-        .insert("x-client-id", "c1".parse().unwrap());
-    request
-        .metadata_mut()
-        .insert("idempotency-key", "z2".parse().unwrap());
-    let first: Response<Receipt> = grpc
-        .unary(
-            request,
-            PathAndQuery::from_static(CHARGE),
-            ProstCodec::default(),
-        )
-        .await
-        .unwrap();
+    let first = call_on(
+        &mut grpc,
+        CHARGE,
+        "c1",
+        Some(Key::Metadata("z2")),
+        charge("gz2", 7),
+    )
+    .await
+    .unwrap();
     let plain = call(ch.clone(), CHARGE, "c1", Some("z2"), charge("gz2", 7))
         .await
         .unwrap();
@@ -581,20 +606,15 @@ async fn the_client_layer_keeps_one_key_across_retries() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let mut grpc = tonic::client::Grpc::new(retrying.clone());
-    grpc.ready().await.unwrap();
-    let mut request = Request::new(charge("slow-800", 1));
-    request
-        .metadata_mut()
-        .insert("x-client-id", "c1".parse().unwrap());
-    request.extensions_mut().insert(IntentKey::new("slow"));
-    let dup: Response<Receipt> = grpc
-        .unary(
-            request,
-            PathAndQuery::from_static(CHARGE),
-            ProstCodec::default(),
-        )
-        .await
-        .unwrap();
+    let dup = call_on(
+        &mut grpc,
+        CHARGE,
+        "c1",
+        Some(Key::Intent("slow")),
+        charge("slow-800", 1),
+    )
+    .await
+    .unwrap();
     let first = first.await.unwrap().unwrap();
     assert_eq!(dup.get_ref(), first.get_ref());
     let outcome = dup.extensions().get::<RetryOutcome>().unwrap();
@@ -602,6 +622,31 @@ async fn the_client_layer_keeps_one_key_across_retries() {
     assert!(outcome.replayed);
     assert_eq!(outcome.key, "slow");
     assert_eq!(ledger.runs("slow-800").len(), 1);
+
+    // a stored ABORTED of the handler's own: the first call's retry gets its
+    // replay and stops there (not after the 35 s budget), as does a repeat
+    let mut grpc = tonic::client::Grpc::new(retrying.clone());
+    let started = std::time::Instant::now();
+    for _ in 0..2 {
+        let r = call_on(
+            &mut grpc,
+            CHARGE,
+            "c1",
+            Some(Key::Intent("conflicted")),
+            charge("conflicted", 1),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(r.code(), Code::Aborted);
+        assert_eq!(r.message(), "the handler's own conflict");
+        assert_eq!(r.metadata().get("idempotent-replayed").unwrap(), "true");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(ledger.runs("conflicted").len(), 1);
 
     // a status retrying cannot fix comes back at once
     let r = call(retrying.clone(), CHARGE, "c1", None, charge("not-found", 3))

@@ -151,7 +151,12 @@ pub(crate) async fn serve(
     let layer = layer(&state, store, policy);
     tonic::transport::Server::builder()
         .layer(layer)
-        .add_service(PaymentsServer::new(PaymentsApi { state }))
+        // gzip, which the idempotency layer reads too: a compressed call is
+        // the same call as a plain one.
+        .add_service(
+            PaymentsServer::new(PaymentsApi { state })
+                .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+        )
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             shutdown,
