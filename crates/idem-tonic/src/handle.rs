@@ -260,8 +260,13 @@ where
     let store = config.store.clone();
     let held = claim.clone();
     let run = async move {
+        // Should this task panic or be dropped while the caller is gone
+        // (it no longer awaits it), the guard still frees the key.
+        let mut guard = ReleaseOnDrop(Some((config.store.clone(), claim.clone())));
         let result = inner.call(request).await;
-        finish(&config, &claim, result).await
+        let finished = finish(&config, &claim, result).await;
+        guard.0 = None;
+        finished
     };
     match tokio::spawn(run.in_current_span()).await {
         Ok(result) => result,
@@ -339,6 +344,22 @@ where
         parts,
         Body::new(Buffered::new(data, trailers)),
     ))
+}
+
+/// Releases its claim when dropped armed: the handler's task panicked or
+/// was dropped before it finished.
+struct ReleaseOnDrop(Option<(Arc<dyn Store>, Claim)>);
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some((store, claim)) = self.0.take() else {
+            return;
+        };
+        warn!("the handler did not finish; releasing the claim");
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { release(&*store, &claim).await });
+        }
+    }
 }
 
 /// Releases `claim` so that the next retry runs afresh.
