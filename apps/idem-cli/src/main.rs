@@ -7,6 +7,10 @@
 //! idem stats   --database-url URL
 //! idem once    --database-url URL --scope S --key K [--lease-ms N] [--ttl-secs N]
 //!              [--wait-ms N] [--store-failures] -- COMMAND [ARGS…]
+//! idem proxy   --listen ADDR --upstream URL [--database-url URL] [--redis-url URL]
+//!              [--scope-header NAME] [--lease-ms N] [--ttl-secs N] [--wait-ms N]
+//!              [--max-body BYTES] [--upstream-timeout-ms N] [--methods POST,PATCH]
+//!              [--no-replay-header NAME]…
 //! ```
 //!
 //! `URL` is `sqlite:FILE`, `postgres://…` or `mysql://…` (also read from
@@ -16,14 +20,16 @@
 
 mod once;
 mod ops;
+mod proxy;
 mod time;
 
 use std::process::ExitCode;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use idem_core::{sweep_all, Inspection, RecordState, StoreError, StoreStats};
+use idem_core::{sweep_all, Inspection, RecordState, Store, StoreError, StoreStats};
 use idem_mysql::MySqlStore;
 use idem_postgres::{PostgresStore, TableName};
 use idem_sql::dialect::DialectKind;
@@ -96,6 +102,11 @@ enum Command {
     /// many hosts, a deploy step). Exits 65 if the key was used with
     /// another command line, 75 while another run holds it.
     Once(Box<once::OnceArgs>),
+    /// An HTTP gateway that gives the service behind it (in any language)
+    /// the Idempotency-Key contract: duplicates reach it once, replays are
+    /// the first answer, and the upstream gets the operation id as its
+    /// Idempotency-Key. Prints `idem proxy listening on http://ADDR`.
+    Proxy(Box<proxy::ProxyArgs>),
     /// Count records by state: in progress, completed, past retention, oldest.
     Stats {
         #[command(flatten)]
@@ -128,6 +139,9 @@ struct Target {
     /// Tiered mode: the prefix of idem's keys in Redis.
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
     redis_prefix: String,
+    /// Connections in the database pool (the ops verbs need two).
+    #[arg(skip = 2u32)]
+    connections: u32,
 }
 
 impl Target {
@@ -183,7 +197,7 @@ impl Command {
             | Command::Release { target, .. }
             | Command::Outbox { target, .. }
             | Command::Stats { target, .. } => Some(target),
-            Command::Once(_) => None,
+            Command::Once(_) | Command::Proxy(_) => None,
         }
     }
 
@@ -195,6 +209,7 @@ impl Command {
                 found.extend(args.redis_url.iter().flat_map(|u| secrets(u)));
                 found
             }
+            Command::Proxy(args) => args.secrets(),
             other => other.target().map(Target::secrets).unwrap_or_default(),
         }
     }
@@ -235,7 +250,7 @@ impl Target {
         }
         let options = idem_sqlite::connect_options(url)?.create_if_missing(create);
         let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(2)
+            .max_connections(self.connections.max(1))
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options)
             .await
@@ -248,7 +263,7 @@ impl Target {
         let table = self.table()?;
         let options = sqlx::postgres::PgConnectOptions::from_str(url)?;
         let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(2)
+            .max_connections(self.connections.max(1))
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options)
             .await
@@ -261,13 +276,60 @@ impl Target {
         let table = self.table()?;
         let options = sqlx::mysql::MySqlConnectOptions::from_str(&url)?;
         let pool = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(2)
+            .max_connections(self.connections.max(1))
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options)
             .await
             .map_err(|e| format!("cannot connect to {}: {e}", redact(&url)))?;
         Ok(MySqlStore::new(pool, table)?)
     }
+}
+
+/// The store `target` names, its table made if missing: SQLite, PostgreSQL
+/// or MySQL, with Redis in front of it when `--redis-url` is set (tiered:
+/// the database decides), or Redis alone (`--database-url redis://…`).
+async fn open_store(target: &Target) -> Result<Arc<dyn Store>, Failure> {
+    use idem_sql::SqlRecords;
+    let url = &target.database_url;
+    if url.starts_with("redis://") || url.starts_with("rediss://") {
+        let config = if target.redis_cluster {
+            idem_redis::RedisConfig::cluster(url.split(',').map(str::trim))
+        } else {
+            idem_redis::RedisConfig::new(url)
+        };
+        let store = idem_redis::RedisStore::connect(config.prefix(&target.redis_prefix))
+            .await
+            .map_err(|e| format!("cannot connect to Redis at {}: {e}", redact(url)))?;
+        return Ok(Arc::new(store));
+    }
+    let sql: Arc<dyn Store> = match DialectKind::of_url(url) {
+        Some(DialectKind::Sqlite) => {
+            let store = target.sqlite(true).await?;
+            store.migrate().await.map_err(explain)?;
+            Arc::new(store)
+        }
+        Some(DialectKind::Postgres) => {
+            let store = target.postgres().await?;
+            store.migrate().await.map_err(explain)?;
+            Arc::new(store)
+        }
+        Some(DialectKind::MySql) => {
+            let store = target.mysql().await?;
+            store.migrate().await.map_err(explain)?;
+            Arc::new(store)
+        }
+        _ => {
+            return Err(format!(
+            "unsupported database URL {:?}: use sqlite:FILE, postgres://…, mysql://… or redis://…",
+            redact(url)
+        )
+            .into())
+        }
+    };
+    Ok(match target.redis().await? {
+        Some(redis) => Arc::new(idem_redis::TieredStore::new(sql, redis)),
+        None => sql,
+    })
 }
 
 /// What stands in for a secret in anything the CLI prints.
@@ -408,6 +470,7 @@ fn explain(e: StoreError) -> Failure {
 async fn run(cli: Cli) -> Result<ExitCode, Failure> {
     let target = match cli.command {
         Command::Once(args) => return once::once(*args).await,
+        Command::Proxy(args) => return proxy::proxy(*args).await,
         ref command => command.target().ok_or("no store named")?,
     };
     let create = matches!(cli.command, Command::Migrate(_));
@@ -547,7 +610,9 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 );
             }
         }
-        Command::Once(_) => return Err("idem once runs on its own store".into()),
+        Command::Once(_) | Command::Proxy(_) => {
+            return Err("idem once and idem proxy open their own store".into())
+        }
         Command::Stats { target, json } => {
             let stats = store.record_stats().await.map_err(explain)?;
             let redis_keys = match target.redis().await? {
@@ -789,11 +854,25 @@ fn stats_json(s: &StoreStats) -> serde_json::Value {
     })
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let secrets = cli.command.secrets();
-    match run(cli).await {
+    // The proxy serves many requests at once, on every core; the other
+    // verbs are one conversation with one store.
+    let runtime = match cli.command {
+        Command::Proxy(_) => tokio::runtime::Builder::new_multi_thread(),
+        _ => tokio::runtime::Builder::new_current_thread(),
+    }
+    .enable_all()
+    .build();
+    let runtime = match runtime {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idem: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(run(cli)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("idem: {}", scrub(&e.to_string(), &secrets));

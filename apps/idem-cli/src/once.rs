@@ -443,58 +443,14 @@ fn kill_group(group: Option<u32>) {
 
 /// The store `args` name, its table made if missing.
 async fn open(args: &OnceArgs) -> Result<Arc<dyn Store>, crate::Failure> {
-    use idem_sql::dialect::DialectKind;
-    use idem_sql::SqlRecords;
-    let url = &args.database_url;
-    if url.starts_with("redis://") || url.starts_with("rediss://") {
-        let store = idem_redis::RedisStore::connect(
-            idem_redis::RedisConfig::new(url).prefix(&args.redis_prefix),
-        )
-        .await
-        .map_err(|e| format!("cannot connect to Redis at {}: {e}", crate::redact(url)))?;
-        return Ok(Arc::new(store));
-    }
-    let target = crate::Target {
-        database_url: url.clone(),
+    crate::open_store(&crate::Target {
+        database_url: args.database_url.clone(),
         schema: args.schema.clone(),
         table: args.table.clone(),
-        redis_url: None,
+        redis_url: args.redis_url.clone(),
         redis_cluster: false,
         redis_prefix: args.redis_prefix.clone(),
-    };
-    let sql: Arc<dyn Store> = match DialectKind::of_url(url) {
-        Some(DialectKind::Sqlite) => {
-            let store = target.sqlite(true).await?;
-            store.migrate().await.map_err(crate::explain)?;
-            Arc::new(store)
-        }
-        Some(DialectKind::Postgres) => {
-            let store = target.postgres().await?;
-            store.migrate().await.map_err(crate::explain)?;
-            Arc::new(store)
-        }
-        Some(DialectKind::MySql) => {
-            let store = target.mysql().await?;
-            store.migrate().await.map_err(crate::explain)?;
-            Arc::new(store)
-        }
-        _ => {
-            return Err(format!(
-            "unsupported database URL {:?}: use sqlite:FILE, postgres://…, mysql://… or redis://…",
-            crate::redact(url)
-        )
-            .into())
-        }
-    };
-    match &args.redis_url {
-        Some(redis) => {
-            let redis = idem_redis::RedisStore::connect(
-                idem_redis::RedisConfig::new(redis).prefix(&args.redis_prefix),
-            )
-            .await
-            .map_err(|e| format!("cannot connect to Redis at {}: {e}", crate::redact(redis)))?;
-            Ok(Arc::new(idem_redis::TieredStore::new(sql, redis)))
-        }
-        None => Ok(sql),
-    }
+        connections: 2,
+    })
+    .await
 }

@@ -10,7 +10,6 @@ mod db;
 mod grpc;
 mod http;
 mod messaging;
-mod serve;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -195,7 +194,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     // Tests and scripts read this line to learn the port (with --listen …:0).
     println!("shop listening on http://{addr}");
 
-    let limits = serve::Limits {
+    let limits = idem_axum::serve::Limits {
         header_timeout: Duration::from_secs(config.header_timeout_secs),
         body_timeout: Duration::from_secs(config.body_timeout_secs),
         max_connections: usize::try_from(config.max_connections).unwrap_or(usize::MAX),
@@ -205,7 +204,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         shutdown_signal().await;
         let _ = stop.send(true);
     });
-    serve::serve(listener, app, limits, stopped(stopping)).await;
+    idem_axum::serve::serve(listener, app, limits, stopped(stopping)).await;
     if let Some(grpc) = grpc {
         match grpc.await {
             Ok(Ok(())) => {}

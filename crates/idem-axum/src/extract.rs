@@ -22,6 +22,9 @@ pub(crate) enum Completion {
     InTransaction,
     /// The handler found its claim taken over; nothing may be stored.
     Lost,
+    /// The handler cannot know whether its effect happened: the claim is
+    /// kept (neither completed nor released) until its lease runs out.
+    Kept,
 }
 
 #[derive(Debug)]
@@ -104,6 +107,16 @@ impl Idempotency {
         &self.inner.claim.scope
     }
 
+    /// How much of this attempt's lease is left, on this process's clock
+    /// (counted from when the claim was sent, so never more than the
+    /// store's): past it, a retry may take the key over.
+    pub fn lease_left(&self) -> std::time::Duration {
+        self.inner
+            .policy
+            .lease()
+            .saturating_sub(self.inner.claimed_at.elapsed())
+    }
+
     /// This attempt's fencing token.
     pub fn token(&self) -> FencingToken {
         self.inner.claim.token
@@ -165,6 +178,18 @@ impl Idempotency {
     /// client `409` (`IdempotencyRejection::TakenOver`) so that it retries.
     pub fn abandon(&self) {
         self.set_completion(Completion::Lost);
+    }
+
+    /// Tells the layer that this attempt's outcome is unknown (a call it
+    /// made timed out, or its connection broke after the request was
+    /// sent): whatever the handler answers (`504`, `502`) is passed on but
+    /// neither stored nor releases the claim, which stays until its lease
+    /// runs out. A retry before then gets `409`; one after it takes the
+    /// claim over under the same operation id, so the effect is never
+    /// attempted twice at once. This is how `idem proxy` treats an
+    /// upstream that did not answer.
+    pub fn keep_claim(&self) {
+        self.set_completion(Completion::Kept);
     }
 
     fn set_completion(&self, c: Completion) {

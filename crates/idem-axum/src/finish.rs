@@ -41,6 +41,16 @@ async fn finish(
     response: Response,
 ) -> Response {
     let status = response.status().as_u16();
+    if handle.completion() == Completion::Kept {
+        count(Outcome::Kept);
+        info!(
+            status,
+            "the outcome is unknown; the claim is kept until its lease runs out"
+        );
+        guard.disarm();
+        config.store.settled(&guard.claim).await;
+        return response;
+    }
     // The layer's own "in flight" answer, returned by a handler (a step an
     // earlier attempt still holds): nothing happened that a replay should
     // give; the claim is released for the retry.
@@ -76,7 +86,7 @@ async fn finish(
             config.store.settled(&guard.claim).await;
             return response;
         }
-        Completion::ByLayer => {}
+        Completion::ByLayer | Completion::Kept => {}
     }
     let (parts, body) = response.into_parts();
     let bytes = match body.collect().await {

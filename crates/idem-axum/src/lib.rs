@@ -90,6 +90,8 @@ mod rejection;
 mod scope;
 
 pub mod conditional;
+#[cfg(feature = "serve")]
+pub mod serve;
 
 #[doc(hidden)]
 pub use claim::replayed_headers;

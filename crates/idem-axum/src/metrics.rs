@@ -18,6 +18,7 @@ pub(crate) enum Outcome {
     Replay,
     Released,
     ClaimLost,
+    Kept,
     CompletedOutsideTransaction,
 }
 
@@ -36,6 +37,7 @@ impl Outcome {
             Self::Replay => "replay",
             Self::Released => "released",
             Self::ClaimLost => "claim_lost",
+            Self::Kept => "kept",
             Self::CompletedOutsideTransaction => "completed_outside_transaction",
         }
     }

@@ -36,16 +36,24 @@ pub(crate) enum Identified {
 
 /// The scope and the key of a request, from its headers.
 pub(crate) fn identify(config: &Config, parts: &Parts) -> Identified {
-    let scope = match config.scope.scope(parts) {
-        Ok(scope) => scope,
-        Err(refusal) => return Identified::Refused(refusal),
-    };
     let values = parts
         .headers
         .get_all(IDEMPOTENCY_KEY)
         .iter()
         .map(HeaderValue::as_bytes);
-    match IdempotencyKey::from_header_values(values) {
+    let key = IdempotencyKey::from_header_values(values);
+    // A request without a key, where none is required, is not guarded: it
+    // passes through untouched, whatever its scope.
+    if matches!(key, Err(KeyError::Missing))
+        && matches!(on_missing_key(&config.policy), MissingKey::PassThrough)
+    {
+        return Identified::PassThrough;
+    }
+    let scope = match config.scope.scope(parts) {
+        Ok(scope) => scope,
+        Err(refusal) => return Identified::Refused(refusal),
+    };
+    match key {
         Ok(key) => Identified::Guarded { scope, key },
         Err(KeyError::Missing) => match on_missing_key(&config.policy) {
             MissingKey::PassThrough => Identified::PassThrough,

@@ -48,6 +48,10 @@ async fn handler(
             status = StatusCode::from_u16(code.parse().unwrap()).unwrap();
         } else if part == "panic" {
             panic!("handler panicked on purpose");
+        } else if part == "keep" {
+            if let Some(idem) = &idem {
+                idem.keep_claim();
+            }
         }
     }
     (
@@ -355,6 +359,49 @@ async fn missing_key_passes_through_where_optional() {
     assert_eq!(json(&body)["operation_id"], "", "no claim without a key");
     assert_eq!(h.runs.get(), 1);
     assert!(h.store.is_empty());
+}
+
+#[tokio::test]
+async fn a_request_without_a_key_needs_no_scope_where_the_key_is_optional() {
+    let h = harness(Policy::builder().require_key(false).build().unwrap());
+    let anonymous = Request::post("/things").body(Body::from("{}")).unwrap();
+    let (status, _, _) = send(&h.app, anonymous).await;
+    assert_eq!(status, StatusCode::CREATED, "not guarded, so not scoped");
+    // With a key, the scope is still required.
+    let keyed = Request::post("/things")
+        .header("idempotency-key", "k")
+        .body(Body::from("{}"))
+        .unwrap();
+    assert_eq!(send(&h.app, keyed).await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(h.runs.get(), 1);
+    assert!(h.store.is_empty());
+}
+
+#[tokio::test]
+async fn a_kept_claim_is_neither_stored_nor_released_until_its_lease_ends() {
+    let lease = Duration::from_millis(1500);
+    let h = harness(Policy::builder().lease(lease).build().unwrap());
+    let (status, _, first) = send(&h.app, req_with("k-keep", "{}", "keep,status=504")).await;
+    assert_eq!(
+        status,
+        StatusCode::GATEWAY_TIMEOUT,
+        "the handler's answer is passed on"
+    );
+    let record = h.store.get("client-a", "k-keep").await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "not stored, not released"
+    );
+    let (held, headers, _) = send(&h.app, req("k-keep", "{}")).await;
+    assert_eq!(held, StatusCode::CONFLICT, "held while its lease runs");
+    assert!(headers.contains_key("retry-after"));
+    assert_eq!(h.runs.get(), 1);
+    tokio::time::sleep(lease + Duration::from_millis(50)).await;
+    let (status, _, again) = send(&h.app, req("k-keep", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(json(&again)["takeover"], true);
+    assert_eq!(json(&again)["operation_id"], json(&first)["operation_id"]);
+    assert_eq!(h.runs.get(), 2);
 }
 
 #[tokio::test]

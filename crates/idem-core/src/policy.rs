@@ -21,6 +21,27 @@ pub const NEVER_REPLAYED: &[&str] = &[
     "idempotent-replayed",
 ];
 
+/// Headers never replayed when every other header is
+/// ([`PolicyBuilder::replay_all_headers`], as `idem proxy` does): the
+/// hop-by-hop ones (RFC 9110 §7.6.1), those of a session (`Set-Cookie`),
+/// and those each answer gets afresh (`Date`, `Content-Length`).
+pub const NOT_REPLAYED_WITH_ALL: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "set-cookie",
+    "set-cookie2",
+    "date",
+    "content-length",
+    "idempotent-replayed",
+];
+
 /// How idempotent requests are handled. Build one with [`Policy::builder`];
 /// [`Policy::default`] gives the documented defaults.
 ///
@@ -46,6 +67,8 @@ pub struct Policy {
     retry_after: Duration,
     max_body: usize,
     replayed_headers: Vec<String>,
+    replay_all: bool,
+    not_replayed: Vec<String>,
     store_client_errors: bool,
     require_key: bool,
 }
@@ -62,6 +85,8 @@ impl Default for Policy {
                 .iter()
                 .map(|s| (*s).to_owned())
                 .collect(),
+            replay_all: false,
+            not_replayed: Vec::new(),
             store_client_errors: true,
             require_key: true,
         }
@@ -124,10 +149,25 @@ impl Policy {
         &self.replayed_headers
     }
 
+    /// Whether every response header is kept for replay except
+    /// [`NOT_REPLAYED_WITH_ALL`] and those named by
+    /// [`PolicyBuilder::never_replay_header`] (default `false`: only the
+    /// allow-list).
+    pub fn replays_all_headers(&self) -> bool {
+        self.replay_all
+    }
+
     /// Whether a response header is kept for replay (case-insensitive).
     pub fn replays_header(&self, name: &str) -> bool {
         let name = name.to_ascii_lowercase();
-        !NEVER_REPLAYED.contains(&name.as_str()) && self.replayed_headers.contains(&name)
+        if self.not_replayed.contains(&name) {
+            return false;
+        }
+        if self.replay_all {
+            !NOT_REPLAYED_WITH_ALL.contains(&name.as_str())
+        } else {
+            !NEVER_REPLAYED.contains(&name.as_str()) && self.replayed_headers.contains(&name)
+        }
     }
 
     /// Whether `4xx` answers are stored and replayed (default yes).
@@ -254,6 +294,40 @@ impl PolicyBuilder {
         self
     }
 
+    /// Keeps every response header for replay, except the hop-by-hop ones,
+    /// `Set-Cookie`, `Date` and `Content-Length` ([`NOT_REPLAYED_WITH_ALL`])
+    /// and those named by [`never_replay_header`](Self::never_replay_header):
+    /// for a gateway that cannot know which headers its upstream's answers
+    /// carry. The allow-list is then unused.
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().replay_all_headers()
+    ///     .never_replay_header("X-Request-Id").build().unwrap();
+    /// assert!(p.replays_header("x-anything") && p.replays_header("www-authenticate"));
+    /// assert!(!p.replays_header("Set-Cookie") && !p.replays_header("date"));
+    /// assert!(!p.replays_header("x-request-id") && !p.replays_header("connection"));
+    /// ```
+    pub fn replay_all_headers(mut self) -> Self {
+        self.policy.replay_all = true;
+        self
+    }
+
+    /// Never keeps the header `name` for replay, whatever else says so
+    /// (a per-answer id, a trace header).
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().replay_header("x-trace")
+    ///     .never_replay_header("X-Trace").build().unwrap();
+    /// assert!(!p.replays_header("x-trace"));
+    /// ```
+    pub fn never_replay_header(mut self, name: impl Into<String>) -> Self {
+        let name = name.into().to_ascii_lowercase();
+        if !self.policy.not_replayed.contains(&name) {
+            self.policy.not_replayed.push(name);
+        }
+        self
+    }
+
     /// Whether `4xx` answers are stored and replayed (default `true`). With
     /// `false`, a `4xx` releases the claim like a `5xx` does. `5xx` answers
     /// always release.
@@ -295,17 +369,22 @@ impl PolicyBuilder {
         if p.max_body == 0 {
             return Err(PolicyError::ZeroBodyLimit);
         }
-        for name in &p.replayed_headers {
-            let valid = !name.is_empty()
+        let valid = |name: &str| {
+            !name.is_empty()
                 && name
                     .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
-            if !valid {
+                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+        };
+        for name in &p.replayed_headers {
+            if !valid(name) {
                 return Err(PolicyError::InvalidHeaderName(name.clone()));
             }
             if NEVER_REPLAYED.contains(&name.as_str()) {
                 return Err(PolicyError::ForbiddenHeader(name.clone()));
             }
+        }
+        if let Some(name) = p.not_replayed.iter().find(|n| !valid(n)) {
+            return Err(PolicyError::InvalidHeaderName(name.clone()));
         }
         Ok(p)
     }

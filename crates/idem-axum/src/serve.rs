@@ -1,5 +1,6 @@
-//! Serving HTTP with limits a service exposed to the internet needs, glued
-//! from what hyper, hyper-util and tower-http give:
+//! Serving an axum app with the limits a service exposed to the internet
+//! needs (feature `serve`), glued from what hyper, hyper-util and tower-http
+//! give. shop and `idem proxy` serve with it:
 //!
 //! - a client that sends its headers slower than `header_timeout` is
 //!   disconnected (hyper's header read timeout);
@@ -11,6 +12,14 @@
 //!   rest for long (each is cut after its own timeouts);
 //! - on shutdown the listener closes, in-flight requests finish within
 //!   `grace`, and then the process exits whatever is still open.
+//!
+//! ```no_run
+//! # async fn run(app: axum::Router) -> std::io::Result<()> {
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! let stop = async { let _ = tokio::signal::ctrl_c().await; };
+//! idem_axum::serve::serve(listener, app, idem_axum::serve::Limits::default(), stop).await;
+//! # Ok(()) }
+//! ```
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,16 +33,31 @@ use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
 
 /// The limits (see the module docs).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits {
-    pub(crate) header_timeout: Duration,
-    pub(crate) body_timeout: Duration,
-    pub(crate) max_connections: usize,
-    pub(crate) grace: Duration,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// A client must send a request's whole head within this (default 10 s).
+    pub header_timeout: Duration,
+    /// A request body may stall this long between two chunks (default 30 s).
+    pub body_timeout: Duration,
+    /// Connections served at once (default 1024); more are closed at once.
+    pub max_connections: usize,
+    /// How long in-flight requests may finish after shutdown (default 30 s).
+    pub grace: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+            grace: Duration::from_secs(30),
+        }
+    }
 }
 
 /// Serves `app` on `listener` until `shutdown` resolves, then drains.
-pub(crate) async fn serve(
+pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: Limits,

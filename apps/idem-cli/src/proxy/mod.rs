@@ -1,0 +1,370 @@
+//! `idem proxy`: an HTTP gateway that gives a service written in any
+//! language the `Idempotency-Key` contract of idem's axum layer.
+//!
+//! The proxy is that layer in front of a forwarding handler: it claims the
+//! key, fingerprints the request, replays a stored answer, answers
+//! `400`/`409`/`413`/`422`, and sends the request on with its
+//! `Idempotency-Key` replaced by the operation id (the same across
+//! takeovers of one key), so that the upstream can make its own effect
+//! safe. An answer the upstream gave is stored (`2xx`, `3xx`, `4xx`) or
+//! releases the claim (`5xx`, a refused connection); when the outcome is
+//! unknown (a timeout, a connection broken after sending), the claim is
+//! kept until its lease runs out.
+
+mod forward;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use clap::{ArgAction, Args};
+use http::request::Parts;
+use http::{Method, Request, StatusCode};
+use idem_axum::{scope_missing, Idempotency, IdempotencyLayer};
+use idem_core::{Policy, Store};
+use metrics_exporter_prometheus::PrometheusHandle;
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
+
+use forward::{problem, Upstream, UpstreamLimits};
+
+/// `idem proxy`'s flags (each also read from the environment).
+#[derive(Debug, Args)]
+pub(crate) struct ProxyArgs {
+    /// The address to listen on, e.g. `0.0.0.0:8080` (port 0: any free port).
+    #[arg(long, env = "IDEM_PROXY_LISTEN")]
+    pub(crate) listen: String,
+    /// The service behind the proxy: `http://HOST:PORT[/PATH]`.
+    #[arg(long, env = "IDEM_PROXY_UPSTREAM")]
+    pub(crate) upstream: String,
+    /// Where records live: `sqlite:FILE`, `postgres://…`, `mysql://…`, or
+    /// `redis://…` (Redis alone).
+    #[arg(long, env = "DATABASE_URL", default_value = "sqlite:idem-proxy.db")]
+    pub(crate) database_url: String,
+    /// PostgreSQL and MySQL: the schema (MySQL: the database) of the
+    /// records table.
+    #[arg(long, env = "IDEM_SCHEMA")]
+    pub(crate) schema: Option<String>,
+    /// PostgreSQL and MySQL: the records table.
+    #[arg(long, env = "IDEM_TABLE", default_value = "idem_records")]
+    pub(crate) table: String,
+    /// Redis in front of the SQL database (tiered: the database decides).
+    #[arg(long, env = "REDIS_URL")]
+    pub(crate) redis_url: Option<String>,
+    /// The Redis URLs name a Redis Cluster (nodes comma-separated).
+    #[arg(long, env = "IDEM_REDIS_CLUSTER")]
+    pub(crate) redis_cluster: bool,
+    /// The prefix of idem's keys in Redis.
+    #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
+    pub(crate) redis_prefix: String,
+    /// The request header that says who the caller is; keys are kept apart
+    /// per value (hashed, never stored in clear). A guarded request without
+    /// it is answered `401`.
+    #[arg(long, env = "IDEM_SCOPE_HEADER", default_value = "Authorization")]
+    pub(crate) scope_header: String,
+    /// How long one delivery holds its key: a retry takes an unfinished
+    /// one over only after it (a crashed proxy, an upstream that never
+    /// answered).
+    #[arg(long, env = "IDEM_LEASE_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
+    pub(crate) lease_ms: u64,
+    /// How long an answer is kept and replayed.
+    #[arg(long, env = "IDEM_TTL_SECS", default_value_t = 86_400, value_parser = clap::value_parser!(u64).range(1..=31_536_000))]
+    pub(crate) ttl_secs: u64,
+    /// A duplicate of a request in flight waits up to this long for its
+    /// answer (then replays it); 0: `409` at once.
+    #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=600_000))]
+    pub(crate) wait_ms: u64,
+    /// The largest request body, in bytes (`413` beyond it).
+    #[arg(long, env = "IDEM_MAX_BODY", default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
+    pub(crate) max_body: u64,
+    /// The longest wait for the upstream's answer (default: 5/6 of the
+    /// lease, at most 25 s). Must be below `--lease-ms`: a delivery is over
+    /// before a retry may take its key over.
+    #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT_MS", value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    pub(crate) upstream_timeout_ms: Option<u64>,
+    /// The methods guarded (others pass through untouched).
+    #[arg(
+        long,
+        env = "IDEM_METHODS",
+        value_delimiter = ',',
+        default_value = "POST,PATCH"
+    )]
+    pub(crate) methods: Vec<String>,
+    /// A response header never replayed (repeatable); hop-by-hop headers,
+    /// `Set-Cookie` and `Date` never are.
+    #[arg(long = "no-replay-header", value_name = "NAME")]
+    pub(crate) no_replay_header: Vec<String>,
+    /// Whether a guarded request must carry `Idempotency-Key` (`400`
+    /// without one); with `false` it passes through untouched.
+    #[arg(long, env = "IDEM_REQUIRE_KEY", default_value_t = true, action = ArgAction::Set)]
+    pub(crate) require_key: bool,
+    /// The largest upstream answer kept for replay, in bytes; a larger one
+    /// is answered `502` and its key held until its lease runs out.
+    #[arg(long, env = "IDEM_MAX_RESPONSE_BODY", default_value_t = 16 << 20, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
+    pub(crate) max_response_body: u64,
+    /// Connections in the database pool.
+    #[arg(long, env = "IDEM_DB_CONNECTIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub(crate) db_connections: u32,
+    /// A client must send a request's head within this.
+    #[arg(long, env = "IDEM_HEADER_TIMEOUT_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub(crate) header_timeout_secs: u64,
+    /// A request body may stall this long between two chunks.
+    #[arg(long, env = "IDEM_BODY_TIMEOUT_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub(crate) body_timeout_secs: u64,
+    /// Client connections served at once; more are closed at once.
+    #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub(crate) max_connections: u64,
+    /// On SIGTERM, requests in flight may finish within this.
+    #[arg(long, env = "IDEM_SHUTDOWN_GRACE_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub(crate) shutdown_grace_secs: u64,
+}
+
+impl ProxyArgs {
+    /// Where records live, as the ops verbs name it.
+    fn target(&self) -> crate::Target {
+        crate::Target {
+            database_url: self.database_url.clone(),
+            schema: self.schema.clone(),
+            table: self.table.clone(),
+            redis_url: self.redis_url.clone(),
+            redis_cluster: self.redis_cluster,
+            redis_prefix: self.redis_prefix.clone(),
+            connections: self.db_connections,
+        }
+    }
+
+    /// The secrets of its URLs, for [`crate::scrub`].
+    pub(crate) fn secrets(&self) -> Vec<String> {
+        self.target().secrets()
+    }
+
+    /// The claims' policy.
+    fn policy(&self) -> Result<Policy, crate::Failure> {
+        let lease = Duration::from_millis(self.lease_ms);
+        let mut policy = Policy::builder()
+            .lease(lease)
+            .retention(Duration::from_secs(self.ttl_secs).max(lease + Duration::from_millis(1)))
+            .max_body(usize::try_from(self.max_body)?)
+            .require_key(self.require_key)
+            .replay_all_headers();
+        if self.wait_ms > 0 {
+            policy = policy.wait_for_in_flight(Duration::from_millis(self.wait_ms));
+        }
+        for name in &self.no_replay_header {
+            policy = policy.never_replay_header(name);
+        }
+        policy
+            .build()
+            .map_err(|e| format!("--no-replay-header: {e}").into())
+    }
+
+    /// How long to wait for the upstream: below the lease, always.
+    fn upstream_timeout(&self) -> Result<Duration, crate::Failure> {
+        match self.upstream_timeout_ms {
+            Some(ms) if ms >= self.lease_ms => Err(format!(
+                "--upstream-timeout-ms ({ms}) must be below --lease-ms ({}): a retry may take a key over when its lease ends, and the first delivery must be over by then",
+                self.lease_ms
+            )
+            .into()),
+            Some(ms) => Ok(Duration::from_millis(ms)),
+            None => Ok(Duration::from_millis((self.lease_ms * 5 / 6).min(25_000))),
+        }
+    }
+
+    /// The guarded methods.
+    fn methods(&self) -> Result<Vec<Method>, crate::Failure> {
+        self.methods
+            .iter()
+            .map(|m| {
+                let m = m.trim().to_ascii_uppercase();
+                Method::from_bytes(m.as_bytes())
+                    .map_err(|_| format!("--methods: {m:?} is not an HTTP method").into())
+            })
+            .collect()
+    }
+}
+
+/// What the proxy's own routes share.
+#[derive(Clone)]
+struct Shared {
+    store: Arc<dyn Store>,
+    metrics: PrometheusHandle,
+}
+
+/// Runs `idem proxy` until SIGTERM or SIGINT, then drains.
+pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, crate::Failure> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,idem=info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let policy = args.policy()?;
+    let methods = args.methods()?;
+    let timeout = args.upstream_timeout()?;
+    let upstream = Upstream::new(
+        &args.upstream,
+        UpstreamLimits {
+            timeout,
+            lease: policy.lease(),
+            max_answer: usize::try_from(args.max_response_body)?,
+            max_body: policy.max_body(),
+        },
+    )?;
+    let scope_header =
+        http::HeaderName::from_bytes(args.scope_header.as_bytes()).map_err(|_| {
+            format!(
+                "--scope-header {:?} is not a header name",
+                args.scope_header
+            )
+        })?;
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    let store = crate::open_store(&args.target()).await?;
+
+    let guarded = Router::new()
+        .fallback(
+            async |State(upstream): State<Upstream>,
+                   idem: Option<Idempotency>,
+                   request: Request<Body>| { upstream.forward(idem, request).await },
+        )
+        .with_state(upstream.clone())
+        .layer(
+            IdempotencyLayer::new(store.clone(), policy.clone(), hashed_scope(scope_header))
+                .methods(methods),
+        );
+    let app = Router::new()
+        .route("/_idem/healthz", get(healthz))
+        .route("/_idem/metrics", get(render_metrics))
+        .with_state(Shared {
+            store: store.clone(),
+            metrics: metrics.clone(),
+        })
+        .fallback_service(guarded);
+
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let addr = listener.local_addr()?;
+    info!(%addr, upstream = %upstream.url(), store = store.kind(), "idem proxy is ready");
+    // Tests and scripts read this line to learn the port (with --listen …:0).
+    println!("idem proxy listening on http://{addr}");
+
+    let upkeep = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            metrics.run_upkeep();
+        }
+    });
+    let sweeper = tokio::spawn(sweep_forever(store, policy.retention()));
+    let limits = idem_axum::serve::Limits {
+        header_timeout: Duration::from_secs(args.header_timeout_secs),
+        body_timeout: Duration::from_secs(args.body_timeout_secs),
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        grace: Duration::from_secs(args.shutdown_grace_secs),
+    };
+    idem_axum::serve::serve(listener, app, limits, stop_signal()).await;
+    upkeep.abort();
+    sweeper.abort();
+    info!("idem proxy stopped");
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The scope of a request: a hash of the one value of `header` (a token is
+/// never stored in clear); a request without it, or with it twice, is
+/// refused with `401`.
+fn hashed_scope(
+    header: http::HeaderName,
+) -> impl Fn(&Parts) -> Result<String, Response> + Send + Sync + 'static {
+    move |parts: &Parts| {
+        let mut values = parts.headers.get_all(&header).iter();
+        match (values.next(), values.next()) {
+            (Some(value), None) if !value.as_bytes().trim_ascii().is_empty() => {
+                let digest = Sha256::digest(value.as_bytes());
+                let mut scope = String::with_capacity(7 + 64);
+                scope.push_str("sha256:");
+                for byte in digest {
+                    scope.push_str(&format!("{byte:02x}"));
+                }
+                Ok(scope)
+            }
+            _ => Err(scope_missing(format!(
+                "send the {header} header exactly once: idem proxy keeps each caller's keys apart by it"
+            ))),
+        }
+    }
+}
+
+/// `GET /_idem/healthz`: `200` when the store answers a read within 2 s.
+async fn healthz(State(shared): State<Shared>) -> Response {
+    let read = tokio::time::timeout(
+        Duration::from_secs(2),
+        shared.store.get("idem-proxy", "healthz"),
+    )
+    .await;
+    match read {
+        Ok(Ok(_)) => "ok".into_response(),
+        Ok(Err(e)) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "The store cannot be reached",
+            crate::chain(&e),
+        ),
+        Err(_) => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "The store cannot be reached",
+            "no answer within 2 s",
+        ),
+    }
+}
+
+/// `GET /_idem/metrics`: Prometheus text.
+async fn render_metrics(State(shared): State<Shared>) -> Response {
+    (
+        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        shared.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Removes records past their retention, in bounded batches, forever.
+async fn sweep_forever(store: Arc<dyn Store>, retention: Duration) {
+    let every = (retention / 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        match idem_core::sweep_all(&*store, 500).await {
+            Ok(0) => {}
+            Ok(n) => {
+                metrics::counter!("idem_records_swept_total").increment(n);
+                info!(swept = n, "removed expired idempotency records");
+            }
+            Err(e) => warn!(error = %e, "sweep failed; will try again"),
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn stop_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        warn!("cannot watch SIGTERM and SIGINT; stop the proxy with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+    info!("stopping: no new connections; requests in flight may finish");
+}

@@ -1,0 +1,744 @@
+//! `idem proxy` in front of an upstream written in Python's standard
+//! library (`tests/proxy_upstream.py`), which counts deliveries and effects
+//! per operation id and can be told to be slow, fail or crash; on SQLite,
+//! PostgreSQL, MySQL, Redis in front of PostgreSQL (tiered), and Redis
+//! alone. Racing duplicates reach the upstream once; replays are
+//! byte-identical; a reused key is refused; a `5xx` releases and the retry
+//! carries the same operation id; an unknown outcome holds the key for its
+//! lease; a proxy killed with `kill -9` is taken over; two proxies on one
+//! PostgreSQL behave as one; SIGTERM drains.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use idem_test_support::mysql::TestDatabase;
+use idem_test_support::postgres::TestSchema;
+use idem_test_support::redis::{redis_url, TestPrefix};
+use serde_json::Value;
+
+/// Where a proxy keeps its records, and what to drop afterwards.
+struct Records {
+    args: Vec<String>,
+    _dir: Option<tempfile::TempDir>,
+    _schema: Option<TestSchema>,
+    _db: Option<TestDatabase>,
+    _prefix: Option<TestPrefix>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    Sqlite,
+    Postgres,
+    MySql,
+    Tiered,
+    Redis,
+}
+
+async fn records(mode: Mode) -> Records {
+    let mut r = Records {
+        args: Vec::new(),
+        _dir: None,
+        _schema: None,
+        _db: None,
+        _prefix: None,
+    };
+    let url = match mode {
+        Mode::Sqlite => {
+            let dir = tempfile::tempdir().unwrap();
+            let url = format!("sqlite:{}", dir.path().join("proxy.db").display());
+            r._dir = Some(dir);
+            url
+        }
+        Mode::Postgres | Mode::Tiered => {
+            let schema = TestSchema::create("proxy").await;
+            let url = schema.url();
+            r._schema = Some(schema);
+            url
+        }
+        Mode::MySql => {
+            let db = TestDatabase::create("proxy").await;
+            let url = db.url();
+            r._db = Some(db);
+            url
+        }
+        Mode::Redis => redis_url(),
+    };
+    r.args.extend(["--database-url".to_owned(), url]);
+    if matches!(mode, Mode::Tiered | Mode::Redis) {
+        let prefix = TestPrefix::new("proxy");
+        if matches!(mode, Mode::Tiered) {
+            r.args.extend(["--redis-url".to_owned(), redis_url()]);
+        }
+        r.args
+            .extend(["--redis-prefix".to_owned(), prefix.name().to_owned()]);
+        r._prefix = Some(prefix);
+    }
+    r
+}
+
+/// A child process killed when the test ends.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Reads the line a server prints once it listens, and the URL in it.
+fn listening(child: &mut Child, what: &str) -> String {
+    let stdout = child.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).unwrap();
+    assert!(!line.is_empty(), "{what} exited before listening");
+    line.trim().rsplit(' ').next().unwrap().to_owned()
+}
+
+/// The Python upstream.
+struct Upstream {
+    _child: Running,
+    url: String,
+}
+
+impl Upstream {
+    fn start() -> Self {
+        let python = std::env::var("IDEM_TEST_PYTHON").unwrap_or_else(|_| "python3".to_owned());
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/proxy_upstream.py");
+        let mut child = Command::new(&python)
+            .arg(script)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {python} (the upstream is Python): {e}"));
+        let port = listening(&mut child, "the Python upstream");
+        Self {
+            _child: Running(child),
+            url: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    /// Every request that reached it, and the effects per operation id.
+    async fn log(&self) -> Value {
+        client()
+            .get(format!("{}/_test/log", self.url))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// The deliveries to `path`.
+    async fn deliveries(&self, path: &str) -> Vec<Value> {
+        let log = self.log().await;
+        log["deliveries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["path"] == path)
+            .cloned()
+            .collect()
+    }
+}
+
+/// An `idem proxy` process.
+struct Proxy {
+    child: Running,
+    url: String,
+}
+
+impl Proxy {
+    fn start(records: &Records, upstream: &str, extra: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .arg("proxy")
+            .args(["--listen", "127.0.0.1:0", "--upstream", upstream])
+            .args(&records.args)
+            .args(extra)
+            .env_remove("DATABASE_URL")
+            .env_remove("REDIS_URL")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let url = listening(&mut child, "idem proxy");
+        Self {
+            child: Running(child),
+            url,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.0.id()
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+/// A `POST` to `path` from the caller `who` under `key`.
+fn post(proxy: &str, path: &str, who: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
+    client()
+        .post(format!("{proxy}{path}"))
+        .header("authorization", format!("Bearer {who}"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+}
+
+fn header<'a>(r: &'a reqwest::Response, name: &str) -> Option<&'a str> {
+    r.headers().get(name).map(|v| v.to_str().unwrap())
+}
+
+/// The operation id a delivery carried, checked to be a UUID.
+fn op_of(delivery: &Value) -> String {
+    let op = delivery["op"].as_str().unwrap().to_owned();
+    assert!(uuid::Uuid::parse_str(&op).is_ok(), "not a UUID: {op}");
+    op
+}
+
+fn received<'a>(delivery: &'a Value, name: &str) -> Vec<&'a str> {
+    delivery["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h[0] == name)
+        .map(|h| h[1].as_str().unwrap())
+        .collect()
+}
+
+/// The whole HTTP contract through the proxy on one store.
+async fn contract(mode: Mode) {
+    let records = records(mode).await;
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(
+        &records,
+        &upstream.url,
+        &["--wait-ms", "20000", "--no-replay-header", "X-Request-Id"],
+    );
+    let p = proxy.url.as_str();
+    let body = r#"{"amount": 1000}"#;
+
+    // Racing duplicates reach the upstream once, and all get its answer.
+    let racing: Vec<_> = (0..8)
+        .map(|_| {
+            let r =
+                post(p, "/orders?x=1", "alice", "race-1", body).header("x-test-delay-ms", "500");
+            tokio::spawn(r.header("x-client-header", "passed").send())
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for r in racing {
+        let r = r.await.unwrap().unwrap();
+        let replayed = header(&r, "idempotent-replayed").is_some();
+        let status = r.status();
+        answers.push((status, replayed, r.bytes().await.unwrap()));
+    }
+    assert!(
+        answers
+            .iter()
+            .all(|(s, _, b)| *s == 201 && *b == answers[0].2),
+        "{answers:?}"
+    );
+    assert_eq!(
+        answers.iter().filter(|(_, r, _)| !r).count(),
+        1,
+        "one fresh answer"
+    );
+    let delivered = upstream.deliveries("/orders?x=1").await;
+    assert_eq!(
+        delivered.len(),
+        1,
+        "racing duplicates reached the upstream once"
+    );
+    let op = op_of(&delivered[0]);
+    assert_ne!(
+        op, "race-1",
+        "the upstream gets the operation id, not the client's key"
+    );
+    assert_eq!(received(&delivered[0], "idempotency-key"), [op.as_str()]);
+    assert_eq!(received(&delivered[0], "x-client-header"), ["passed"]);
+    assert_eq!(received(&delivered[0], "authorization"), ["Bearer alice"]);
+    assert_eq!(
+        delivered[0]["body"], body,
+        "the body passes through unchanged"
+    );
+    let first: Value = serde_json::from_slice(&answers[0].2).unwrap();
+    assert_eq!(first["op"], op.as_str());
+
+    // A repeat is the stored answer, byte for byte, with the upstream's
+    // headers except the session's and the named ones.
+    let fresh = post(p, "/orders", "alice", "replay-1", body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(fresh.status(), 201);
+    assert!(header(&fresh, "set-cookie").is_some() && header(&fresh, "x-request-id").is_some());
+    assert!(header(&fresh, "idempotent-replayed").is_none());
+    let again = post(p, "/orders", "alice", "replay-1", body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 201);
+    assert_eq!(header(&again, "idempotent-replayed"), Some("true"));
+    for name in ["location", "etag", "x-custom", "content-type"] {
+        assert_eq!(
+            header(&again, name),
+            header(&fresh, name),
+            "{name} is replayed"
+        );
+        assert!(header(&again, name).is_some(), "{name}");
+    }
+    assert!(
+        header(&again, "set-cookie").is_none(),
+        "Set-Cookie is never replayed"
+    );
+    assert!(
+        header(&again, "x-request-id").is_none(),
+        "--no-replay-header"
+    );
+    assert!(
+        header(&again, "date").is_some(),
+        "a replay gets a Date of its own"
+    );
+    let (fresh_body, again_body) = (fresh.bytes().await.unwrap(), again.bytes().await.unwrap());
+    assert_eq!(fresh_body, again_body, "byte-identical");
+    assert_eq!(upstream.deliveries("/orders").await.len(), 1);
+
+    // The same key with another body: 422, and the upstream is not asked.
+    let reused = post(p, "/orders", "alice", "replay-1", r#"{"amount": 1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reused.status(), 422);
+    assert_eq!(
+        header(&reused, "content-type"),
+        Some("application/problem+json")
+    );
+    // No key: 400. No caller: 401. Both problem+json, nothing forwarded.
+    let no_key = client()
+        .post(format!("{p}/orders"))
+        .header("authorization", "Bearer alice")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(no_key.status(), 400);
+    assert_eq!(
+        header(&no_key, "content-type"),
+        Some("application/problem+json")
+    );
+    let nobody = client()
+        .post(format!("{p}/orders"))
+        .header("idempotency-key", "k")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(nobody.status(), 401);
+    assert_eq!(
+        header(&nobody, "content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(upstream.deliveries("/orders").await.len(), 1);
+    // Another caller's same key is another operation.
+    let bob = post(p, "/orders", "bob", "replay-1", body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bob.status(), 201);
+    assert!(header(&bob, "idempotent-replayed").is_none());
+    let both = upstream.deliveries("/orders").await;
+    assert_eq!(both.len(), 2);
+    assert_ne!(op_of(&both[0]), op_of(&both[1]));
+
+    // Other methods pass through untouched, key or not.
+    let get = client()
+        .get(format!("{p}/things/7?q=a"))
+        .header("idempotency-key", "raw")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get.status(), 201);
+    let gets = upstream.deliveries("/things/7?q=a").await;
+    assert_eq!(gets.len(), 1);
+    assert_eq!(gets[0]["method"], "GET");
+    assert_eq!(
+        gets[0]["op"], "raw",
+        "an unguarded request keeps its headers"
+    );
+
+    // A 5xx is passed on and releases the key; the retry reaches the
+    // upstream under the same operation id.
+    let flaky = || post(p, "/flaky", "alice", "flaky-1", body).header("x-test-fail-first", "1");
+    let failed = flaky().send().await.unwrap();
+    assert_eq!(failed.status(), 503);
+    let retried = flaky().send().await.unwrap();
+    assert_eq!(retried.status(), 201);
+    assert!(header(&retried, "idempotent-replayed").is_none());
+    let tries = upstream.deliveries("/flaky").await;
+    assert_eq!(tries.len(), 2);
+    assert_eq!(
+        op_of(&tries[0]),
+        op_of(&tries[1]),
+        "the same operation id after a release"
+    );
+
+    // A 4xx is stored and replayed.
+    let missing = || post(p, "/missing", "alice", "missing-1", body).header("x-test-status", "404");
+    assert_eq!(missing().send().await.unwrap().status(), 404);
+    let replayed = missing().send().await.unwrap();
+    assert_eq!(replayed.status(), 404);
+    assert_eq!(header(&replayed, "idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.deliveries("/missing").await.len(), 1);
+
+    // A body over --max-body (1 MiB): 413, nothing forwarded.
+    let big = "x".repeat((1 << 20) + 1);
+    let too_large = post(p, "/big", "alice", "big-1", &big)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(too_large.status(), 413);
+    assert!(upstream.deliveries("/big").await.is_empty());
+
+    // Its own routes, under a prefix the upstream's paths do not use.
+    let health = client()
+        .get(format!("{p}/_idem/healthz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    let metrics = client()
+        .get(format!("{p}/_idem/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        r#"idem_requests_total{outcome="replay"}"#,
+        r#"idem_requests_total{outcome="mismatch"}"#,
+        r#"idem_requests_total{outcome="released"}"#,
+        r#"idem_proxy_upstream_total{outcome="answered"}"#,
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
+}
+
+#[tokio::test]
+async fn the_contract_on_sqlite() {
+    contract(Mode::Sqlite).await;
+}
+
+#[tokio::test]
+async fn the_contract_on_postgres() {
+    contract(Mode::Postgres).await;
+}
+
+#[tokio::test]
+async fn the_contract_on_mysql() {
+    contract(Mode::MySql).await;
+}
+
+#[tokio::test]
+async fn the_contract_tiered() {
+    contract(Mode::Tiered).await;
+}
+
+#[tokio::test]
+async fn the_contract_on_redis_alone() {
+    contract(Mode::Redis).await;
+}
+
+/// Retries `send` until it is not `409`, within `within`.
+async fn until_not_in_flight(
+    send: impl Fn() -> reqwest::RequestBuilder,
+    within: Duration,
+) -> reqwest::Response {
+    let deadline = Instant::now() + within;
+    loop {
+        let r = send().send().await.unwrap();
+        if r.status() != 409 {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "still 409 after {within:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// An upstream that times out or breaks the connection after acting: the
+/// key is held (`409`) until its lease ends, then the retry reaches the
+/// upstream again under the same operation id, and its own deduplication
+/// answers as the first time. A refused connection releases at once.
+async fn unknown_outcomes(mode: Mode) {
+    let records = records(mode).await;
+    let upstream = Upstream::start();
+    let lease = Duration::from_millis(3000);
+    let proxy = Proxy::start(
+        &records,
+        &upstream.url,
+        &["--lease-ms", "3000", "--upstream-timeout-ms", "1000"],
+    );
+    let p = proxy.url.as_str();
+    let body = r#"{"n": 1}"#;
+    for (path, trouble, status) in [
+        ("/slow", ("x-test-delay-ms", "1500"), 504),
+        ("/crash", ("x-test-crash", "1"), 502),
+    ] {
+        let send = || post(p, path, "alice", path, body);
+        let started = Instant::now();
+        let first = send().header(trouble.0, trouble.1).send().await.unwrap();
+        assert_eq!(first.status(), status, "{path}");
+        assert_eq!(
+            header(&first, "content-type"),
+            Some("application/problem+json")
+        );
+        assert!(header(&first, "retry-after").is_some());
+        // While the lease runs, the key is held.
+        let held = send().send().await.unwrap();
+        if started.elapsed() < lease {
+            assert_eq!(held.status(), 409, "{path}: held until the lease ends");
+        }
+        let after = until_not_in_flight(send, lease * 4).await;
+        assert!(
+            started.elapsed() >= lease,
+            "{path}: not before the lease ended"
+        );
+        assert_eq!(after.status(), 201, "{path}");
+        let tries = upstream.deliveries(path).await;
+        assert_eq!(tries.len(), 2, "{path}");
+        let op = op_of(&tries[0]);
+        assert_eq!(op, op_of(&tries[1]), "{path}: the same operation id");
+        let log = upstream.log().await;
+        assert_eq!(log["effects"][&op], 1, "{path}: one effect");
+    }
+
+    // A refused connection: nothing was sent, so the key is free at once.
+    let nowhere = Proxy::start(&records, "http://127.0.0.1:9", &[]);
+    for _ in 0..2 {
+        let refused = post(&nowhere.url, "/x", "alice", "refused-1", body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), 502, "released, not held");
+    }
+}
+
+#[tokio::test]
+async fn unknown_outcomes_hold_the_key_on_sqlite() {
+    unknown_outcomes(Mode::Sqlite).await;
+}
+
+#[tokio::test]
+async fn unknown_outcomes_hold_the_key_on_postgres() {
+    unknown_outcomes(Mode::Postgres).await;
+}
+
+#[tokio::test]
+async fn unknown_outcomes_hold_the_key_on_redis_alone() {
+    unknown_outcomes(Mode::Redis).await;
+}
+
+/// A proxy killed with `kill -9` while the upstream works: a proxy started
+/// again takes the key over after the lease, under the same operation id,
+/// and the upstream acts once.
+async fn killed_proxy_is_taken_over(mode: Mode) {
+    let records = records(mode).await;
+    let upstream = Upstream::start();
+    let args = ["--lease-ms", "3000", "--upstream-timeout-ms", "2500"];
+    let first = Proxy::start(&records, &upstream.url, &args);
+    let body = r#"{"n": 2}"#;
+    let url = first.url.clone();
+    let inflight = tokio::spawn(
+        post(&url, "/kill", "alice", "kill-1", body)
+            .header("x-test-delay-ms", "1000")
+            .send(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while upstream.deliveries("/kill").await.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the request never reached the upstream"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let killed_at = Instant::now();
+    Command::new("kill")
+        .args(["-9", &first.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(
+        inflight.await.unwrap().is_err(),
+        "the client lost its connection"
+    );
+    let second = Proxy::start(&records, &upstream.url, &args);
+    let send = || post(&second.url, "/kill", "alice", "kill-1", body);
+    let r = until_not_in_flight(send, Duration::from_secs(15)).await;
+    assert!(killed_at.elapsed() >= Duration::from_millis(1500));
+    assert_eq!(r.status(), 201);
+    let tries = upstream.deliveries("/kill").await;
+    assert_eq!(tries.len(), 2);
+    let op = op_of(&tries[0]);
+    assert_eq!(
+        op,
+        op_of(&tries[1]),
+        "taken over under the same operation id"
+    );
+    assert_eq!(upstream.log().await["effects"][&op], 1, "one effect");
+    let replay = send().send().await.unwrap();
+    assert_eq!(header(&replay, "idempotent-replayed"), Some("true"));
+    drop(first);
+}
+
+#[tokio::test]
+async fn a_killed_proxy_is_taken_over_on_postgres() {
+    killed_proxy_is_taken_over(Mode::Postgres).await;
+}
+
+#[tokio::test]
+async fn a_killed_proxy_is_taken_over_on_mysql() {
+    killed_proxy_is_taken_over(Mode::MySql).await;
+}
+
+/// Two proxies on one PostgreSQL: duplicates raced through both reach the
+/// upstream once.
+#[tokio::test]
+async fn two_proxies_on_one_postgres_are_one() {
+    let records = records(Mode::Postgres).await;
+    let upstream = Upstream::start();
+    let a = Proxy::start(&records, &upstream.url, &[]);
+    let b = Proxy::start(&records, &upstream.url, &[]);
+    for round in 0..5 {
+        let key = format!("twin-{round}");
+        let racing: Vec<_> = (0..12)
+            .map(|i| {
+                let p = if i % 2 == 0 { &a.url } else { &b.url };
+                tokio::spawn(
+                    post(p, "/twin", "alice", &key, r#"{"v":1}"#)
+                        .header("x-test-delay-ms", "300")
+                        .send(),
+                )
+            })
+            .collect();
+        let mut fresh = 0;
+        for r in racing {
+            let r = r.await.unwrap().unwrap();
+            match r.status().as_u16() {
+                201 if header(&r, "idempotent-replayed").is_none() => fresh += 1,
+                201 | 409 => {}
+                other => panic!("unexpected {other}"),
+            }
+        }
+        assert_eq!(fresh, 1, "round {round}");
+    }
+    let tries = upstream.deliveries("/twin").await;
+    assert_eq!(tries.len(), 5, "one delivery per key");
+    // Once settled, either proxy replays the same bytes.
+    let from_a = until_not_in_flight(
+        || post(&a.url, "/twin", "alice", "twin-0", r#"{"v":1}"#),
+        Duration::from_secs(10),
+    )
+    .await;
+    let from_b = post(&b.url, "/twin", "alice", "twin-0", r#"{"v":1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(from_a.bytes().await.unwrap(), from_b.bytes().await.unwrap());
+}
+
+/// SIGTERM: the listener closes, the request in flight finishes and its
+/// answer is stored, and the proxy exits 0.
+#[tokio::test]
+async fn sigterm_drains_requests_in_flight() {
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let mut proxy = Proxy::start(&records, &upstream.url, &["--shutdown-grace-secs", "20"]);
+    let url = proxy.url.clone();
+    let inflight = tokio::spawn(
+        post(&url, "/drain", "alice", "drain-1", "{}")
+            .header("x-test-delay-ms", "1500")
+            .send(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while upstream.deliveries("/drain").await.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the request never reached the upstream"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Command::new("kill")
+        .args(["-TERM", &proxy.pid().to_string()])
+        .status()
+        .unwrap();
+    let answer = inflight.await.unwrap().unwrap();
+    assert_eq!(answer.status(), 201, "the request in flight finished");
+    let status = tokio::task::spawn_blocking(move || proxy.child.0.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    // Its answer was stored: a proxy started again replays it.
+    let again = Proxy::start(&records, &upstream.url, &[]);
+    let replay = post(&again.url, "/drain", "alice", "drain-1", "{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&replay, "idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.deliveries("/drain").await.len(), 1);
+}
+
+/// Flags that cannot work are refused at start, saying why.
+#[test]
+fn bad_flags_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("p.db").display());
+    for (flags, says) in [
+        (vec!["--upstream", "https://svc"], "TLS"),
+        (
+            vec![
+                "--upstream",
+                "http://svc",
+                "--lease-ms",
+                "1000",
+                "--upstream-timeout-ms",
+                "1000",
+            ],
+            "below --lease-ms",
+        ),
+        (
+            vec!["--upstream", "http://svc", "--methods", "PO ST"],
+            "--methods",
+        ),
+        (
+            vec![
+                "--upstream",
+                "http://svc",
+                "--no-replay-header",
+                "bad header",
+            ],
+            "--no-replay-header",
+        ),
+        (
+            vec!["--upstream", "http://svc", "--scope-header", "bad header"],
+            "--scope-header",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["proxy", "--listen", "127.0.0.1:0", "--database-url", &db])
+            .args(&flags)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(says), "{flags:?}: {stderr}");
+    }
+}
