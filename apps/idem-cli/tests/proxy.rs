@@ -474,18 +474,24 @@ async fn until_not_in_flight(
     }
 }
 
+/// The time (seconds, the upstream's clock) a delivery arrived.
+fn at(delivery: &Value) -> f64 {
+    delivery["at"].as_f64().unwrap()
+}
+
 /// An upstream that times out or breaks the connection after acting: the
 /// key is held (`409`) until its lease ends, then the retry reaches the
-/// upstream again under the same operation id, and its own deduplication
-/// answers as the first time. A refused connection releases at once.
+/// upstream again under the same operation id, never before, and its own
+/// deduplication answers as the first time. A refused connection releases
+/// at once.
 async fn unknown_outcomes(mode: Mode) {
     let records = records(mode).await;
     let upstream = Upstream::start();
-    let lease = Duration::from_millis(3000);
+    let lease = Duration::from_millis(4000);
     let proxy = Proxy::start(
         &records,
         &upstream.url,
-        &["--lease-ms", "3000", "--upstream-timeout-ms", "1000"],
+        &["--lease-ms", "4000", "--upstream-timeout-ms", "1000"],
     );
     let p = proxy.url.as_str();
     let body = r#"{"n": 1}"#;
@@ -494,35 +500,56 @@ async fn unknown_outcomes(mode: Mode) {
         ("/crash", ("x-test-crash", "1"), 502),
     ] {
         let send = || post(p, path, "alice", path, body);
-        let started = Instant::now();
         let first = send().header(trouble.0, trouble.1).send().await.unwrap();
         assert_eq!(first.status(), status, "{path}");
         assert_eq!(
             header(&first, "content-type"),
             Some("application/problem+json")
         );
-        assert!(header(&first, "retry-after").is_some());
-        // While the lease runs, the key is held.
-        let held = send().send().await.unwrap();
-        if started.elapsed() < lease {
-            assert_eq!(held.status(), 409, "{path}: held until the lease ends");
-        }
-        let after = until_not_in_flight(send, lease * 4).await;
+        let wait: u64 = header(&first, "retry-after").unwrap().parse().unwrap();
         assert!(
-            started.elapsed() >= lease,
-            "{path}: not before the lease ended"
+            (1..=4).contains(&wait),
+            "{path}: Retry-After {wait} within the lease"
         );
+        // While the lease runs (the upstream gave up after 1 s of 4), the
+        // key is held.
+        let held = send().send().await.unwrap();
+        assert_eq!(held.status(), 409, "{path}: held until the lease ends");
+        let after = until_not_in_flight(send, lease * 4).await;
         assert_eq!(after.status(), 201, "{path}");
         let tries = upstream.deliveries(path).await;
         assert_eq!(tries.len(), 2, "{path}");
         let op = op_of(&tries[0]);
         assert_eq!(op, op_of(&tries[1]), "{path}: the same operation id");
+        let gap = at(&tries[1]) - at(&tries[0]);
+        assert!(
+            gap >= lease.as_secs_f64() - 0.2,
+            "{path}: the second delivery came {gap:.3} s after the first, inside the lease"
+        );
         let log = upstream.log().await;
         assert_eq!(log["effects"][&op], 1, "{path}: one effect");
     }
+    let metrics = client()
+        .get(format!("{p}/_idem/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        r#"idem_requests_total{outcome="kept"} 2"#,
+        r#"idem_proxy_upstream_total{outcome="timeout"} 1"#,
+        r#"idem_proxy_upstream_total{outcome="unknown"} 1"#,
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
 
     // A refused connection: nothing was sent, so the key is free at once.
-    let nowhere = Proxy::start(&records, "http://127.0.0.1:9", &[]);
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let nowhere = Proxy::start(&records, &format!("http://127.0.0.1:{port}"), &[]);
     for _ in 0..2 {
         let refused = post(&nowhere.url, "/x", "alice", "refused-1", body)
             .send()
@@ -553,7 +580,8 @@ async fn unknown_outcomes_hold_the_key_on_redis_alone() {
 async fn killed_proxy_is_taken_over(mode: Mode) {
     let records = records(mode).await;
     let upstream = Upstream::start();
-    let args = ["--lease-ms", "3000", "--upstream-timeout-ms", "2500"];
+    let lease = Duration::from_millis(3000);
+    let args = ["--lease-ms", "3000", "--upstream-timeout-ms", "2000"];
     let first = Proxy::start(&records, &upstream.url, &args);
     let body = r#"{"n": 2}"#;
     let url = first.url.clone();
@@ -570,7 +598,6 @@ async fn killed_proxy_is_taken_over(mode: Mode) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let killed_at = Instant::now();
     Command::new("kill")
         .args(["-9", &first.pid().to_string()])
         .status()
@@ -582,10 +609,14 @@ async fn killed_proxy_is_taken_over(mode: Mode) {
     let second = Proxy::start(&records, &upstream.url, &args);
     let send = || post(&second.url, "/kill", "alice", "kill-1", body);
     let r = until_not_in_flight(send, Duration::from_secs(15)).await;
-    assert!(killed_at.elapsed() >= Duration::from_millis(1500));
     assert_eq!(r.status(), 201);
     let tries = upstream.deliveries("/kill").await;
     assert_eq!(tries.len(), 2);
+    let gap = at(&tries[1]) - at(&tries[0]);
+    assert!(
+        gap >= lease.as_secs_f64() - 0.2,
+        "taken over {gap:.3} s after the first delivery, inside its lease"
+    );
     let op = op_of(&tries[0]);
     assert_eq!(
         op,
@@ -696,6 +727,125 @@ async fn sigterm_drains_requests_in_flight() {
     assert_eq!(upstream.deliveries("/drain").await.len(), 1);
 }
 
+/// Sends `request` as it is on a connection of its own and reads the whole
+/// answer (the request asks for `Connection: close`).
+async fn raw(url: &str, request: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = url.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// RFC 9110's hop-by-hop headers, on the way in and out; a chunked body
+/// with `Expect: 100-continue`; `429` releases; a keyless request passes
+/// through where keys are optional; the caller's credential is never
+/// stored in clear.
+#[tokio::test]
+async fn headers_bodies_and_statuses_in_detail() {
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(&records, &upstream.url, &["--max-body", "1000"]);
+    let p = proxy.url.as_str();
+
+    // In: a chunked body, Expect, and headers that belong to this hop.
+    let answer = raw(
+        p,
+        "POST /hop HTTP/1.1\r\nHost: shop.example\r\nAuthorization: Bearer alice\r\n\
+         Idempotency-Key: hop-1\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\
+         Expect: 100-continue\r\nConnection: close, X-Hop\r\nX-Hop: secret\r\nKeep-Alive: timeout=5\r\n\
+         TE: trailers\r\nX-Test-Hop: 1\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(answer.contains("HTTP/1.1 201"), "{answer}");
+    let delivered = upstream.deliveries("/hop").await;
+    assert_eq!(delivered.len(), 1);
+    let d = &delivered[0];
+    assert_eq!(d["body"], "hello world");
+    assert_eq!(received(d, "content-length"), ["11"]);
+    assert_eq!(received(d, "host"), ["shop.example"], "Host passes through");
+    for gone in ["transfer-encoding", "expect", "x-hop", "keep-alive", "te"] {
+        assert!(received(d, gone).is_empty(), "{gone} was forwarded");
+    }
+    // Out: the header the upstream's Connection names is not passed on,
+    // nor replayed.
+    let lower = answer.to_ascii_lowercase();
+    assert!(!lower.contains("x-upstream-hop"), "{answer}");
+    let replay = post(p, "/hop", "alice", "hop-1", "hello world")
+        .header("content-type", "text/plain")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 201);
+    assert_eq!(header(&replay, "idempotent-replayed"), Some("true"));
+    assert!(header(&replay, "x-upstream-hop").is_none());
+    assert!(header(&replay, "connection").is_none_or(|v| !v.contains("X-Upstream-Hop")));
+
+    // An unguarded request whose chunked body goes over --max-body: 413.
+    let big = "x".repeat(1500);
+    let too_large = raw(
+        p,
+        &format!("PUT /big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{:x}\r\n{big}\r\n0\r\n\r\n", big.len()),
+    )
+    .await;
+    assert!(too_large.starts_with("HTTP/1.1 413"), "{too_large}");
+
+    // 429 is "try again later", not the request's outcome: released.
+    let limited = || post(p, "/limited", "alice", "limited-1", "{}").header("x-test-status", "429");
+    assert_eq!(limited().send().await.unwrap().status(), 429);
+    let again = limited().send().await.unwrap();
+    assert_eq!(again.status(), 429);
+    assert!(header(&again, "idempotent-replayed").is_none());
+    let tries = upstream.deliveries("/limited").await;
+    assert_eq!(
+        tries.len(),
+        2,
+        "released, so the retry reached the upstream"
+    );
+    assert_eq!(op_of(&tries[0]), op_of(&tries[1]));
+
+    // The credential is hashed: not in the records, in any form.
+    drop(proxy);
+    let dir = records._dir.as_ref().unwrap().path().to_owned();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(
+            !text.contains("Bearer alice") && !text.contains("alice"),
+            "stored in clear"
+        );
+    }
+
+    // Keys optional: a request without one (or a caller) passes through.
+    let lenient = Proxy::start(&records, &upstream.url, &["--require-key", "false"]);
+    let open = client()
+        .post(format!("{}/open", lenient.url))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(open.status(), 201);
+    let opened = upstream.deliveries("/open").await;
+    assert_eq!(opened.len(), 1);
+    assert!(opened[0]["op"].is_null(), "no key was made up for it");
+    let keyed = post(&lenient.url, "/open", "alice", "open-1", "{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(keyed.status(), 201);
+    assert!(uuid::Uuid::parse_str(
+        upstream.deliveries("/open").await[1]["op"]
+            .as_str()
+            .unwrap()
+    )
+    .is_ok());
+}
+
 /// Flags that cannot work are refused at start, saying why.
 #[test]
 fn bad_flags_are_refused_at_start() {
@@ -708,11 +858,20 @@ fn bad_flags_are_refused_at_start() {
                 "--upstream",
                 "http://svc",
                 "--lease-ms",
-                "1000",
+                "1200",
                 "--upstream-timeout-ms",
-                "1000",
+                "1001",
             ],
-            "below --lease-ms",
+            "5/6 of --lease-ms",
+        ),
+        (
+            vec![
+                "--upstream",
+                "http://svc",
+                "--database-url",
+                "sqlite::memory:",
+            ],
+            "in-memory",
         ),
         (
             vec!["--upstream", "http://svc", "--methods", "PO ST"],
@@ -733,7 +892,13 @@ fn bad_flags_are_refused_at_start() {
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-            .args(["proxy", "--listen", "127.0.0.1:0", "--database-url", &db])
+            .args(["proxy", "--listen", "127.0.0.1:0"])
+            .args(
+                (!flags.contains(&"--database-url"))
+                    .then_some(["--database-url", &db])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(&flags)
             .output()
             .unwrap();

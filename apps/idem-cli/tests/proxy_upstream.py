@@ -8,6 +8,7 @@ Headers it obeys:
   x-test-status: N       answer with status N (default 201)
   x-test-fail-first: N   the first N deliveries of an operation answer 503
   x-test-crash: 1        act, then close the connection without answering
+  x-test-hop: 1          answer with a header named by Connection
 
 GET /_test/log answers {"deliveries": [...], "effects": {op: n}}.
 Prints "upstream listening on PORT" once it listens.
@@ -108,17 +109,17 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         n = json.loads(out)["n"]
-        self.answer(
-            status,
-            out,
-            [
-                ("Location", "/things/%d" % n),
-                ("ETag", '"%d"' % n),
-                ("X-Custom", "kept-%d" % n),
-                ("Set-Cookie", "session=%s" % uuid.uuid4().hex),
-                ("X-Request-Id", uuid.uuid4().hex),
-            ],
-        )
+        extra = [
+            ("Location", "/things/%d" % n),
+            ("ETag", '"%d"' % n),
+            ("X-Custom", "kept-%d" % n),
+            ("Set-Cookie", "session=%s" % uuid.uuid4().hex),
+            ("X-Request-Id", uuid.uuid4().hex),
+        ]
+        if self.headers.get("x-test-hop"):
+            # A header that belongs to this connection only (RFC 9110 7.6.1).
+            extra += [("Connection", "X-Upstream-Hop"), ("X-Upstream-Hop", "1")]
+        self.answer(status, out, extra)
 
 
 def main():

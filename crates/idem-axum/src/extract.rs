@@ -25,6 +25,9 @@ pub(crate) enum Completion {
     /// The handler cannot know whether its effect happened: the claim is
     /// kept (neither completed nor released) until its lease runs out.
     Kept,
+    /// The answer is not the request's outcome (a rate limit): the claim
+    /// is released whatever its status.
+    Released,
 }
 
 #[derive(Debug)]
@@ -188,8 +191,36 @@ impl Idempotency {
     /// claim over under the same operation id, so the effect is never
     /// attempted twice at once. This is how `idem proxy` treats an
     /// upstream that did not answer.
+    ///
+    /// Call it **before** starting an effect whose outcome may be lost, and
+    /// [`settle_by_answer`](Self::settle_by_answer) once the outcome is
+    /// known: if the handler panics or its task is dropped in between (a
+    /// process shutting down), the claim is kept rather than released, so
+    /// no retry runs beside an effect that may still be going on.
     pub fn keep_claim(&self) {
         self.set_completion(Completion::Kept);
+    }
+
+    /// Tells the layer that the answer is not the outcome of the request
+    /// (a rate limit, `429`, or `408`/`425` from a system called): the
+    /// claim is released whatever the status, so the retry runs, under
+    /// the same operation id.
+    pub fn release_claim(&self) {
+        self.set_completion(Completion::Released);
+    }
+
+    /// Undoes [`keep_claim`](Self::keep_claim) or
+    /// [`release_claim`](Self::release_claim): the answer is stored or
+    /// releases the claim by its status, as usual.
+    pub fn settle_by_answer(&self) {
+        let mut completion = self
+            .inner
+            .completion
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if matches!(*completion, Completion::Kept | Completion::Released) {
+            *completion = Completion::ByLayer;
+        }
     }
 
     fn set_completion(&self, c: Completion) {

@@ -41,6 +41,15 @@ async fn finish(
     response: Response,
 ) -> Response {
     let status = response.status().as_u16();
+    if handle.completion() == Completion::Released {
+        info!(
+            status,
+            "the answer is not the request's outcome; releasing the claim"
+        );
+        count(Outcome::Released);
+        guard.release_now().await;
+        return response;
+    }
     if handle.completion() == Completion::Kept {
         count(Outcome::Kept);
         info!(
@@ -86,7 +95,7 @@ async fn finish(
             config.store.settled(&guard.claim).await;
             return response;
         }
-        Completion::ByLayer | Completion::Kept => {}
+        Completion::ByLayer | Completion::Kept | Completion::Released => {}
     }
     let (parts, body) = response.into_parts();
     let bytes = match body.collect().await {
@@ -135,14 +144,29 @@ pub(crate) struct ReleaseGuard {
     store: Arc<dyn Store>,
     claim: Claim,
     armed: bool,
+    /// The handler's handle: a claim it keeps ([`Idempotency::keep_claim`])
+    /// is not released when the request ends unfinished.
+    handle: Option<Idempotency>,
 }
 
 impl ReleaseGuard {
+    #[cfg(test)]
     pub(crate) fn new(store: Arc<dyn Store>, claim: Claim) -> Self {
         Self {
             store,
             claim,
             armed: true,
+            handle: None,
+        }
+    }
+
+    /// A guard that leaves the claim alone if `handle` keeps it.
+    pub(crate) fn watching(store: Arc<dyn Store>, handle: &Idempotency) -> Self {
+        Self {
+            store,
+            claim: handle.claim().clone(),
+            armed: true,
+            handle: Some(handle.clone()),
         }
     }
 
@@ -178,6 +202,14 @@ impl Drop for ReleaseGuard {
             return;
         }
         let panicking = std::thread::panicking();
+        if self
+            .handle
+            .as_ref()
+            .is_some_and(|h| h.completion() == Completion::Kept)
+        {
+            warn!(key = ?self.claim.key, panicking, "the handler did not finish while its outcome was unknown; the claim is kept until its lease runs out");
+            return;
+        }
         warn!(key = ?self.claim.key, panicking, "the handler did not finish; releasing the claim");
         // The decision table's "handler panicked or was dropped" row: release.
         let store = self.store.clone();
@@ -224,6 +256,32 @@ mod tests {
         };
         assert!(again.takeover);
         assert_eq!(again.operation_id, claim.operation_id);
+
+        // a guard whose handler keeps its claim (the outcome is unknown)
+        // leaves it alone
+        let handle = Idempotency::new(
+            again.clone(),
+            Arc::new(idem_core::Policy::default()),
+            std::time::Instant::now(),
+        );
+        handle.keep_claim();
+        drop(ReleaseGuard::watching(store.clone(), &handle));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let record = store.get("s", "k").await.unwrap().unwrap();
+        assert!(
+            matches!(record.state, RecordState::InProgress { token, .. } if token == again.token)
+        );
+        // ... and releases it once the outcome is known
+        handle.settle_by_answer();
+        drop(ReleaseGuard::watching(store.clone(), &handle));
+        let released = loop {
+            match store.claim(&request).await.unwrap() {
+                ClaimOutcome::Acquired(c) => break c,
+                ClaimOutcome::Existing(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        assert_eq!(released.operation_id, claim.operation_id);
+        let again = released;
 
         // a disarmed guard leaves the claim alone
         let mut kept = ReleaseGuard::new(store.clone(), again.clone());

@@ -103,7 +103,7 @@ where
     // the client's retry gets the replay. If the task itself is dropped or
     // panics, the guard releases the claim.
     let run = async move {
-        let guard = ReleaseGuard::new(config.store.clone(), claim);
+        let guard = ReleaseGuard::watching(config.store.clone(), &handle);
         let result = inner
             .call(Request::from_parts(parts, Body::from(bytes)))
             .await;
@@ -151,7 +151,7 @@ where
             count(Outcome::CompletedOutsideTransaction);
             warn!("the handler answered without completing its record in its transaction (Idempotency::complete_in); the layer completes it now");
         }
-        let guard = ReleaseGuard::new(finish_config.store.clone(), handle.claim().clone());
+        let guard = ReleaseGuard::watching(finish_config.store.clone(), &handle);
         finish_result(&finish_config, &handle, guard, result).await
     };
     match tokio::spawn(run.in_current_span()).await {

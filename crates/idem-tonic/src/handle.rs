@@ -108,16 +108,25 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (parts, body) = request.into_parts();
-    let scope = match config.scope.scope(&parts) {
-        Ok(scope) => scope,
-        Err(status) => return Ok(answer::refuse(status)),
-    };
     let values = parts
         .headers
         .get_all(IDEMPOTENCY_KEY)
         .iter()
         .map(HeaderValue::as_bytes);
-    let key = match IdempotencyKey::from_header_values(values) {
+    let key = IdempotencyKey::from_header_values(values);
+    // A call without a key, where none is required, is not guarded: it
+    // passes through untouched, whatever its scope (as on the HTTP edge).
+    let scope = if matches!(key, Err(KeyError::Missing))
+        && matches!(on_missing_key(&config.policy), MissingKey::PassThrough)
+    {
+        String::new()
+    } else {
+        match config.scope.scope(&parts) {
+            Ok(scope) => scope,
+            Err(status) => return Ok(answer::refuse(status)),
+        }
+    };
+    let key = match key {
         Ok(key) => key,
         Err(KeyError::Missing) => match on_missing_key(&config.policy) {
             MissingKey::PassThrough => {

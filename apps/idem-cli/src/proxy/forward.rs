@@ -43,6 +43,8 @@ pub(crate) struct UpstreamLimits {
     pub(crate) max_answer: usize,
     /// The largest request body sent through.
     pub(crate) max_body: usize,
+    /// How long an idle pooled connection to the upstream is reused.
+    pub(crate) idle: Duration,
 }
 
 /// What `--upstream` may be.
@@ -79,6 +81,7 @@ impl Upstream {
             lease,
             max_answer,
             max_body,
+            idle,
         } = limits;
         let uri: Uri = url
             .parse()
@@ -94,7 +97,10 @@ impl Upstream {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout.min(Duration::from_secs(5))));
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            // Below the upstream's own keep-alive timeout: a request sent on
+            // a connection the upstream is closing is an unknown outcome,
+            // which holds its key for a lease.
+            .pool_idle_timeout(idle)
             .pool_max_idle_per_host(512)
             .build(connector);
         Ok(Self {
@@ -156,11 +162,29 @@ impl Upstream {
         if let Ok(id) = HeaderValue::from_str(&idem.operation_id().to_string()) {
             parts.headers.insert(idem_axum::IDEMPOTENCY_KEY, id);
         }
-        // Never past the claim's lease: when the lease ends, a retry may
-        // take the key over, and the first delivery must be over by then.
-        let lease_left = idem.lease_left();
-        let margin = (self.lease / 10).min(Duration::from_secs(1));
-        let allowed = self.timeout.min(lease_left.saturating_sub(margin));
+        // Never past the claim's lease, with a sixth of it to spare: when
+        // the lease ends, a retry may take the key over, and the first
+        // delivery must be over by then.
+        let allowed = self
+            .timeout
+            .min(idem.lease_left().saturating_sub(self.lease / 6));
+        if allowed < MIN_ATTEMPT {
+            // The claim itself took most of the lease: send nothing, and
+            // let the key go (a 5xx releases it).
+            count("not_sent");
+            let mut answer = problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-slow",
+                "The store took too long to claim the key; nothing was sent",
+                format!("{} ms of the lease left", idem.lease_left().as_millis()),
+            );
+            set_retry_after(&mut answer, Duration::from_secs(1));
+            return answer;
+        }
+        // Until the outcome is known, an unfinished request (a panic, a
+        // shutdown) keeps the key rather than freeing it beside a delivery
+        // that may still be going on.
+        idem.keep_claim();
         let started = Instant::now();
         let ended = match tokio::time::timeout(
             allowed,
@@ -172,15 +196,22 @@ impl Upstream {
             Err(_) => Ended::TimedOut,
         };
         metrics::histogram!("idem_proxy_upstream_seconds").record(started.elapsed().as_secs_f64());
-        let retry = idem.lease_left().as_secs().max(1);
+        let held = idem.lease_left();
         match ended {
             Ended::Answered(response) => {
                 count("answered");
+                if RELEASED.contains(&response.status().as_u16()) {
+                    // "Try again later" is not the request's outcome.
+                    idem.release_claim();
+                } else {
+                    idem.settle_by_answer();
+                }
                 response
             }
             Ended::Refused(why) => {
                 count("refused");
                 // Nothing was sent: the layer releases the claim (a 5xx).
+                idem.settle_by_answer();
                 problem(
                     StatusCode::BAD_GATEWAY,
                     "upstream-unreachable",
@@ -190,26 +221,24 @@ impl Upstream {
             }
             Ended::Unknown(why) => {
                 count("unknown");
-                idem.keep_claim();
                 let mut answer = problem(
                     StatusCode::BAD_GATEWAY,
                     "upstream-outcome-unknown",
                     "The upstream may have acted on the request but gave no whole answer",
                     format!("{why}; the key is held until its lease runs out, then a retry reaches the upstream again under the same operation id"),
                 );
-                set_retry_after(&mut answer, retry);
+                set_retry_after(&mut answer, held);
                 answer
             }
             Ended::TimedOut => {
                 count("timeout");
-                idem.keep_claim();
                 let mut answer = problem(
                     StatusCode::GATEWAY_TIMEOUT,
                     "upstream-timeout",
                     "The upstream did not answer in time",
                     format!("no answer within {} ms; the key is held until its lease runs out, then a retry reaches the upstream again under the same operation id", allowed.as_millis()),
                 );
-                set_retry_after(&mut answer, retry);
+                set_retry_after(&mut answer, held);
                 answer
             }
         }
@@ -219,9 +248,14 @@ impl Upstream {
     async fn send_and_read(&self, request: Request<Body>) -> Ended {
         let answer = match self.client.request(request).await {
             Ok(answer) => answer,
-            Err(e) if e.is_connect() => return Ended::Refused(crate::chain(&e)),
+            Err(e) if nothing_sent(&e) => return Ended::Refused(crate::chain(&e)),
             Err(e) => return Ended::Unknown(crate::chain(&e)),
         };
+        if answer.status().is_informational() {
+            // A 101 to a request that asked for no upgrade: no answer to
+            // keep or pass on.
+            return Ended::Unknown(format!("it answered {}", answer.status()));
+        }
         let (mut parts, body) = answer.into_parts();
         let bytes = match Limited::new(body, self.max_answer).collect().await {
             Ok(collected) => collected.to_bytes(),
@@ -269,8 +303,18 @@ impl Upstream {
                 strip_hop_by_hop(&mut parts.headers);
                 Response::from_parts(parts, Body::new(body))
             }
+            Ok(Err(e)) if is_too_large(&e) => problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload-too-large",
+                "The request body is too large",
+                format!("at most {} bytes", self.max_body),
+            ),
             Ok(Err(e)) => {
-                count(if e.is_connect() { "refused" } else { "unknown" });
+                count(if nothing_sent(&e) {
+                    "refused"
+                } else {
+                    "unknown"
+                });
                 debug!(error = %crate::chain(&e), "an unguarded request failed upstream");
                 problem(
                     StatusCode::BAD_GATEWAY,
@@ -314,10 +358,49 @@ pub(crate) fn problem(
         .into_response()
 }
 
-fn set_retry_after(answer: &mut Response, secs: u64) {
+/// The shortest wait for the upstream worth sending a guarded request for.
+const MIN_ATTEMPT: Duration = Duration::from_millis(10);
+
+/// Upstream answers that release the key instead of being stored: they say
+/// "try again later", not what became of the request.
+const RELEASED: &[u16] = &[408, 425, 429];
+
+/// `Retry-After` in whole seconds, rounded up (at least one): a client that
+/// waits that long finds the key free.
+fn set_retry_after(answer: &mut Response, wait: Duration) {
+    let secs = wait.as_millis().div_ceil(1000).max(1);
+    let secs = u64::try_from(secs).unwrap_or(u64::MAX);
     answer
         .headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+}
+
+/// Whether the client failed before any of the request was written: the
+/// connection was refused, or hyper gave the request back unsent.
+fn nothing_sent(e: &hyper_util::client::legacy::Error) -> bool {
+    if e.is_connect() {
+        return true;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            return h.is_canceled();
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// Whether the request failed because its body went over `--max-body`.
+fn is_too_large(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// The hop-by-hop headers of RFC 9110 §7.6.1, which belong to one
@@ -382,6 +465,7 @@ mod tests {
             lease: Duration::from_secs(2),
             max_answer: 1,
             max_body: 1,
+            idle: Duration::from_secs(1),
         };
         let ok = Upstream::new("http://127.0.0.1:9000/api/", t).unwrap();
         assert_eq!(ok.url(), "http://127.0.0.1:9000/api");

@@ -66,6 +66,11 @@ pub(crate) struct ProxyArgs {
     /// it is answered `401`.
     #[arg(long, env = "IDEM_SCOPE_HEADER", default_value = "Authorization")]
     pub(crate) scope_header: String,
+    /// A secret that keys the scope's hash (HMAC-SHA-256), so that a
+    /// low-entropy credential (a Basic password) cannot be guessed from the
+    /// records; the same on every proxy of a store. Without it, SHA-256.
+    #[arg(long, env = "IDEM_SCOPE_SECRET", hide_env_values = true)]
+    pub(crate) scope_secret: Option<String>,
     /// How long one delivery holds its key: a retry takes an unfinished
     /// one over only after it (a crashed proxy, an upstream that never
     /// answered).
@@ -82,10 +87,15 @@ pub(crate) struct ProxyArgs {
     #[arg(long, env = "IDEM_MAX_BODY", default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     pub(crate) max_body: u64,
     /// The longest wait for the upstream's answer (default: 5/6 of the
-    /// lease, at most 25 s). Must be below `--lease-ms`: a delivery is over
-    /// before a retry may take its key over.
+    /// lease, at most 25 s). At most 5/6 of `--lease-ms`: a delivery is
+    /// over, with time to spare, before a retry may take its key over.
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT_MS", value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
     pub(crate) upstream_timeout_ms: Option<u64>,
+    /// How long an idle connection to the upstream is kept for reuse; keep
+    /// it below the upstream's keep-alive timeout (a request sent on a
+    /// connection the upstream is closing has an unknown outcome).
+    #[arg(long, env = "IDEM_UPSTREAM_IDLE_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    pub(crate) upstream_idle_timeout_ms: u64,
     /// The methods guarded (others pass through untouched).
     #[arg(
         long,
@@ -106,9 +116,10 @@ pub(crate) struct ProxyArgs {
     /// is answered `502` and its key held until its lease runs out.
     #[arg(long, env = "IDEM_MAX_RESPONSE_BODY", default_value_t = 16 << 20, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     pub(crate) max_response_body: u64,
-    /// Connections in the database pool.
-    #[arg(long, env = "IDEM_DB_CONNECTIONS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub(crate) db_connections: u32,
+    /// Connections in the database pool (default 2 on SQLite, whose
+    /// writes take turns, 16 on the others).
+    #[arg(long, env = "IDEM_DB_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub(crate) db_connections: Option<u32>,
     /// A client must send a request's head within this.
     #[arg(long, env = "IDEM_HEADER_TIMEOUT_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) header_timeout_secs: u64,
@@ -118,8 +129,9 @@ pub(crate) struct ProxyArgs {
     /// Client connections served at once; more are closed at once.
     #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub(crate) max_connections: u64,
-    /// On SIGTERM, requests in flight may finish within this.
-    #[arg(long, env = "IDEM_SHUTDOWN_GRACE_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    /// On SIGTERM, requests in flight may finish within this (keep it above
+    /// the upstream timeout).
+    #[arg(long, env = "IDEM_SHUTDOWN_GRACE_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub(crate) shutdown_grace_secs: u64,
 }
 
@@ -133,13 +145,21 @@ impl ProxyArgs {
             redis_url: self.redis_url.clone(),
             redis_cluster: self.redis_cluster,
             redis_prefix: self.redis_prefix.clone(),
-            connections: self.db_connections,
+            connections: self.db_connections.unwrap_or(
+                if self.database_url.starts_with("sqlite:") {
+                    2
+                } else {
+                    16
+                },
+            ),
         }
     }
 
     /// The secrets of its URLs, for [`crate::scrub`].
     pub(crate) fn secrets(&self) -> Vec<String> {
-        self.target().secrets()
+        let mut found = self.target().secrets();
+        found.extend(self.scope_secret.iter().cloned());
+        found
     }
 
     /// The claims' policy.
@@ -164,14 +184,15 @@ impl ProxyArgs {
 
     /// How long to wait for the upstream: below the lease, always.
     fn upstream_timeout(&self) -> Result<Duration, crate::Failure> {
+        let most = self.lease_ms * 5 / 6;
         match self.upstream_timeout_ms {
-            Some(ms) if ms >= self.lease_ms => Err(format!(
-                "--upstream-timeout-ms ({ms}) must be below --lease-ms ({}): a retry may take a key over when its lease ends, and the first delivery must be over by then",
+            Some(ms) if ms > most => Err(format!(
+                "--upstream-timeout-ms ({ms}) must be at most 5/6 of --lease-ms ({most} of {}): a retry may take a key over when its lease ends, and the first delivery must be over by then",
                 self.lease_ms
             )
             .into()),
             Some(ms) => Ok(Duration::from_millis(ms)),
-            None => Ok(Duration::from_millis((self.lease_ms * 5 / 6).min(25_000))),
+            None => Ok(Duration::from_millis(most.min(25_000))),
         }
     }
 
@@ -207,6 +228,17 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
     let policy = args.policy()?;
     let methods = args.methods()?;
     let timeout = args.upstream_timeout()?;
+    let url = &args.database_url;
+    if url.starts_with("sqlite:") && (url.contains(":memory:") || url.contains("mode=memory")) {
+        return Err("--database-url: an in-memory SQLite database loses every record when the proxy stops (and is not shared by its connections); give a file, sqlite:FILE".into());
+    }
+    if Duration::from_secs(args.shutdown_grace_secs) < timeout {
+        warn!(
+            grace_secs = args.shutdown_grace_secs,
+            upstream_timeout_ms = timeout.as_millis(),
+            "--shutdown-grace-secs is below the upstream timeout: a stop may cut requests in flight (their keys are then held until their lease runs out)"
+        );
+    }
     let upstream = Upstream::new(
         &args.upstream,
         UpstreamLimits {
@@ -214,6 +246,7 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
             lease: policy.lease(),
             max_answer: usize::try_from(args.max_response_body)?,
             max_body: policy.max_body(),
+            idle: Duration::from_millis(args.upstream_idle_timeout_ms),
         },
     )?;
     let scope_header =
@@ -236,8 +269,12 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
         )
         .with_state(upstream.clone())
         .layer(
-            IdempotencyLayer::new(store.clone(), policy.clone(), hashed_scope(scope_header))
-                .methods(methods),
+            IdempotencyLayer::new(
+                store.clone(),
+                policy.clone(),
+                hashed_scope(scope_header, args.scope_secret.clone()),
+            )
+            .methods(methods),
         );
     let app = Router::new()
         .route("/_idem/healthz", get(healthz))
@@ -278,28 +315,46 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
 }
 
 /// The scope of a request: a hash of the one value of `header` (a token is
-/// never stored in clear); a request without it, or with it twice, is
-/// refused with `401`.
+/// never stored in clear), keyed by `secret` if there is one; a request
+/// without it, or with it twice, is refused with `401`.
 fn hashed_scope(
     header: http::HeaderName,
+    secret: Option<String>,
 ) -> impl Fn(&Parts) -> Result<String, Response> + Send + Sync + 'static {
     move |parts: &Parts| {
         let mut values = parts.headers.get_all(&header).iter();
         match (values.next(), values.next()) {
             (Some(value), None) if !value.as_bytes().trim_ascii().is_empty() => {
-                let digest = Sha256::digest(value.as_bytes());
-                let mut scope = String::with_capacity(7 + 64);
-                scope.push_str("sha256:");
-                for byte in digest {
-                    scope.push_str(&format!("{byte:02x}"));
-                }
-                Ok(scope)
+                Ok(scope_of(value.as_bytes(), secret.as_deref()))
             }
             _ => Err(scope_missing(format!(
                 "send the {header} header exactly once: idem proxy keeps each caller's keys apart by it"
             ))),
         }
     }
+}
+
+/// `sha256:<hex>` of `value`, or `hmac:<hex>` of it keyed by `secret`.
+fn scope_of(value: &[u8], secret: Option<&str>) -> String {
+    use hmac::{Hmac, Mac};
+    let (kind, digest): (&str, Vec<u8>) = match secret {
+        Some(secret) => match Hmac::<Sha256>::new_from_slice(secret.as_bytes()) {
+            Ok(mut mac) => {
+                mac.update(value);
+                ("hmac", mac.finalize().into_bytes().to_vec())
+            }
+            // HMAC takes a key of any length; kept total all the same.
+            Err(_) => ("sha256", Sha256::digest(value).to_vec()),
+        },
+        None => ("sha256", Sha256::digest(value).to_vec()),
+    };
+    let mut scope = String::with_capacity(kind.len() + 1 + 64);
+    scope.push_str(kind);
+    scope.push(':');
+    for byte in digest {
+        scope.push_str(&format!("{byte:02x}"));
+    }
+    scope
 }
 
 /// `GET /_idem/healthz`: `200` when the store answers a read within 2 s.
@@ -367,4 +422,24 @@ async fn stop_signal() {
         _ = int.recv() => {},
     }
     info!("stopping: no new connections; requests in flight may finish");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scope_is_a_hash_and_a_secret_keys_it() {
+        let plain = scope_of(b"Bearer alice", None);
+        assert!(
+            plain.starts_with("sha256:") && plain.len() == 7 + 64,
+            "{plain}"
+        );
+        assert!(!plain.contains("alice"));
+        assert_ne!(plain, scope_of(b"Bearer bob", None));
+        let keyed = scope_of(b"Bearer alice", Some("s3cret"));
+        assert!(keyed.starts_with("hmac:"), "{keyed}");
+        assert_ne!(keyed, scope_of(b"Bearer alice", Some("other")));
+        assert_eq!(keyed, scope_of(b"Bearer alice", Some("s3cret")));
+    }
 }
