@@ -46,6 +46,11 @@
 //! | handler answered `4xx` | stored and replayed |
 //! | handler answered `5xx` or panicked (`500`) | claim released: the next retry runs (same operation id) |
 //! | client disconnected mid-request | the handler runs to the end on its own task; its answer is stored for the retry |
+//! | the handler's outcome is unknown ([`Idempotency::keep_claim`]: a call it made timed out) | its answer passed on, neither stored nor released: the key is held until its lease ends |
+//! | the answer is not the outcome ([`Idempotency::release_claim`]: a rate limit) | passed on, the claim released |
+//!
+//! With the `serve` feature, `serve::serve` serves an app with header and
+//! body timeouts, a connection cap and a graceful drain.
 //!
 //! Errors are `application/problem+json` whose `type` ends in
 //! `idempotency-key-missing`, `idempotency-key-invalid`,
