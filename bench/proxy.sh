@@ -4,7 +4,8 @@
 # idem-load (HTTP/1.1, concurrency 32): the upstream alone and new keys
 # through the proxy alternated in rounds (medians), then replays of completed
 # keys and duplicates of an in-flight key; on SQLite, PostgreSQL and Redis
-# alone. When ldclabs' idempotent-proxy (the Redis reverse proxy peer) is
+# alone; and the proxy passing requests through unguarded (the hop's own
+# cost, the ceiling of the guarded rows). When ldclabs' idempotent-proxy (the Redis reverse proxy peer) is
 # built, its new keys and replays are measured in the same rounds:
 #
 #   git clone https://github.com/ldclabs/idempotent-proxy && cd idempotent-proxy
@@ -64,6 +65,10 @@ proxy[postgres]=$(start postgres "$BIN/idem" proxy --listen 127.0.0.1:0 --upstre
   --database-url "$PG?options=-c%20search_path%3D$SCHEMA")
 proxy[redis]=$(start redis "$BIN/idem" proxy --listen 127.0.0.1:0 --upstream "$upstream" \
   --database-url "$REDIS" --redis-prefix "$PREFIX")
+# The same proxy guarding no method: POST passes through, so its row is the
+# HTTP hop alone (the ceiling of every guarded row).
+hop=$(start hop "$BIN/idem" proxy --listen 127.0.0.1:0 --upstream "$upstream" \
+  --database-url "sqlite:$out/hop.db" --methods PUT)
 stores=(sqlite postgres redis)
 peer=""
 if [ -x "$PEER" ]; then
@@ -91,6 +96,7 @@ load() { # label url mix
 }
 for round in $(seq 1 "$ROUNDS"); do
   load bare "$upstream/bare/payments" new=100
+  load hop "$hop/bare/payments" new=100
   for s in "${stores[@]}"; do
     load "$s new" "${proxy[$s]}/bare/payments" new=100
   done
@@ -123,6 +129,7 @@ def row(config, scenario, label):
     errors = sum(r["errors"] for r in rows[label])
     print(f"| {config} | {scenario} | {rps:.0f} | {p50:.2f} | {p99:.2f} | {errors} | {rps / bare_rps:.2f}× | {p50 / bare_p50:.2f}× | {len(rows[label])} |")
 row("upstream alone", "no proxy", "bare")
+row("idem proxy, guarding no method", "pass-through (the hop alone)", "hop")
 for s, name in [("sqlite", "idem proxy, SQLite"), ("postgres", "idem proxy, PostgreSQL"), ("redis", "idem proxy, Redis alone")]:
     for scenario in ["new", "replay", "inflight"]:
         row(name, {"new": "new keys", "replay": "replays", "inflight": "in-flight duplicates (409)"}[scenario], f"{s} {scenario}")
