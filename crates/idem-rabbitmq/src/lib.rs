@@ -2,7 +2,11 @@
 //!
 //! - [`RabbitPublisher`]: an outbox [`Publisher`] with publisher confirms;
 //!   every message carries its id in the AMQP `message_id` property and is
-//!   persistent. A message counts as published only once the broker acked it.
+//!   persistent. A message counts as published only once the broker acked it
+//!   and routed it to a queue: it is published `mandatory`, so one whose
+//!   destination names no queue comes back and is a publish error
+//!   (`Rejected`, retried and then dead-lettered in the outbox), never
+//!   marked sent.
 //! - [`RabbitConsumer`]: a consumer with manual acks and a prefetch window.
 //!   A handler error requeues the message; the queue (a quorum queue with
 //!   `x-delivery-limit`) dead-letters it to `<queue>.dlq` after the allowed
@@ -169,7 +173,12 @@ impl Publisher for RabbitPublisher {
                     .basic_publish(
                         "".into(),
                         m.destination.clone().into(),
-                        BasicPublishOptions::default(),
+                        // Mandatory: a message no queue receives comes back
+                        // (basic.return) instead of being confirmed and dropped.
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
                         &m.payload,
                         properties(m),
                     )
@@ -182,7 +191,18 @@ impl Publisher for RabbitPublisher {
                     &m.message_id,
                     match sent {
                         Ok(confirm) => match confirm.await {
-                            Ok(Confirmation::Ack(_)) => Ok(()),
+                            Ok(Confirmation::Ack(None)) => Ok(()),
+                            // Acked, but returned first: no queue is bound to
+                            // the destination, so nobody will ever read it.
+                            Ok(Confirmation::Ack(Some(returned))) => Err(PublishError::new(
+                                PublishErrorKind::Rejected,
+                                format!(
+                                    "unroutable: no queue receives messages for {:?} (the broker returned it: {} {})",
+                                    m.destination,
+                                    returned.reply_code,
+                                    returned.reply_text
+                                ),
+                            )),
                             Ok(other) => Err(PublishError::new(
                                 PublishErrorKind::Rejected,
                                 format!("the broker did not ack: {other:?}"),

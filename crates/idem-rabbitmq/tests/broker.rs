@@ -111,3 +111,36 @@ impl Broker for Rabbit {
 }
 
 idem_test_support::broker_suite!(rabbit);
+
+/// A message whose destination names no queue is returned by the broker:
+/// a publish error, never confirmed (so the relay never marks it sent).
+// Multi-threaded: dropping `Rabbit` deletes its queues over the same
+// connection, whose I/O must keep running meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_message_is_a_publish_error_not_a_confirm() {
+    use idem_outbox::outbox::{OutgoingMessage, PublishErrorKind};
+    let r = rabbit(3).await;
+    let nowhere = format!("idem-test-no-queue-{}", uuid::Uuid::new_v4().simple());
+    let batch = [
+        OutgoingMessage::new("m-lost", nowhere.clone(), "lost?"),
+        OutgoingMessage::new("m-ok", r.spec.name().to_owned(), "fine"),
+    ];
+    let published = r.publisher.publish(&batch).await;
+    assert!(
+        published.confirmed("m-ok"),
+        "a routable message is confirmed"
+    );
+    let lost = published
+        .get("m-lost")
+        .expect("the publisher says what became of it");
+    let error = lost
+        .as_ref()
+        .expect_err("an unroutable message is not confirmed");
+    assert_eq!(error.kind(), PublishErrorKind::Rejected);
+    assert!(
+        error.message().contains("unroutable"),
+        "{}",
+        error.message()
+    );
+    assert!(error.message().contains(&nowhere), "{}", error.message());
+}
