@@ -75,7 +75,8 @@ enum Command {
         json: bool,
     },
     /// Free a stuck in-progress claim so that the next retry takes it over
-    /// (same operation id). Asks for confirmation; refuses a completed record.
+    /// (same operation id). Asks for confirmation; refuses a completed
+    /// record, and a claim whose lease is still running unless `--force`.
     Release {
         #[command(flatten)]
         target: Target,
@@ -88,6 +89,11 @@ enum Command {
         /// Do not ask for confirmation.
         #[arg(long)]
         yes: bool,
+        /// Release even while the holder's lease runs: only when you know
+        /// the holder is dead (its process is gone), since a retry then
+        /// runs beside a holder that may still be working.
+        #[arg(long)]
+        force: bool,
     },
     /// The outbox: messages pending, sent, and dead-lettered (with why).
     Outbox {
@@ -165,17 +171,23 @@ impl Target {
         found
     }
 
-    /// The Redis in front of the database, if one was named.
-    async fn redis(&self) -> Result<Option<idem_redis::RedisStore>, Failure> {
-        let Some(url) = &self.redis_url else {
-            return Ok(None);
-        };
+    /// How to reach the Redis at `url` (a cluster's nodes comma-separated
+    /// with `--redis-cluster`), under `--redis-prefix`.
+    fn redis_config(&self, url: &str) -> idem_redis::RedisConfig {
         let config = if self.redis_cluster {
             idem_redis::RedisConfig::cluster(url.split(',').map(str::trim))
         } else {
             idem_redis::RedisConfig::new(url)
         };
-        let store = idem_redis::RedisStore::connect(config.prefix(&self.redis_prefix))
+        config.prefix(&self.redis_prefix)
+    }
+
+    /// The Redis in front of the database, if one was named.
+    async fn redis(&self) -> Result<Option<idem_redis::RedisStore>, Failure> {
+        let Some(url) = &self.redis_url else {
+            return Ok(None);
+        };
+        let store = idem_redis::RedisStore::connect(self.redis_config(url))
             .await
             .map_err(|e| {
                 format!(
@@ -292,12 +304,7 @@ async fn open_store(target: &Target) -> Result<Arc<dyn Store>, Failure> {
     use idem_sql::SqlRecords;
     let url = &target.database_url;
     if url.starts_with("redis://") || url.starts_with("rediss://") {
-        let config = if target.redis_cluster {
-            idem_redis::RedisConfig::cluster(url.split(',').map(str::trim))
-        } else {
-            idem_redis::RedisConfig::new(url)
-        };
-        let store = idem_redis::RedisStore::connect(config.prefix(&target.redis_prefix))
+        let store = idem_redis::RedisStore::connect(target.redis_config(url))
             .await
             .map_err(|e| format!("cannot connect to Redis at {}: {e}", redact(url)))?;
         return Ok(Arc::new(store));
@@ -538,17 +545,30 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
             scope,
             key,
             yes,
+            force,
         } => {
             let Some(seen) = store.inspect_record(&scope, &key).await.map_err(explain)? else {
                 eprintln!("no record for scope {scope:?} and key {key:?}");
                 return Ok(ExitCode::from(1));
             };
-            let RecordState::InProgress { token, .. } = &seen.record.state else {
+            let RecordState::InProgress {
+                token,
+                locked_until,
+            } = &seen.record.state
+            else {
                 eprintln!(
                     "refused: the record is completed; releasing it would let the operation run again"
                 );
                 return Ok(ExitCode::from(1));
             };
+            if *locked_until > seen.now && !force {
+                eprintln!(
+                    "refused: the holder's lease runs until {} (for {} more): it may still be working, and a retry let in now would run beside it. Wait for the lease to end (the next retry then takes over by itself), or pass --force if you know the holder is dead",
+                    time::rfc3339(*locked_until),
+                    time::human(seen.now.until(*locked_until))
+                );
+                return Ok(ExitCode::from(1));
+            }
             print!("{}", inspection_text(&seen, false));
             if !yes {
                 use std::io::{BufRead, Write};

@@ -463,6 +463,23 @@ async fn release_frees_a_stuck_claim_after_confirmation_and_refuses_a_completed_
     let url = format!("sqlite:{}", dir.path().join("release.db").display());
     let store = Arc::new(idem_sqlite::SqliteStore::connect(&url).await.unwrap());
     fill(store.clone()).await;
+    // The holder's lease still runs: refused without --force, nothing asked.
+    let live = idem(&[
+        "release",
+        "--database-url",
+        &url,
+        "--scope",
+        "c1",
+        "--key",
+        "held",
+        "--yes",
+    ]);
+    assert_eq!(live.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&live.stderr);
+    assert!(
+        said.contains("lease runs until") && said.contains("--force"),
+        "{said}"
+    );
     let args = [
         "release",
         "--database-url",
@@ -471,6 +488,7 @@ async fn release_frees_a_stuck_claim_after_confirmation_and_refuses_a_completed_
         "c1",
         "--key",
         "held",
+        "--force",
     ];
 
     let declined = idem_with_input(&args, "no\n");
@@ -627,6 +645,7 @@ async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
         "--key",
         "stuck",
         "--yes",
+        "--force",
         "--redis-url",
         "redis://127.0.0.1:6379",
         "--redis-prefix",
