@@ -1,6 +1,6 @@
 //! Two `shop` instances with Redis in front of PostgreSQL, and a FLUSHALL
-//! in the middle of a storm of duplicates. Its own test binary: FLUSHALL
-//! empties the whole Redis, and cargo runs test binaries one at a time.
+//! in the middle of a storm of duplicates, on a Redis server of the test's
+//! own (the shared one is never flushed).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -8,15 +8,11 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::{account, pay, read, Answer, Db, Shop, BODY};
+use common::{account, pay, read, Answer, Db, OwnRedis, Shop, BODY};
 
-fn redis_url() -> String {
-    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
-fn redis_cli(args: &[&str]) -> String {
+fn redis_cli(url: &str, args: &[&str]) -> String {
     let out = std::process::Command::new("redis-cli")
-        .args(["-u", &redis_url()])
+        .args(["-u", url])
         .args(args)
         .output()
         .expect("run redis-cli");
@@ -32,7 +28,8 @@ fn redis_cli(args: &[&str]) -> String {
 async fn two_instances_with_redis_and_a_flushall_mid_storm_charge_once_per_key() {
     let db = Db::postgres().await;
     let prefix = format!("shop-test-{}", uuid::Uuid::new_v4().simple());
-    let url = redis_url();
+    let redis = OwnRedis::start();
+    let url = redis.url();
     let args = [
         "--redis-url",
         url.as_str(),
@@ -51,7 +48,7 @@ async fn two_instances_with_redis_and_a_flushall_mid_storm_charge_once_per_key()
         if i == 100 {
             // half-way: Redis forgets everything
             tokio::time::sleep(Duration::from_millis(100)).await;
-            redis_cli(&["FLUSHALL"]);
+            redis_cli(&url, &["FLUSHALL"]);
         }
     }
     let mut by_key: HashMap<String, Vec<Answer>> = HashMap::new();
@@ -81,11 +78,6 @@ async fn two_instances_with_redis_and_a_flushall_mid_storm_charge_once_per_key()
     assert_eq!(acc["payments"], 20, "{acc}");
     assert_eq!(acc["bank_charges"], 20, "{acc}");
     // the replays after the storm were cached in Redis again
-    let cached = redis_cli(&["--scan", "--pattern", &format!("{prefix}:*")]);
+    let cached = redis_cli(&url, &["--scan", "--pattern", &format!("{prefix}:*")]);
     assert!(cached.lines().count() >= 20, "{cached}");
-    redis_cli(&["--scan", "--pattern", &format!("{prefix}:*")])
-        .lines()
-        .for_each(|k| {
-            redis_cli(&["DEL", k]);
-        });
 }

@@ -228,11 +228,36 @@ async fn get_metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-/// Whether the database answers.
+/// Whether the database answers and, with Redis alone, whether Redis
+/// does: every payment needs the store of its mode.
 #[utoipa::path(get, path = "/healthz", tag = "operations",
-    responses((status = 200, description = "Healthy", content_type = "text/plain", body = String)))]
+    responses((status = 200, description = "Healthy", content_type = "text/plain", body = String),
+        (status = 503, description = "The database, or the idempotency store the mode depends on, cannot be reached", content_type = "application/problem+json", body = ProblemDoc)))]
 async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
     state.db.conn().await?.execute("SELECT 1", &[]).await?;
+    if !state.transactional {
+        // Redis alone holds the records: without it no payment is taken.
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(2),
+            state.records.get("shop-healthz", "healthz"),
+        )
+        .await;
+        let why = match read {
+            Ok(Ok(_)) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some("no answer within 2 s".to_owned()),
+        };
+        if let Some(why) = why {
+            return Err(Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "The idempotency store (Redis) cannot be reached",
+            )
+            .detail(format!("{why}; every payment needs it in this mode"))
+            .retry_after(1)
+            .into());
+        }
+    }
     Ok("ok")
 }
 
