@@ -197,6 +197,12 @@ fn header<'a>(r: &'a reqwest::Response, name: &str) -> Option<&'a str> {
     r.headers().get(name).map(|v| v.to_str().unwrap())
 }
 
+/// Checks that `r` is a problem+json answer with `status`.
+fn assert_problem(r: &reqwest::Response, status: u16) {
+    assert_eq!(r.status(), status);
+    assert_eq!(header(r, "content-type"), Some("application/problem+json"));
+}
+
 /// The operation id a delivery carried, checked to be a UUID.
 fn op_of(delivery: &Value) -> String {
     let op = delivery["op"].as_str().unwrap().to_owned();
@@ -317,11 +323,7 @@ async fn contract(mode: Mode) {
         .send()
         .await
         .unwrap();
-    assert_eq!(reused.status(), 422);
-    assert_eq!(
-        header(&reused, "content-type"),
-        Some("application/problem+json")
-    );
+    assert_problem(&reused, 422);
     // No key: 400. No caller: 401. Both problem+json, nothing forwarded.
     let no_key = client()
         .post(format!("{p}/orders"))
@@ -330,11 +332,7 @@ async fn contract(mode: Mode) {
         .send()
         .await
         .unwrap();
-    assert_eq!(no_key.status(), 400);
-    assert_eq!(
-        header(&no_key, "content-type"),
-        Some("application/problem+json")
-    );
+    assert_problem(&no_key, 400);
     let nobody = client()
         .post(format!("{p}/orders"))
         .header("idempotency-key", "k")
@@ -342,11 +340,7 @@ async fn contract(mode: Mode) {
         .send()
         .await
         .unwrap();
-    assert_eq!(nobody.status(), 401);
-    assert_eq!(
-        header(&nobody, "content-type"),
-        Some("application/problem+json")
-    );
+    assert_problem(&nobody, 401);
     assert_eq!(upstream.deliveries("/orders").await.len(), 1);
     // Another caller's same key is another operation.
     let bob = post(p, "/orders", "bob", "replay-1", body)
@@ -501,11 +495,7 @@ async fn unknown_outcomes(mode: Mode) {
     ] {
         let send = || post(p, path, "alice", path, body);
         let first = send().header(trouble.0, trouble.1).send().await.unwrap();
-        assert_eq!(first.status(), status, "{path}");
-        assert_eq!(
-            header(&first, "content-type"),
-            Some("application/problem+json")
-        );
+        assert_problem(&first, status);
         let wait: u64 = header(&first, "retry-after").unwrap().parse().unwrap();
         assert!(
             (1..=4).contains(&wait),
