@@ -69,6 +69,21 @@ pub(crate) struct Config {
     #[arg(long, env = "IDEM_CLAIM_IN_TX")]
     pub(crate) claim_in_transaction: bool,
 
+    /// With `--claim-in-transaction`: how many payments may hold their
+    /// transaction (a database connection, for the whole bank call) at
+    /// once. More wait for a turn (`--claim-tx-wait-ms`, holding no
+    /// connection), then are answered 503 with Retry-After, nothing
+    /// claimed: a slow bank cannot take the connections every other request
+    /// needs. Keep it below the pool's 16 connections less the 4 kept for
+    /// claims.
+    #[arg(long, env = "SHOP_CLAIM_TX_LIMIT", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub(crate) claim_tx_limit: u32,
+
+    /// With `--claim-in-transaction`: how long a payment waits for a turn
+    /// under `--claim-tx-limit`, in milliseconds, before it is answered 503.
+    #[arg(long, env = "SHOP_CLAIM_TX_WAIT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub(crate) claim_tx_wait_ms: u64,
+
     /// The Retry-After of a 409 for a request in flight, in seconds (never more than the rest of the holder's lease).
     #[arg(long, env = "IDEM_RETRY_AFTER_SECS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) retry_after_secs: u64,

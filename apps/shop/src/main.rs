@@ -139,6 +139,10 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         transactional,
         records: store.clone(),
         claim_in_transaction: config.claim_in_transaction,
+        claim_tx_slots: Arc::new(tokio::sync::Semaphore::new(
+            usize::try_from(config.claim_tx_limit).unwrap_or(8),
+        )),
+        claim_tx_wait: Duration::from_millis(config.claim_tx_wait_ms),
         fault_injection: config.fault_injection,
         webhook_secret: config
             .webhook_secret

@@ -139,3 +139,78 @@ async fn the_mode_refuses_stores_it_cannot_claim_in() {
         assert!(err.contains("--claim-in-transaction"), "{extra:?}: {err}");
     }
 }
+
+/// A slow bank holds each claim-in-transaction payment (and its database
+/// connection) for seconds: past `--claim-tx-limit` more wait their turn
+/// (`--claim-tx-wait-ms`, holding no connection) and are then answered 503
+/// with nothing claimed, while reads and `/healthz` keep answering (issue
+/// 26's red-team finding: 14 slow payments used to drain the pool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_bank_cannot_drain_the_pool_that_reads_and_healthz_need() {
+    let db = Db::postgres().await;
+    let shop = Shop::start(
+        &db,
+        &[
+            IN_TX,
+            "--claim-tx-limit",
+            "4",
+            "--claim-tx-wait-ms",
+            "500",
+            "--lease-ms",
+            "60000",
+        ],
+    )
+    .await;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let slow: Vec<_> = (0..14)
+        .map(|i| {
+            let r = pay(&client, &shop, Some(&format!("slow-{i}")), BODY)
+                .header("x-simulate", "bank-delay=4000");
+            tokio::spawn(read(r))
+        })
+        .collect();
+    // While the slow ones hold their transactions, the instance serves.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..5 {
+        let started = Instant::now();
+        let health = client.get(shop.url("/healthz")).send().await.unwrap();
+        assert_eq!(health.status(), 200, "healthz while the bank is slow");
+        let acc = client
+            .get(shop.url("/accounts/acc_1"))
+            .header("authorization", "Bearer client-1")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(acc.status(), 200, "a read while the bank is slow");
+        // Well under the pool's 3 s acquire time-out: nobody queued for it.
+        assert!(
+            started.elapsed() < Duration::from_millis(2500),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    let mut charged = 0;
+    let mut busy = 0;
+    for t in slow {
+        let a = t.await.unwrap();
+        match a.status {
+            201 => charged += 1,
+            503 => {
+                assert!(a.problem_type().ends_with("busy"), "{a:?}");
+                assert!(a.headers.contains_key("retry-after"), "{a:?}");
+                busy += 1;
+            }
+            other => panic!("unexpected {other}: {a:?}"),
+        }
+    }
+    assert_eq!(charged, 4, "the limit's worth ran");
+    assert_eq!(busy, 10, "the rest were told to come back");
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(acc["bank_charges"], 4, "{acc}");
+    // A busy answer claimed nothing: its retry runs now.
+    let retry = read(pay(&client, &shop, Some("slow-13"), BODY)).await;
+    assert!(retry.status == 201 || retry.replayed, "{retry:?}");
+}

@@ -17,6 +17,8 @@ use super::{Claimed, Database, OpenError, Param, Row, ShopDb, ShopExec, ShopSql,
 /// The shop's database on dialect `D`.
 pub(crate) struct Db<D: ShopDialect> {
     store: SqlStore<D>,
+    /// One connection of its own, for `/healthz`.
+    health: idem_sql::dialect::Pool<D>,
 }
 
 impl<D: ShopDialect> std::fmt::Debug for Db<D> {
@@ -34,8 +36,17 @@ impl<D: ShopDialect> Db<D> {
         D::migrate_schema(pool).await?;
         inbox::migrate(pool).await?;
         idem_outbox::outbox::migrate(pool).await?;
-        Ok(Self { store })
+        let health = health_pool::<D>(pool);
+        Ok(Self { store, health })
     }
+}
+
+/// A pool of one connection to `pool`'s database, opened when first used.
+fn health_pool<D: ShopDialect>(pool: &idem_sql::dialect::Pool<D>) -> idem_sql::dialect::Pool<D> {
+    sqlx::pool::PoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(std::time::Duration::from_secs(2))
+        .connect_lazy_with(pool.connect_options().as_ref().clone())
 }
 
 /// Binds `params` as the dialect's arguments.
@@ -203,6 +214,13 @@ impl<D: ShopDialect> ShopDb for Db<D> {
         })
     }
 
+    fn health_conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
+        Box::pin(async move {
+            let conn = self.health.acquire().await?;
+            Ok(Box::new(PooledConn::<D>(conn)) as Box<dyn ShopExec>)
+        })
+    }
+
     fn begin(&self) -> BoxFuture<'_, Result<Box<dyn ShopTx>, sqlx::Error>> {
         Box::pin(async move {
             let tx = D::begin_write(self.store.pool()).await?;
@@ -254,7 +272,8 @@ impl<D: ShopDialect> ShopDb for Db<D> {
         let url = url.to_owned();
         Box::pin(async move {
             let store = D::bank_store(&self.store, &url).await?;
-            Ok(Arc::new(Db::<D> { store }) as Database)
+            let health = health_pool::<D>(store.pool());
+            Ok(Arc::new(Db::<D> { store, health }) as Database)
         })
     }
 }

@@ -191,6 +191,10 @@ pub(crate) trait ShopDb: Send + Sync + std::fmt::Debug {
     fn idem_store(&self) -> Arc<dyn Store>;
     /// A connection from the pool.
     fn conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>>;
+    /// A connection outside the business pool (a pool of one of its own),
+    /// for `/healthz`: it says whether the database answers, even while
+    /// the business pool is busy.
+    fn health_conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>>;
     /// A write transaction.
     fn begin(&self) -> BoxFuture<'_, Result<Box<dyn ShopTx>, sqlx::Error>>;
     /// Claims the request's key durably and begins the transaction that

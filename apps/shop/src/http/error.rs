@@ -28,6 +28,7 @@ pub(crate) const SHOP_PROBLEMS: &[(&str, &str)] = &[
     ("bad-signature", "The webhook's <code>X-Bank-Signature</code> is missing or wrong."),
     ("bank-unavailable", "The bank could not be reached (or <code>X-Simulate: bank-error</code>); nothing was charged."),
     ("database-unavailable", "The database is unavailable; retry after <code>Retry-After</code>."),
+    ("busy", "Too many payments are in progress on this instance (<code>--claim-tx-limit</code>); nothing was claimed or charged: retry after <code>Retry-After</code> with the same key."),
     ("payload-too-large", "The body is over the limit."),
     ("unsupported-media-type", "The body is not JSON."),
     ("header-fields-too-large", "Too many or too large header fields."),

@@ -54,6 +54,11 @@ pub(crate) struct AppState {
     pub(crate) records: Arc<dyn Store>,
     /// Whether `POST /payments` claims inside its own transaction.
     pub(crate) claim_in_transaction: bool,
+    /// The payments that may hold their claiming transaction at once
+    /// (`--claim-tx-limit`): a bulkhead between a slow bank and the pool.
+    pub(crate) claim_tx_slots: Arc<tokio::sync::Semaphore>,
+    /// How long a payment waits for one of those slots.
+    pub(crate) claim_tx_wait: std::time::Duration,
     /// What `X-Simulate` may ask for.
     pub(crate) fault_injection: FaultInjection,
     /// The secret the bank signs its webhooks with, if one is configured.
@@ -234,7 +239,14 @@ async fn get_metrics(State(state): State<AppState>) -> Response {
     responses((status = 200, description = "Healthy", content_type = "text/plain", body = String),
         (status = 503, description = "The database, or the idempotency store the mode depends on, cannot be reached", content_type = "application/problem+json", body = ProblemDoc)))]
 async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
-    state.db.conn().await?.execute("SELECT 1", &[]).await?;
+    // On a connection of its own: it reports the database, not how long
+    // the business pool's queue is.
+    state
+        .db
+        .health_conn()
+        .await?
+        .execute("SELECT 1", &[])
+        .await?;
     if !state.transactional {
         // Redis alone holds the records: without it no payment is taken.
         let read = tokio::time::timeout(

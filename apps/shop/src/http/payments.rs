@@ -237,6 +237,25 @@ async fn create_payment_in_tx(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response> {
+    // The bulkhead: each payment here holds a connection for the whole bank
+    // call. Past the limit, wait for a turn holding no connection, then
+    // answer rather than drain the pool every other request (and the
+    // claims) need.
+    let slot = tokio::time::timeout(
+        state.claim_tx_wait,
+        state.claim_tx_slots.clone().acquire_owned(),
+    )
+    .await;
+    let Ok(Ok(_slot)) = slot else {
+        return Err(Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "busy",
+            "Too many payments in progress",
+        )
+        .detail("nothing was claimed or charged; retry with the same Idempotency-Key")
+        .retry_after(1)
+        .into());
+    };
     // A replay, 409, 422 or 503; no transaction was begun. (`Config::check`
     // refuses the flag on databases other than PostgreSQL.)
     let (mut tx, idem) = state
