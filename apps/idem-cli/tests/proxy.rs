@@ -131,6 +131,18 @@ impl Upstream {
             .unwrap()
     }
 
+    /// Waits until a request to `path` has reached it.
+    async fn wait_for(&self, path: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.deliveries(path).await.is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "the request never reached the upstream"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The deliveries to `path`.
     async fn deliveries(&self, path: &str) -> Vec<Value> {
         let log = self.log().await;
@@ -173,6 +185,12 @@ impl Proxy {
     fn pid(&self) -> u32 {
         self.child.0.id()
     }
+}
+
+/// Sends `sig` (`-KILL`, `-TERM`) to the process `pid`.
+fn signal(sig: &str, pid: u32) {
+    let sent = Command::new("kill").args([sig, &pid.to_string()]).status();
+    assert!(sent.unwrap().success(), "kill {sig} {pid}");
 }
 
 fn client() -> reqwest::Client {
@@ -580,18 +598,8 @@ async fn killed_proxy_is_taken_over(mode: Mode) {
             .header("x-test-delay-ms", "1000")
             .send(),
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while upstream.deliveries("/kill").await.is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "the request never reached the upstream"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Command::new("kill")
-        .args(["-9", &first.pid().to_string()])
-        .status()
-        .unwrap();
+    upstream.wait_for("/kill").await;
+    signal("-KILL", first.pid());
     assert!(
         inflight.await.unwrap().is_err(),
         "the client lost its connection"
@@ -688,18 +696,8 @@ async fn sigterm_drains_requests_in_flight() {
             .header("x-test-delay-ms", "1500")
             .send(),
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while upstream.deliveries("/drain").await.is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "the request never reached the upstream"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Command::new("kill")
-        .args(["-TERM", &proxy.pid().to_string()])
-        .status()
-        .unwrap();
+    upstream.wait_for("/drain").await;
+    signal("-TERM", proxy.pid());
     let answer = inflight.await.unwrap().unwrap();
     assert_eq!(answer.status(), 201, "the request in flight finished");
     let status = tokio::task::spawn_blocking(move || proxy.child.0.wait())
