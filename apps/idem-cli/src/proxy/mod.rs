@@ -337,6 +337,7 @@ fn hashed_scope(
 /// `sha256:<hex>` of `value`, or `hmac:<hex>` of it keyed by `secret`.
 fn scope_of(value: &[u8], secret: Option<&str>) -> String {
     use hmac::{Hmac, Mac};
+    use std::fmt::Write;
     let (kind, digest): (&str, Vec<u8>) = match secret {
         Some(secret) => match Hmac::<Sha256>::new_from_slice(secret.as_bytes()) {
             Ok(mut mac) => {
@@ -352,7 +353,8 @@ fn scope_of(value: &[u8], secret: Option<&str>) -> String {
     scope.push_str(kind);
     scope.push(':');
     for byte in digest {
-        scope.push_str(&format!("{byte:02x}"));
+        // Every request's scope: written in place, no string per byte.
+        let _ = write!(scope, "{byte:02x}");
     }
     scope
 }
