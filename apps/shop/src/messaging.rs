@@ -9,7 +9,7 @@
 //! email per payment) and `send-receipt` (one receipt per paid order).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_core::UnixMillis;
 use idem_outbox::consumer::{handler, Consumer, Delivery};
@@ -18,7 +18,7 @@ use idem_outbox::{Handled, OutgoingMessage, Publisher, Relay, RelayConfig};
 use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::db::{Database, Work};
 
@@ -35,12 +35,32 @@ const EVENTS: [(&str, &str, &str); 3] = [
     (ORDER_PAID, "send-receipt", "ORDERS_PAID"),
 ];
 
+/// The relay's first restart after it stopped on an error waiting cannot
+/// mend; each failed restart doubles the delay, up to [`RELAY_RESTART_MAX`].
+const RELAY_RESTART_FIRST: Duration = Duration::from_secs(1);
+/// The longest delay between two restarts of a stopped relay; a relay that
+/// ran this long before it stopped starts again from [`RELAY_RESTART_FIRST`].
+const RELAY_RESTART_MAX: Duration = Duration::from_secs(30);
+
+/// Why the relay is stopped, while it is: `/healthz` answers 503 with it.
+#[derive(Debug, Clone)]
+pub(crate) struct RelayStopped {
+    /// The error it stopped on, with its causes.
+    pub(crate) error: String,
+    /// When the supervisor tries it again.
+    pub(crate) retry_at: Instant,
+}
+
+/// Where the supervisor records whether the relay runs.
+type RelayStatus = Arc<std::sync::Mutex<Option<RelayStopped>>>;
+
 /// A running relay and its consumers.
 pub(crate) struct Messaging {
     relay: Relay,
     prefix: String,
     stop: watch::Sender<bool>,
     tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
+    relay_status: RelayStatus,
 }
 
 impl std::fmt::Debug for Messaging {
@@ -254,19 +274,27 @@ impl Messaging {
             ..RelayConfig::default()
         };
         let relay = db.relay(publisher, config);
-        let running = relay.clone();
-        let stop_relay = stop_rx.clone();
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = running.run(stop_relay).await {
-                warn!(error = %e, "outbox relay ended");
-            }
-        }));
+        let relay_status = RelayStatus::default();
+        tasks.push(tokio::spawn(supervise(
+            relay.clone(),
+            stop_rx.clone(),
+            relay_status.clone(),
+        )));
         Ok(Self {
             relay,
             prefix: prefix.to_owned(),
             stop,
             tasks: std::sync::Mutex::new(tasks),
+            relay_status,
         })
+    }
+
+    /// Why the relay is stopped, if it is (its supervisor restarts it).
+    pub(crate) fn relay_stopped(&self) -> Option<RelayStopped> {
+        self.relay_status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The destination of an event.
@@ -286,6 +314,70 @@ impl Messaging {
         for t in tasks {
             let _ = t.await;
         }
+    }
+}
+
+/// An error and its causes, on one line.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut line = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        line.push_str(": ");
+        line.push_str(&c.to_string());
+        cause = c.source();
+    }
+    line
+}
+
+/// Runs the relay until `stop`, as a service's supervisor would. A relay
+/// stops by itself only on an error that waiting cannot mend (a missing
+/// table or column, permission denied); then it is recorded for `/healthz`,
+/// counted in `shop_outbox_relay_restarts_total`, and tried again after a
+/// delay that doubles (1 s up to 30 s) while the error lasts. Nothing is
+/// lost meanwhile: the events wait in the outbox table.
+async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayStatus) {
+    let set = |now: Option<RelayStopped>| {
+        metrics::gauge!("shop_outbox_relay_running").set(if now.is_none() { 1.0 } else { 0.0 });
+        *status.lock().unwrap_or_else(|e| e.into_inner()) = now;
+    };
+    set(None);
+    let mut delay = RELAY_RESTART_FIRST;
+    loop {
+        let started = Instant::now();
+        let Err(e) = relay.clone().run(stop.clone()).await else {
+            return;
+        };
+        if started.elapsed() >= RELAY_RESTART_MAX {
+            delay = RELAY_RESTART_FIRST;
+        }
+        let mut error = with_causes(&e);
+        loop {
+            error!(error, retry_in = ?delay, "outbox relay stopped; restarting it after the delay");
+            set(Some(RelayStopped {
+                error: error.clone(),
+                retry_at: Instant::now() + delay,
+            }));
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                _ = stop.changed() => {}
+            }
+            if *stop.borrow() {
+                return;
+            }
+            metrics::counter!("shop_outbox_relay_restarts_total").increment(1);
+            // One round first: a relay that cannot work yet stays stopped
+            // (and reported) rather than flapping between start and stop.
+            match relay.round().await {
+                Err(e) if e.is_fatal() => {
+                    error = with_causes(&e);
+                    delay = delay.saturating_mul(2).min(RELAY_RESTART_MAX);
+                }
+                // Published, or a failure `run` waits out itself.
+                _ => break,
+            }
+        }
+        info!("outbox relay restarted");
+        set(None);
     }
 }
 

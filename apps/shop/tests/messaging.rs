@@ -70,6 +70,97 @@ async fn events_act_once(db: Db, broker: &[&str]) {
     assert_eq!(stock("tea").await, 2, "still reserved once");
 }
 
+/// A relay that meets an error waiting cannot mend (here a column of its
+/// table renamed away) stops; `/healthz` says so, naming the relay and the
+/// error, until the supervisor's restart finds the table usable again; the
+/// events enqueued meanwhile are then delivered, once each.
+async fn a_stopped_relay_is_reported_and_restarted(db: Db) {
+    let shop = Shop::start(&db, &[]).await;
+    let client = common::signed_in();
+    let emails = async || {
+        read(client.get(shop.url("/emails?account_id=acc_1")))
+            .await
+            .json()["emails"]
+            .as_array()
+            .unwrap()
+            .len()
+    };
+    assert_eq!(
+        read(pay(&client, &shop, Some("relay-1"), BODY))
+            .await
+            .status,
+        201
+    );
+    eventually("the first email", async || emails().await == 1).await;
+    let health = async || read(client.get(shop.url("/healthz"))).await;
+    assert_eq!(health().await.status, 200);
+
+    db.execute("ALTER TABLE idem_outbox RENAME COLUMN claim_token TO claim_token_moved")
+        .await;
+    // Enqueueing does not need the column: the payment is taken, its event
+    // waits.
+    assert_eq!(
+        read(pay(&client, &shop, Some("relay-2"), BODY))
+            .await
+            .status,
+        201
+    );
+    eventually("healthz reporting the stopped relay", async || {
+        health().await.status == 503
+    })
+    .await;
+    let stopped = health().await;
+    assert_eq!(stopped.status, 503);
+    assert!(
+        stopped.problem_type().ends_with("relay-stopped"),
+        "{stopped:?}"
+    );
+    let detail = stopped.json()["detail"].as_str().unwrap().to_owned();
+    assert!(
+        detail.contains("outbox relay") && detail.contains("claim_token"),
+        "the detail names the relay and its error: {detail}"
+    );
+    assert!(stopped.headers.contains_key("retry-after"));
+    assert_eq!(emails().await, 1, "nothing published while it is stopped");
+
+    db.execute("ALTER TABLE idem_outbox RENAME COLUMN claim_token_moved TO claim_token")
+        .await;
+    // The supervisor tries again after 1 s, then 2 s, 4 s…: well within
+    // the wait.
+    eventually("healthz after the restart", async || {
+        health().await.status == 200
+    })
+    .await;
+    eventually("the second email", async || emails().await == 2).await;
+    let metrics = read(client.get(shop.url("/metrics"))).await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        metrics.contains("idem_outbox_relay_errors_total{error=\"fatal\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("shop_outbox_relay_restarts_total"),
+        "{metrics}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(emails().await, 2, "one email per payment");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_relay_is_reported_and_restarted_on_sqlite() {
+    a_stopped_relay_is_reported_and_restarted(Db::sqlite()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_relay_is_reported_and_restarted_on_postgres() {
+    a_stopped_relay_is_reported_and_restarted(Db::postgres().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_relay_is_reported_and_restarted_on_mysql() {
+    a_stopped_relay_is_reported_and_restarted(Db::mysql().await).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_process_on_sqlite() {
     events_act_once(Db::sqlite(), &[]).await;

@@ -233,11 +233,12 @@ async fn get_metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-/// Whether the database answers and, with Redis alone, whether Redis
-/// does: every payment needs the store of its mode.
+/// Whether the database answers, whether the outbox relay runs and, with
+/// Redis alone, whether Redis does: every payment needs the store of its
+/// mode.
 #[utoipa::path(get, path = "/healthz", tag = "operations",
     responses((status = 200, description = "Healthy", content_type = "text/plain", body = String),
-        (status = 503, description = "The database, or the idempotency store the mode depends on, cannot be reached", content_type = "application/problem+json", body = ProblemDoc)))]
+        (status = 503, description = "The database, or the idempotency store the mode depends on, cannot be reached; or the outbox relay has stopped (`relay-stopped`, with its last error)", content_type = "application/problem+json", body = ProblemDoc)))]
 async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
     // On a connection of its own: it reports the database, not how long
     // the business pool's queue is.
@@ -247,6 +248,23 @@ async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
         .await?
         .execute("SELECT 1", &[])
         .await?;
+    if let Some(stopped) = state.messaging.relay_stopped() {
+        let wait = stopped
+            .retry_at
+            .saturating_duration_since(std::time::Instant::now());
+        return Err(Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "relay-stopped",
+            "The outbox relay has stopped",
+        )
+        .detail(format!(
+            "the outbox relay stopped on: {}; it is restarted in {} ms. Events wait in the outbox until it runs again.",
+            stopped.error,
+            wait.as_millis()
+        ))
+        .retry_after(wait.as_secs().max(1))
+        .into());
+    }
     if !state.transactional {
         // Redis alone holds the records: without it no payment is taken.
         let read = tokio::time::timeout(

@@ -140,6 +140,28 @@ impl Db {
         Db::Mysql(TestDatabase::create("shop_test").await)
     }
 
+    /// Runs one statement on the test's database, on a connection of its
+    /// own.
+    pub async fn execute(&self, sql: &str) {
+        match self {
+            Db::Sqlite(..) => {
+                let pool = sqlx::SqlitePool::connect(&self.url()).await.unwrap();
+                sqlx::query(sql).execute(&pool).await.unwrap();
+                pool.close().await;
+            }
+            Db::Postgres(_) => {
+                let pool = sqlx::PgPool::connect(&self.url()).await.unwrap();
+                sqlx::query(sql).execute(&pool).await.unwrap();
+                pool.close().await;
+            }
+            Db::Mysql(_) => {
+                let pool = sqlx::MySqlPool::connect(&self.url()).await.unwrap();
+                sqlx::query(sql).execute(&pool).await.unwrap();
+                pool.close().await;
+            }
+        }
+    }
+
     pub fn url(&self) -> String {
         match self {
             Db::Sqlite(_, path) => format!("sqlite:{}", path.display()),
