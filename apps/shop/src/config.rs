@@ -84,6 +84,14 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_CLAIM_TX_WAIT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub(crate) claim_tx_wait_ms: u64,
 
+    /// How long one database statement (or connection, `BEGIN`, `COMMIT`),
+    /// and one call to the idempotency store, may take, in milliseconds.
+    /// Past it the request is answered 503 with Retry-After instead of
+    /// waiting for a network partition to heal; the claim it may hold is
+    /// left to its lease. Keep it well below the lease.
+    #[arg(long, env = "SHOP_STATEMENT_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub(crate) statement_timeout_ms: u64,
+
     /// The Retry-After of a 409 for a request in flight, in seconds (never more than the rest of the holder's lease).
     #[arg(long, env = "IDEM_RETRY_AFTER_SECS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) retry_after_secs: u64,
@@ -165,6 +173,12 @@ impl Config {
             .retention(Duration::from_secs(self.ttl_secs))
             .wait_for_in_flight(Duration::from_millis(self.wait_ms))
             .retry_after(Duration::from_secs(self.retry_after_secs))
+            .store_timeout(self.statement_timeout())
             .build()
+    }
+
+    /// `--statement-timeout-ms`.
+    pub(crate) fn statement_timeout(&self) -> Duration {
+        Duration::from_millis(self.statement_timeout_ms)
     }
 }

@@ -78,7 +78,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             }
         })
     };
-    let database = db::open(&config.database_url).await?;
+    let database = db::open(&config.database_url, config.statement_timeout()).await?;
     let kind = database.kind();
     let bank = bank::Bank::open(&database, &config.database_url).await?;
     let mut store: Arc<dyn Store> = database.idem_store();

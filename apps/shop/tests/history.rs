@@ -27,7 +27,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::fleet::Fleet;
-use common::{Db, Mode, Rng};
+use common::{host_port, redis_url, via, Db, Mode, Rng, Route};
+use idem_test_support::faults::{Fault, FaultProxy};
 
 const LEASE_MS: u64 = 1500;
 const TTL_SECS: u64 = 12;
@@ -451,31 +452,119 @@ fn check(
     violations
 }
 
+/// What goes wrong during a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chaos {
+    /// `kill -9` of shop processes, crashes after the bank call.
+    Crashes,
+    /// The network between shop and its database (and Redis): latency with
+    /// jitter, partitions that heal, connections cut.
+    Network,
+}
+
+/// The faults injected on the links, by kind.
+#[derive(Debug, Default)]
+struct Injected {
+    delays: u64,
+    partitions: u64,
+    cuts: u64,
+}
+
+/// The fault proxies between the fleet and its servers.
+struct Links {
+    database: FaultProxy,
+    redis: Option<FaultProxy>,
+}
+
+impl Links {
+    async fn start(mode: Mode, db: &Db) -> (Links, Route) {
+        let database = FaultProxy::start(&host_port(&db.url())).await;
+        let redis = match mode {
+            Mode::Tiered | Mode::RedisAlone => {
+                Some(FaultProxy::start(&host_port(&redis_url())).await)
+            }
+            _ => None,
+        };
+        let route = Route {
+            database_url: via(&db.url(), database.addr()),
+            redis_url: redis
+                .as_ref()
+                .map_or_else(redis_url, |r| via(&redis_url(), r.addr())),
+        };
+        (Links { database, redis }, route)
+    }
+
+    /// One fault on one link, for a while; then the link heals.
+    async fn inject(&self, rng: &mut Rng, injected: &mut Injected) {
+        let link = match &self.redis {
+            Some(redis) if rng.percent(40) => redis,
+            _ => &self.database,
+        };
+        match rng.below(100) {
+            0..=39 => {
+                injected.delays += 1;
+                link.set(Fault::Delay {
+                    base: Duration::from_millis(rng.between(5, 150)),
+                    jitter: Duration::from_millis(rng.between(0, 100)),
+                });
+                tokio::time::sleep(Duration::from_millis(rng.between(500, 2500))).await;
+            }
+            40..=74 => {
+                // Some shorter than the statement time-out, some longer.
+                injected.partitions += 1;
+                link.set(Fault::Partition);
+                tokio::time::sleep(Duration::from_millis(rng.between(300, 3000))).await;
+            }
+            _ => {
+                injected.cuts += 1;
+                link.cut();
+            }
+        }
+        link.set(Fault::None);
+    }
+}
+
 async fn run(mode: Mode) {
-    let secs: u64 = std::env::var("IDEM_HISTORY_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(25);
+    run_with(mode, Chaos::Crashes).await;
+}
+
+async fn run_with(mode: Mode, chaos: Chaos) {
+    let secs: u64 = std::env::var(match chaos {
+        Chaos::Crashes => "IDEM_HISTORY_SECS",
+        Chaos::Network => "IDEM_NETWORK_SECS",
+    })
+    .ok()
+    .and_then(|s| s.parse().ok())
+    .unwrap_or(match chaos {
+        Chaos::Crashes => 25,
+        Chaos::Network => 20,
+    });
     let seed = std::env::var("IDEM_HISTORY_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| uuid::Uuid::new_v4().as_u64_pair().0);
     let lease = LEASE_MS.to_string();
     let ttl = TTL_SECS.to_string();
-    let fleet = Fleet::start(
-        mode,
-        "history",
-        PROCESSES,
-        &["--lease-ms", &lease, "--ttl-secs", &ttl],
-    )
-    .await;
+    let mut flags = vec!["--lease-ms", &lease, "--ttl-secs", &ttl];
+    let db = mode.db().await;
+    let (links, route) = match chaos {
+        Chaos::Crashes => (None, Route::direct(&db)),
+        Chaos::Network => {
+            // A statement behind a partition ends within this, well inside
+            // the lease.
+            flags.extend(["--statement-timeout-ms", "700"]);
+            let (links, route) = Links::start(mode, &db).await;
+            (Some(links), route)
+        }
+    };
+    let fleet = Fleet::start_routed(mode, db, route, "history", PROCESSES, &flags).await;
     let shared = Arc::new(Shared {
         fleet: fleet.clone(),
         http: reqwest::Client::new(),
         log: Mutex::new(Vec::new()),
         reuse: Mutex::new(Vec::new()),
         unsettled: Mutex::new(Vec::new()),
-        crashes: true,
+        crashes: chaos == Chaos::Crashes,
     });
     let until = Instant::now() + Duration::from_secs(secs);
     let clients: Vec<_> = (0..CLIENTS)
@@ -488,16 +577,27 @@ async fn run(mode: Mode) {
             ))
         })
         .collect();
-    // The chaos: a kill -9 every few seconds; crashed processes restarted.
+    // The chaos: a kill -9 every few seconds (crashed processes
+    // restarted), or one network fault after another.
     let mut rng = Rng::new(seed ^ 0xc4a0);
     let mut next_kill = Instant::now() + Duration::from_millis(rng.between(2000, 5000));
+    let mut injected = Injected::default();
     while Instant::now() < until {
-        let kill = (Instant::now() >= next_kill).then(|| {
-            next_kill = Instant::now() + Duration::from_millis(rng.between(3000, 6000));
-            rng.below(PROCESSES as u64) as usize
-        });
-        fleet.tend(kill).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        match &links {
+            None => {
+                let kill = (Instant::now() >= next_kill).then(|| {
+                    next_kill = Instant::now() + Duration::from_millis(rng.between(3000, 6000));
+                    rng.below(PROCESSES as u64) as usize
+                });
+                fleet.tend(kill).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Some(links) => {
+                links.inject(&mut rng, &mut injected).await;
+                fleet.tend(None).await;
+                tokio::time::sleep(Duration::from_millis(rng.between(200, 1500))).await;
+            }
+        }
     }
     for c in clients {
         // Sessions end by themselves (bounded retries); keep tending.
@@ -518,8 +618,15 @@ async fn run(mode: Mode) {
         .iter()
         .filter(|a| a.simulate.as_deref() == Some("crash-after-bank"))
         .count();
+    let faults = match chaos {
+        Chaos::Crashes => String::new(),
+        Chaos::Network => format!(
+            ", network faults: {} delays, {} partitions, {} cuts",
+            injected.delays, injected.partitions, injected.cuts
+        ),
+    };
     let summary = format!(
-        "history {mode:?}: seed {seed}, {} s, {} keys ({reused} reused after retention), {} requests ({} 201, {} 409, {} 422, {} 5xx, {} no answer), {} kill -9, {} crash-after-bank, {} restarts, {} payments, {} violations",
+        "history {mode:?} ({chaos:?}{faults}): seed {seed}, {} s, {} keys ({reused} reused after retention), {} requests ({} 201, {} 409, {} 422, {} 5xx, {} no answer), {} kill -9, {} crash-after-bank, {} restarts, {} payments, {} violations",
         secs,
         keys.len(),
         log.len(),
@@ -538,7 +645,7 @@ async fn run(mode: Mode) {
     if let Ok(dir) = std::env::var("IDEM_HISTORY_REPORT") {
         let _ = std::fs::create_dir_all(&dir);
         let _ = std::fs::write(
-            format!("{dir}/{mode:?}.txt"),
+            format!("{dir}/{mode:?}-{chaos:?}.txt"),
             format!("{summary}\n{}\n", violations.join("\n")),
         );
     }
@@ -587,4 +694,29 @@ async fn redis_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_alone_on_a_redis_cluster() {
     run(Mode::RedisCluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_faults_postgres() {
+    run_with(Mode::Postgres, Chaos::Network).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_faults_mysql() {
+    run_with(Mode::Mysql, Chaos::Network).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_faults_postgres_claim_in_transaction() {
+    run_with(Mode::ClaimInTx, Chaos::Network).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_faults_postgres_with_redis_and_replay_cache() {
+    run_with(Mode::Tiered, Chaos::Network).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_faults_redis_alone() {
+    run_with(Mode::RedisAlone, Chaos::Network).await;
 }

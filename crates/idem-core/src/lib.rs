@@ -43,7 +43,7 @@ pub use key::{
     single_visible_value, IdempotencyKey, KeyError, IDEMPOTENCY_KEY_HEADER, MAX_KEY_LEN,
 };
 pub use ops::{Inspection, StoreStats};
-pub use policy::{Policy, PolicyBuilder, PolicyError};
+pub use policy::{Policy, PolicyBuilder, PolicyError, DEFAULT_STORE_TIMEOUT};
 pub use record::{
     Claim, CorruptRecord, FencingToken, OperationId, Record, RecordRow, RecordState,
     StoredResponse, UnixMillis,

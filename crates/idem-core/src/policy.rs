@@ -71,6 +71,7 @@ pub struct Policy {
     not_replayed: Vec<String>,
     store_client_errors: bool,
     require_key: bool,
+    store_timeout: Duration,
 }
 
 impl Default for Policy {
@@ -89,9 +90,13 @@ impl Default for Policy {
             not_replayed: Vec::new(),
             store_client_errors: true,
             require_key: true,
+            store_timeout: DEFAULT_STORE_TIMEOUT,
         }
     }
 }
+
+/// The default [`Policy::store_timeout`]: 5 s.
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Policy {
     /// A builder starting from the defaults.
@@ -125,6 +130,17 @@ impl Policy {
     /// (default 30 s).
     pub fn lease(&self) -> Duration {
         self.lease
+    }
+
+    /// How long one call to the store may take before the edges (the axum
+    /// and tonic layers, the proxy) give up on it (default 5 s): a claim or
+    /// a read then answers `503` with `Retry-After` (the request did not
+    /// run), a completion that gets no answer leaves the claim to its lease,
+    /// and a release leaves it to its lease. A network partition between
+    /// the service and its store therefore costs a bounded wait, never a
+    /// request that hangs until the partition heals.
+    pub fn store_timeout(&self) -> Duration {
+        self.store_timeout
     }
 
     /// How long a duplicate of an in-flight request waits for the original to
@@ -206,6 +222,9 @@ pub enum PolicyError {
     /// The body limit is zero.
     #[error("the largest body must be at least one byte")]
     ZeroBodyLimit,
+    /// The store timeout is zero.
+    #[error("the store timeout must be longer than zero")]
+    ZeroStoreTimeout,
     /// A header on the allow-list is not a valid header name.
     #[error("{0:?} is not a valid header name")]
     InvalidHeaderName(String),
@@ -224,6 +243,20 @@ impl PolicyBuilder {
     /// ```
     pub fn retention(mut self, d: Duration) -> Self {
         self.policy.retention = d;
+        self
+    }
+
+    /// How long one store call may take (default 5 s); see
+    /// [`Policy::store_timeout`].
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let p = idem_core::Policy::builder().store_timeout(Duration::from_secs(2)).build().unwrap();
+    /// assert_eq!(p.store_timeout(), Duration::from_secs(2));
+    /// assert!(idem_core::Policy::builder().store_timeout(Duration::ZERO).build().is_err());
+    /// ```
+    pub fn store_timeout(mut self, d: Duration) -> Self {
+        self.policy.store_timeout = d;
         self
     }
 
@@ -368,6 +401,9 @@ impl PolicyBuilder {
         }
         if p.max_body == 0 {
             return Err(PolicyError::ZeroBodyLimit);
+        }
+        if p.store_timeout.is_zero() {
+            return Err(PolicyError::ZeroStoreTimeout);
         }
         let valid = |name: &str| {
             !name.is_empty()

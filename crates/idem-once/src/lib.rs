@@ -52,10 +52,12 @@
 //! Any [`Store`](idem_core::Store) serves: the step records live beside
 //! the run's, in the same table (or Redis), and are swept with them.
 
+mod bounded;
 mod claim;
 mod operation;
 mod run;
 
+pub use bounded::{BoundedStore, StoreTimedOut};
 pub use claim::{claim_until_decided, Found, Refusal};
 pub use operation::{
     step_key, step_record_key, Operation, Step, StepError, StepStart, MAX_STEP_NAME,

@@ -8,6 +8,8 @@
 //! - [`redis`]: a Redis key prefix of its own for each test, its keys
 //!   deleted after it;
 //! - [`broker`]: the broker conformance suite, run on RabbitMQ and NATS;
+//! - [`faults`]: a TCP proxy that makes a link slow, partitions it (then
+//!   heals it) or cuts its connections;
 //! - [`messaging`]: the outbox and inbox fixtures the broker tests use (an
 //!   outbox in a fresh schema, messages, recorded effects).
 //!
@@ -15,6 +17,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod broker;
+pub mod faults;
 pub mod messaging;
 pub mod mysql;
 pub mod postgres;

@@ -148,7 +148,9 @@ impl IdempotencyLayer {
     pub fn new(store: Arc<dyn Store>, policy: Policy, scope: impl ScopeExtractor) -> Self {
         Self {
             config: Arc::new(Config {
-                store,
+                // Every call it makes ends within the policy's store
+                // timeout: a partition costs a bounded wait (503).
+                store: Arc::new(idem_once::BoundedStore::new(store, policy.store_timeout())),
                 policy: Arc::new(policy),
                 scope: Arc::new(scope),
                 methods: HashMap::new(),

@@ -83,6 +83,12 @@ pub(crate) struct ProxyArgs {
     /// answer (then replays it); 0: `409` at once.
     #[arg(long, env = "IDEM_WAIT_MS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=600_000))]
     pub(crate) wait_ms: u64,
+    /// How long one call to the store may take, in milliseconds: past it a
+    /// claim answers `503` with `Retry-After` (nothing sent upstream), and
+    /// a completion or release is left to the lease. A partition between
+    /// the proxy and its store costs a bounded wait.
+    #[arg(long, env = "IDEM_STORE_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub(crate) store_timeout_ms: u64,
     /// The largest request body, in bytes (`413` beyond it).
     #[arg(long, env = "IDEM_MAX_BODY", default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     pub(crate) max_body: u64,
@@ -170,6 +176,7 @@ impl ProxyArgs {
             .retention(Duration::from_secs(self.ttl_secs).max(lease + Duration::from_millis(1)))
             .max_body(usize::try_from(self.max_body)?)
             .require_key(self.require_key)
+            .store_timeout(Duration::from_millis(self.store_timeout_ms))
             .replay_all_headers();
         if self.wait_ms > 0 {
             policy = policy.wait_for_in_flight(Duration::from_millis(self.wait_ms));
@@ -179,7 +186,7 @@ impl ProxyArgs {
         }
         policy
             .build()
-            .map_err(|e| format!("--no-replay-header: {e}").into())
+            .map_err(|e| format!("the proxy's policy: {e}").into())
     }
 
     /// How long to wait for the upstream: below the lease, always.

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use idem_axum::{CompleteError, DeferredClaim, Idempotency};
 use idem_core::{BoxFuture, Store};
 use idem_outbox::{inbox, Handled, OutgoingMessage, Publisher, Relay, RelayConfig};
@@ -19,6 +19,8 @@ pub(crate) struct Db<D: ShopDialect> {
     store: SqlStore<D>,
     /// One connection of its own, for `/healthz`.
     health: idem_sql::dialect::Pool<D>,
+    /// How long one statement (or connection, `BEGIN`, `COMMIT`) may take.
+    timeout: Duration,
 }
 
 impl<D: ShopDialect> std::fmt::Debug for Db<D> {
@@ -30,15 +32,44 @@ impl<D: ShopDialect> std::fmt::Debug for Db<D> {
 impl<D: ShopDialect> Db<D> {
     /// Opens idem's store at `url` and creates the shop's tables, the
     /// outbox and the inbox.
-    pub(crate) async fn open(url: &str) -> Result<Self, OpenError> {
+    pub(crate) async fn open(url: &str, timeout: Duration) -> Result<Self, OpenError> {
         let store = SqlStore::<D>::connect(url).await?;
         let pool = store.pool();
         D::migrate_schema(pool).await?;
         inbox::migrate(pool).await?;
         idem_outbox::outbox::migrate(pool).await?;
         let health = health_pool::<D>(pool);
-        Ok(Self { store, health })
+        Ok(Self {
+            store,
+            health,
+            timeout,
+        })
     }
+}
+
+/// The error of a statement that got no answer within `timeout`: an I/O
+/// time-out, which the dialects class as unavailable (503 with
+/// `Retry-After`).
+fn timed_out(timeout: Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "the database gave no answer within {} ms",
+            timeout.as_millis()
+        ),
+    ))
+}
+
+/// `work`, or [`timed_out`] once `timeout` has passed: a statement behind a
+/// network partition ends in bounded time, never holding the request until
+/// the partition heals.
+async fn bounded<T>(
+    timeout: Duration,
+    work: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    tokio::time::timeout(timeout, work)
+        .await
+        .unwrap_or_else(|_| Err(timed_out(timeout)))
 }
 
 /// A pool of one connection to `pool`'s database, opened when first used.
@@ -88,8 +119,28 @@ async fn fetch_all<D: Dialect>(
     rows.iter().map(owned::<D>).collect()
 }
 
-/// A pooled connection.
-struct PooledConn<D: ShopDialect>(sqlx::pool::PoolConnection<D::Database>);
+/// `end` (a commit or a rollback) on a task of its own, waited for at most
+/// `timeout`: the caller is answered in bounded time, while the transaction
+/// still ends by itself when the network lets it, never cut half-way.
+async fn detached(
+    timeout: Duration,
+    end: impl std::future::Future<Output = Result<(), sqlx::Error>> + Send + 'static,
+) -> Result<(), sqlx::Error> {
+    let ending = tokio::spawn(end);
+    match tokio::time::timeout(timeout, ending).await {
+        Ok(Ok(ended)) => ended,
+        Ok(Err(e)) => Err(sqlx::Error::Io(std::io::Error::other(format!(
+            "the task ending a transaction failed: {e}"
+        )))),
+        Err(_) => Err(timed_out(timeout)),
+    }
+}
+
+/// A pooled connection, each statement bounded by the time-out.
+struct PooledConn<D: ShopDialect> {
+    conn: sqlx::pool::PoolConnection<D::Database>,
+    timeout: Duration,
+}
 
 impl<D: ShopDialect> ShopExec for PooledConn<D> {
     fn execute<'a>(
@@ -97,21 +148,29 @@ impl<D: ShopDialect> ShopExec for PooledConn<D> {
         sql: &'a str,
         params: &'a [Param<'a>],
     ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(execute::<D>(&mut self.0, sql, params))
+        Box::pin(bounded(
+            self.timeout,
+            execute::<D>(&mut self.conn, sql, params),
+        ))
     }
     fn fetch_all<'a>(
         &'a mut self,
         sql: &'a str,
         params: &'a [Param<'a>],
     ) -> BoxFuture<'a, Result<Vec<Row>, sqlx::Error>> {
-        Box::pin(fetch_all::<D>(&mut self.0, sql, params))
+        Box::pin(bounded(
+            self.timeout,
+            fetch_all::<D>(&mut self.conn, sql, params),
+        ))
     }
 }
 
-/// A write transaction, with the store its record completes in.
+/// A write transaction, with the store its record completes in; each
+/// statement, and its end, bounded by the time-out.
 struct Tx<D: ShopDialect> {
     tx: Transaction<D>,
     store: SqlStore<D>,
+    timeout: Duration,
 }
 
 impl<D: ShopDialect> ShopExec for Tx<D> {
@@ -120,14 +179,20 @@ impl<D: ShopDialect> ShopExec for Tx<D> {
         sql: &'a str,
         params: &'a [Param<'a>],
     ) -> BoxFuture<'a, Result<u64, sqlx::Error>> {
-        Box::pin(execute::<D>(&mut self.tx, sql, params))
+        Box::pin(bounded(
+            self.timeout,
+            execute::<D>(&mut self.tx, sql, params),
+        ))
     }
     fn fetch_all<'a>(
         &'a mut self,
         sql: &'a str,
         params: &'a [Param<'a>],
     ) -> BoxFuture<'a, Result<Vec<Row>, sqlx::Error>> {
-        Box::pin(fetch_all::<D>(&mut self.tx, sql, params))
+        Box::pin(bounded(
+            self.timeout,
+            fetch_all::<D>(&mut self.tx, sql, params),
+        ))
     }
 }
 
@@ -136,14 +201,29 @@ impl<D: ShopDialect> ShopTx for Tx<D> {
         &'a mut self,
         message: &'a OutgoingMessage,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
-        Box::pin(idem_outbox::enqueue(&mut self.tx, message))
+        Box::pin(bounded(
+            self.timeout,
+            idem_outbox::enqueue(&mut self.tx, message),
+        ))
     }
     fn complete_in<'a>(
         &'a mut self,
         idem: &'a Idempotency,
         response: Response,
     ) -> BoxFuture<'a, Result<Response, CompleteError>> {
-        Box::pin(async move { idem.complete_in(&self.store, &mut *self.tx, response).await })
+        let timeout = self.timeout;
+        Box::pin(async move {
+            tokio::time::timeout(
+                timeout,
+                idem.complete_in(&self.store, &mut *self.tx, response),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(CompleteError::Store(idem_core::StoreError::Unavailable(
+                    Box::new(idem_once::StoreTimedOut(timeout)),
+                )))
+            })
+        })
     }
     fn complete_record<'a>(
         &'a mut self,
@@ -151,13 +231,23 @@ impl<D: ShopDialect> ShopTx for Tx<D> {
         stored: &'a idem_core::StoredResponse,
     ) -> BoxFuture<'a, Result<(), idem_core::StoreError>> {
         use idem_core::TransactionalStore;
-        self.store.complete_in_tx(&mut *self.tx, claim, stored)
+        let timeout = self.timeout;
+        let completing = self.store.complete_in_tx(&mut *self.tx, claim, stored);
+        Box::pin(async move {
+            tokio::time::timeout(timeout, completing)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(idem_core::StoreError::Unavailable(Box::new(
+                        idem_once::StoreTimedOut(timeout),
+                    )))
+                })
+        })
     }
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), sqlx::Error>> {
-        Box::pin(self.tx.commit())
+        Box::pin(detached(self.timeout, self.tx.commit()))
     }
     fn rollback(self: Box<Self>) -> BoxFuture<'static, Result<(), sqlx::Error>> {
-        Box::pin(self.tx.rollback())
+        Box::pin(detached(self.timeout, self.tx.rollback()))
     }
 }
 
@@ -209,24 +299,31 @@ impl<D: ShopDialect> ShopDb for Db<D> {
 
     fn conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
         Box::pin(async move {
-            let conn = self.store.pool().acquire().await?;
-            Ok(Box::new(PooledConn::<D>(conn)) as Box<dyn ShopExec>)
+            let conn = bounded(self.timeout, self.store.pool().acquire()).await?;
+            Ok(Box::new(PooledConn::<D> {
+                conn,
+                timeout: self.timeout,
+            }) as Box<dyn ShopExec>)
         })
     }
 
     fn health_conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
         Box::pin(async move {
-            let conn = self.health.acquire().await?;
-            Ok(Box::new(PooledConn::<D>(conn)) as Box<dyn ShopExec>)
+            let conn = bounded(self.timeout, self.health.acquire()).await?;
+            Ok(Box::new(PooledConn::<D> {
+                conn,
+                timeout: self.timeout,
+            }) as Box<dyn ShopExec>)
         })
     }
 
     fn begin(&self) -> BoxFuture<'_, Result<Box<dyn ShopTx>, sqlx::Error>> {
         Box::pin(async move {
-            let tx = D::begin_write(self.store.pool()).await?;
+            let tx = bounded(self.timeout, D::begin_write(self.store.pool())).await?;
             Ok(Box::new(Tx::<D> {
                 tx,
                 store: self.store.clone(),
+                timeout: self.timeout,
             }) as Box<dyn ShopTx>)
         })
     }
@@ -236,10 +333,22 @@ impl<D: ShopDialect> ShopDb for Db<D> {
         deferred: &'a DeferredClaim,
     ) -> BoxFuture<'a, Result<Claimed, Response>> {
         Box::pin(async move {
-            let (tx, idem) = D::begin_claimed(&self.store, deferred).await?;
+            // Bounded like every statement: the transaction is begun on a
+            // task of its own, and one cut here rolls back as it drops.
+            let begun = tokio::time::timeout(self.timeout, D::begin_claimed(&self.store, deferred))
+                .await
+                .unwrap_or_else(|_| {
+                    tracing::warn!(
+                        timeout_ms = self.timeout.as_millis(),
+                        "the claim in the transaction got no answer in time"
+                    );
+                    Err(idem_axum::IdempotencyRejection::StoreUnavailable.into_response())
+                });
+            let (tx, idem) = begun?;
             let tx = Box::new(Tx::<D> {
                 tx,
                 store: self.store.clone(),
+                timeout: self.timeout,
             }) as Box<dyn ShopTx>;
             Ok((tx, idem))
         })
@@ -273,7 +382,11 @@ impl<D: ShopDialect> ShopDb for Db<D> {
         Box::pin(async move {
             let store = D::bank_store(&self.store, &url).await?;
             let health = health_pool::<D>(store.pool());
-            Ok(Arc::new(Db::<D> { store, health }) as Database)
+            Ok(Arc::new(Db::<D> {
+                store,
+                health,
+                timeout: self.timeout,
+            }) as Database)
         })
     }
 }

@@ -42,19 +42,20 @@ pub(crate) enum OpenError {
 /// The database, whichever it is.
 pub(crate) type Database = Arc<dyn ShopDb>;
 
-/// Opens (migrating) the database `url` names.
-pub(crate) async fn open(url: &str) -> Result<Database, OpenError> {
+/// Opens (migrating) the database `url` names; each statement bounded by
+/// `timeout`.
+pub(crate) async fn open(url: &str, timeout: std::time::Duration) -> Result<Database, OpenError> {
     use idem_sql::dialect::DialectKind;
     let driver_url = DialectKind::driver_url(url);
     match DialectKind::of_url(url) {
-        Some(DialectKind::Sqlite) => {
-            Ok(Arc::new(generic::Db::<idem_sql::Sqlite>::open(url).await?))
-        }
+        Some(DialectKind::Sqlite) => Ok(Arc::new(
+            generic::Db::<idem_sql::Sqlite>::open(url, timeout).await?,
+        )),
         Some(DialectKind::Postgres) => Ok(Arc::new(
-            generic::Db::<idem_sql::Postgres>::open(url).await?,
+            generic::Db::<idem_sql::Postgres>::open(url, timeout).await?,
         )),
         Some(DialectKind::MySql) => Ok(Arc::new(
-            generic::Db::<idem_sql::MySql>::open(&driver_url).await?,
+            generic::Db::<idem_sql::MySql>::open(&driver_url, timeout).await?,
         )),
         _ => Err(OpenError::Unsupported(url.to_owned())),
     }

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::{start_in, Db, Mode, RedisPrefix, Shop};
+use super::{start_routed, Db, Mode, RedisPrefix, Route, Shop};
 
 /// The `shop` processes of one mode on one database, restarted when they
 /// die (a simulated crash, a `kill -9`).
@@ -14,6 +14,7 @@ pub struct Fleet {
     pub db: Db,
     pub prefix: RedisPrefix,
     flags: Vec<String>,
+    route: Route,
     bases: Mutex<Vec<String>>,
     pub kills: Mutex<u64>,
     pub restarts: Mutex<u64>,
@@ -23,11 +24,25 @@ impl Fleet {
     /// `processes` shops in `mode` with `flags`, on a database of their own.
     pub async fn start(mode: Mode, test: &str, processes: usize, flags: &[&str]) -> Arc<Fleet> {
         let db = mode.db().await;
+        let route = Route::direct(&db);
+        Self::start_routed(mode, db, route, test, processes, flags).await
+    }
+
+    /// `processes` shops in `mode` with `flags` on `db`, reaching their
+    /// servers by `route` (through fault proxies, say).
+    pub async fn start_routed(
+        mode: Mode,
+        db: Db,
+        route: Route,
+        test: &str,
+        processes: usize,
+        flags: &[&str],
+    ) -> Arc<Fleet> {
         let prefix = RedisPrefix::new(test);
         let flags: Vec<String> = flags.iter().map(|s| (*s).to_owned()).collect();
         let mut slots = Vec::new();
         for _ in 0..processes {
-            slots.push(Self::spawn(mode, &db, &prefix, &flags).await);
+            slots.push(Self::spawn(mode, &route, &prefix, &flags).await);
         }
         let bases = slots.iter().map(|s| s.base.clone()).collect();
         Arc::new(Fleet {
@@ -35,6 +50,7 @@ impl Fleet {
             db,
             prefix,
             flags,
+            route,
             slots: tokio::sync::Mutex::new(slots),
             bases: Mutex::new(bases),
             kills: Mutex::new(0),
@@ -42,9 +58,9 @@ impl Fleet {
         })
     }
 
-    async fn spawn(mode: Mode, db: &Db, prefix: &RedisPrefix, flags: &[String]) -> Shop {
+    async fn spawn(mode: Mode, route: &Route, prefix: &RedisPrefix, flags: &[String]) -> Shop {
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        start_in(mode, db, &prefix.0, &flags).await
+        start_routed(mode, route, &prefix.0, &flags).await
     }
 
     /// The base URL of one live process, picked by `pick`.
@@ -69,7 +85,7 @@ impl Fleet {
             if slots[i].exited() {
                 changed = true;
                 self.bases.lock().unwrap().retain(|b| *b != slots[i].base);
-                slots[i] = Self::spawn(self.mode, &self.db, &self.prefix, &self.flags).await;
+                slots[i] = Self::spawn(self.mode, &self.route, &self.prefix, &self.flags).await;
                 *self.restarts.lock().unwrap() += 1;
             }
         }

@@ -30,11 +30,17 @@ impl Shop {
     /// Starts `shop` on a free port with the database at `db` and extra
     /// flags, and waits until `/healthz` answers.
     pub async fn start(db: &Db, extra: &[&str]) -> Shop {
+        Shop::start_url(&db.url(), extra).await
+    }
+
+    /// Starts `shop` with the database at `url` (a [`Db`]'s, or the same
+    /// through a fault proxy).
+    pub async fn start_url(url: &str, extra: &[&str]) -> Shop {
         let mut child = Command::new(env!("CARGO_BIN_EXE_shop"))
             .arg("--listen")
             .arg("127.0.0.1:0")
             .arg("--database-url")
-            .arg(db.url())
+            .arg(url)
             .args(extra)
             .env("SHOP_LOG", "warn")
             .stdout(Stdio::piped())
@@ -375,10 +381,16 @@ impl Mode {
 
     /// The flags of this mode; Redis keys under a prefix of the test's own.
     pub fn flags(self, prefix: &str) -> Vec<String> {
+        self.flags_with(prefix, &redis_url())
+    }
+
+    /// The flags of this mode, with the Redis at `redis` (the tests', or
+    /// the same through a fault proxy).
+    pub fn flags_with(self, prefix: &str, redis: &str) -> Vec<String> {
         let redis = |v: &mut Vec<String>| {
             v.extend([
                 "--redis-url".to_owned(),
-                redis_url(),
+                redis.to_owned(),
                 "--redis-prefix".to_owned(),
                 prefix.to_owned(),
             ])
@@ -437,10 +449,57 @@ impl Drop for RedisPrefix {
 
 /// Starts `shop` in `mode` with `extra` flags.
 pub async fn start_in(mode: Mode, db: &Db, prefix: &str, extra: &[&str]) -> Shop {
-    let mut flags = mode.flags(prefix);
+    start_routed(mode, &Route::direct(db), prefix, extra).await
+}
+
+/// Where a `shop` reaches its servers: straight, or through fault proxies.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// The database's URL.
+    pub database_url: String,
+    /// The Redis's URL (used in the modes with Redis).
+    pub redis_url: String,
+}
+
+impl Route {
+    /// Straight to `db` and the tests' Redis.
+    pub fn direct(db: &Db) -> Route {
+        Route {
+            database_url: db.url(),
+            redis_url: redis_url(),
+        }
+    }
+}
+
+/// `url` with its `host:port` replaced by `addr`.
+pub fn via(url: &str, addr: std::net::SocketAddr) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let rest = &url[start..];
+    let start = start + rest.find('@').map_or(0, |i| i + 1);
+    let end = url[start..]
+        .find(['/', '?'])
+        .map_or(url.len(), |i| start + i);
+    format!("{}{addr}{}", &url[..start], &url[end..])
+}
+
+/// The `host:port` of `url`.
+pub fn host_port(url: &str) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let rest = &url[start..];
+    let start = start + rest.find('@').map_or(0, |i| i + 1);
+    let end = url[start..]
+        .find(['/', '?'])
+        .map_or(url.len(), |i| start + i);
+    url[start..end].to_owned()
+}
+
+/// Starts `shop` in `mode` with `extra` flags, reaching its servers by
+/// `route`.
+pub async fn start_routed(mode: Mode, route: &Route, prefix: &str, extra: &[&str]) -> Shop {
+    let mut flags = mode.flags_with(prefix, &route.redis_url);
     flags.extend(extra.iter().map(|s| (*s).to_owned()));
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    Shop::start(db, &flags).await
+    Shop::start_url(&route.database_url, &flags).await
 }
 
 /// Runs a test body once per [`Mode`] (the six, and Redis alone on a cluster): each `$name(mode, db)` gets one test

@@ -176,7 +176,9 @@ pub trait Dialect:
     /// Begins a transaction that writes: on SQLite the write lock first
     /// (`BEGIN IMMEDIATE`), so two writers wait for each other instead of
     /// failing at their first write; on MySQL under READ COMMITTED, so a
-    /// statement after a wait reads what committed meanwhile.
+    /// statement after a wait reads what committed meanwhile. Begun with
+    /// [`begin_detached`], so a caller that stops waiting leaves no
+    /// connection inside a transaction nobody sees.
     fn begin_write(
         pool: &sqlx::Pool<Self::Database>,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, Self::Database>, sqlx::Error>>;
@@ -244,6 +246,33 @@ pub trait Dialect:
 /// What a failure outside the database's own answers means: trouble
 /// reaching it is [`ErrorClass::Unavailable`], the rest
 /// [`ErrorClass::Other`].
+/// Begins a transaction on `pool` (with `statement` instead of `BEGIN`) on
+/// a task of its own, so that a caller who stops waiting (a time-out, a
+/// dropped request) cannot leave a connection whose `BEGIN` ran on the
+/// server while sqlx never saw the transaction: that connection would go
+/// back to the pool inside an open transaction, and the next caller's
+/// statements on it would never commit. Here the task runs to its end, and
+/// a transaction nobody took is dropped, which rolls it back.
+pub fn begin_detached<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+    statement: Option<&'static str>,
+) -> BoxFuture<'static, Result<sqlx::Transaction<'static, DB>, sqlx::Error>> {
+    let pool = pool.clone();
+    let begun = tokio::spawn(async move {
+        match statement {
+            Some(s) => pool.begin_with(s).await,
+            None => pool.begin().await,
+        }
+    });
+    Box::pin(async move {
+        begun.await.unwrap_or_else(|e| {
+            Err(sqlx::Error::Io(std::io::Error::other(format!(
+                "the task beginning a transaction failed: {e}"
+            ))))
+        })
+    })
+}
+
 pub(crate) fn classify_io(e: &sqlx::Error) -> ErrorClass {
     match e {
         sqlx::Error::Io(_)

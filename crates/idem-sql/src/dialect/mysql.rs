@@ -121,8 +121,9 @@ impl Dialect for MySql {
     fn begin_write(
         pool: &sqlx::MySqlPool,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::MySql>, sqlx::Error>> {
-        Box::pin(
-            pool.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"),
+        super::begin_detached(
+            pool,
+            Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"),
         )
     }
 

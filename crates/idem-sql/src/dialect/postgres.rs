@@ -59,7 +59,7 @@ impl Dialect for Postgres {
     fn begin_write(
         pool: &sqlx::PgPool,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error>> {
-        Box::pin(pool.begin())
+        super::begin_detached(pool, None)
     }
 
     /// In one transaction, under an advisory lock per schema (creating the

@@ -68,7 +68,7 @@ impl Dialect for Sqlite {
     fn begin_write(
         pool: &sqlx::SqlitePool,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error>> {
-        Box::pin(pool.begin_with("BEGIN IMMEDIATE"))
+        super::begin_detached(pool, Some("BEGIN IMMEDIATE"))
     }
 
     /// Under the write lock (`BEGIN IMMEDIATE`), in one transaction: the

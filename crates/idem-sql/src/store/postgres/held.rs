@@ -92,7 +92,9 @@ impl SqlStore<Postgres> {
         claim: &Claim,
         lease: Duration,
     ) -> Result<Option<sqlx::Transaction<'static, sqlx::Postgres>>, StoreError> {
-        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        let mut tx = crate::dialect::begin_detached(&self.pool, None)
+            .await
+            .map_err(store_error)?;
         // The idle timeout is an int of milliseconds; 0 would mean "none".
         let idle_ms = i64::try_from(lease.as_millis())
             .unwrap_or(i64::MAX)
