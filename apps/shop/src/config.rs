@@ -92,6 +92,13 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_STATEMENT_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub(crate) statement_timeout_ms: u64,
 
+    /// Start `--claim-in-transaction` even when the PostgreSQL primary has
+    /// an asynchronous standby. Without it shop refuses: a failover to a
+    /// standby that had not received the last commits loses records that
+    /// were answered, and their keys run again (the guarantees guide).
+    #[arg(long, env = "SHOP_ALLOW_ASYNC_STANDBY")]
+    pub(crate) allow_async_standby: bool,
+
     /// The Retry-After of a 409 for a request in flight, in seconds (never more than the rest of the holder's lease).
     #[arg(long, env = "IDEM_RETRY_AFTER_SECS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) retry_after_secs: u64,

@@ -80,6 +80,9 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     };
     let database = db::open(&config.database_url, config.statement_timeout()).await?;
     let kind = database.kind();
+    if kind == "postgres" {
+        check_replication(&*database, &config).await?;
+    }
     let bank = bank::Bank::open(&database, &config.database_url).await?;
     let mut store: Arc<dyn Store> = database.idem_store();
     let redis = match &config.redis_url {
@@ -276,4 +279,49 @@ async fn shutdown_signal() {
         () = term => {},
     }
     info!("shutting down gracefully");
+}
+
+/// Whether the PostgreSQL primary shop writes to has a standby a failover
+/// could lose acknowledged commits to: one that is not synchronous, or
+/// commits acknowledged before any standby has them (`synchronous_commit`
+/// `off` or `local`). With `--claim-in-transaction` shop refuses to start
+/// then (unless `--allow-async-standby`); in the other modes it warns.
+/// Read once at start (`pg_stat_replication` needs a superuser or
+/// `pg_monitor` to show `sync_state`); a standby attached later is not seen.
+async fn check_replication(
+    database: &dyn db::ShopDb,
+    config: &Config,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let rows = db::query(
+        database,
+        "SELECT CAST(count(*) AS BIGINT) AS standbys,
+                CAST(count(*) FILTER (WHERE sync_state IN ('sync', 'quorum')) AS BIGINT) AS synchronous,
+                current_setting('synchronous_commit') AS commit_level
+         FROM pg_stat_replication",
+        &[],
+    )
+    .await?;
+    let Some(row) = rows.first() else {
+        return Ok(());
+    };
+    let standbys = row.int("standbys")?;
+    let synchronous = row.int("synchronous")?;
+    let level = row.text("commit_level")?;
+    let unsafe_level = matches!(level.as_str(), "off" | "local");
+    if standbys == 0 || (synchronous > 0 && !unsafe_level) {
+        return Ok(());
+    }
+    let why = format!(
+        "the PostgreSQL primary has {standbys} standby(s), {synchronous} synchronous, and synchronous_commit = {level}: \
+         a failover can lose commits that were acknowledged, and with them idempotency records whose answers were sent \
+         (their keys then run again). Name the standby in synchronous_standby_names with synchronous_commit = on or remote_apply"
+    );
+    if config.claim_in_transaction && !config.allow_async_standby {
+        return Err(format!(
+            "refusing --claim-in-transaction: {why} (or pass --allow-async-standby)"
+        )
+        .into());
+    }
+    warn!("{why}");
+    Ok(())
 }

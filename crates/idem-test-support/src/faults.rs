@@ -42,6 +42,7 @@ pub enum Fault {
 pub struct FaultProxy {
     addr: SocketAddr,
     fault: watch::Sender<Fault>,
+    upstream: Arc<Mutex<String>>,
     conns: Arc<Mutex<Vec<AbortHandle>>>,
     accept: AbortHandle,
 }
@@ -53,7 +54,8 @@ impl FaultProxy {
         let addr = listener.local_addr().unwrap();
         let (fault, watching) = watch::channel(Fault::None);
         let conns: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
-        let upstream = upstream.to_owned();
+        let upstream = Arc::new(Mutex::new(upstream.to_owned()));
+        let target = upstream.clone();
         let tracked = conns.clone();
         let accept = tokio::spawn(async move {
             let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
@@ -63,7 +65,7 @@ impl FaultProxy {
                 };
                 seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
                 let link = watching.clone();
-                let upstream = upstream.clone();
+                let upstream = target.lock().unwrap().clone();
                 let task = tokio::spawn(carry(client, upstream, link, seed));
                 let mut conns = tracked.lock().unwrap();
                 conns.retain(|c| !c.is_finished());
@@ -74,9 +76,17 @@ impl FaultProxy {
         FaultProxy {
             addr,
             fault,
+            upstream,
             conns,
             accept,
         }
+    }
+
+    /// Sends new connections to `upstream` from now on (a virtual address
+    /// moved to a promoted replica); open ones stay where they are until
+    /// [`cut`](Self::cut).
+    pub fn set_upstream(&self, upstream: &str) {
+        *self.upstream.lock().unwrap() = upstream.to_owned();
     }
 
     /// Where the service connects instead of the server.

@@ -8,6 +8,7 @@
 )]
 
 pub mod fleet;
+pub mod pgpair;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -129,6 +130,9 @@ pub enum Db {
     Sqlite(tempfile::TempDir, PathBuf),
     Postgres(TestSchema),
     Mysql(TestDatabase),
+    /// A PostgreSQL database of a server the test runs itself (a
+    /// [`pgpair::PgPair`]), at this URL.
+    PostgresAt(String),
 }
 
 impl Db {
@@ -155,7 +159,7 @@ impl Db {
                 sqlx::query(sql).execute(&pool).await.unwrap();
                 pool.close().await;
             }
-            Db::Postgres(_) => {
+            Db::Postgres(_) | Db::PostgresAt(_) => {
                 let pool = sqlx::PgPool::connect(&self.url()).await.unwrap();
                 sqlx::query(sql).execute(&pool).await.unwrap();
                 pool.close().await;
@@ -173,6 +177,7 @@ impl Db {
             Db::Sqlite(_, path) => format!("sqlite:{}", path.display()),
             Db::Postgres(schema) => schema.url(),
             Db::Mysql(db) => db.url(),
+            Db::PostgresAt(url) => url.clone(),
         }
     }
 }
