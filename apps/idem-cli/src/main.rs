@@ -148,6 +148,10 @@ struct Target {
     /// Connections in the database pool (the ops verbs need two).
     #[arg(skip = 2u32)]
     connections: u32,
+    /// Redis alone: replicas a claim waits for (`idem proxy
+    /// --redis-wait-replicas`); none for the other verbs.
+    #[arg(skip)]
+    wait_replicas: Option<idem_redis::WaitReplicas>,
 }
 
 impl Target {
@@ -261,13 +265,28 @@ impl Target {
             return Err("--schema and --table apply to PostgreSQL and MySQL only".into());
         }
         let options = idem_sqlite::connect_options(url)?.create_if_missing(create);
-        let pool = sqlx::sqlite::SqlitePoolOptions::new()
-            .max_connections(self.connections.max(1))
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options)
-            .await
-            .map_err(|e| format!("cannot open {}: {e}", redact(url)))?;
-        Ok(SqliteStore::from_pool(pool))
+        // Hosts starting at once (`idem once` from cron) open the same new
+        // file together: switching it to WAL can meet SQLITE_BUSY before
+        // any busy handler runs. That passes; wait it out, within the
+        // acquire time-out.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let opened = sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(self.connections.max(1))
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_with(options.clone())
+                .await;
+            match opened {
+                Ok(pool) => return Ok(SqliteStore::from_pool(pool)),
+                Err(e)
+                    if idem_sql::classify(&e) == idem_sql::ErrorClass::Unavailable
+                        && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(format!("cannot open {}: {e}", redact(url)).into()),
+            }
+        }
     }
 
     async fn postgres(&self) -> Result<PostgresStore, Failure> {
@@ -304,7 +323,11 @@ async fn open_store(target: &Target) -> Result<Arc<dyn Store>, Failure> {
     use idem_sql::SqlRecords;
     let url = &target.database_url;
     if url.starts_with("redis://") || url.starts_with("rediss://") {
-        let store = idem_redis::RedisStore::connect(target.redis_config(url))
+        let mut config = target.redis_config(url);
+        if let Some(w) = target.wait_replicas {
+            config = config.wait_replicas(w.replicas, w.timeout);
+        }
+        let store = idem_redis::RedisStore::connect(config)
             .await
             .map_err(|e| format!("cannot connect to Redis at {}: {e}", redact(url)))?;
         return Ok(Arc::new(store));
@@ -521,8 +544,13 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 None => None,
             };
             let steps = steps(store, &seen).await.map_err(explain)?;
+            let held = matches!(seen.record.state, RecordState::InProgress { .. })
+                && store.row_held(&scope, &key).await.map_err(explain)?;
             if json {
                 let mut v = inspection_json(&seen, show_body);
+                if held {
+                    v["held_by_transaction"] = json!(true);
+                }
                 if !steps.is_empty() {
                     v["steps"] = steps.iter().map(Step::json).collect();
                 }
@@ -531,7 +559,10 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 }
                 println!("{v}");
             } else {
-                print!("{}", inspection_text(&seen, show_body));
+                print!("{}", inspection_text(&seen, show_body, held));
+                if held {
+                    println!("{:<14}{}", "held:", HELD_BY_TRANSACTION);
+                }
                 for step in &steps {
                     println!("{:<14}{}", format!("step {}:", step.index), step.line());
                 }
@@ -561,6 +592,12 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 );
                 return Ok(ExitCode::from(1));
             };
+            if !force && store.row_held(&scope, &key).await.map_err(explain)? {
+                eprintln!(
+                    "refused: {HELD_BY_TRANSACTION}. Releasing it would let a retry run beside it; pass --force only if you know that transaction's process is gone"
+                );
+                return Ok(ExitCode::from(1));
+            }
             if *locked_until > seen.now && !force {
                 eprintln!(
                     "refused: the holder's lease runs until {} (for {} more): it may still be working, and a retry let in now would run beside it. Wait for the lease to end (the next retry then takes over by itself), or pass --force if you know the holder is dead",
@@ -569,7 +606,7 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 );
                 return Ok(ExitCode::from(1));
             }
-            print!("{}", inspection_text(&seen, false));
+            print!("{}", inspection_text(&seen, false, false));
             if !yes {
                 use std::io::{BufRead, Write};
                 print!("Release this claim so that the next retry runs the operation again? Type yes to confirm: ");
@@ -656,6 +693,10 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
     Ok(ExitCode::SUCCESS)
 }
 
+/// What `inspect` and `release` say of a record whose row an open
+/// transaction holds.
+const HELD_BY_TRANSACTION: &str = "an open transaction holds this record (a claim held by the transaction): its holder is working whatever the lease says, and the key frees itself when that transaction ends";
+
 /// The most steps `inspect` looks for.
 const MAX_STEPS_SHOWN: usize = 100;
 
@@ -722,7 +763,7 @@ async fn steps<S: Ops>(store: &S, seen: &Inspection) -> Result<Vec<Step>, StoreE
     Ok(steps)
 }
 
-fn inspection_text(seen: &Inspection, show_body: bool) -> String {
+fn inspection_text(seen: &Inspection, show_body: bool, held: bool) -> String {
     let r = &seen.record;
     let now = seen.now;
     let mut out = String::new();
@@ -735,7 +776,12 @@ fn inspection_text(seen: &Inspection, show_body: bool) -> String {
             locked_until,
         } => {
             line("state:", "in progress".into());
-            let lease = if *locked_until > now {
+            let lease = if held {
+                format!(
+                    "{} (held by an open transaction: its holder is working)",
+                    time::rfc3339(*locked_until)
+                )
+            } else if *locked_until > now {
                 format!(
                     "{} (held, ends in {})",
                     time::rfc3339(*locked_until),

@@ -451,6 +451,7 @@ async fn open(args: &OnceArgs) -> Result<Arc<dyn Store>, crate::Failure> {
         redis_cluster: false,
         redis_prefix: args.redis_prefix.clone(),
         connections: 2,
+        wait_replicas: None,
     })
     .await
 }

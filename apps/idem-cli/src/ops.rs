@@ -16,6 +16,9 @@ pub(crate) trait Ops: SqlRecords {
     ) -> Result<Option<Inspection>, StoreError>;
     /// The records by state.
     async fn record_stats(&self) -> Result<StoreStats, StoreError>;
+    /// Whether an open transaction holds the record (PostgreSQL's claim
+    /// held by the transaction).
+    async fn row_held(&self, scope: &str, key: &str) -> Result<bool, StoreError>;
     /// The default outbox's counts and at most `limit` dead letters.
     async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error>;
 }
@@ -38,6 +41,9 @@ where
     }
     async fn record_stats(&self) -> Result<StoreStats, StoreError> {
         self.stats().await
+    }
+    async fn row_held(&self, scope: &str, key: &str) -> Result<bool, StoreError> {
+        SqlRecords::held_by_transaction(self, scope, key).await
     }
     async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error> {
         let pool = self.records_pool();

@@ -660,3 +660,56 @@ async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
     assert_eq!(retry.operation_id, first.operation_id);
     redis.clear().await.unwrap();
 }
+
+/// A claim held by an open transaction (PostgreSQL's claim-in-transaction
+/// mode): `inspect` says so whatever its lease says, and `release` refuses
+/// it without `--force`; once the transaction ends, the lease rules again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_held_by_a_transaction_is_shown_held_and_not_released() {
+    let schema = TestSchema::create("idem_cli_held").await;
+    let url = schema.url();
+    let store = idem_postgres::PostgresStore::connect(&url).await.unwrap();
+    let claimed = store
+        .claim(&request(
+            "c1",
+            "in-tx",
+            "{}",
+            Duration::from_millis(10),
+            Duration::from_secs(600),
+        ))
+        .await
+        .unwrap();
+    assert!(matches!(claimed, ClaimOutcome::Acquired(_)));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // A holder's transaction keeps the row locked, its lease long past.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idem_records WHERE scope = 'c1' AND key = 'in-tx' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let args = ["--database-url", &url, "--scope", "c1", "--key", "in-tx"];
+    let shown = stdout(&idem(&[&["inspect"], &args[..]].concat()));
+    assert!(shown.contains("held by an open transaction"), "{shown}");
+    assert!(!shown.contains("the next retry takes over"), "{shown}");
+    let json = stdout(&idem(&[&["inspect", "--json"], &args[..]].concat()));
+    assert!(json.contains("\"held_by_transaction\":true"), "{json}");
+    let refused = idem(&[&["release", "--yes"], &args[..]].concat());
+    assert_eq!(refused.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("refused: an open transaction holds this record"),
+        "{said}"
+    );
+
+    holder.rollback().await.unwrap();
+    let shown = stdout(&idem(&[&["inspect"], &args[..]].concat()));
+    assert!(shown.contains("the next retry takes over"), "{shown}");
+    let released = idem(&[&["release", "--yes"], &args[..]].concat());
+    assert!(
+        released.status.success(),
+        "{}",
+        String::from_utf8_lossy(&released.stderr)
+    );
+    pool.close().await;
+}

@@ -46,6 +46,18 @@ pub(crate) struct Config {
     #[arg(long, env = "IDEM_STORE", value_enum, default_value_t = IdemStore::Database)]
     pub(crate) idem_store: IdemStore,
 
+    /// With `--idem-store redis`: a claim counts only once this many
+    /// replicas have it (`WAIT`), so that a failover to one of them keeps
+    /// it; fewer within `--redis-wait-timeout-ms` answers 503 and the
+    /// payment does not run. 0: do not wait (the default).
+    #[arg(long, env = "SHOP_REDIS_WAIT_REPLICAS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub(crate) redis_wait_replicas: u32,
+
+    /// How long a claim waits for `--redis-wait-replicas`, in milliseconds
+    /// (below Redis's 500 ms command time-out).
+    #[arg(long, env = "SHOP_REDIS_WAIT_TIMEOUT_MS", default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..=450))]
+    pub(crate) redis_wait_timeout_ms: u64,
+
     /// The prefix of idem's keys in Redis (two services sharing a Redis need different ones).
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
     pub(crate) redis_prefix: String,
@@ -161,6 +173,9 @@ pub(crate) enum FaultInjection {
 impl Config {
     /// Refuses flag combinations that cannot work together.
     pub(crate) fn check(&self) -> Result<(), String> {
+        if self.redis_wait_replicas > 0 && self.idem_store != IdemStore::Redis {
+            return Err("--redis-wait-replicas applies to --idem-store redis (with the records in the database, the database is the guard and Redis only a cache)".into());
+        }
         if self.claim_in_transaction {
             let postgres = idem_sql::dialect::DialectKind::of_url(&self.database_url)
                 == Some(idem_sql::dialect::DialectKind::Postgres);

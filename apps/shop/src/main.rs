@@ -91,7 +91,11 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
                 RedisConfig::cluster(url.split(',').map(str::trim))
             } else {
                 RedisConfig::new(url)
-            };
+            }
+            .wait_replicas(
+                config.redis_wait_replicas,
+                Duration::from_millis(config.redis_wait_timeout_ms),
+            );
             Some(
                 RedisStore::connect(redis.prefix(&config.redis_prefix))
                     .await

@@ -9,6 +9,17 @@ pub struct RedisConfig {
     pub(crate) cluster: Option<Vec<String>>,
     pub(crate) prefix: String,
     pub(crate) timeout: Duration,
+    pub(crate) wait_replicas: Option<WaitReplicas>,
+}
+
+/// How many replicas must have a claim (and a completion) before it counts;
+/// see [`RedisConfig::wait_replicas`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitReplicas {
+    /// Replicas that must acknowledge.
+    pub replicas: u32,
+    /// How long to wait for them.
+    pub timeout: Duration,
 }
 
 impl RedisConfig {
@@ -20,6 +31,7 @@ impl RedisConfig {
             cluster: None,
             prefix: "idem".to_owned(),
             timeout: Duration::from_millis(500),
+            wait_replicas: None,
         }
     }
 
@@ -43,6 +55,7 @@ impl RedisConfig {
             cluster: Some(nodes),
             prefix: "idem".to_owned(),
             timeout: Duration::from_millis(500),
+            wait_replicas: None,
         }
     }
 
@@ -55,6 +68,37 @@ impl RedisConfig {
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
+    }
+
+    /// Counts a claim only once `replicas` replicas have it (`WAIT replicas
+    /// timeout` after the claim script, and after each completion), so that
+    /// a failover to one of them keeps every claim whose request ran.
+    ///
+    /// A claim that fewer replicas acknowledged within `timeout` is released
+    /// (best effort) and answered as [`StoreError::Unavailable`]: the request
+    /// does not run (`503`). A completion they did not acknowledge is
+    /// reported the same way: its claim stays until its lease ends, so a
+    /// retry after a failover that lost the completion takes the claim over
+    /// under the same operation id. `WAIT` holds the connection it runs on,
+    /// so keep `timeout` below [`timeout`](Self::timeout). What remains
+    /// open: `WAIT` is not a consensus; a replica that acknowledged and
+    /// then was not the one promoted, or a failover with several replicas
+    /// lost at once, can still lose a claim (the Redis guide).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// let c = idem_redis::RedisConfig::new("redis://127.0.0.1:6379")
+    ///     .wait_replicas(1, Duration::from_millis(200));
+    /// assert_eq!(c.waits_for_replicas().map(|w| w.replicas), Some(1));
+    /// ```
+    pub fn wait_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait_replicas = (replicas > 0).then_some(WaitReplicas { replicas, timeout });
+        self
+    }
+
+    /// The replicas a claim waits for, if any.
+    pub fn waits_for_replicas(&self) -> Option<WaitReplicas> {
+        self.wait_replicas
     }
 
     /// The longest wait for one command or connection attempt. In tiered

@@ -54,7 +54,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Script, Value};
 use sha2::{Digest, Sha256};
 
-pub use config::RedisConfig;
+pub use config::{RedisConfig, WaitReplicas};
 pub use tier::TieredStore;
 
 use conn::Conn;
@@ -67,6 +67,7 @@ pub struct RedisStore {
     /// The cluster's seed nodes, to find every primary for key scans.
     cluster: Option<Vec<String>>,
     timeout: Duration,
+    wait_replicas: Option<WaitReplicas>,
     prefix: String,
     claim: Script,
     complete: Script,
@@ -82,6 +83,21 @@ impl std::fmt::Debug for RedisStore {
             .field("prefix", &self.prefix)
             .finish_non_exhaustive()
     }
+}
+
+/// Fewer replicas than [`RedisConfig::wait_replicas`] asked for
+/// acknowledged a write within its timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{acknowledged} of the {wanted} replica(s) asked for acknowledged the write within {timeout:?}"
+)]
+pub struct NotReplicated {
+    /// Replicas asked for.
+    pub wanted: u32,
+    /// Replicas that acknowledged.
+    pub acknowledged: i64,
+    /// How long it waited.
+    pub timeout: Duration,
 }
 
 /// Turns a Redis error into a store error: unreachable, timed out, dropped
@@ -133,6 +149,7 @@ impl RedisStore {
             conn,
             cluster: config.cluster,
             timeout: config.timeout,
+            wait_replicas: config.wait_replicas,
             prefix: config.prefix,
             claim: Script::new(scripts::CLAIM),
             complete: Script::new(scripts::COMPLETE),
@@ -159,7 +176,54 @@ impl RedisStore {
         &self.prefix
     }
 
+    /// With [`RedisConfig::wait_replicas`]: waits until that many replicas
+    /// have every write this connection sent so far (`WAIT`); fewer within
+    /// its timeout is [`StoreError::Unavailable`].
+    async fn replicated(&self) -> Result<(), StoreError> {
+        let Some(wait) = self.wait_replicas else {
+            return Ok(());
+        };
+        let mut conn = self.conn.clone();
+        let acked: i64 = redis::cmd("WAIT")
+            .arg(wait.replicas)
+            .arg(
+                i64::try_from(wait.timeout.as_millis())
+                    .unwrap_or(i64::MAX)
+                    .max(1),
+            )
+            .query_async(&mut conn)
+            .await
+            .map_err(store_error)?;
+        if acked >= i64::from(wait.replicas) {
+            Ok(())
+        } else {
+            tracing::warn!(
+                wanted = wait.replicas,
+                acknowledged = acked,
+                "a write was not acknowledged by enough replicas in time"
+            );
+            Err(StoreError::Unavailable(Box::new(NotReplicated {
+                wanted: wait.replicas,
+                acknowledged: acked,
+                timeout: wait.timeout,
+            })))
+        }
+    }
+
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let outcome = self.claim_once(req).await?;
+        if let ClaimOutcome::Acquired(claim) = &outcome {
+            if let Err(e) = self.replicated().await {
+                // Not durable: the request must not run on it. Let it go
+                // at once (best effort; the lease frees it otherwise).
+                let _ = Store::release(self, claim).await;
+                return Err(e);
+            }
+        }
+        Ok(outcome)
+    }
+
+    async fn claim_once(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let token = FencingToken::generate();
         let proposed = OperationId::generate();
         let mut conn = self.conn.clone();
@@ -289,7 +353,7 @@ impl Store for RedisStore {
                 .await
                 .map_err(store_error)?;
             if done == 1 {
-                Ok(())
+                self.replicated().await
             } else {
                 Err(StoreError::ClaimLost)
             }

@@ -61,6 +61,15 @@ pub(crate) struct ProxyArgs {
     /// The prefix of idem's keys in Redis.
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
     pub(crate) redis_prefix: String,
+    /// Redis alone (`--database-url redis://…`): a claim counts only once
+    /// this many replicas have it (`WAIT`); fewer within
+    /// `--redis-wait-timeout-ms` answers `503` and nothing is sent
+    /// upstream. 0: do not wait.
+    #[arg(long, env = "IDEM_REDIS_WAIT_REPLICAS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub(crate) redis_wait_replicas: u32,
+    /// How long a claim waits for `--redis-wait-replicas`, in milliseconds.
+    #[arg(long, env = "IDEM_REDIS_WAIT_TIMEOUT_MS", default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..=450))]
+    pub(crate) redis_wait_timeout_ms: u64,
     /// The request header that says who the caller is; keys are kept apart
     /// per value (hashed, never stored in clear). A guarded request without
     /// it is answered `401`.
@@ -158,6 +167,10 @@ impl ProxyArgs {
                     16
                 },
             ),
+            wait_replicas: (self.redis_wait_replicas > 0).then(|| idem_redis::WaitReplicas {
+                replicas: self.redis_wait_replicas,
+                timeout: Duration::from_millis(self.redis_wait_timeout_ms),
+            }),
         }
     }
 
@@ -186,7 +199,7 @@ impl ProxyArgs {
         }
         policy
             .build()
-            .map_err(|e| format!("the proxy's policy: {e}").into())
+            .map_err(|e| format!("--no-replay-header: {e}").into())
     }
 
     /// How long to wait for the upstream: below the lease, always.
@@ -238,6 +251,11 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
     let url = &args.database_url;
     if url.starts_with("sqlite:") && (url.contains(":memory:") || url.contains("mode=memory")) {
         return Err("--database-url: an in-memory SQLite database loses every record when the proxy stops (and is not shared by its connections); give a file, sqlite:FILE".into());
+    }
+    if args.redis_wait_replicas > 0
+        && !(url.starts_with("redis://") || url.starts_with("rediss://"))
+    {
+        return Err("--redis-wait-replicas applies to Redis alone (--database-url redis://…): with the records in a database, the database is the guard and Redis only a cache".into());
     }
     if Duration::from_secs(args.shutdown_grace_secs) < timeout {
         warn!(

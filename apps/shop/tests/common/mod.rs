@@ -582,17 +582,63 @@ impl Rng {
 pub struct OwnRedis {
     child: Option<std::process::Child>,
     pub port: u16,
+    /// Extra `redis-server` arguments (`--replicaof`).
+    args: Vec<String>,
 }
 
 impl OwnRedis {
     pub fn start() -> Self {
+        Self::start_with(Vec::new())
+    }
+
+    /// A replica of the Redis at `primary` (`host:port`).
+    pub fn replica_of(primary: &str) -> Self {
+        let (host, port) = primary.rsplit_once(':').expect("host:port");
+        Self::start_with(vec!["--replicaof".into(), host.into(), port.into()])
+    }
+
+    fn start_with(args: Vec<String>) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
-        let mut redis = Self { child: None, port };
+        let mut redis = Self {
+            child: None,
+            port,
+            args,
+        };
         redis.restart();
         redis
+    }
+
+    /// Runs a command on it with redis-cli; its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Waits until `n` replicas are connected to it and online.
+    pub fn wait_replicas_online(&self, n: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let info = self.cli(&["INFO", "replication"]);
+            let online = info
+                .lines()
+                .filter(|l| l.starts_with("slave") && l.contains("state=online"))
+                .count();
+            if online >= n {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "replicas never came online: {info}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Its URL.
@@ -614,6 +660,7 @@ impl OwnRedis {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
+            .args(&self.args)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server (`bash scripts/test` installs it)");

@@ -33,6 +33,18 @@ pub trait SqlRecords: Store {
 
     /// Counts records by state, for operators.
     fn stats(&self) -> impl Future<Output = Result<StoreStats, StoreError>> + Send;
+
+    /// Whether an open transaction holds the record's row now (PostgreSQL's
+    /// claim held by the transaction): probed with `FOR UPDATE NOWAIT` in a
+    /// transaction rolled back at once, so the probe never waits and never
+    /// changes anything. Its lease then says nothing: the holder is working
+    /// until its transaction ends. Always `false` on the other databases,
+    /// where no claim is held so.
+    fn held_by_transaction(
+        &self,
+        scope: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }
 
 impl<D: RecordDialect> SqlRecords for SqlStore<D> {
@@ -65,6 +77,30 @@ impl<D: RecordDialect> SqlRecords for SqlStore<D> {
             record: D::decode_record(&row)?,
             now,
         }))
+    }
+
+    async fn held_by_transaction(&self, scope: &str, key: &str) -> Result<bool, StoreError> {
+        if D::NAME != "postgres" {
+            return Ok(false);
+        }
+        let sql = format!(
+            "SELECT 1 AS held FROM {} WHERE scope = $1 AND key = $2 FOR UPDATE NOWAIT",
+            self.table.qualified()
+        );
+        let mut tx = D::begin_write(&self.pool).await.map_err(store_error)?;
+        let probed = D::fetch_optional(
+            &mut tx,
+            &crate::Statement::raw(&sql),
+            &[Arg::Text(scope), Arg::Text(key)],
+        )
+        .await;
+        tx.rollback().await.map_err(store_error)?;
+        match probed {
+            Ok(_) => Ok(false),
+            // lock_not_available: a transaction holds the row.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => Ok(true),
+            Err(e) => Err(store_error(e)),
+        }
     }
 
     /// Counts records by state, for operators.

@@ -1,0 +1,85 @@
+//! `--redis-wait-replicas`: with the records in Redis alone, a claim counts
+//! only once a replica has it. Without a replica to acknowledge, the
+//! payment is answered 503 and does not run (nothing charged), and its key
+//! is free again at once; without the flag the same payment runs on a
+//! claim that a failover could lose.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{account, pay, read, Db, OwnRedis, Shop, BODY};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_waits_for_its_replica() {
+    let primary = OwnRedis::start();
+    let mut replica = OwnRedis::replica_of(&format!("127.0.0.1:{}", primary.port));
+    primary.wait_replicas_online(1);
+    let db = Db::postgres().await;
+    let url = primary.url();
+    let redis_alone = ["--redis-url", &url, "--idem-store", "redis"];
+    let mut waiting = redis_alone.to_vec();
+    waiting.extend([
+        "--redis-wait-replicas",
+        "1",
+        "--redis-wait-timeout-ms",
+        "200",
+    ]);
+    let safe = Shop::start(&db, &waiting).await;
+    let plain = Shop::start(&db, &redis_alone).await;
+    let client = common::signed_in();
+
+    let first = read(pay(&client, &safe, Some("wait-1"), BODY)).await;
+    assert_eq!(first.status, 201, "acknowledged by the replica: {first:?}");
+
+    replica.stop();
+    let before = account(&client, &safe, "acc_1").await;
+    let refused = read(pay(&client, &safe, Some("wait-2"), BODY)).await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert!(refused.headers.contains_key("retry-after"));
+    assert!(
+        refused.problem_type().ends_with("store-unavailable"),
+        "{refused:?}"
+    );
+    let after = account(&client, &safe, "acc_1").await;
+    assert_eq!(
+        before["bank_charges"], after["bank_charges"],
+        "nothing charged"
+    );
+    // Without the flag, the payment runs on a claim no replica has.
+    let unsafe_run = read(pay(&client, &plain, Some("wait-3"), BODY)).await;
+    assert_eq!(unsafe_run.status, 201);
+
+    // The replica is back: the refused key runs now, not after a lease.
+    replica.restart();
+    primary.wait_replicas_online(1);
+    let retried = read(pay(&client, &safe, Some("wait-2"), BODY)).await;
+    assert_eq!(retried.status, 201, "released when refused: {retried:?}");
+    let replay = read(pay(&client, &safe, Some("wait-2"), BODY)).await;
+    assert!(replay.replayed);
+    assert_eq!(replay.body, retried.body);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let end = account(&client, &safe, "acc_1").await;
+    assert_eq!(
+        end["bank_charges"].as_i64().unwrap() - before["bank_charges"].as_i64().unwrap(),
+        2,
+        "wait-3 and wait-2, once each: {end}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flag_needs_redis_alone() {
+    let db = Db::sqlite();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args(["--listen", "127.0.0.1:0", "--database-url", &db.url()])
+        .args(["--redis-wait-replicas", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--redis-wait-replicas applies to --idem-store redis"),
+        "{err}"
+    );
+}
