@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::fleet::Fleet;
+use common::netns::Netns;
 use common::pgpair::{PgPair, Replication};
 use common::{host_port, redis_url, via, Db, Mode, Rng, Route};
 use idem_test_support::faults::{Fault, FaultProxy};
@@ -472,21 +473,29 @@ enum Chaos {
 struct Injected {
     delays: u64,
     partitions: u64,
+    /// Of the partitions, those made by taking the veth link down.
+    link_downs: u64,
     cuts: u64,
 }
 
-/// The fault proxies between the fleet and its servers.
+/// The links between the fleet and its servers: fault proxies, and (for
+/// network faults) the veth link of the namespace the fleet runs in.
 struct Links {
     database: FaultProxy,
     redis: Option<FaultProxy>,
+    netns: Option<Arc<Netns>>,
 }
 
 impl Links {
+    /// The fleet in a network namespace of its own, reaching its servers
+    /// through fault proxies on the host's end of its veth link.
     async fn start(mode: Mode, db: &Db) -> (Links, Route) {
-        let database = FaultProxy::start(&host_port(&db.url())).await;
+        let netns = Arc::new(Netns::create());
+        let bind = netns.servers_host_ip.clone();
+        let database = FaultProxy::start_on(&bind, &host_port(&db.url())).await;
         let redis = match mode {
             Mode::Tiered | Mode::RedisAlone => {
-                Some(FaultProxy::start(&host_port(&redis_url())).await)
+                Some(FaultProxy::start_on(&bind, &host_port(&redis_url())).await)
             }
             _ => None,
         };
@@ -495,8 +504,16 @@ impl Links {
             redis_url: redis
                 .as_ref()
                 .map_or_else(redis_url, |r| via(&redis_url(), r.addr())),
+            netns: Some(netns.clone()),
         };
-        (Links { database, redis }, route)
+        (
+            Links {
+                database,
+                redis,
+                netns: Some(netns),
+            },
+            route,
+        )
     }
 
     /// One fault on one link, for a while; then the link heals.
@@ -515,10 +532,23 @@ impl Links {
                 tokio::time::sleep(Duration::from_millis(rng.between(500, 2500))).await;
             }
             40..=74 => {
-                // Some shorter than the statement time-out, some longer.
+                // Some shorter than the statement time-out, some longer;
+                // half made by the kernel (the veth link down: every
+                // server at once), half by a proxy (one server).
                 injected.partitions += 1;
-                link.set(Fault::Partition);
-                tokio::time::sleep(Duration::from_millis(rng.between(300, 3000))).await;
+                let pause = Duration::from_millis(rng.between(300, 3000));
+                match &self.netns {
+                    Some(ns) if rng.percent(50) => {
+                        injected.link_downs += 1;
+                        ns.partition();
+                        tokio::time::sleep(pause).await;
+                        ns.heal();
+                    }
+                    _ => {
+                        link.set(Fault::Partition);
+                        tokio::time::sleep(pause).await;
+                    }
+                }
             }
             _ => {
                 injected.cuts += 1;
@@ -584,11 +614,13 @@ async fn run_with(mode: Mode, chaos: Chaos) {
             let route = Route {
                 database_url: via(&pair.primary_url(), address.addr()),
                 redis_url: redis_url(),
+                netns: None,
             };
             (
                 Some(Links {
                     database: address,
                     redis: None,
+                    netns: None,
                 }),
                 route,
             )
@@ -681,8 +713,8 @@ async fn run_with(mode: Mode, chaos: Chaos) {
             ", the standby held back 1 s, the primary crashed, the standby promoted ({r:?})"
         ),
         Chaos::Network => format!(
-            ", network faults: {} delays, {} partitions, {} cuts",
-            injected.delays, injected.partitions, injected.cuts
+            ", network faults: {} delays, {} partitions ({} by the kernel), {} cuts",
+            injected.delays, injected.partitions, injected.link_downs, injected.cuts
         ),
     };
     let summary = format!(

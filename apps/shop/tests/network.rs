@@ -1,16 +1,17 @@
 //! A partition between shop and its store: answers come in bounded time
 //! (`--statement-timeout-ms`), `503` with `Retry-After`, never a request
 //! that hangs until the network heals; after it heals, the same key is
-//! charged once and replayed.
+//! charged once and replayed. Each mode twice: the partition made by a
+//! fault proxy in user space, and by the kernel (shop in a network
+//! namespace of the test's own, its link to the servers taken down).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{
-    account, host_port, pay, read, redis_url, start_routed, via, Mode, RedisPrefix, Route, BODY,
-};
+use common::netns::Netns;
+use common::{account, host_port, pay, read, redis_url, via, Mode, RedisPrefix, Shop, BODY};
 use idem_test_support::faults::{Fault, FaultProxy};
 
 /// The statement time-out the shops run with: the answers must come well
@@ -19,23 +20,29 @@ const TIMEOUT_MS: u64 = 800;
 /// How long the partition lasts: many times the time-out.
 const PARTITION: Duration = Duration::from_secs(10);
 
-async fn a_partition_costs_a_bounded_wait(mode: Mode) {
+/// Who makes the partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Made {
+    /// The fault proxy holds every byte.
+    ByProxy,
+    /// The kernel: the veth link to the servers is down.
+    ByKernel,
+}
+
+async fn a_partition_costs_a_bounded_wait(mode: Mode, made: Made) {
     let db = mode.db().await;
-    let database = FaultProxy::start(&host_port(&db.url())).await;
-    let redis = FaultProxy::start(&host_port(&redis_url())).await;
-    let route = Route {
-        database_url: via(&db.url(), database.addr()),
-        redis_url: via(&redis_url(), redis.addr()),
-    };
+    let netns = (made == Made::ByKernel).then(Netns::create);
+    let bind = netns
+        .as_ref()
+        .map_or("127.0.0.1".to_owned(), |n| n.servers_host_ip.clone());
+    let database = FaultProxy::start_on(&bind, &host_port(&db.url())).await;
+    let redis = FaultProxy::start_on(&bind, &host_port(&redis_url())).await;
     let prefix = RedisPrefix::new("network");
     let timeout = TIMEOUT_MS.to_string();
-    let shop = start_routed(
-        mode,
-        &route,
-        &prefix.0,
-        &["--statement-timeout-ms", &timeout, "--lease-ms", "3000"],
-    )
-    .await;
+    let mut flags = mode.flags_with(&prefix.0, &via(&redis_url(), redis.addr()));
+    flags.extend(["--statement-timeout-ms", &timeout, "--lease-ms", "3000"].map(str::to_owned));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let shop = Shop::start_in_netns(netns.as_ref(), &via(&db.url(), database.addr()), &flags).await;
     let client = common::signed_in();
     let before = account(&client, &shop, "acc_1").await;
     let done = read(pay(&client, &shop, Some("net-done"), BODY)).await;
@@ -46,7 +53,10 @@ async fn a_partition_costs_a_bounded_wait(mode: Mode) {
         Mode::RedisAlone => &redis,
         _ => &database,
     };
-    link.set(Fault::Partition);
+    match &netns {
+        Some(ns) => ns.partition(),
+        None => link.set(Fault::Partition),
+    }
     let cut_at = Instant::now();
     for key in ["net-new", "net-done"] {
         let started = Instant::now();
@@ -76,7 +86,10 @@ async fn a_partition_costs_a_bounded_wait(mode: Mode) {
         "every answer came during the partition"
     );
     tokio::time::sleep(PARTITION.saturating_sub(cut_at.elapsed())).await;
-    link.set(Fault::None);
+    match &netns {
+        Some(ns) => ns.heal(),
+        None => link.set(Fault::None),
+    }
 
     // Healed: the new key is charged once (retried past any claim its
     // first attempt left to the lease); the old one replays.
@@ -110,25 +123,50 @@ async fn a_partition_costs_a_bounded_wait(mode: Mode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres() {
-    a_partition_costs_a_bounded_wait(Mode::Postgres).await;
+    a_partition_costs_a_bounded_wait(Mode::Postgres, Made::ByProxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_kernel_partition() {
+    a_partition_costs_a_bounded_wait(Mode::Postgres, Made::ByKernel).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql() {
-    a_partition_costs_a_bounded_wait(Mode::Mysql).await;
+    a_partition_costs_a_bounded_wait(Mode::Mysql, Made::ByProxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_kernel_partition() {
+    a_partition_costs_a_bounded_wait(Mode::Mysql, Made::ByKernel).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_in_transaction() {
-    a_partition_costs_a_bounded_wait(Mode::ClaimInTx).await;
+    a_partition_costs_a_bounded_wait(Mode::ClaimInTx, Made::ByProxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_in_transaction_kernel_partition() {
+    a_partition_costs_a_bounded_wait(Mode::ClaimInTx, Made::ByKernel).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiered() {
-    a_partition_costs_a_bounded_wait(Mode::Tiered).await;
+    a_partition_costs_a_bounded_wait(Mode::Tiered, Made::ByProxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiered_kernel_partition() {
+    a_partition_costs_a_bounded_wait(Mode::Tiered, Made::ByKernel).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_alone() {
-    a_partition_costs_a_bounded_wait(Mode::RedisAlone).await;
+    a_partition_costs_a_bounded_wait(Mode::RedisAlone, Made::ByProxy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_alone_kernel_partition() {
+    a_partition_costs_a_bounded_wait(Mode::RedisAlone, Made::ByKernel).await;
 }

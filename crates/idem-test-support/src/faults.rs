@@ -50,7 +50,13 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// A proxy on a free port of 127.0.0.1 to `upstream` (`host:port`).
     pub async fn start(upstream: &str) -> FaultProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::start_on("127.0.0.1", upstream).await
+    }
+
+    /// A proxy on a free port of `ip` (the host's end of a veth pair, say)
+    /// to `upstream` (`host:port`).
+    pub async fn start_on(ip: &str, upstream: &str) -> FaultProxy {
+        let listener = TcpListener::bind((ip, 0)).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (fault, watching) = watch::channel(Fault::None);
         let conns: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();

@@ -8,6 +8,7 @@
 )]
 
 pub mod fleet;
+pub mod netns;
 pub mod pgpair;
 
 use std::io::{BufRead, BufReader};
@@ -37,9 +38,26 @@ impl Shop {
     /// Starts `shop` with the database at `url` (a [`Db`]'s, or the same
     /// through a fault proxy).
     pub async fn start_url(url: &str, extra: &[&str]) -> Shop {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_shop"))
-            .arg("--listen")
-            .arg("127.0.0.1:0")
+        Shop::start_in_netns(None, url, extra).await
+    }
+
+    /// Starts `shop` inside the network namespace `netns` (listening on its
+    /// clients' link), or on 127.0.0.1 without one.
+    pub async fn start_in_netns(netns: Option<&netns::Netns>, url: &str, extra: &[&str]) -> Shop {
+        let mut command = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &ns.name, env!("CARGO_BIN_EXE_shop")]);
+                c.args(["--listen", &format!("{}:0", ns.clients_ns_ip)]);
+                c
+            }
+            None => {
+                let mut c = Command::new(env!("CARGO_BIN_EXE_shop"));
+                c.args(["--listen", "127.0.0.1:0"]);
+                c
+            }
+        };
+        let mut child = command
             .arg("--database-url")
             .arg(url)
             .args(extra)
@@ -464,6 +482,8 @@ pub struct Route {
     pub database_url: String,
     /// The Redis's URL (used in the modes with Redis).
     pub redis_url: String,
+    /// The network namespace `shop` runs in, if any.
+    pub netns: Option<std::sync::Arc<netns::Netns>>,
 }
 
 impl Route {
@@ -472,6 +492,7 @@ impl Route {
         Route {
             database_url: db.url(),
             redis_url: redis_url(),
+            netns: None,
         }
     }
 }
@@ -504,7 +525,7 @@ pub async fn start_routed(mode: Mode, route: &Route, prefix: &str, extra: &[&str
     let mut flags = mode.flags_with(prefix, &route.redis_url);
     flags.extend(extra.iter().map(|s| (*s).to_owned()));
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    Shop::start_url(&route.database_url, &flags).await
+    Shop::start_in_netns(route.netns.as_deref(), &route.database_url, &flags).await
 }
 
 /// Runs a test body once per [`Mode`] (the six, and Redis alone on a cluster): each `$name(mode, db)` gets one test

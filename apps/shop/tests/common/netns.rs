@@ -1,0 +1,91 @@
+//! [`Netns`]: a network namespace of the test's own, joined to the host by
+//! two veth pairs: one that `shop` reaches its servers through (taken down
+//! for a partition the kernel makes: packets dropped, TCP retransmitting,
+//! then delivered when it comes back up), one its clients reach it by.
+
+use std::process::Command;
+
+/// Runs `ip` with `args`; panics with its output when it fails.
+fn ip(args: &[&str]) {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .expect("ip (iproute2; `bash scripts/test` installs it)");
+    assert!(
+        out.status.success(),
+        "ip {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A namespace and its two links; deleted when dropped.
+#[derive(Debug)]
+pub struct Netns {
+    pub name: String,
+    /// The host's end of the servers' link: fault proxies listen here.
+    pub servers_host_ip: String,
+    /// The namespace's address on the clients' link: `shop` listens here.
+    pub clients_ns_ip: String,
+    servers_host_if: String,
+}
+
+impl Netns {
+    pub fn create() -> Netns {
+        let id = uuid::Uuid::new_v4().as_u128();
+        let tag = format!("{:06x}", id & 0xff_ffff);
+        let name = format!("idem-{tag}");
+        // Two /30 subnets of 10.0.0.0/8 picked at random, so tests running
+        // at once do not meet.
+        let a = 1 + (id >> 24) % 250;
+        let b = ((id >> 32) % 64) * 4;
+        let c = ((id >> 40) % 64) * 4;
+        ip(&["netns", "add", &name]);
+        let ns = |args: &[&str]| {
+            let mut all = vec!["netns", "exec", &name, "ip"];
+            all.extend_from_slice(args);
+            ip(&all);
+        };
+        ns(&["link", "set", "lo", "up"]);
+        let pair = |host_if: &str, ns_if: &str, subnet: u128| {
+            ip(&[
+                "link", "add", host_if, "type", "veth", "peer", "name", ns_if,
+            ]);
+            ip(&["link", "set", ns_if, "netns", &name]);
+            let host_ip = format!("10.{a}.{subnet}.{}", 1);
+            let ns_ip = format!("10.{a}.{subnet}.{}", 2);
+            ip(&["addr", "add", &format!("{host_ip}/30"), "dev", host_if]);
+            ip(&["link", "set", host_if, "up"]);
+            ns(&["addr", "add", &format!("{ns_ip}/30"), "dev", ns_if]);
+            ns(&["link", "set", ns_if, "up"]);
+            (host_ip, ns_ip)
+        };
+        let servers_host_if = format!("is{tag}");
+        let (servers_host_ip, _) = pair(&servers_host_if, &format!("js{tag}"), b);
+        let (_, clients_ns_ip) = pair(&format!("ic{tag}"), &format!("jc{tag}"), c + 1);
+        Netns {
+            name,
+            servers_host_ip,
+            clients_ns_ip,
+            servers_host_if,
+        }
+    }
+
+    /// Takes the servers' link down: nothing passes either way.
+    pub fn partition(&self) {
+        ip(&["link", "set", &self.servers_host_if, "down"]);
+    }
+
+    /// Brings it back up.
+    pub fn heal(&self) {
+        ip(&["link", "set", &self.servers_host_if, "up"]);
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes the veth pairs with it.
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .output();
+    }
+}
