@@ -68,6 +68,8 @@ struct Attempt {
     amount: u64,
     simulate: Option<String>,
     outcome: Outcome,
+    /// When it was answered (or failed).
+    at: Instant,
 }
 
 impl Attempt {
@@ -170,9 +172,63 @@ async fn send(
         amount: intent.amount(variant),
         simulate,
         outcome,
+        at: Instant::now(),
     };
     shared.log.lock().unwrap().push(attempt.clone());
     attempt
+}
+
+/// After a failover: every key answered `201` since `since` is asked
+/// again, as a client whose answer was lost would; each must replay the
+/// first answer (what the failover kept), or the checker says what it lost.
+async fn ask_again(shared: &Shared, since: Instant) {
+    let answered: Vec<Attempt> = {
+        let log = shared.log.lock().unwrap();
+        let mut seen = BTreeSet::new();
+        log.iter()
+            .filter(|a| a.at >= since && a.status() == Some(201))
+            .filter(|a| seen.insert((a.key.clone(), a.epoch)))
+            .cloned()
+            .collect()
+    };
+    let mut rng = Rng::new(0x5eed);
+    let deadline = Instant::now() + Duration::from_secs(8);
+    for a in answered {
+        if Instant::now() > deadline {
+            break;
+        }
+        let intent = Intent {
+            key: a.key.clone(),
+            epoch: a.epoch,
+            amount: match a.variant {
+                Variant::Main => a.amount,
+                Variant::Other => a.amount - 1,
+            },
+            main: String::new(),
+            other: String::new(),
+        };
+        let intent = Intent {
+            main: body(intent.amount),
+            other: body(intent.amount + 1),
+            ..intent
+        };
+        // Retried until answered: the new primary may still be settling.
+        while Instant::now() < deadline {
+            let again = send(
+                shared,
+                &mut rng,
+                &intent,
+                a.variant,
+                None,
+                Duration::from_secs(5),
+            )
+            .await;
+            if matches!(again.status(), Some(201 | 422)) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
 }
 
 fn simulate(rng: &mut Rng, crashes: bool) -> Option<String> {
@@ -466,6 +522,54 @@ enum Chaos {
     /// a second, the primary crashes, the standby is promoted and the
     /// service's address moves to it.
     Failover(Replication),
+    /// Redis alone fails over the same way (as Sentinel would): its replica
+    /// held back a second, the primary killed, the replica promoted
+    /// (`REPLICAOF NO ONE`), the address moved; with or without
+    /// `--redis-wait-replicas 1`.
+    RedisFailover {
+        /// `--redis-wait-replicas 1`.
+        wait: bool,
+    },
+}
+
+/// A Redis primary and its replica, the replica's link to the primary
+/// through a fault proxy, and the address the service reaches Redis by.
+struct RedisPair {
+    primary: std::sync::Mutex<common::OwnRedis>,
+    replica: common::OwnRedis,
+    replication: FaultProxy,
+    address: FaultProxy,
+}
+
+impl RedisPair {
+    async fn start() -> RedisPair {
+        let primary = common::OwnRedis::start();
+        let at = format!("127.0.0.1:{}", primary.port);
+        let replication = FaultProxy::start(&at).await;
+        let replica = common::OwnRedis::replica_of(&replication.addr().to_string());
+        primary.wait_replicas_online(1);
+        let address = FaultProxy::start(&at).await;
+        RedisPair {
+            primary: std::sync::Mutex::new(primary),
+            replica,
+            replication,
+            address,
+        }
+    }
+
+    fn fail_over(&self) {
+        let mut old = self.primary.lock().unwrap();
+        old.stop();
+        let promoted = self.replica.cli(&["REPLICAOF", "NO", "ONE"]);
+        assert!(promoted.contains("OK"), "{promoted}");
+        self.address
+            .set_upstream(&format!("127.0.0.1:{}", self.replica.port));
+        self.address.cut();
+        // The old primary comes back as the new one's replica, so that
+        // claims waiting for a replica have one again.
+        old.rejoin_as_replica_of(&format!("127.0.0.1:{}", self.replica.port));
+        self.replica.wait_replicas_online(1);
+    }
 }
 
 /// The faults injected on the links, by kind.
@@ -567,14 +671,14 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     let secs: u64 = std::env::var(match chaos {
         Chaos::Crashes => "IDEM_HISTORY_SECS",
         Chaos::Network => "IDEM_NETWORK_SECS",
-        Chaos::Failover(_) => "IDEM_FAILOVER_SECS",
+        Chaos::Failover(_) | Chaos::RedisFailover { .. } => "IDEM_FAILOVER_SECS",
     })
     .ok()
     .and_then(|s| s.parse().ok())
     .unwrap_or(match chaos {
         Chaos::Crashes => 25,
         Chaos::Network => 20,
-        Chaos::Failover(_) => 16,
+        Chaos::Failover(_) | Chaos::RedisFailover { .. } => 16,
     });
     let seed = std::env::var("IDEM_HISTORY_SEED")
         .ok()
@@ -584,6 +688,13 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     let ttl = TTL_SECS.to_string();
     let mut flags = vec!["--lease-ms", &lease, "--ttl-secs", &ttl];
     let mut pair = None;
+    let redis_pair = match chaos {
+        Chaos::RedisFailover { .. } => {
+            assert_eq!(mode, Mode::RedisAlone);
+            Some(RedisPair::start().await)
+        }
+        _ => None,
+    };
     let db = match chaos {
         Chaos::Failover(replication) => {
             assert!(matches!(mode, Mode::Postgres | Mode::ClaimInTx));
@@ -597,6 +708,24 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     };
     let (links, route) = match chaos {
         Chaos::Crashes => (None, Route::direct(&db)),
+        Chaos::RedisFailover { wait } => {
+            flags.extend(["--statement-timeout-ms", "700"]);
+            if wait {
+                flags.extend([
+                    "--redis-wait-replicas",
+                    "1",
+                    "--redis-wait-timeout-ms",
+                    "200",
+                ]);
+            }
+            let address = redis_pair.as_ref().unwrap().address.addr();
+            let route = Route {
+                database_url: db.url(),
+                redis_url: format!("redis://{address}"),
+                netns: None,
+            };
+            (None, route)
+        }
         Chaos::Network => {
             // A statement behind a partition ends within this, well inside
             // the lease.
@@ -654,6 +783,18 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     let failover_at = Instant::now() + Duration::from_secs(secs) * 2 / 5;
     let mut failed_over = false;
     while Instant::now() < until {
+        if let Some(redis) = &redis_pair {
+            if !failed_over && Instant::now() >= failover_at {
+                failed_over = true;
+                let since = Instant::now() - Duration::from_secs(2);
+                redis.replication.set(Fault::Partition);
+                tokio::time::sleep(Duration::from_millis(1000)).await;
+                redis.fail_over();
+                ask_again(&shared, since).await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
         match (&links, &pair) {
             (Some(address), Some(pair)) => {
                 if !failed_over && Instant::now() >= failover_at {
@@ -669,6 +810,7 @@ async fn run_with(mode: Mode, chaos: Chaos) {
                         .database
                         .set_upstream(&format!("127.0.0.1:{}", pair.standby_port));
                     address.database.cut();
+                    ask_again(&shared, failover_at - Duration::from_secs(2)).await;
                 }
                 fleet.tend(None).await;
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -712,6 +854,10 @@ async fn run_with(mode: Mode, chaos: Chaos) {
         Chaos::Failover(r) => format!(
             ", the standby held back 1 s, the primary crashed, the standby promoted ({r:?})"
         ),
+        Chaos::RedisFailover { wait } => format!(
+            ", the replica held back 1 s, the primary killed, the replica promoted (--redis-wait-replicas {})",
+            u8::from(wait)
+        ),
         Chaos::Network => format!(
             ", network faults: {} delays, {} partitions ({} by the kernel), {} cuts",
             injected.delays, injected.partitions, injected.link_downs, injected.cuts
@@ -741,7 +887,10 @@ async fn run_with(mode: Mode, chaos: Chaos) {
             format!("{summary}\n{}\n", violations.join("\n")),
         );
     }
-    if chaos == Chaos::Failover(Replication::Asynchronous) {
+    if matches!(
+        chaos,
+        Chaos::Failover(Replication::Asynchronous) | Chaos::RedisFailover { wait: false }
+    ) {
         // What asynchronous replication costs, measured: the commits the
         // primary acknowledged while the standby was held back are gone
         // after the failover, so answers were given for payments that no
@@ -837,4 +986,14 @@ async fn failover_postgres_claim_in_transaction_synchronous() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_postgres_asynchronous_loses_what_the_standby_had_not_received() {
     run_with(Mode::Postgres, Chaos::Failover(Replication::Asynchronous)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_redis_alone_waiting_for_the_replica() {
+    run_with(Mode::RedisAlone, Chaos::RedisFailover { wait: true }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_redis_alone_without_waiting_loses_claims() {
+    run_with(Mode::RedisAlone, Chaos::RedisFailover { wait: false }).await;
 }
