@@ -104,6 +104,13 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_STATEMENT_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub(crate) statement_timeout_ms: u64,
 
+    /// Connections in the database pool the payments, the reads and the
+    /// idempotency records share (PostgreSQL and MySQL: 16 by default, of
+    /// which 4 serve claims; SQLite: sqlx's default). `/healthz` has one of
+    /// its own, and the demo's fake bank a pool of its own.
+    #[arg(long, env = "SHOP_DB_CONNECTIONS", value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub(crate) db_connections: Option<u32>,
+
     /// Start `--claim-in-transaction` even when the PostgreSQL primary has
     /// an asynchronous standby. Without it shop refuses: a failover to a
     /// standby that had not received the last commits loses records that
@@ -175,6 +182,20 @@ impl Config {
     pub(crate) fn check(&self) -> Result<(), String> {
         if self.redis_wait_replicas > 0 && self.idem_store != IdemStore::Redis {
             return Err("--redis-wait-replicas applies to --idem-store redis (with the records in the database, the database is the guard and Redis only a cache)".into());
+        }
+        if self.db_connections.is_some()
+            && (self.database_url.contains(":memory:") || self.database_url.contains("mode=memory"))
+        {
+            return Err("--db-connections does not apply to an in-memory SQLite database (one connection is the database)".into());
+        }
+        if let (true, Some(n)) = (self.claim_in_transaction, self.db_connections) {
+            if self.claim_tx_limit + 4 >= n {
+                return Err(format!(
+                    "--claim-tx-limit {} leaves no connection of --db-connections {n} for reads (4 serve claims): keep it below {}",
+                    self.claim_tx_limit,
+                    n.saturating_sub(4)
+                ));
+            }
         }
         if self.claim_in_transaction {
             let postgres = idem_sql::dialect::DialectKind::of_url(&self.database_url)

@@ -78,7 +78,12 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             }
         })
     };
-    let database = db::open(&config.database_url, config.statement_timeout()).await?;
+    let database = db::open(
+        &config.database_url,
+        config.statement_timeout(),
+        config.db_connections,
+    )
+    .await?;
     let kind = database.kind();
     if kind == "postgres" {
         check_replication(&*database, &config).await?;

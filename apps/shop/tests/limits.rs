@@ -241,3 +241,74 @@ async fn oversized_headers_are_a_431_problem() {
     }
     assert_eq!(read(fine).await.status, 200);
 }
+
+/// The most connections a `shop` on PostgreSQL (URL tagged with its own
+/// `application_name`) opens while 40 clients read at once, 5 times over.
+async fn most_connections_under_reads(extra: &[&str]) -> (i64, u64) {
+    let db = Db::postgres().await;
+    let tag = format!("shop-pool-{}", uuid::Uuid::new_v4().simple());
+    let url = format!("{}&application_name={tag}", db.url());
+    let url = if url.contains('?') {
+        url
+    } else {
+        url.replacen('&', "?", 1)
+    };
+    let shop = Shop::start_url(&url, extra).await;
+    let client = common::signed_in();
+    let admin = sqlx::PgPool::connect(&db.url()).await.unwrap();
+    let most = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let watching = {
+        let (admin, most, tag) = (admin.clone(), most.clone(), tag.clone());
+        tokio::spawn(async move {
+            loop {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                )
+                .bind(&tag)
+                .fetch_one(&admin)
+                .await
+                .unwrap();
+                most.fetch_max(n, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let mut ok = 0;
+    for _ in 0..5 {
+        let mut reads = tokio::task::JoinSet::new();
+        for i in 0..40 {
+            let req = client.get(shop.url(&format!("/accounts/acc_{i}")));
+            reads.spawn(async move { req.send().await.map(|r| r.status().as_u16()) });
+        }
+        while let Some(answer) = reads.join_next().await {
+            if answer.unwrap().is_ok_and(|s| s == 200) {
+                ok += 1;
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    watching.abort();
+    admin.close().await;
+    (most.load(std::sync::atomic::Ordering::SeqCst), ok)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn db_connections_bounds_the_pool() {
+    // The pool of 3, one for /healthz, one the fake bank opened at start.
+    let (most, ok) = most_connections_under_reads(&["--db-connections", "3"]).await;
+    assert_eq!(ok, 200, "every read answered");
+    assert!(most <= 3 + 2, "at most 3 + 2 connections, saw {most}");
+    // The same load without the flag opens more: the bound is the flag's.
+    let (unbounded, _) = most_connections_under_reads(&[]).await;
+    eprintln!("connections: {most} with --db-connections 3, {unbounded} without");
+    assert!(
+        unbounded > most,
+        "{unbounded} without the flag, {most} with it"
+    );
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args(["--database-url", "sqlite::memory:", "--db-connections", "4"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("in-memory"));
+}

@@ -32,8 +32,23 @@ impl<D: ShopDialect> std::fmt::Debug for Db<D> {
 impl<D: ShopDialect> Db<D> {
     /// Opens idem's store at `url` and creates the shop's tables, the
     /// outbox and the inbox.
-    pub(crate) async fn open(url: &str, timeout: Duration) -> Result<Self, OpenError> {
-        let store = SqlStore::<D>::connect(url).await?;
+    pub(crate) async fn open(
+        url: &str,
+        timeout: Duration,
+        connections: Option<u32>,
+    ) -> Result<Self, OpenError> {
+        let mut store = SqlStore::<D>::connect(url).await?;
+        if let Some(n) = connections {
+            // The same pool's settings, sized: a pool cannot grow or shrink.
+            let default = store.pool();
+            let sized = default
+                .options()
+                .clone()
+                .max_connections(n)
+                .connect_lazy_with(default.connect_options().as_ref().clone());
+            default.close().await;
+            store = SqlStore::new(sized, store.table().clone())?;
+        }
         let pool = store.pool();
         D::migrate_schema(pool).await?;
         inbox::migrate(pool).await?;

@@ -44,18 +44,22 @@ pub(crate) type Database = Arc<dyn ShopDb>;
 
 /// Opens (migrating) the database `url` names; each statement bounded by
 /// `timeout`.
-pub(crate) async fn open(url: &str, timeout: std::time::Duration) -> Result<Database, OpenError> {
+pub(crate) async fn open(
+    url: &str,
+    timeout: std::time::Duration,
+    connections: Option<u32>,
+) -> Result<Database, OpenError> {
     use idem_sql::dialect::DialectKind;
     let driver_url = DialectKind::driver_url(url);
     match DialectKind::of_url(url) {
         Some(DialectKind::Sqlite) => Ok(Arc::new(
-            generic::Db::<idem_sql::Sqlite>::open(url, timeout).await?,
+            generic::Db::<idem_sql::Sqlite>::open(url, timeout, connections).await?,
         )),
         Some(DialectKind::Postgres) => Ok(Arc::new(
-            generic::Db::<idem_sql::Postgres>::open(url, timeout).await?,
+            generic::Db::<idem_sql::Postgres>::open(url, timeout, connections).await?,
         )),
         Some(DialectKind::MySql) => Ok(Arc::new(
-            generic::Db::<idem_sql::MySql>::open(&driver_url, timeout).await?,
+            generic::Db::<idem_sql::MySql>::open(&driver_url, timeout, connections).await?,
         )),
         _ => Err(OpenError::Unsupported(url.to_owned())),
     }
