@@ -637,7 +637,15 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                     println!(
                         "released: the next retry with this key takes the claim over (operation id {})",
                         seen.record.operation_id
-                    )
+                    );
+                    if redis.is_none() && *locked_until > seen.now {
+                        // Forced before the lease ended: a Redis in front
+                        // (tiered mode) still holds its in-flight marker.
+                        eprintln!(
+                            "note: if Redis is in front of this database (tiered mode), its in-flight marker still answers 409 until {}; run again with --redis-url to clear it too",
+                            time::rfc3339(*locked_until)
+                        );
+                    }
                 }
                 Err(StoreError::ClaimLost) => {
                     eprintln!("not released: the record changed since it was read (completed or taken over)");

@@ -658,6 +658,41 @@ async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
     };
     assert!(retry.takeover);
     assert_eq!(retry.operation_id, first.operation_id);
+
+    // Forced without --redis-url: the database's claim goes, Redis's marker
+    // stays (still 409 until the lease ends), and the note says so.
+    let other = request(
+        "c1",
+        "stuck-2",
+        "{}",
+        Duration::from_secs(600),
+        Duration::from_secs(6000),
+    );
+    assert!(matches!(
+        tiered.claim(&other).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    let out = idem(&[
+        "release",
+        "--database-url",
+        url.as_str(),
+        "--scope",
+        "c1",
+        "--key",
+        "stuck-2",
+        "--yes",
+        "--force",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let note = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        note.contains("in-flight marker still answers 409") && note.contains("--redis-url"),
+        "{note}"
+    );
+    assert!(matches!(
+        tiered.claim(&other).await.unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
     redis.clear().await.unwrap();
 }
 
