@@ -105,9 +105,10 @@ pub(crate) struct Config {
     pub(crate) statement_timeout_ms: u64,
 
     /// Connections in the database pool the payments, the reads and the
-    /// idempotency records share (PostgreSQL and MySQL: 16 by default, of
-    /// which 4 serve claims; SQLite: sqlx's default). `/healthz` has one of
-    /// its own, and the demo's fake bank a pool of its own.
+    /// idempotency records share (PostgreSQL and MySQL: 16 by default;
+    /// SQLite: sqlx's default). On PostgreSQL 4 of them are kept for claims
+    /// and 1 listens for the outbox, so it takes at least 6. `/healthz` has
+    /// one of its own, and the demo's fake bank a pool of its own.
     #[arg(long, env = "SHOP_DB_CONNECTIONS", value_parser = clap::value_parser!(u32).range(2..=1000))]
     pub(crate) db_connections: Option<u32>,
 
@@ -153,6 +154,10 @@ pub(crate) struct Config {
     pub(crate) wait_ms: u64,
 }
 
+/// The connections of a PostgreSQL pool that are not the payments' and
+/// reads': 4 kept for claims, 1 listening for the outbox.
+const POSTGRES_RESERVED: u32 = 5;
+
 /// Where idempotency records live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum IdemStore {
@@ -188,12 +193,22 @@ impl Config {
         {
             return Err("--db-connections does not apply to an in-memory SQLite database (one connection is the database)".into());
         }
-        if let (true, Some(n)) = (self.claim_in_transaction, self.db_connections) {
-            if self.claim_tx_limit + 4 >= n {
+        let postgres = idem_sql::dialect::DialectKind::of_url(&self.database_url)
+            == Some(idem_sql::dialect::DialectKind::Postgres);
+        if let (true, Some(n)) = (postgres, self.db_connections) {
+            // 4 kept for claims, 1 for the relay's LISTEN, and at least one
+            // for the payments and reads.
+            let least = POSTGRES_RESERVED + 1;
+            if n < least {
                 return Err(format!(
-                    "--claim-tx-limit {} leaves no connection of --db-connections {n} for reads (4 serve claims): keep it below {}",
+                    "--db-connections {n} is too few on PostgreSQL: 4 are kept for claims and 1 listens for the outbox; give at least {least}"
+                ));
+            }
+            if self.claim_in_transaction && self.claim_tx_limit + POSTGRES_RESERVED >= n {
+                return Err(format!(
+                    "--claim-tx-limit {} leaves no connection of --db-connections {n} for reads (4 serve claims, 1 the outbox): keep it below {}",
                     self.claim_tx_limit,
-                    n.saturating_sub(4)
+                    n - POSTGRES_RESERVED
                 ));
             }
         }

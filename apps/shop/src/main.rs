@@ -305,6 +305,7 @@ async fn check_replication(
         database,
         "SELECT CAST(count(*) AS BIGINT) AS standbys,
                 CAST(count(*) FILTER (WHERE sync_state IN ('sync', 'quorum')) AS BIGINT) AS synchronous,
+                CAST(count(*) FILTER (WHERE sync_state IS NULL) AS BIGINT) AS hidden,
                 current_setting('synchronous_commit') AS commit_level
          FROM pg_stat_replication",
         &[],
@@ -318,6 +319,16 @@ async fn check_replication(
     let level = row.text("commit_level")?;
     let unsafe_level = matches!(level.as_str(), "off" | "local");
     if standbys == 0 || (synchronous > 0 && !unsafe_level) {
+        return Ok(());
+    }
+    if row.int("hidden")? > 0 {
+        // Without superuser or pg_monitor, pg_stat_replication hides how
+        // each standby replicates: say so rather than guess.
+        warn!(
+            standbys,
+            "the PostgreSQL primary has standbys whose replication this role cannot see (grant it pg_monitor): \
+             a failover to an asynchronous standby can lose answered records"
+        );
         return Ok(());
     }
     let why = format!(

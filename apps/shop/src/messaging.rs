@@ -342,14 +342,21 @@ async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayS
     };
     set(None);
     let mut delay = RELAY_RESTART_FIRST;
+    let mut restarted = false;
     loop {
         let started = Instant::now();
         let Err(e) = relay.clone().run(stop.clone()).await else {
             return;
         };
-        if started.elapsed() >= RELAY_RESTART_MAX {
-            delay = RELAY_RESTART_FIRST;
-        }
+        // A relay that ran a while starts over from the first delay; one
+        // that stopped again soon after a restart waits longer each time.
+        delay = if started.elapsed() >= RELAY_RESTART_MAX {
+            RELAY_RESTART_FIRST
+        } else if restarted {
+            delay.saturating_mul(2).min(RELAY_RESTART_MAX)
+        } else {
+            delay
+        };
         let mut error = with_causes(&e);
         loop {
             error!(error, retry_in = ?delay, "outbox relay stopped; restarting it after the delay");
@@ -359,7 +366,8 @@ async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayS
             }));
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
-                _ = stop.changed() => {}
+                // A dropped sender is a stop too.
+                changed = stop.changed() => if changed.is_err() { return },
             }
             if *stop.borrow() {
                 return;
@@ -377,6 +385,7 @@ async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayS
             }
         }
         info!("outbox relay restarted");
+        restarted = true;
         set(None);
     }
 }

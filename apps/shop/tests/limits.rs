@@ -294,13 +294,13 @@ async fn most_connections_under_reads(extra: &[&str]) -> (i64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn db_connections_bounds_the_pool() {
-    // The pool of 3, one for /healthz, one the fake bank opened at start.
-    let (most, ok) = most_connections_under_reads(&["--db-connections", "3"]).await;
+    // The pool of 6, one for /healthz, one the fake bank opened at start.
+    let (most, ok) = most_connections_under_reads(&["--db-connections", "6"]).await;
     assert_eq!(ok, 200, "every read answered");
-    assert!(most <= 3 + 2, "at most 3 + 2 connections, saw {most}");
+    assert!(most <= 6 + 2, "at most 6 + 2 connections, saw {most}");
     // The same load without the flag opens more: the bound is the flag's.
     let (unbounded, _) = most_connections_under_reads(&[]).await;
-    eprintln!("connections: {most} with --db-connections 3, {unbounded} without");
+    eprintln!("connections: {most} with --db-connections 6, {unbounded} without");
     assert!(
         unbounded > most,
         "{unbounded} without the flag, {most} with it"
@@ -311,4 +311,11 @@ async fn db_connections_bounds_the_pool() {
         .unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("in-memory"));
+    let db = Db::postgres().await;
+    let too_few = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args(["--database-url", &db.url(), "--db-connections", "5"])
+        .output()
+        .unwrap();
+    assert!(!too_few.status.success());
+    assert!(String::from_utf8_lossy(&too_few.stderr).contains("at least 6"));
 }

@@ -133,7 +133,9 @@ impl Policy {
     }
 
     /// How long one call to the store may take before the edges (the axum
-    /// and tonic layers, the proxy) give up on it (default 5 s): a claim or
+    /// and tonic layers, the proxy) give up on the calls they make
+    /// themselves (default 5 s; what a handler runs in its own transaction
+    /// is the handler's to bound): a claim or
     /// a read then answers `503` with `Retry-After` (the request did not
     /// run), a completion that gets no answer leaves the claim to its lease,
     /// and a release leaves it to its lease. A network partition between

@@ -75,7 +75,8 @@ impl RedisConfig {
     /// a failover to one of them keeps every claim whose request ran.
     ///
     /// A claim that fewer replicas acknowledged within `timeout` is released
-    /// (best effort) and answered as [`StoreError::Unavailable`]: the request
+    /// (best effort) and answered as
+    /// [`StoreError::Unavailable`](idem_core::StoreError::Unavailable): the request
     /// does not run (`503`). A completion they did not acknowledge is
     /// reported the same way: its claim stays until its lease ends, so a
     /// retry after a failover that lost the completion takes the claim over

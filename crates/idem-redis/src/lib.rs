@@ -68,6 +68,10 @@ pub struct RedisStore {
     cluster: Option<Vec<String>>,
     timeout: Duration,
     wait_replicas: Option<WaitReplicas>,
+    /// With [`RedisConfig::wait_replicas`] on one server: a connection of
+    /// its own for the writes that `WAIT`, so that a `WAIT` never holds up
+    /// the replays and reads on the main one.
+    wait_conn: Option<ConnectionManager>,
     prefix: String,
     claim: Script,
     complete: Script,
@@ -83,6 +87,34 @@ impl std::fmt::Debug for RedisStore {
             .field("prefix", &self.prefix)
             .finish_non_exhaustive()
     }
+}
+
+/// `WAIT replicas timeout-ms`.
+fn wait_cmd(wait: WaitReplicas) -> redis::Cmd {
+    let mut cmd = redis::cmd("WAIT");
+    cmd.arg(wait.replicas).arg(
+        i64::try_from(wait.timeout.as_millis())
+            .unwrap_or(i64::MAX)
+            .max(1),
+    );
+    cmd
+}
+
+/// Whether `acked` replicas are enough for `wait`.
+fn acknowledged(wait: WaitReplicas, acked: i64) -> Result<(), StoreError> {
+    if acked >= i64::from(wait.replicas) {
+        return Ok(());
+    }
+    tracing::warn!(
+        wanted = wait.replicas,
+        acknowledged = acked,
+        "a write was not acknowledged by enough replicas in time"
+    );
+    Err(StoreError::Unavailable(Box::new(NotReplicated {
+        wanted: wait.replicas,
+        acknowledged: acked,
+        timeout: wait.timeout,
+    })))
 }
 
 /// Fewer replicas than [`RedisConfig::wait_replicas`] asked for
@@ -145,8 +177,25 @@ impl RedisStore {
                 Conn::Cluster(client.get_async_connection().await.map_err(store_error)?)
             }
         };
+        let wait_conn = match (&config.wait_replicas, &config.cluster) {
+            (Some(_), None) => {
+                let client = redis::Client::open(config.url.as_str()).map_err(bad)?;
+                let manager = ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(config.timeout))
+                    .set_connection_timeout(Some(config.timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                Some(
+                    ConnectionManager::new_with_config(client, manager)
+                        .await
+                        .map_err(store_error)?,
+                )
+            }
+            _ => None,
+        };
         Ok(Self {
             conn,
+            wait_conn,
             cluster: config.cluster,
             timeout: config.timeout,
             wait_replicas: config.wait_replicas,
@@ -176,93 +225,119 @@ impl RedisStore {
         &self.prefix
     }
 
-    /// With [`RedisConfig::wait_replicas`]: waits until that many replicas
-    /// have every write this connection sent so far (`WAIT`); fewer within
-    /// its timeout is [`StoreError::Unavailable`].
-    async fn replicated(&self) -> Result<(), StoreError> {
+    /// Runs `script` (its source) on `key` with `args`, then, with
+    /// [`RedisConfig::wait_replicas`], `WAIT`. On one server both go in one
+    /// pipeline on the connection kept for it: the `WAIT` counts the
+    /// replicas that have this very write (a reconnect between two
+    /// requests would have it count a fresh connection's nothing), and it
+    /// never holds up the replays and reads on the main connection. On a
+    /// cluster, `WAIT` follows on the cluster connection (redis-rs sends it
+    /// to every primary; the least count decides). The second value says
+    /// whether enough replicas acknowledged.
+    async fn write(
+        &self,
+        script: &Script,
+        source: &str,
+        key: &str,
+        args: &[Vec<u8>],
+    ) -> Result<(Value, Result<(), StoreError>), StoreError> {
         let Some(wait) = self.wait_replicas else {
-            return Ok(());
+            let mut inv = script.key(key);
+            for a in args {
+                inv.arg(a.as_slice());
+            }
+            let mut conn = self.conn.clone();
+            let reply: Value = inv.invoke_async(&mut conn).await.map_err(store_error)?;
+            return Ok((reply, Ok(())));
         };
-        let mut conn = self.conn.clone();
-        let acked: i64 = redis::cmd("WAIT")
-            .arg(wait.replicas)
-            .arg(
-                i64::try_from(wait.timeout.as_millis())
-                    .unwrap_or(i64::MAX)
-                    .max(1),
-            )
-            .query_async(&mut conn)
-            .await
-            .map_err(store_error)?;
-        if acked >= i64::from(wait.replicas) {
-            Ok(())
-        } else {
-            tracing::warn!(
-                wanted = wait.replicas,
-                acknowledged = acked,
-                "a write was not acknowledged by enough replicas in time"
-            );
-            Err(StoreError::Unavailable(Box::new(NotReplicated {
-                wanted: wait.replicas,
-                acknowledged: acked,
-                timeout: wait.timeout,
-            })))
+        match &self.wait_conn {
+            Some(dedicated) => {
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(source).arg(1).arg(key);
+                for a in args {
+                    eval.arg(a.as_slice());
+                }
+                let mut pipe = redis::pipe();
+                pipe.add_command(eval).add_command(wait_cmd(wait));
+                let mut conn = dedicated.clone();
+                let (reply, acked): (Value, i64) =
+                    pipe.query_async(&mut conn).await.map_err(store_error)?;
+                Ok((reply, acknowledged(wait, acked)))
+            }
+            None => {
+                let mut inv = script.key(key);
+                for a in args {
+                    inv.arg(a.as_slice());
+                }
+                let mut conn = self.conn.clone();
+                let reply: Value = inv.invoke_async(&mut conn).await.map_err(store_error)?;
+                let acked: i64 = wait_cmd(wait)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(store_error)?;
+                Ok((reply, acknowledged(wait, acked)))
+            }
         }
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let outcome = self.claim_once(req).await?;
-        if let ClaimOutcome::Acquired(claim) = &outcome {
-            if let Err(e) = self.replicated().await {
-                // Not durable: the request must not run on it. Let it go
-                // at once (best effort; the lease frees it otherwise).
-                let _ = Store::release(self, claim).await;
-                return Err(e);
-            }
-        }
-        Ok(outcome)
-    }
-
-    async fn claim_once(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let token = FencingToken::generate();
         let proposed = OperationId::generate();
-        let mut conn = self.conn.clone();
-        let reply: Vec<Value> = self
-            .claim
-            .key(self.record_key(&req.scope, &req.key))
-            .arg(&req.scope)
-            .arg(&req.key)
-            .arg(req.fingerprint.as_bytes().as_slice())
-            .arg(proposed.0.to_string())
-            .arg(token.0)
-            .arg(i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX))
-            .arg(i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(store_error)?;
+        let args: Vec<Vec<u8>> = [
+            req.scope.as_bytes().to_vec(),
+            req.key.as_bytes().to_vec(),
+            req.fingerprint.as_bytes().to_vec(),
+            proposed.0.to_string().into_bytes(),
+            token.0.to_string().into_bytes(),
+            i64::try_from(req.lease.as_millis())
+                .unwrap_or(i64::MAX)
+                .to_string()
+                .into_bytes(),
+            i64::try_from(req.retention.as_millis())
+                .unwrap_or(i64::MAX)
+                .to_string()
+                .into_bytes(),
+        ]
+        .into();
+        let key = self.record_key(&req.scope, &req.key);
+        let (reply, replicated) = self.write(&self.claim, scripts::CLAIM, &key, &args).await?;
+        let Value::Array(reply) = reply else {
+            return Err(StoreError::Corrupt(
+                "unexpected reply from the claim script".into(),
+            ));
+        };
         let mut items = reply.iter();
-        match items.next().map(bytes_of) {
+        let outcome = match items.next().map(bytes_of) {
             Some(Some(b"won")) => {
                 let op = text(items.next())?;
                 let locked_until = number(items.next())?;
                 let takeover = text(items.next())? == "1";
-                Ok(ClaimOutcome::Acquired(Claim {
+                ClaimOutcome::Acquired(Claim {
                     scope: req.scope.clone(),
                     key: req.key.clone(),
                     token,
                     operation_id: parse_op(&op)?,
                     locked_until: UnixMillis(locked_until),
                     takeover,
-                }))
+                })
             }
             Some(Some(b"existing")) => {
                 let _now = number(items.next())?;
-                Ok(ClaimOutcome::Existing(decode(items.as_slice())?))
+                ClaimOutcome::Existing(decode(items.as_slice())?)
             }
-            _ => Err(StoreError::Corrupt(
-                "unexpected reply from the claim script".into(),
-            )),
+            _ => {
+                return Err(StoreError::Corrupt(
+                    "unexpected reply from the claim script".into(),
+                ))
+            }
+        };
+        if let (ClaimOutcome::Acquired(claim), Err(e)) = (&outcome, replicated) {
+            // Not durable: the request must not run on it. Let it go at
+            // once (best effort; the lease frees it otherwise).
+            let _ = Store::release(self, claim).await;
+            return Err(e);
         }
+        Ok(outcome)
     }
 
     /// Reads a record and Redis's clock, expired records included.
@@ -341,21 +416,22 @@ impl Store for RedisStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let mut conn = self.conn.clone();
-            let done: i64 = self
-                .complete
-                .key(self.record_key(&claim.scope, &claim.key))
-                .arg(claim.token.0)
-                .arg(response.status)
-                .arg(response.encode_headers())
-                .arg(response.body.as_ref())
-                .invoke_async(&mut conn)
-                .await
-                .map_err(store_error)?;
-            if done == 1 {
-                self.replicated().await
-            } else {
-                Err(StoreError::ClaimLost)
+            let args = vec![
+                claim.token.0.to_string().into_bytes(),
+                response.status.to_string().into_bytes(),
+                response.encode_headers(),
+                response.body.to_vec(),
+            ];
+            let key = self.record_key(&claim.scope, &claim.key);
+            let (done, replicated) = self
+                .write(&self.complete, scripts::COMPLETE, &key, &args)
+                .await?;
+            match done {
+                Value::Int(1) => replicated,
+                Value::Int(_) => Err(StoreError::ClaimLost),
+                _ => Err(StoreError::Corrupt(
+                    "unexpected reply from the complete script".into(),
+                )),
             }
         })
     }

@@ -151,12 +151,15 @@ async fn carry(client: TcpStream, upstream: String, mut link: watch::Receiver<Fa
     let (cr, cw) = client.into_split();
     let (sr, sw) = server.into_split();
     let up = pump(cr, sw, link.clone(), seed);
-    let down = pump(sr, cw, link, seed ^ 0xdead_beef);
-    // Either side closing ends both: the other sees the connection close.
+    let down = pump(sr, cw, link.clone(), seed ^ 0xdead_beef);
+    // Either side closing ends both: the other sees the connection close,
+    // once the link lets that through (a close does not cross a
+    // partition either).
     tokio::select! {
         () = up => {}
         () = down => {}
     }
+    passable(&mut link).await;
 }
 
 async fn pump(

@@ -497,26 +497,25 @@ impl Route {
     }
 }
 
-/// `url` with its `host:port` replaced by `addr`.
-pub fn via(url: &str, addr: std::net::SocketAddr) -> String {
+/// Where the `host:port` of `url` starts and ends.
+fn authority(url: &str) -> std::ops::Range<usize> {
     let start = url.find("://").map_or(0, |i| i + 3);
-    let rest = &url[start..];
-    let start = start + rest.find('@').map_or(0, |i| i + 1);
+    let start = start + url[start..].find('@').map_or(0, |i| i + 1);
     let end = url[start..]
         .find(['/', '?'])
         .map_or(url.len(), |i| start + i);
-    format!("{}{addr}{}", &url[..start], &url[end..])
+    start..end
+}
+
+/// `url` with its `host:port` replaced by `addr`.
+pub fn via(url: &str, addr: std::net::SocketAddr) -> String {
+    let at = authority(url);
+    format!("{}{addr}{}", &url[..at.start], &url[at.end..])
 }
 
 /// The `host:port` of `url`.
 pub fn host_port(url: &str) -> String {
-    let start = url.find("://").map_or(0, |i| i + 3);
-    let rest = &url[start..];
-    let start = start + rest.find('@').map_or(0, |i| i + 1);
-    let end = url[start..]
-        .find(['/', '?'])
-        .map_or(url.len(), |i| start + i);
-    url[start..end].to_owned()
+    url[authority(url)].to_owned()
 }
 
 /// Starts `shop` in `mode` with `extra` flags, reaching its servers by
@@ -605,6 +604,9 @@ pub struct OwnRedis {
     pub port: u16,
     /// Extra `redis-server` arguments (`--replicaof`).
     args: Vec<String>,
+    /// Its working directory: a replica's full sync writes a `dump.rdb`
+    /// there, which a restart must not load (nor the source tree keep).
+    dir: tempfile::TempDir,
 }
 
 impl OwnRedis {
@@ -627,6 +629,7 @@ impl OwnRedis {
             child: None,
             port,
             args,
+            dir: tempfile::tempdir().expect("a temporary directory"),
         };
         redis.restart();
         redis
@@ -683,12 +686,16 @@ impl OwnRedis {
         }
     }
 
-    /// Starts it again on its port, and waits until it accepts connections.
+    /// Starts it again on its port, empty, and waits until it accepts
+    /// connections.
     pub fn restart(&mut self) {
         self.stop();
+        let _ = std::fs::remove_file(self.dir.path().join("dump.rdb"));
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
             .args(&self.args)
             .stdout(Stdio::null())
             .spawn()

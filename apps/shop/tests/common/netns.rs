@@ -40,6 +40,13 @@ impl Netns {
         let b = ((id >> 32) % 64) * 4;
         let c = ((id >> 40) % 64) * 4;
         ip(&["netns", "add", &name]);
+        // Deleted by this guard if what follows fails.
+        let mut guard = Netns {
+            name: name.clone(),
+            servers_host_ip: String::new(),
+            clients_ns_ip: String::new(),
+            servers_host_if: String::new(),
+        };
         let ns = |args: &[&str]| {
             let mut all = vec!["netns", "exec", &name, "ip"];
             all.extend_from_slice(args);
@@ -62,12 +69,10 @@ impl Netns {
         let servers_host_if = format!("is{tag}");
         let (servers_host_ip, _) = pair(&servers_host_if, &format!("js{tag}"), b);
         let (_, clients_ns_ip) = pair(&format!("ic{tag}"), &format!("jc{tag}"), c + 1);
-        Netns {
-            name,
-            servers_host_ip,
-            clients_ns_ip,
-            servers_host_if,
-        }
+        guard.servers_host_ip = servers_host_ip;
+        guard.clients_ns_ip = clients_ns_ip;
+        guard.servers_host_if = servers_host_if;
+        guard
     }
 
     /// Takes the servers' link down: nothing passes either way.

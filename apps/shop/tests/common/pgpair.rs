@@ -85,6 +85,15 @@ impl PgPair {
         assert!(chown.success());
         let primary_port = free_port();
         let standby_port = free_port();
+        let replication = FaultProxy::start(&format!("127.0.0.1:{primary_port}")).await;
+        // From here on, the guard stops what started if a step fails.
+        let pair = PgPair {
+            dir: dir.clone(),
+            bin: bin.clone(),
+            primary_port,
+            standby_port,
+            replication,
+        };
         let primary = dir.join("primary");
         let standby = dir.join("standby");
         let p = primary.to_str().unwrap();
@@ -117,8 +126,7 @@ impl PgPair {
             &bin.join("pg_ctl"),
             &["-D", p, "-l", &format!("{p}.log"), "-w", "start"],
         );
-        let replication = FaultProxy::start(&format!("127.0.0.1:{primary_port}")).await;
-        let via = replication.addr();
+        let via = pair.replication.addr();
         as_postgres(
             &bin.join("pg_basebackup"),
             &[
@@ -147,13 +155,6 @@ impl PgPair {
             &bin.join("pg_ctl"),
             &["-D", s, "-l", &format!("{s}.log"), "-w", "start"],
         );
-        let pair = PgPair {
-            dir,
-            bin,
-            primary_port,
-            standby_port,
-            replication,
-        };
         pair.wait_streaming(mode).await;
         pair
     }

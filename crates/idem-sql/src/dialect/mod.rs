@@ -243,9 +243,6 @@ pub trait Dialect:
     const NUMBERED: bool;
 }
 
-/// What a failure outside the database's own answers means: trouble
-/// reaching it is [`ErrorClass::Unavailable`], the rest
-/// [`ErrorClass::Other`].
 /// Begins a transaction on `pool` (with `statement` instead of `BEGIN`) on
 /// a task of its own, so that a caller who stops waiting (a time-out, a
 /// dropped request) cannot leave a connection whose `BEGIN` ran on the
@@ -258,12 +255,20 @@ pub fn begin_detached<DB: sqlx::Database>(
     statement: Option<&'static str>,
 ) -> BoxFuture<'static, Result<sqlx::Transaction<'static, DB>, sqlx::Error>> {
     let pool = pool.clone();
-    let begun = tokio::spawn(async move {
+    let begin = async move {
         match statement {
             Some(s) => pool.begin_with(s).await,
             None => pool.begin().await,
         }
-    });
+    };
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return Box::pin(async {
+            Err(sqlx::Error::Io(std::io::Error::other(
+                "a transaction can only begin inside a Tokio runtime",
+            )))
+        });
+    };
+    let begun = runtime.spawn(begin);
     Box::pin(async move {
         begun.await.unwrap_or_else(|e| {
             Err(sqlx::Error::Io(std::io::Error::other(format!(
@@ -273,6 +278,9 @@ pub fn begin_detached<DB: sqlx::Database>(
     })
 }
 
+/// What a failure outside the database's own answers means: trouble
+/// reaching it is [`ErrorClass::Unavailable`], the rest
+/// [`ErrorClass::Other`].
 pub(crate) fn classify_io(e: &sqlx::Error) -> ErrorClass {
     match e {
         sqlx::Error::Io(_)

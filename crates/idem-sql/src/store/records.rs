@@ -35,11 +35,14 @@ pub trait SqlRecords: Store {
     fn stats(&self) -> impl Future<Output = Result<StoreStats, StoreError>> + Send;
 
     /// Whether an open transaction holds the record's row now (PostgreSQL's
-    /// claim held by the transaction): probed with `FOR UPDATE NOWAIT` in a
-    /// transaction rolled back at once, so the probe never waits and never
-    /// changes anything. Its lease then says nothing: the holder is working
-    /// until its transaction ends. Always `false` on the other databases,
-    /// where no claim is held so.
+    /// claim held by the transaction, or a default-mode statement caught in
+    /// its moment): probed with `FOR UPDATE NOWAIT` in a transaction rolled
+    /// back at once, so the probe never waits and writes nothing. For that
+    /// moment it holds the row itself: a claim in a transaction arriving
+    /// just then is told the key is busy (`409`) and retries. A held
+    /// record's lease says nothing: its holder is working until its
+    /// transaction ends. Always `false` on the other databases, where no
+    /// claim is held so. For operators (`idem inspect`), not hot paths.
     fn held_by_transaction(
         &self,
         scope: &str,
