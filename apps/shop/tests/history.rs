@@ -530,6 +530,14 @@ enum Chaos {
         /// `--redis-wait-replicas 1`.
         wait: bool,
     },
+    /// A Redis Cluster of three primaries with a replica each: a primary
+    /// killed mid-run, its replica promoted by the cluster, the killed node
+    /// back as a replica (tiered, or Redis alone with or without
+    /// `--redis-wait-replicas 1`).
+    ClusterFailover {
+        /// `--redis-wait-replicas 1`.
+        wait: bool,
+    },
 }
 
 /// A Redis primary and its replica, the replica's link to the primary
@@ -671,14 +679,16 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     let secs: u64 = std::env::var(match chaos {
         Chaos::Crashes => "IDEM_HISTORY_SECS",
         Chaos::Network => "IDEM_NETWORK_SECS",
-        Chaos::Failover(_) | Chaos::RedisFailover { .. } => "IDEM_FAILOVER_SECS",
+        Chaos::Failover(_) | Chaos::RedisFailover { .. } | Chaos::ClusterFailover { .. } => {
+            "IDEM_FAILOVER_SECS"
+        }
     })
     .ok()
     .and_then(|s| s.parse().ok())
     .unwrap_or(match chaos {
         Chaos::Crashes => 25,
         Chaos::Network => 20,
-        Chaos::Failover(_) | Chaos::RedisFailover { .. } => 16,
+        Chaos::Failover(_) | Chaos::RedisFailover { .. } | Chaos::ClusterFailover { .. } => 16,
     });
     let seed = std::env::var("IDEM_HISTORY_SEED")
         .ok()
@@ -695,6 +705,17 @@ async fn run_with(mode: Mode, chaos: Chaos) {
         }
         _ => None,
     };
+    let cluster = match chaos {
+        Chaos::ClusterFailover { .. } => {
+            assert!(matches!(mode, Mode::Tiered | Mode::RedisAlone));
+            Some(tokio::sync::Mutex::new(
+                tokio::task::spawn_blocking(common::rcluster::OwnCluster::start)
+                    .await
+                    .unwrap(),
+            ))
+        }
+        _ => None,
+    };
     let db = match chaos {
         Chaos::Failover(replication) => {
             assert!(matches!(mode, Mode::Postgres | Mode::ClaimInTx));
@@ -708,6 +729,24 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     };
     let (links, route) = match chaos {
         Chaos::Crashes => (None, Route::direct(&db)),
+        Chaos::ClusterFailover { wait } => {
+            flags.extend(["--statement-timeout-ms", "700", "--redis-cluster"]);
+            if wait {
+                flags.extend([
+                    "--redis-wait-replicas",
+                    "1",
+                    "--redis-wait-timeout-ms",
+                    "200",
+                ]);
+            }
+            let urls = cluster.as_ref().unwrap().lock().await.urls();
+            let route = Route {
+                database_url: db.url(),
+                redis_url: urls,
+                netns: None,
+            };
+            (None, route)
+        }
         Chaos::RedisFailover { wait } => {
             flags.extend(["--statement-timeout-ms", "700"]);
             if wait {
@@ -783,6 +822,29 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     let failover_at = Instant::now() + Duration::from_secs(secs) * 2 / 5;
     let mut failed_over = false;
     while Instant::now() < until {
+        if let Some(cluster) = &cluster {
+            if !failed_over && Instant::now() >= failover_at {
+                failed_over = true;
+                let since = Instant::now() - Duration::from_secs(2);
+                let mut nodes = cluster.lock().await;
+                let taken = std::mem::replace(
+                    &mut *nodes,
+                    common::rcluster::OwnCluster { nodes: Vec::new() },
+                );
+                let mut taken = tokio::task::spawn_blocking(move || {
+                    let mut c = taken;
+                    c.fail_over_a_primary();
+                    c
+                })
+                .await
+                .unwrap();
+                std::mem::swap(&mut *nodes, &mut taken);
+                drop(nodes);
+                ask_again(&shared, since).await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
         if let Some(redis) = &redis_pair {
             if !failed_over && Instant::now() >= failover_at {
                 failed_over = true;
@@ -853,6 +915,10 @@ async fn run_with(mode: Mode, chaos: Chaos) {
         Chaos::Crashes => String::new(),
         Chaos::Failover(r) => format!(
             ", the standby held back 1 s, the primary crashed, the standby promoted ({r:?})"
+        ),
+        Chaos::ClusterFailover { wait } => format!(
+            ", a primary of three killed, its replica promoted by the cluster (--redis-wait-replicas {})",
+            u8::from(wait)
         ),
         Chaos::RedisFailover { wait } => format!(
             ", the replica held back 1 s, the primary killed, the replica promoted (--redis-wait-replicas {})",
@@ -996,4 +1062,9 @@ async fn failover_redis_alone_waiting_for_the_replica() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_redis_alone_without_waiting_loses_claims() {
     run_with(Mode::RedisAlone, Chaos::RedisFailover { wait: false }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failover_tiered() {
+    run_with(Mode::Tiered, Chaos::ClusterFailover { wait: false }).await;
 }

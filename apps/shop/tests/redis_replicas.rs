@@ -82,4 +82,13 @@ async fn the_flag_needs_redis_alone() {
         err.contains("--redis-wait-replicas applies to --idem-store redis"),
         "{err}"
     );
+    let on_cluster = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args(["--listen", "127.0.0.1:0", "--database-url", &db.url()])
+        .args(["--redis-url", "redis://127.0.0.1:7000", "--redis-cluster"])
+        .args(["--idem-store", "redis", "--redis-wait-replicas", "1"])
+        .output()
+        .unwrap();
+    assert!(!on_cluster.status.success());
+    let err = String::from_utf8_lossy(&on_cluster.stderr);
+    assert!(err.contains("not offered on a Redis Cluster"), "{err}");
 }

@@ -177,6 +177,12 @@ impl RedisStore {
                 Conn::Cluster(client.get_async_connection().await.map_err(store_error)?)
             }
         };
+        if config.wait_replicas.is_some() && config.cluster.is_some() {
+            return Err(StoreError::Backend(
+                "waiting for replicas is not offered on a Redis Cluster: a primary failover there lost records that replicas had acknowledged (the Redis guide); use one primary with replicas, or keep the records in a database"
+                    .into(),
+            ));
+        }
         let wait_conn = match (&config.wait_replicas, &config.cluster) {
             (Some(_), None) => {
                 let client = redis::Client::open(config.url.as_str()).map_err(bad)?;
@@ -230,9 +236,8 @@ impl RedisStore {
     /// pipeline on the connection kept for it: the `WAIT` counts the
     /// replicas that have this very write (a reconnect between two
     /// requests would have it count a fresh connection's nothing), and it
-    /// never holds up the replays and reads on the main connection. On a
-    /// cluster, `WAIT` follows on the cluster connection (redis-rs sends it
-    /// to every primary; the least count decides). The second value says
+    /// never holds up the replays and reads on the main connection (not
+    /// offered on a cluster: refused at connect). The second value says
     /// whether enough replicas acknowledged.
     async fn write(
         &self,
@@ -264,19 +269,10 @@ impl RedisStore {
                     pipe.query_async(&mut conn).await.map_err(store_error)?;
                 Ok((reply, acknowledged(wait, acked)))
             }
-            None => {
-                let mut inv = script.key(key);
-                for a in args {
-                    inv.arg(a.as_slice());
-                }
-                let mut conn = self.conn.clone();
-                let reply: Value = inv.invoke_async(&mut conn).await.map_err(store_error)?;
-                let acked: i64 = wait_cmd(wait)
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(store_error)?;
-                Ok((reply, acknowledged(wait, acked)))
-            }
+            // Refused at connect (no dedicated connection on a cluster).
+            None => Err(StoreError::Backend(
+                "waiting for replicas needs one Redis primary".into(),
+            )),
         }
     }
 

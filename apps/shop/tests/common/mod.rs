@@ -10,6 +10,7 @@
 pub mod fleet;
 pub mod netns;
 pub mod pgpair;
+pub mod rcluster;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -625,6 +626,11 @@ impl OwnRedis {
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
+        Self::start_on(port, args)
+    }
+
+    /// A Redis on `port` with extra `args`.
+    pub fn start_on(port: u16, args: Vec<String>) -> Self {
         let mut redis = Self {
             child: None,
             port,
@@ -686,7 +692,8 @@ impl OwnRedis {
         }
     }
 
-    /// Starts it again on its port, empty, and waits until it accepts
+    /// Starts it again on its port, empty (a cluster node keeps its
+    /// `nodes.conf`, and so rejoins), and waits until it accepts
     /// connections.
     pub fn restart(&mut self) {
         self.stop();

@@ -1,0 +1,169 @@
+//! [`OwnCluster`]: a Redis Cluster of the test's own, three primaries each
+//! with a replica, on free ports (and free bus ports, 10000 above), with a
+//! one-second node timeout so that a killed primary's replica takes over
+//! in a few seconds.
+
+use std::time::{Duration, Instant};
+
+use super::OwnRedis;
+
+/// Six nodes; stopped when dropped.
+pub struct OwnCluster {
+    pub nodes: Vec<OwnRedis>,
+}
+
+/// A port that is free, with its bus port (10000 above) free too.
+fn free_pair() -> u16 {
+    loop {
+        let base = 20_000 + (uuid::Uuid::new_v4().as_u128() % 25_000) as u16;
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(base) && free(base + 10_000) {
+            return base;
+        }
+    }
+}
+
+impl OwnCluster {
+    pub fn start() -> OwnCluster {
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            let port = free_pair();
+            nodes.push(OwnRedis::start_on(
+                port,
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                ]
+                .map(str::to_owned)
+                .to_vec(),
+            ));
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = std::process::Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli");
+        assert!(
+            out.status.success(),
+            "cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = OwnCluster { nodes };
+        cluster.wait_healthy(3);
+        cluster
+    }
+
+    /// The URLs of its nodes, comma-separated (`--redis-url` with
+    /// `--redis-cluster`).
+    pub fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(OwnRedis::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// `CLUSTER NODES` as one of the live nodes sees it.
+    fn view(&self, skip: Option<usize>) -> String {
+        for (i, n) in self.nodes.iter().enumerate() {
+            if Some(i) == skip {
+                continue;
+            }
+            let v = n.cli(&["CLUSTER", "NODES"]);
+            if !v.trim().is_empty() {
+                return v;
+            }
+        }
+        String::new()
+    }
+
+    /// Waits until the cluster is `ok`, with three primaries of which
+    /// `with_replica` have a connected replica.
+    pub fn wait_healthy(&self, with_replica: usize) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ok = self
+                .nodes
+                .iter()
+                .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            let view = self.view(None);
+            let primaries: Vec<&str> = view
+                .lines()
+                .filter(|l| l.contains("master") && !l.contains("fail"))
+                .filter_map(|l| l.split(' ').next())
+                .collect();
+            let replicated = primaries
+                .iter()
+                .filter(|id| {
+                    view.lines().any(|l| {
+                        l.contains("slave")
+                            && l.contains(*id)
+                            && l.contains("connected")
+                            && !l.contains("fail")
+                    })
+                })
+                .count();
+            if ok && primaries.len() == 3 && replicated >= with_replica {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster never became healthy:\n{view}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills a primary (as a crash), waits until its replica took over, then
+    /// starts the killed node again: it rejoins as the new primary's
+    /// replica. Returns the killed node's index.
+    pub fn fail_over_a_primary(&mut self) -> usize {
+        let view = self.view(None);
+        let victim_port = view
+            .lines()
+            .find(|l| l.contains("master") && !l.contains("fail"))
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|addr| addr.split('@').next())
+            .and_then(|addr| addr.rsplit(':').next())
+            .and_then(|p| p.parse::<u16>().ok())
+            .expect("a primary");
+        let i = self
+            .nodes
+            .iter()
+            .position(|n| n.port == victim_port)
+            .expect("the primary is ours");
+        self.nodes[i].stop();
+        // Its replica is promoted once the others agree it failed.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let view = self.view(Some(i));
+            let primaries = view
+                .lines()
+                .filter(|l| l.contains("master") && !l.contains("fail"))
+                .count();
+            let ok = self
+                .nodes
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .all(|(_, n)| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            if ok && primaries == 3 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no failover:\n{view}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.nodes[i].restart();
+        self.wait_healthy(3);
+        i
+    }
+}
