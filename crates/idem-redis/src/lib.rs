@@ -89,6 +89,20 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
+/// A connection to the one server `config` names, reconnecting by itself.
+async fn single(config: &RedisConfig) -> Result<ConnectionManager, StoreError> {
+    let client =
+        redis::Client::open(config.url.as_str()).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    let manager = ConnectionManagerConfig::new()
+        .set_response_timeout(Some(config.timeout))
+        .set_connection_timeout(Some(config.timeout))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(500));
+    ConnectionManager::new_with_config(client, manager)
+        .await
+        .map_err(store_error)
+}
+
 /// `WAIT replicas timeout-ms`.
 fn wait_cmd(wait: WaitReplicas) -> redis::Cmd {
     let mut cmd = redis::cmd("WAIT");
@@ -153,19 +167,7 @@ impl RedisStore {
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
         let bad = |e: redis::RedisError| StoreError::Backend(Box::new(e));
         let conn = match &config.cluster {
-            None => {
-                let client = redis::Client::open(config.url.as_str()).map_err(bad)?;
-                let manager = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(config.timeout))
-                    .set_connection_timeout(Some(config.timeout))
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(500));
-                Conn::Single(
-                    ConnectionManager::new_with_config(client, manager)
-                        .await
-                        .map_err(store_error)?,
-                )
-            }
+            None => Conn::Single(single(&config).await?),
             Some(nodes) => {
                 let client =
                     redis::cluster::ClusterClient::builder(nodes.iter().map(String::as_str))
@@ -184,19 +186,7 @@ impl RedisStore {
             ));
         }
         let wait_conn = match (&config.wait_replicas, &config.cluster) {
-            (Some(_), None) => {
-                let client = redis::Client::open(config.url.as_str()).map_err(bad)?;
-                let manager = ConnectionManagerConfig::new()
-                    .set_response_timeout(Some(config.timeout))
-                    .set_connection_timeout(Some(config.timeout))
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(500));
-                Some(
-                    ConnectionManager::new_with_config(client, manager)
-                        .await
-                        .map_err(store_error)?,
-                )
-            }
+            (Some(_), None) => Some(single(&config).await?),
             _ => None,
         };
         Ok(Self {
