@@ -234,12 +234,12 @@ impl RedisStore {
         script: &Script,
         source: &str,
         key: &str,
-        args: &[Vec<u8>],
+        args: &[&[u8]],
     ) -> Result<(Value, Result<(), StoreError>), StoreError> {
         let Some(wait) = self.wait_replicas else {
             let mut inv = script.key(key);
             for a in args {
-                inv.arg(a.as_slice());
+                inv.arg(*a);
             }
             let mut conn = self.conn.clone();
             let reply: Value = inv.invoke_async(&mut conn).await.map_err(store_error)?;
@@ -250,7 +250,7 @@ impl RedisStore {
                 let mut eval = redis::cmd("EVAL");
                 eval.arg(source).arg(1).arg(key);
                 for a in args {
-                    eval.arg(a.as_slice());
+                    eval.arg(*a);
                 }
                 let mut pipe = redis::pipe();
                 pipe.add_command(eval).add_command(wait_cmd(wait));
@@ -269,22 +269,22 @@ impl RedisStore {
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let token = FencingToken::generate();
         let proposed = OperationId::generate();
-        let args: Vec<Vec<u8>> = [
-            req.scope.as_bytes().to_vec(),
-            req.key.as_bytes().to_vec(),
-            req.fingerprint.as_bytes().to_vec(),
-            proposed.0.to_string().into_bytes(),
-            token.0.to_string().into_bytes(),
-            i64::try_from(req.lease.as_millis())
-                .unwrap_or(i64::MAX)
-                .to_string()
-                .into_bytes(),
-            i64::try_from(req.retention.as_millis())
-                .unwrap_or(i64::MAX)
-                .to_string()
-                .into_bytes(),
-        ]
-        .into();
+        let (op, tok) = (proposed.0.to_string(), token.0.to_string());
+        let lease = i64::try_from(req.lease.as_millis())
+            .unwrap_or(i64::MAX)
+            .to_string();
+        let retention = i64::try_from(req.retention.as_millis())
+            .unwrap_or(i64::MAX)
+            .to_string();
+        let args: [&[u8]; 7] = [
+            req.scope.as_bytes(),
+            req.key.as_bytes(),
+            req.fingerprint.as_bytes(),
+            op.as_bytes(),
+            tok.as_bytes(),
+            lease.as_bytes(),
+            retention.as_bytes(),
+        ];
         let key = self.record_key(&req.scope, &req.key);
         let (reply, replicated) = self.write(&self.claim, scripts::CLAIM, &key, &args).await?;
         let Value::Array(reply) = reply else {
@@ -402,11 +402,13 @@ impl Store for RedisStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let args = vec![
-                claim.token.0.to_string().into_bytes(),
-                response.status.to_string().into_bytes(),
-                response.encode_headers(),
-                response.body.to_vec(),
+            let (tok, status) = (claim.token.0.to_string(), response.status.to_string());
+            let headers = response.encode_headers();
+            let args: [&[u8]; 4] = [
+                tok.as_bytes(),
+                status.as_bytes(),
+                &headers,
+                response.body.as_ref(),
             ];
             let key = self.record_key(&claim.scope, &claim.key);
             let (done, replicated) = self

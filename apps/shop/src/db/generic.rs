@@ -62,6 +62,26 @@ impl<D: ShopDialect> Db<D> {
     }
 }
 
+impl<D: ShopDialect> Db<D> {
+    /// A connection of `pool`, taken and then used within the time-out.
+    async fn pooled(
+        &self,
+        pool: &idem_sql::dialect::Pool<D>,
+    ) -> Result<Box<dyn ShopExec>, sqlx::Error> {
+        let conn = bounded(self.timeout, pool.acquire()).await?;
+        Ok(Box::new(PooledConn::<D> {
+            conn,
+            timeout: self.timeout,
+        }))
+    }
+}
+
+/// The store error of a record's completion that got no answer within
+/// `timeout`.
+fn store_timed_out(timeout: Duration) -> idem_core::StoreError {
+    idem_core::StoreError::Unavailable(Box::new(idem_once::StoreTimedOut(timeout)))
+}
+
 /// The error of a statement that got no answer within `timeout`: an I/O
 /// time-out, which the dialects class as unavailable (503 with
 /// `Retry-After`).
@@ -233,11 +253,7 @@ impl<D: ShopDialect> ShopTx for Tx<D> {
                 idem.complete_in(&self.store, &mut *self.tx, response),
             )
             .await
-            .unwrap_or_else(|_| {
-                Err(CompleteError::Store(idem_core::StoreError::Unavailable(
-                    Box::new(idem_once::StoreTimedOut(timeout)),
-                )))
-            })
+            .unwrap_or_else(|_| Err(CompleteError::Store(store_timed_out(timeout))))
         })
     }
     fn complete_record<'a>(
@@ -251,11 +267,7 @@ impl<D: ShopDialect> ShopTx for Tx<D> {
         Box::pin(async move {
             tokio::time::timeout(timeout, completing)
                 .await
-                .unwrap_or_else(|_| {
-                    Err(idem_core::StoreError::Unavailable(Box::new(
-                        idem_once::StoreTimedOut(timeout),
-                    )))
-                })
+                .unwrap_or_else(|_| Err(store_timed_out(timeout)))
         })
     }
     fn commit(self: Box<Self>) -> BoxFuture<'static, Result<(), sqlx::Error>> {
@@ -313,23 +325,11 @@ impl<D: ShopDialect> ShopDb for Db<D> {
     }
 
     fn conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
-        Box::pin(async move {
-            let conn = bounded(self.timeout, self.store.pool().acquire()).await?;
-            Ok(Box::new(PooledConn::<D> {
-                conn,
-                timeout: self.timeout,
-            }) as Box<dyn ShopExec>)
-        })
+        Box::pin(self.pooled(self.store.pool()))
     }
 
     fn health_conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
-        Box::pin(async move {
-            let conn = bounded(self.timeout, self.health.acquire()).await?;
-            Ok(Box::new(PooledConn::<D> {
-                conn,
-                timeout: self.timeout,
-            }) as Box<dyn ShopExec>)
-        })
+        Box::pin(self.pooled(&self.health))
     }
 
     fn begin(&self) -> BoxFuture<'_, Result<Box<dyn ShopTx>, sqlx::Error>> {
