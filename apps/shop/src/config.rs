@@ -106,9 +106,10 @@ pub(crate) struct Config {
 
     /// Connections in the database pool the payments, the reads and the
     /// idempotency records share (PostgreSQL and MySQL: 16 by default;
-    /// SQLite: sqlx's default). On PostgreSQL 4 of them are kept for claims
-    /// and 1 listens for the outbox, so it takes at least 6. `/healthz` has
-    /// one of its own, and the demo's fake bank a pool of its own.
+    /// SQLite: sqlx's default). On PostgreSQL 4 of them are kept for claims,
+    /// so it takes at least 5. `/healthz` has one of its own, the outbox
+    /// relay's `LISTEN` one of its own, and the demo's fake bank a pool of
+    /// its own.
     #[arg(long, env = "SHOP_DB_CONNECTIONS", value_parser = clap::value_parser!(u32).range(2..=1000))]
     pub(crate) db_connections: Option<u32>,
 
@@ -155,8 +156,9 @@ pub(crate) struct Config {
 }
 
 /// The connections of a PostgreSQL pool that are not the payments' and
-/// reads': 4 kept for claims, 1 listening for the outbox.
-const POSTGRES_RESERVED: u32 = 5;
+/// reads': 4 kept for claims. (The outbox relay listens on a connection
+/// outside the pool.)
+const POSTGRES_RESERVED: u32 = 4;
 
 /// Where idempotency records live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -199,17 +201,17 @@ impl Config {
         let postgres = idem_sql::dialect::DialectKind::of_url(&self.database_url)
             == Some(idem_sql::dialect::DialectKind::Postgres);
         if let (true, Some(n)) = (postgres, self.db_connections) {
-            // 4 kept for claims, 1 for the relay's LISTEN, and at least one
-            // for the payments and reads.
+            // 4 kept for claims, and at least one for the payments and
+            // reads.
             let least = POSTGRES_RESERVED + 1;
             if n < least {
                 return Err(format!(
-                    "--db-connections {n} is too few on PostgreSQL: 4 are kept for claims and 1 listens for the outbox; give at least {least}"
+                    "--db-connections {n} is too few on PostgreSQL: 4 are kept for claims; give at least {least}"
                 ));
             }
             if self.claim_in_transaction && self.claim_tx_limit + POSTGRES_RESERVED >= n {
                 return Err(format!(
-                    "--claim-tx-limit {} leaves no connection of --db-connections {n} for reads (4 serve claims, 1 the outbox): keep it below {}",
+                    "--claim-tx-limit {} leaves no connection of --db-connections {n} for reads (4 serve claims): keep it below {}",
                     self.claim_tx_limit,
                     n - POSTGRES_RESERVED
                 ));

@@ -398,6 +398,64 @@ async fn a_committed_row_wakes_the_relay_promptly_and_an_uncommitted_one_is_neve
     relay.await.unwrap().unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_listener_neither_takes_nor_poisons_a_connection_of_the_shared_pool() {
+    // A pool of one: were the listener's connection one of the pool's,
+    // nothing else could ever get a connection while the relay waits.
+    let (setup, s) = pg().await;
+    setup.close().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&s.url())
+        .await
+        .unwrap();
+    let admin = sqlx::PgPool::connect(&s.url()).await.unwrap();
+    let publisher = Arc::new(Recording::default());
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    // A short poll: the relay stops waiting for a notification (dropping
+    // the listener's receive wherever it is) every few milliseconds.
+    let config = RelayConfig {
+        poll: Duration::from_millis(3),
+        ..RelayConfig::default()
+    };
+    let relay = tokio::spawn(Relay::new(&pool, publisher.clone(), config).run(stop));
+    for i in 0..60 {
+        let mut tx = pool.begin().await.unwrap();
+        outbox::enqueue(&mut tx, &message(&format!("m-{i}"), "orders", None))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        if i % 10 == 0 {
+            // The listener's connection broken under it: it reconnects,
+            // while the relay keeps cutting its waits short.
+            sqlx::query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                 WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+            )
+            .execute(&admin)
+            .await
+            .unwrap();
+        }
+        // The shared pool's connection listens to nothing: a notification
+        // never lands where a statement expects its answer.
+        let listening: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_listening_channels()")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(listening, 0, "a pooled connection is listening");
+    }
+    let started = std::time::Instant::now();
+    while publisher.published.lock().unwrap().len() < 60 {
+        assert!(started.elapsed() < Duration::from_secs(30), "not all sent");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop_tx.send(true).unwrap();
+    relay.await.unwrap().unwrap();
+    pool.close().await;
+    admin.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_embedded_default_sqlite_outbox_through_the_in_process_transport() {
     use idem_outbox::transport::InProcess;

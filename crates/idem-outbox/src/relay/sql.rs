@@ -262,9 +262,18 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
 }
 
 /// PostgreSQL's commit notifications: a listener on the outbox's channel.
+///
+/// The listener has a connection of its own, from a pool of one that
+/// nothing else uses, never one of `pool`'s. The relay stops waiting for a
+/// notification when its poll interval ends, which drops the listener's
+/// `recv` wherever it is; dropped while it reconnects, after its `LISTEN`
+/// ran, sqlx's listener gives the connection back to the pool it came
+/// from, still listening. Had that been the shared pool, the next request
+/// handed that connection would read a notification where it expects its
+/// statement's answer, and fail (the network-fault runs found it as `500`s).
 #[cfg(feature = "postgres")]
 pub(crate) async fn listen(pool: &sqlx::PgPool) -> Option<Box<dyn Wakeups>> {
-    use sqlx::postgres::PgListener;
+    use sqlx::postgres::{PgListener, PgPoolOptions};
     use tracing::warn;
 
     struct Listener(PgListener);
@@ -276,7 +285,12 @@ pub(crate) async fn listen(pool: &sqlx::PgPool) -> Option<Box<dyn Wakeups>> {
         }
     }
 
-    let mut listener = match PgListener::connect_with(pool).await {
+    let own = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .acquire_timeout(pool.options().get_acquire_timeout())
+        .connect_lazy_with((*pool.connect_options()).clone());
+    let mut listener = match PgListener::connect_with(&own).await {
         Ok(l) => l,
         Err(e) => {
             warn!(error = %e, "no listener connection; polling only");
