@@ -104,6 +104,14 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_STATEMENT_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub(crate) statement_timeout_ms: u64,
 
+    /// How long the oldest event waiting in the outbox may have waited
+    /// before `/healthz` answers `503` (`outbox-lagging`), in seconds: the
+    /// relay is not keeping up with the rate events are written at (or the
+    /// broker does not confirm them). The gauge `idem_outbox_lag_seconds`
+    /// gives the figure.
+    #[arg(long, env = "SHOP_OUTBOX_MAX_LAG_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub(crate) outbox_max_lag_secs: u64,
+
     /// Connections in the database pool the payments, the reads and the
     /// idempotency records share (PostgreSQL and MySQL: 16 by default;
     /// SQLite: sqlx's default). On PostgreSQL 4 of them are kept for claims,

@@ -141,6 +141,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             database.clone(),
             config.broker_url.as_deref(),
             &config.broker_prefix,
+            Duration::from_secs(config.outbox_max_lag_secs),
         )
         .await?,
     );

@@ -61,6 +61,7 @@ pub(crate) struct Messaging {
     stop: watch::Sender<bool>,
     tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
     relay_status: RelayStatus,
+    max_lag: Duration,
 }
 
 impl std::fmt::Debug for Messaging {
@@ -187,6 +188,7 @@ impl Messaging {
         db: Database,
         broker_url: Option<&str>,
         prefix: &str,
+        max_lag: Duration,
     ) -> Result<Self, Box<dyn std::error::Error>> {
         let (stop, stop_rx) = watch::channel(false);
         let destinations = EVENTS.map(|(suffix, _, _)| format!("{prefix}.{suffix}"));
@@ -286,7 +288,21 @@ impl Messaging {
             stop,
             tasks: std::sync::Mutex::new(tasks),
             relay_status,
+            max_lag,
         })
+    }
+
+    /// How long the oldest event in the outbox may have waited, as of now
+    /// ([`Relay::lag`]).
+    pub(crate) fn lag(&self) -> Duration {
+        self.relay.lag()
+    }
+
+    /// How long the oldest event in the outbox may have waited, and the
+    /// limit, when it is past `--outbox-max-lag-secs`.
+    pub(crate) fn lagging(&self) -> Option<(Duration, Duration)> {
+        let lag = self.relay.lag();
+        (lag > self.max_lag).then_some((lag, self.max_lag))
     }
 
     /// Why the relay is stopped, if it is (its supervisor restarts it).

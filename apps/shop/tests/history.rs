@@ -1018,13 +1018,11 @@ async fn network_faults_postgres_claim_in_transaction() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "found violations intermittently under two CPU hogs (Redis alone: payments made twice; tiered: 500s), not yet explained; cargo test -- --ignored runs it"]
 async fn network_faults_postgres_with_redis_and_replay_cache() {
     run_with(Mode::Tiered, Chaos::Network).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "found violations intermittently under two CPU hogs (Redis alone: payments made twice; tiered: 500s), not yet explained; cargo test -- --ignored runs it"]
 async fn network_faults_redis_alone() {
     run_with(Mode::RedisAlone, Chaos::Network).await;
 }

@@ -180,8 +180,13 @@ async fn over_rabbitmq() {
         &["--broker-url", url, "--broker-prefix", &prefix],
     )
     .await;
+    delete_queues(url, &prefix).await;
+}
+
+/// Deletes the queues shop declared under `prefix`.
+async fn delete_queues(url: &str, prefix: &str) {
     let publisher = idem_rabbitmq::RabbitPublisher::connect(url).await.unwrap();
-    for q in ["orders.placed", "payments.authorized"] {
+    for q in ["orders.placed", "payments.authorized", "orders.paid"] {
         for name in [format!("{prefix}.{q}"), format!("{prefix}.{q}.dlq")] {
             let _ = publisher
                 .channel()
@@ -189,6 +194,91 @@ async fn over_rabbitmq() {
                 .await;
         }
     }
+}
+
+/// A relay that falls behind (here the broker stops confirming: the link
+/// to it partitioned) is reported by `/healthz` once the oldest waiting
+/// event is older than `--outbox-max-lag-secs`, and the gauge says how far
+/// behind; when the broker is back, the backlog goes out once each and
+/// health returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_that_falls_behind_is_reported_until_it_catches_up() {
+    use idem_test_support::faults::{Fault, FaultProxy};
+    let broker = FaultProxy::start("127.0.0.1:5672").await;
+    let url = format!("amqp://guest:guest@{}/%2f", broker.addr());
+    let prefix = format!("shop-test-{}", uuid::Uuid::new_v4().simple());
+    let db = Db::postgres().await;
+    let shop = Shop::start(
+        &db,
+        &[
+            "--broker-url",
+            &url,
+            "--broker-prefix",
+            &prefix,
+            "--outbox-max-lag-secs",
+            "2",
+        ],
+    )
+    .await;
+    let client = common::signed_in();
+    let emails = async || {
+        read(client.get(shop.url("/emails?account_id=acc_1")))
+            .await
+            .json()["emails"]
+            .as_array()
+            .unwrap()
+            .len()
+    };
+    let health = async || read(client.get(shop.url("/healthz"))).await;
+    assert_eq!(
+        read(pay(&client, &shop, Some("lag-1"), BODY)).await.status,
+        201
+    );
+    eventually("the first email", async || emails().await == 1).await;
+    assert_eq!(health().await.status, 200);
+
+    broker.set(Fault::Partition);
+    // Taking a payment does not need the broker: its event waits.
+    assert_eq!(
+        read(pay(&client, &shop, Some("lag-2"), BODY)).await.status,
+        201
+    );
+    eventually("healthz reporting the lag", async || {
+        health().await.status == 503
+    })
+    .await;
+    let behind = health().await;
+    assert!(
+        behind.problem_type().ends_with("outbox-lagging"),
+        "{behind:?}"
+    );
+    let detail = behind.json()["detail"].as_str().unwrap().to_owned();
+    assert!(
+        detail.contains("outbox") && detail.contains("2 s"),
+        "{detail}"
+    );
+    assert!(behind.headers.contains_key("retry-after"));
+    let metrics = read(client.get(shop.url("/metrics"))).await;
+    let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
+    let gauge: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("shop_outbox_lag_seconds "))
+        .unwrap_or_else(|| panic!("no lag gauge: {metrics}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(gauge >= 2.0, "the gauge shows the wait: {gauge}");
+
+    broker.set(Fault::None);
+    eventually("healthz after the relay caught up", async || {
+        health().await.status == 200
+    })
+    .await;
+    eventually("the second email", async || emails().await == 2).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(emails().await, 2, "one email per payment");
+    drop(shop);
+    delete_queues("amqp://guest:guest@127.0.0.1:5672/%2f", &prefix).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

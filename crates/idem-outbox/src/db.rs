@@ -30,12 +30,14 @@ pub struct OutboxSql {
     pub(crate) claimable: &'static str,
     /// Leases the rows `{seqs}` lists: $1 token, $2 lease (ms).
     pub(crate) lease: &'static str,
-    /// How long the oldest pending row has waited, in ms.
+    /// How long the oldest pending row (by seq, so the pending index
+    /// finds it at once) has waited, in ms; no row when none is pending.
     pub(crate) lag: &'static str,
     /// A row whose publish failed, back after $4 ms or dead: $1 seq, $2
     /// token, $3 last error, $4 backoff (ms), $5 state.
     pub(crate) mark_failed: &'static str,
-    /// The rows still leased under $1 token: sent.
+    /// The rows `{seqs}` lists that are still leased under $1 token: sent
+    /// (found by primary key, never by scanning for the token).
     pub(crate) mark_sent: &'static str,
     /// Counts `pending`, `sent`, `dead`.
     pub(crate) stats: &'static str,
@@ -106,15 +108,15 @@ mod millis {
     pub(super) const LEASE: &str =
         "UPDATE {table} SET claimed_until = {now} + $2, claim_token = $1, attempts = attempts + 1
                 WHERE seq IN ({seqs})";
-    pub(super) const LAG: &str =
-        "SELECT {now} - MIN(created_at) AS lag FROM {table} WHERE state = 'pending'";
+    pub(super) const LAG: &str = "SELECT {now} - created_at AS lag FROM {table}
+                WHERE state = 'pending' ORDER BY seq LIMIT 1";
     pub(super) const MARK_FAILED: &str =
         "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
                           next_attempt_at = {now} + $4, state = $5
                       WHERE seq = $1 AND claim_token = $2";
     pub(super) const MARK_SENT: &str =
         "UPDATE {table} SET state = 'sent', sent_at = {now}, claimed_until = NULL
-                    WHERE claim_token = $1 AND state = 'pending'";
+                    WHERE seq IN ({seqs}) AND claim_token = $1 AND state = 'pending'";
 }
 
 /// What every database's outbox and inbox say alike.
@@ -143,13 +145,13 @@ impl OutboxDialect for idem_sql::Postgres {
         lease: "UPDATE {table} SET claimed_until = now() + $2 * interval '1 millisecond',
                     claim_token = $1, attempts = attempts + 1
                 WHERE seq IN ({seqs})",
-        lag: "SELECT (extract(epoch FROM now() - min(created_at)) * 1000)::int8 AS lag
-              FROM {table} WHERE state = 'pending'",
+        lag: "SELECT (extract(epoch FROM now() - created_at) * 1000)::int8 AS lag
+              FROM {table} WHERE state = 'pending' ORDER BY seq LIMIT 1",
         mark_failed: "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
                           next_attempt_at = now() + $4 * interval '1 millisecond', state = $5
                       WHERE seq = $1 AND claim_token = $2",
         mark_sent: "UPDATE {table} SET state = 'sent', sent_at = now(), claimed_until = NULL
-                    WHERE claim_token = $1 AND state = 'pending'",
+                    WHERE seq IN ({seqs}) AND claim_token = $1 AND state = 'pending'",
         stats: "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
                        count(*) FILTER (WHERE state = 'sent') AS sent,
                        count(*) FILTER (WHERE state = 'dead') AS dead FROM {table}",
@@ -178,10 +180,16 @@ impl sealed::Sealed for idem_sql::Sqlite {}
 #[cfg(feature = "sqlite")]
 impl OutboxDialect for idem_sql::Sqlite {
     const OUTBOX: OutboxSql = OutboxSql {
-        migrations: &[Migration {
-            version: 1,
-            sql: include_str!("../migrations/sqlite/outbox_0001.sql"),
-        }],
+        migrations: &[
+            Migration {
+                version: 1,
+                sql: include_str!("../migrations/sqlite/outbox_0001.sql"),
+            },
+            Migration {
+                version: 2,
+                sql: include_str!("../migrations/sqlite/outbox_0002.sql"),
+            },
+        ],
         enqueue: millis::ENQUEUE,
         notify: None,
         claimable: millis::CLAIMABLE,
@@ -245,4 +253,59 @@ pub(crate) async fn migrate<DB: Driver>(
     migrations: &[Migration],
 ) -> Result<(), MigrateError> {
     idem_sql::migrate::migrate::<DB::Dialect>(pool, name, migrations).await
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use idem_sql::Dialect;
+
+    use super::OutboxDialect;
+
+    /// SQLite's plan for each of the relay's statements, on the default
+    /// table: what it searches and by which index.
+    async fn plan(pool: &sqlx::SqlitePool, template: &str) -> String {
+        let sql = template
+            .replace("{table}", "\"idem_outbox\"")
+            .replace("{now}", idem_sql::Sqlite::NOW_MILLIS)
+            .replace("{skip_locked}", idem_sql::Sqlite::SKIP_LOCKED)
+            .replace("{seqs}", "1, 2, 3");
+        let rows: Vec<(i64, i64, i64, String)> =
+            sqlx::query_as(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .fetch_all(pool)
+                .await
+                .unwrap();
+        rows.into_iter().map(|r| r.3).collect::<Vec<_>>().join("\n")
+    }
+
+    /// The relay's statements cost what their rows cost, not what the
+    /// table holds: a backlog of pending rows, or years of sent ones, must
+    /// not slow each round (a relay that falls behind must not fall
+    /// further behind).
+    #[tokio::test]
+    async fn the_relays_statements_on_sqlite_search_by_index_never_scan() {
+        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+        crate::outbox::migrate(&pool).await.unwrap();
+        let sql = <idem_sql::Sqlite as OutboxDialect>::OUTBOX;
+        for (what, template) in [
+            ("claimable", sql.claimable),
+            ("lease", sql.lease),
+            ("lag", sql.lag),
+            ("mark_sent", sql.mark_sent),
+        ] {
+            let plan = plan(&pool, template).await;
+            assert!(
+                !plan.lines().any(|l| l.starts_with("SCAN")),
+                "{what} scans the table:\n{plan}"
+            );
+            assert!(!plan.contains("TEMP B-TREE"), "{what} sorts:\n{plan}");
+        }
+        // An older pending row of the same ordering key is found by the
+        // key, not by walking every older pending row.
+        let claimable = plan(&pool, sql.claimable).await;
+        assert!(
+            claimable.contains("idem_outbox_ordering (ordering_key=? AND seq<?)"),
+            "{claimable}"
+        );
+        pool.close().await;
+    }
 }

@@ -29,6 +29,7 @@ pub(crate) const SHOP_PROBLEMS: &[(&str, &str)] = &[
     ("bank-unavailable", "The bank could not be reached (or <code>X-Simulate: bank-error</code>); nothing was charged."),
     ("database-unavailable", "The database is unavailable; retry after <code>Retry-After</code>."),
     ("busy", "Too many payments are in progress on this instance (<code>--claim-tx-limit</code>); nothing was claimed or charged: retry after <code>Retry-After</code> with the same key."),
+    ("outbox-lagging", "<code>GET /healthz</code>: the oldest event waiting in the outbox has waited longer than <code>--outbox-max-lag-secs</code> allows: the relay is not keeping up with the rate events are written at, or the broker is not confirming them. Nothing is lost: events wait in the outbox and go out as it catches up."),
     ("relay-stopped", "<code>GET /healthz</code>: the outbox relay stopped on an error waiting cannot mend (its detail names it); it is restarted with a growing delay, and events wait in the outbox meanwhile."),
     ("payload-too-large", "The body is over the limit."),
     ("unsupported-media-type", "The body is not JSON."),

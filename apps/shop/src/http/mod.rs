@@ -226,6 +226,10 @@ async fn demo_page() -> Response {
 #[utoipa::path(get, path = "/metrics", tag = "operations",
     responses((status = 200, description = "The metrics", content_type = "text/plain", body = String)))]
 async fn get_metrics(State(state): State<AppState>) -> Response {
+    // As of now, not as of the relay's last round (which may hang on a
+    // broker that does not confirm): what `/healthz` compares with
+    // `--outbox-max-lag-secs`.
+    metrics::gauge!("shop_outbox_lag_seconds").set(state.messaging.lag().as_secs_f64());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
@@ -238,7 +242,7 @@ async fn get_metrics(State(state): State<AppState>) -> Response {
 /// mode.
 #[utoipa::path(get, path = "/healthz", tag = "operations",
     responses((status = 200, description = "Healthy", content_type = "text/plain", body = String),
-        (status = 503, description = "The database, or the idempotency store the mode depends on, cannot be reached; or the outbox relay has stopped (`relay-stopped`, with its last error)", content_type = "application/problem+json", body = ProblemDoc)))]
+        (status = 503, description = "The database, or the idempotency store the mode depends on, cannot be reached; or the outbox relay has stopped (`relay-stopped`, with its last error) or is behind (`outbox-lagging`)", content_type = "application/problem+json", body = ProblemDoc)))]
 async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
     // On a connection of its own: it reports the database, not how long
     // the business pool's queue is.
@@ -263,6 +267,20 @@ async fn healthz(State(state): State<AppState>) -> Result<&'static str> {
             wait.as_millis()
         ))
         .retry_after(wait.as_secs().max(1))
+        .into());
+    }
+    if let Some((lag, limit)) = state.messaging.lagging() {
+        return Err(Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "outbox-lagging",
+            "The outbox relay is behind",
+        )
+        .detail(format!(
+            "the oldest event waiting in the outbox has waited {} s, more than the {} s allowed (--outbox-max-lag-secs): the relay is not keeping up, or the broker is not confirming. Events are kept and go out in order as it catches up.",
+            lag.as_secs(),
+            limit.as_secs()
+        ))
+        .retry_after(1)
         .into());
     }
     if !state.transactional {

@@ -4,7 +4,7 @@
 //! (`crate::db`) and [`idem_sql::Dialect`].
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idem_core::BoxFuture;
 use idem_sql::{Driver, ErrorClass};
@@ -181,6 +181,15 @@ pub struct Relay {
     publisher: Arc<dyn Publisher>,
     config: RelayConfig,
     wake: Arc<tokio::sync::Notify>,
+    looked: Arc<std::sync::Mutex<Looked>>,
+}
+
+/// What the relay last saw of its table: when it looked, and how long the
+/// oldest pending row had waited then (`None`: no row was pending).
+#[derive(Debug, Clone, Copy)]
+struct Looked {
+    at: Instant,
+    oldest: Option<Duration>,
 }
 
 impl std::fmt::Debug for Relay {
@@ -224,7 +233,24 @@ impl Relay {
             publisher,
             config,
             wake: Arc::new(tokio::sync::Notify::new()),
+            looked: Arc::new(std::sync::Mutex::new(Looked {
+                at: Instant::now(),
+                oldest: None,
+            })),
         }
+    }
+
+    /// How far behind the relay may be: how long the oldest message still
+    /// waiting in the outbox has waited, as of now. Read from what the
+    /// relay saw at the start of its last round, plus the time since, so it
+    /// keeps growing while a round hangs or no round runs: when the last
+    /// look found nothing pending, it is the time since that look (what a
+    /// message enqueued just after it has waited at most). A relay that has
+    /// never run a round reports the time since it was made. Clones share
+    /// it. Also the gauge `idem_outbox_lag_seconds`, set at each round.
+    pub fn lag(&self) -> Duration {
+        let looked = *self.looked.lock().unwrap_or_else(|e| e.into_inner());
+        looked.oldest.unwrap_or_default() + looked.at.elapsed()
     }
 
     /// Wakes the running relay at once (after a commit that enqueued
@@ -256,16 +282,20 @@ impl Relay {
 
     async fn round_inner(&self) -> Result<Round, sqlx::Error> {
         let token = idem_core::FencingToken::generate().0;
+        // Every round looks at the oldest pending row first, whether or not
+        // it can claim it: rows backing off after failed publishes, or
+        // leased by another relay, are waiting too.
+        let at = Instant::now();
+        let oldest = self.db.lag().await?;
+        *self.looked.lock().unwrap_or_else(|e| e.into_inner()) = Looked { at, oldest };
+        metrics::gauge!("idem_outbox_lag_seconds").set(oldest.unwrap_or_default().as_secs_f64());
         let claimed = self
             .db
             .claim(self.config.batch, self.config.lease, token)
             .await?;
         if claimed.is_empty() {
-            metrics::gauge!("idem_outbox_lag_seconds").set(0.0);
             return Ok(Round::default());
         }
-        let lag = self.db.lag().await.unwrap_or(0.0).max(0.0);
-        metrics::gauge!("idem_outbox_lag_seconds").set(lag);
         let batch: Vec<OutgoingMessage> = claimed.iter().map(|c| c.message.clone()).collect();
         let published = self.publisher.publish(&batch).await;
         let mut sent = Vec::new();
@@ -308,7 +338,7 @@ impl Relay {
         if !sent.is_empty() {
             // The rows whose publish failed were let go above: what is
             // still leased under the token is what the broker confirmed.
-            self.db.mark_sent(token).await?;
+            self.db.mark_sent(token, &sent).await?;
             metrics::counter!("idem_outbox_published_total").increment(sent.len() as u64);
         }
         round.sent = sent.len();

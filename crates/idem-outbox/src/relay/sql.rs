@@ -33,8 +33,9 @@ pub(crate) trait OutboxBackend: Send + Sync + 'static {
         lease: Duration,
         token: i64,
     ) -> BoxFuture<'_, Result<Vec<Claimed>, sqlx::Error>>;
-    /// How long the oldest pending row has waited, in seconds.
-    fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>>;
+    /// How long the oldest pending row has waited; `None` when no row is
+    /// pending.
+    fn lag(&self) -> BoxFuture<'_, Result<Option<Duration>, sqlx::Error>>;
     /// Lets a row whose publish failed go: back after `backoff`, or dead;
     /// fenced by `token`.
     fn mark_failed<'a>(
@@ -45,8 +46,12 @@ pub(crate) trait OutboxBackend: Send + Sync + 'static {
         backoff: Duration,
         state: RowState,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
-    /// Marks the rows still leased under `token` as sent.
-    fn mark_sent(&self, token: i64) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+    /// Marks the rows `seqs` still leased under `token` as sent.
+    fn mark_sent<'a>(
+        &'a self,
+        token: i64,
+        seqs: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
     /// Reads the table (no rows), so a missing one shows at start.
     fn check(&self) -> BoxFuture<'_, Result<(), sqlx::Error>>;
     /// Commit notifications, where the database has them.
@@ -61,7 +66,6 @@ struct Statements<D> {
     claimable: Statement<D>,
     lag: Statement<D>,
     mark_failed: Statement<D>,
-    mark_sent: Statement<D>,
     check: Statement<D>,
 }
 
@@ -80,7 +84,6 @@ impl<D: OutboxDialect> SqlOutbox<D> {
                 claimable: table.statement(t.claimable)?,
                 lag: table.statement(t.lag)?,
                 mark_failed: table.statement(t.mark_failed)?,
-                mark_sent: table.statement(t.mark_sent)?,
                 check: table.statement("SELECT 1 FROM {table} LIMIT 0")?,
             })
         })()
@@ -100,6 +103,15 @@ impl<D: OutboxDialect> SqlOutbox<D> {
 
     /// In one write transaction: the claimable rows, locked (skipping rows
     /// another relay holds), then leased to `token`.
+    /// `template` for the rows `seqs`: the seqs are the database's own
+    /// integers, written into the statement rather than bound, so one
+    /// statement (finding its rows by primary key) serves the batch.
+    fn for_rows(&self, template: &str, seqs: &[i64]) -> Result<Statement<D>, sqlx::Error> {
+        let list: Vec<String> = seqs.iter().map(i64::to_string).collect();
+        self.table
+            .statement::<D>(&template.replace("{seqs}", &list.join(", ")))
+    }
+
     async fn claim_batch(
         &self,
         batch: i64,
@@ -117,12 +129,8 @@ impl<D: OutboxDialect> SqlOutbox<D> {
             if claimed.is_empty() {
                 return Ok(claimed);
             }
-            // The seqs are the database's own integers: written into the
-            // statement, not bound, so one statement leases the batch.
-            let seqs: Vec<String> = claimed.iter().map(|c| c.seq.to_string()).collect();
-            let lease_rows = self
-                .table
-                .statement::<D>(&D::OUTBOX.lease.replace("{seqs}", &seqs.join(", ")))?;
+            let seqs: Vec<i64> = claimed.iter().map(|c| c.seq).collect();
+            let lease_rows = self.for_rows(D::OUTBOX.lease, &seqs)?;
             D::execute(
                 &mut tx,
                 &lease_rows,
@@ -207,15 +215,16 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
         })
     }
 
-    fn lag(&self) -> BoxFuture<'_, Result<f64, sqlx::Error>> {
+    fn lag(&self) -> BoxFuture<'_, Result<Option<Duration>, sqlx::Error>> {
         Box::pin(async move {
             let mut conn = self.pool.acquire().await?;
             let row = D::fetch_optional(&mut conn, &self.sql()?.lag, &[]).await?;
             let ms = match row {
-                Some(row) => D::get(&row, "lag")?.opt_int("lag")?.unwrap_or(0),
-                None => 0,
+                Some(row) => D::get(&row, "lag")?.opt_int("lag")?,
+                None => None,
             };
-            Ok(ms as f64 / 1000.0)
+            // A clock that stepped back reads as no wait, never a negative.
+            Ok(ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))))
         })
     }
 
@@ -239,8 +248,15 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
         })
     }
 
-    fn mark_sent(&self, token: i64) -> BoxFuture<'_, Result<(), sqlx::Error>> {
-        Box::pin(async move { self.write(&self.sql()?.mark_sent, &[Arg::Int(token)]).await })
+    fn mark_sent<'a>(
+        &'a self,
+        token: i64,
+        seqs: &'a [i64],
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            let statement = self.for_rows(D::OUTBOX.mark_sent, seqs)?;
+            self.write(&statement, &[Arg::Int(token)]).await
+        })
     }
 
     fn check(&self) -> BoxFuture<'_, Result<(), sqlx::Error>> {
