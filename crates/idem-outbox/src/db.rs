@@ -256,6 +256,7 @@ pub(crate) async fn migrate<DB: Driver>(
 }
 
 #[cfg(all(test, feature = "sqlite"))]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use idem_sql::Dialect;
 
