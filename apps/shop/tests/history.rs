@@ -581,6 +581,8 @@ impl RedisPair {
 #[derive(Debug, Default)]
 struct Injected {
     delays: u64,
+    /// Packets dropped at random on the servers' link (by the kernel).
+    losses: u64,
     partitions: u64,
     /// Of the partitions, those made by taking the veth link down.
     link_downs: u64,
@@ -632,6 +634,16 @@ impl Links {
             _ => &self.database,
         };
         match rng.below(100) {
+            0..=14 if self.netns.is_some() => {
+                // 5–30 % of the packets lost, each way, on every server's
+                // link at once: TCP retransmits, round trips stretch to
+                // one or several retransmission time-outs (200 ms up).
+                injected.losses += 1;
+                let ns = self.netns.as_ref().unwrap();
+                ns.lose(u8::try_from(rng.between(5, 30)).unwrap());
+                tokio::time::sleep(Duration::from_millis(rng.between(500, 2500))).await;
+                ns.stop_losing();
+            }
             0..=39 => {
                 injected.delays += 1;
                 link.set(Fault::Delay {
@@ -913,8 +925,12 @@ async fn run_with(mode: Mode, chaos: Chaos) {
             u8::from(wait)
         ),
         Chaos::Network => format!(
-            ", network faults: {} delays, {} partitions ({} by the kernel), {} cuts",
-            injected.delays, injected.partitions, injected.link_downs, injected.cuts
+            ", network faults: {} delays, {} losses, {} partitions ({} by the kernel), {} cuts",
+            injected.delays,
+            injected.losses,
+            injected.partitions,
+            injected.link_downs,
+            injected.cuts
         ),
     };
     let summary = format!(

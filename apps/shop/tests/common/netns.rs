@@ -1,7 +1,8 @@
 //! [`Netns`]: a network namespace of the test's own, joined to the host by
 //! two veth pairs: one that `shop` reaches its servers through (taken down
 //! for a partition the kernel makes: packets dropped, TCP retransmitting,
-//! then delivered when it comes back up), one its clients reach it by.
+//! then delivered when it comes back up, or losing a share of its packets
+//! at random, by nftables), one its clients reach it by.
 
 use std::process::Command;
 
@@ -27,6 +28,7 @@ pub struct Netns {
     /// The namespace's address on the clients' link: `shop` listens here.
     pub clients_ns_ip: String,
     servers_host_if: String,
+    servers_ns_if: String,
 }
 
 impl Netns {
@@ -46,6 +48,7 @@ impl Netns {
             servers_host_ip: String::new(),
             clients_ns_ip: String::new(),
             servers_host_if: String::new(),
+            servers_ns_if: String::new(),
         };
         let ns = |args: &[&str]| {
             let mut all = vec!["netns", "exec", &name, "ip"];
@@ -67,12 +70,54 @@ impl Netns {
             (host_ip, ns_ip)
         };
         let servers_host_if = format!("is{tag}");
-        let (servers_host_ip, _) = pair(&servers_host_if, &format!("js{tag}"), b);
+        let servers_ns_if = format!("js{tag}");
+        let (servers_host_ip, _) = pair(&servers_host_if, &servers_ns_if, b);
         let (_, clients_ns_ip) = pair(&format!("ic{tag}"), &format!("jc{tag}"), c + 1);
         guard.servers_host_ip = servers_host_ip;
         guard.clients_ns_ip = clients_ns_ip;
         guard.servers_host_if = servers_host_if;
+        guard.servers_ns_if = servers_ns_if;
         guard
+    }
+
+    /// Runs `nft` in the namespace; panics with its output when it fails.
+    fn nft(&self, args: &[&str]) {
+        let mut all = vec!["netns", "exec", &self.name, "nft"];
+        all.extend_from_slice(args);
+        ip(&all);
+    }
+
+    /// Drops `percent` of the packets on the servers' link, each way, at
+    /// random: TCP retransmits what is lost, so a statement's round trip
+    /// takes from one to many retransmission time-outs.
+    pub fn lose(&self, percent: u8) {
+        let share = percent.to_string();
+        self.nft(&["add", "table", "inet", "idem_loss"]);
+        for (chain, hook, dir) in [("in", "input", "iifname"), ("out", "output", "oifname")] {
+            let spec = format!("{{ type filter hook {hook} priority 0 ; }}");
+            self.nft(&["add", "chain", "inet", "idem_loss", chain, &spec]);
+            self.nft(&[
+                "add",
+                "rule",
+                "inet",
+                "idem_loss",
+                chain,
+                dir,
+                &self.servers_ns_if,
+                "numgen",
+                "random",
+                "mod",
+                "100",
+                "<",
+                &share,
+                "drop",
+            ]);
+        }
+    }
+
+    /// Stops dropping packets.
+    pub fn stop_losing(&self) {
+        self.nft(&["delete", "table", "inet", "idem_loss"]);
     }
 
     /// Takes the servers' link down: nothing passes either way.
