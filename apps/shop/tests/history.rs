@@ -532,8 +532,8 @@ enum Chaos {
     },
     /// A Redis Cluster of three primaries with a replica each: a primary
     /// killed mid-run, its replica promoted by the cluster, the killed node
-    /// back as a replica. (Redis alone lost records so even with
-    /// `--redis-wait-replicas 1`, which is therefore refused on a cluster.)
+    /// back (empty) as a replica once the replica acts as primary.
+    /// (`--redis-wait-replicas` is refused on a cluster: the Redis guide.)
     ClusterFailover,
 }
 
