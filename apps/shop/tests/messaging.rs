@@ -18,6 +18,24 @@ async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
     }
 }
 
+/// Waits until `/healthz` answers `503` problem `kind`, with
+/// `Retry-After` and a detail that names each of `says`.
+async fn wait_unhealthy(shop: &Shop, client: &reqwest::Client, kind: &str, says: &[&str]) {
+    let health = async || read(client.get(shop.url("/healthz"))).await;
+    eventually(&format!("healthz reporting {kind}"), async || {
+        health().await.status == 503
+    })
+    .await;
+    let answer = health().await;
+    assert_eq!(answer.status, 503);
+    assert!(answer.problem_type().ends_with(kind), "{answer:?}");
+    let detail = answer.json()["detail"].as_str().unwrap().to_owned();
+    for s in says {
+        assert!(detail.contains(s), "the detail names {s}: {detail}");
+    }
+    assert!(answer.headers.contains_key("retry-after"));
+}
+
 async fn events_act_once(db: Db, broker: &[&str]) {
     let shops = [
         Shop::start(&db, broker).await,
@@ -105,22 +123,13 @@ async fn a_stopped_relay_is_reported_and_restarted(db: Db) {
             .status,
         201
     );
-    eventually("healthz reporting the stopped relay", async || {
-        health().await.status == 503
-    })
+    wait_unhealthy(
+        &shop,
+        &client,
+        "relay-stopped",
+        &["outbox relay", "claim_token"],
+    )
     .await;
-    let stopped = health().await;
-    assert_eq!(stopped.status, 503);
-    assert!(
-        stopped.problem_type().ends_with("relay-stopped"),
-        "{stopped:?}"
-    );
-    let detail = stopped.json()["detail"].as_str().unwrap().to_owned();
-    assert!(
-        detail.contains("outbox relay") && detail.contains("claim_token"),
-        "the detail names the relay and its error: {detail}"
-    );
-    assert!(stopped.headers.contains_key("retry-after"));
     assert_eq!(emails().await, 1, "nothing published while it is stopped");
 
     db.execute("ALTER TABLE idem_outbox RENAME COLUMN claim_token_moved TO claim_token")
@@ -243,21 +252,7 @@ async fn a_relay_that_falls_behind_is_reported_until_it_catches_up() {
         read(pay(&client, &shop, Some("lag-2"), BODY)).await.status,
         201
     );
-    eventually("healthz reporting the lag", async || {
-        health().await.status == 503
-    })
-    .await;
-    let behind = health().await;
-    assert!(
-        behind.problem_type().ends_with("outbox-lagging"),
-        "{behind:?}"
-    );
-    let detail = behind.json()["detail"].as_str().unwrap().to_owned();
-    assert!(
-        detail.contains("outbox") && detail.contains("2 s"),
-        "{detail}"
-    );
-    assert!(behind.headers.contains_key("retry-after"));
+    wait_unhealthy(&shop, &client, "outbox-lagging", &["outbox", "2 s"]).await;
     let metrics = read(client.get(shop.url("/metrics"))).await;
     let metrics = String::from_utf8_lossy(&metrics.body).into_owned();
     let gauge: f64 = metrics
