@@ -260,8 +260,31 @@ async fn sweep_forever(store: Arc<dyn Store>, retention: Duration, db: db::Datab
             Ok(n) => info!(swept = n, "removed old processed message ids"),
             Err(e) => warn!(error = %e, "inbox sweep failed; will try again"),
         }
+        // Sent events are kept a day (for `idem outbox` and for looking
+        // into a consumer's complaint), then deleted: a few batches a tick,
+        // so a backlog drains without holding the writer long.
+        for _ in 0..OUTBOX_SWEEP_BATCHES {
+            match db.sweep_outbox(OUTBOX_KEEP_SENT).await {
+                Ok(0) => break,
+                Ok(n) => {
+                    metrics::counter!("shop_outbox_swept_total").increment(n);
+                    if n < db::SWEEP_BATCH.unsigned_abs() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "outbox sweep failed; will try again");
+                    break;
+                }
+            }
+        }
     }
 }
+
+/// How long sent outbox rows are kept before the sweep deletes them.
+const OUTBOX_KEEP_SENT: Duration = Duration::from_secs(24 * 3600);
+/// At most this many batches of sent outbox rows deleted per sweep tick.
+const OUTBOX_SWEEP_BATCHES: usize = 20;
 
 async fn shutdown_signal() {
     let ctrl_c = async {

@@ -39,6 +39,9 @@ pub struct OutboxSql {
     /// The rows `{seqs}` lists that are still leased under $1 token: sent
     /// (found by primary key, never by scanning for the token).
     pub(crate) mark_sent: &'static str,
+    /// Deletes sent rows sent more than $1 ms ago (the database's clock),
+    /// oldest first, at most $2.
+    pub(crate) sweep_sent: &'static str,
     /// Counts `pending`, `sent`, `dead`.
     pub(crate) stats: &'static str,
     /// The dead rows, oldest first: $1 limit.
@@ -152,6 +155,10 @@ impl OutboxDialect for idem_sql::Postgres {
                       WHERE seq = $1 AND claim_token = $2",
         mark_sent: "UPDATE {table} SET state = 'sent', sent_at = now(), claimed_until = NULL
                     WHERE seq IN ({seqs}) AND claim_token = $1 AND state = 'pending'",
+        sweep_sent: "DELETE FROM {table} WHERE seq IN (
+                         SELECT seq FROM {table}
+                         WHERE state = 'sent' AND sent_at < now() - $1 * interval '1 millisecond'
+                         ORDER BY seq LIMIT $2)",
         stats: "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
                        count(*) FILTER (WHERE state = 'sent') AS sent,
                        count(*) FILTER (WHERE state = 'dead') AS dead FROM {table}",
@@ -197,6 +204,9 @@ impl OutboxDialect for idem_sql::Sqlite {
         lag: millis::LAG,
         mark_failed: millis::MARK_FAILED,
         mark_sent: millis::MARK_SENT,
+        sweep_sent: "DELETE FROM {table} WHERE seq IN (
+                         SELECT seq FROM {table} WHERE state = 'sent' AND sent_at < {now} - $1
+                         ORDER BY seq LIMIT $2)",
         stats: "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
                        count(*) FILTER (WHERE state = 'sent') AS sent,
                        count(*) FILTER (WHERE state = 'dead') AS dead FROM {table}",
@@ -231,6 +241,8 @@ impl OutboxDialect for idem_sql::MySql {
         lag: millis::LAG,
         mark_failed: millis::MARK_FAILED,
         mark_sent: millis::MARK_SENT,
+        sweep_sent: "DELETE FROM {table} WHERE state = 'sent' AND sent_at < {now} - $1
+                     ORDER BY seq LIMIT $2",
         stats: "SELECT CAST(COALESCE(SUM(state = 'pending'), 0) AS SIGNED) AS pending,
                        CAST(COALESCE(SUM(state = 'sent'), 0) AS SIGNED) AS sent,
                        CAST(COALESCE(SUM(state = 'dead'), 0) AS SIGNED) AS dead FROM {table}",

@@ -22,6 +22,7 @@
 //! ```
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use idem_sql::dialect::{Arg, DialectConnection, Driver, Statement};
 use idem_sql::{Dialect, InvalidIdentifier, MigrateError, TableName};
@@ -185,6 +186,29 @@ impl OutboxTable {
         })
     }
 
+    /// Deletes at most `batch` rows of this outbox that were sent more
+    /// than `retention` ago (by the database's clock), oldest first;
+    /// returns how many. Pending and dead rows are never touched. Sent rows
+    /// are otherwise kept for good, and the table grows with every message:
+    /// call it on a schedule (`shop` does, every minute, keeping a day),
+    /// again at once while it returns `batch`.
+    pub async fn sweep_sent<DB>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        retention: Duration,
+        batch: i64,
+    ) -> Result<u64, sqlx::Error>
+    where
+        DB: Driver,
+        DB::Dialect: OutboxDialect,
+    {
+        let sweep =
+            self.statement::<DB::Dialect>(<DB::Dialect as OutboxDialect>::OUTBOX.sweep_sent)?;
+        let age = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+        let mut conn = pool.acquire().await?;
+        DB::Dialect::execute(&mut conn, &sweep, &[Arg::Int(age), Arg::Int(batch)]).await
+    }
+
     /// This outbox's dead-lettered rows, oldest first, at most `limit`.
     pub async fn dead_letters<DB>(
         &self,
@@ -243,6 +267,20 @@ where
     DB::Dialect: OutboxDialect,
 {
     DEFAULT.stats(pool).await
+}
+
+/// Deletes at most `batch` rows of the default outbox sent more than
+/// `retention` ago; see [`OutboxTable::sweep_sent`].
+pub async fn sweep_sent<DB>(
+    pool: &sqlx::Pool<DB>,
+    retention: Duration,
+    batch: i64,
+) -> Result<u64, sqlx::Error>
+where
+    DB: Driver,
+    DB::Dialect: OutboxDialect,
+{
+    DEFAULT.sweep_sent(pool, retention, batch).await
 }
 
 /// The default outbox table's dead-lettered rows; see

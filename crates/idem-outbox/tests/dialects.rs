@@ -220,6 +220,32 @@ where
     assert_eq!(seen.len(), 600);
     assert_eq!(published.len(), 600, "no row published twice");
 
+    // Sent rows stay until swept, oldest first in batches; pending and
+    // dead rows are never swept.
+    assert_eq!(
+        outbox::sweep_sent(&pool, Duration::from_secs(3600), 1000)
+            .await
+            .unwrap(),
+        0,
+        "every row was sent within the hour"
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        outbox::sweep_sent(&pool, Duration::ZERO, 500)
+            .await
+            .unwrap(),
+        500,
+        "a batch"
+    );
+    assert_eq!(
+        outbox::sweep_sent(&pool, Duration::ZERO, 500)
+            .await
+            .unwrap(),
+        102
+    );
+    let s = outbox::stats(&pool).await.unwrap();
+    assert_eq!((s.sent, s.dead, s.pending), (0, 2, 0));
+
     // Sweeping the inbox keeps what is young.
     assert_eq!(
         inbox::sweep(&pool, Duration::from_secs(3600), 100)

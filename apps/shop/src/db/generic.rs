@@ -12,7 +12,9 @@ use idem_sql::dialect::{Arg, Conn, Row as DialectRow, Statement, Transaction};
 use idem_sql::{Dialect, SqlStore};
 
 use super::dialect::ShopDialect;
-use super::{Claimed, Database, OpenError, Param, Row, ShopDb, ShopExec, ShopSql, ShopTx, Work};
+use super::{
+    Claimed, Database, OpenError, Param, Row, ShopDb, ShopExec, ShopSql, ShopTx, Work, SWEEP_BATCH,
+};
 
 /// The shop's database on dialect `D`.
 pub(crate) struct Db<D: ShopDialect> {
@@ -385,7 +387,15 @@ impl<D: ShopDialect> ShopDb for Db<D> {
     }
 
     fn sweep_inbox(&self, retention: Duration) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
-        Box::pin(inbox::sweep(self.store.pool(), retention, 500))
+        Box::pin(inbox::sweep(self.store.pool(), retention, SWEEP_BATCH))
+    }
+
+    fn sweep_outbox(&self, retention: Duration) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
+        Box::pin(idem_outbox::outbox::sweep_sent(
+            self.store.pool(),
+            retention,
+            SWEEP_BATCH,
+        ))
     }
 
     fn relay(&self, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Relay {

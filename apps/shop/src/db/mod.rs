@@ -221,6 +221,11 @@ pub(crate) trait ShopDb: Send + Sync + std::fmt::Debug {
         &self,
         retention: std::time::Duration,
     ) -> BoxFuture<'_, Result<u64, sqlx::Error>>;
+    /// Deletes at most 500 outbox rows sent more than `retention` ago.
+    fn sweep_outbox(
+        &self,
+        retention: std::time::Duration,
+    ) -> BoxFuture<'_, Result<u64, sqlx::Error>>;
     /// A relay over the outbox.
     fn relay(&self, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Relay;
     /// The bank's side: its own connections to `url` (a remote system does
@@ -337,6 +342,9 @@ impl TryFrom<&Row> for Payment {
 }
 
 /// The columns a [`Payment`] is read from.
+/// Rows deleted per statement by the sweeps of the inbox and the outbox.
+pub(crate) const SWEEP_BATCH: i64 = 500;
+
 pub(crate) const PAYMENT_COLUMNS: &str = "id, account_id, amount, currency, status, bank_charge_id";
 
 /// What an account has been charged.
