@@ -18,6 +18,16 @@ async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
     }
 }
 
+/// How many emails `shop` sent to `acc_1`.
+async fn emails_sent(client: &reqwest::Client, shop: &Shop) -> usize {
+    read(client.get(shop.url("/emails?account_id=acc_1")))
+        .await
+        .json()["emails"]
+        .as_array()
+        .unwrap()
+        .len()
+}
+
 /// Waits until `/healthz` answers `503` problem `kind`, with
 /// `Retry-After` and a detail that names each of `says`.
 async fn wait_unhealthy(shop: &Shop, client: &reqwest::Client, kind: &str, says: &[&str]) {
@@ -95,14 +105,7 @@ async fn events_act_once(db: Db, broker: &[&str]) {
 async fn a_stopped_relay_is_reported_and_restarted(db: Db) {
     let shop = Shop::start(&db, &[]).await;
     let client = common::signed_in();
-    let emails = async || {
-        read(client.get(shop.url("/emails?account_id=acc_1")))
-            .await
-            .json()["emails"]
-            .as_array()
-            .unwrap()
-            .len()
-    };
+    let emails = async || emails_sent(&client, &shop).await;
     assert_eq!(
         read(pay(&client, &shop, Some("relay-1"), BODY))
             .await
@@ -230,14 +233,7 @@ async fn a_relay_that_falls_behind_is_reported_until_it_catches_up() {
     )
     .await;
     let client = common::signed_in();
-    let emails = async || {
-        read(client.get(shop.url("/emails?account_id=acc_1")))
-            .await
-            .json()["emails"]
-            .as_array()
-            .unwrap()
-            .len()
-    };
+    let emails = async || emails_sent(&client, &shop).await;
     let health = async || read(client.get(shop.url("/healthz"))).await;
     assert_eq!(
         read(pay(&client, &shop, Some("lag-1"), BODY)).await.status,
