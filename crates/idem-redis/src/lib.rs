@@ -50,14 +50,14 @@ use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId, Record, RecordState,
     Store, StoreError, StoredResponse, UnixMillis,
 };
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 use redis::{Script, Value};
 use sha2::{Digest, Sha256};
 
 pub use config::{RedisConfig, WaitReplicas};
 pub use tier::TieredStore;
 
-use conn::Conn;
+use conn::{Conn, Single};
 use decode::{bytes_of, decode, number, parse_op, text};
 
 /// The Redis store; see the crate-level docs.
@@ -71,7 +71,7 @@ pub struct RedisStore {
     /// With [`RedisConfig::wait_replicas`] on one server: a connection of
     /// its own for the writes that `WAIT`, so that a `WAIT` never holds up
     /// the replays and reads on the main one.
-    wait_conn: Option<ConnectionManager>,
+    wait_conn: Option<Single>,
     prefix: String,
     claim: Script,
     complete: Script,
@@ -89,8 +89,9 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// A connection to the one server `config` names, reconnecting by itself.
-async fn single(config: &RedisConfig) -> Result<ConnectionManager, StoreError> {
+/// A connection to the one server `config` names, reconnecting by itself
+/// (and afresh after a time-out).
+async fn single(config: &RedisConfig) -> Result<Single, StoreError> {
     let client =
         redis::Client::open(config.url.as_str()).map_err(|e| StoreError::Backend(Box::new(e)))?;
     let manager = ConnectionManagerConfig::new()
@@ -98,9 +99,7 @@ async fn single(config: &RedisConfig) -> Result<ConnectionManager, StoreError> {
         .set_connection_timeout(Some(config.timeout))
         .set_number_of_retries(1)
         .set_max_delay(Duration::from_millis(500));
-    ConnectionManager::new_with_config(client, manager)
-        .await
-        .map_err(store_error)
+    Single::connect(client, manager).await.map_err(store_error)
 }
 
 /// `WAIT replicas timeout-ms`.

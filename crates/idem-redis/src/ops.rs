@@ -2,9 +2,9 @@
 //! clear the prefix's keys, on every node of a cluster.
 
 use idem_core::{Claim, Fingerprint, Record, StoreError, UnixMillis};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 
-use crate::conn::{node_url, scan, Conn};
+use crate::conn::{node_url, scan, Conn, Single};
 use crate::{store_error, RedisStore};
 
 impl RedisStore {
@@ -119,7 +119,7 @@ impl RedisStore {
                 .set_connection_timeout(Some(self.timeout))
                 .set_number_of_retries(1);
             nodes.push(Conn::Single(
-                ConnectionManager::new_with_config(client, manager)
+                Single::connect(client, manager)
                     .await
                     .map_err(store_error)?,
             ));

@@ -10,6 +10,7 @@
 //! it), unless the endpoint gave up first.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -45,6 +46,9 @@ pub struct FaultProxy {
     upstream: Arc<Mutex<String>>,
     conns: Arc<Mutex<Vec<AbortHandle>>>,
     accept: AbortHandle,
+    /// Connections accepted so far, and those of them stalled for good.
+    accepted: Arc<AtomicU64>,
+    stalled: Arc<AtomicU64>,
 }
 
 impl FaultProxy {
@@ -63,6 +67,9 @@ impl FaultProxy {
         let upstream = Arc::new(Mutex::new(upstream.to_owned()));
         let target = upstream.clone();
         let tracked = conns.clone();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let stalled = Arc::new(AtomicU64::new(0));
+        let (counting, stalling) = (accepted.clone(), stalled.clone());
         let accept = tokio::spawn(async move {
             let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
             loop {
@@ -70,7 +77,11 @@ impl FaultProxy {
                     continue;
                 };
                 seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                let link = watching.clone();
+                let link = Link {
+                    fault: watching.clone(),
+                    number: counting.fetch_add(1, Ordering::SeqCst),
+                    stalled: stalling.clone(),
+                };
                 let upstream = target.lock().unwrap().clone();
                 let task = tokio::spawn(carry(client, upstream, link, seed));
                 let mut conns = tracked.lock().unwrap();
@@ -85,7 +96,18 @@ impl FaultProxy {
             upstream,
             conns,
             accept,
+            accepted,
+            stalled,
         }
+    }
+
+    /// Stalls every connection open now, for good, without closing it:
+    /// nothing more passes on it either way (as on a TCP stream whose
+    /// retransmissions back off long after a partition healed). New
+    /// connections pass as before.
+    pub fn stall(&self) {
+        self.stalled
+            .store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
     }
 
     /// Sends new connections to `upstream` from now on (a virtual address
@@ -139,10 +161,32 @@ async fn passable(link: &mut watch::Receiver<Fault>) -> Fault {
     }
 }
 
+/// What one connection goes through: the proxy's fault, and whether it
+/// was stalled.
+#[derive(Clone)]
+struct Link {
+    fault: watch::Receiver<Fault>,
+    /// This connection's number, in the order accepted.
+    number: u64,
+    /// Connections numbered below this are stalled.
+    stalled: Arc<AtomicU64>,
+}
+
+impl Link {
+    /// Waits while the link is partitioned (for good once stalled).
+    async fn passable(&mut self) -> Fault {
+        let fault = passable(&mut self.fault).await;
+        if self.number < self.stalled.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        fault
+    }
+}
+
 /// One connection: connects to the server once the link lets it, then
 /// carries bytes both ways under the link's fault.
-async fn carry(client: TcpStream, upstream: String, mut link: watch::Receiver<Fault>, seed: u64) {
-    passable(&mut link).await;
+async fn carry(client: TcpStream, upstream: String, mut link: Link, seed: u64) {
+    link.passable().await;
     let Ok(server) = TcpStream::connect(&upstream).await else {
         return;
     };
@@ -159,13 +203,13 @@ async fn carry(client: TcpStream, upstream: String, mut link: watch::Receiver<Fa
         () = up => {}
         () = down => {}
     }
-    passable(&mut link).await;
+    link.passable().await;
 }
 
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut link: watch::Receiver<Fault>,
+    mut link: Link,
     mut seed: u64,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
@@ -174,7 +218,7 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if let Fault::Delay { base, jitter } = passable(&mut link).await {
+        if let Fault::Delay { base, jitter } = link.passable().await {
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
@@ -185,7 +229,7 @@ async fn pump(
             };
             tokio::time::sleep(base + extra).await;
             // A partition that began during the delay holds these bytes too.
-            passable(&mut link).await;
+            link.passable().await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
@@ -257,5 +301,25 @@ mod tests {
         assert_eq!(n, 0, "the cut connection is closed");
         let mut again = TcpStream::connect(proxy.addr()).await.unwrap();
         round_trip(&mut again).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_stalled_connection_stays_silent_and_open_while_new_ones_pass() {
+        let proxy = FaultProxy::start(&echo().await.to_string()).await;
+        let mut old = TcpStream::connect(proxy.addr()).await.unwrap();
+        round_trip(&mut old).await.unwrap();
+        proxy.stall();
+        old.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        let held = tokio::time::timeout(Duration::from_millis(300), old.read_exact(&mut buf)).await;
+        assert!(
+            held.is_err(),
+            "nothing passes a stalled connection, nor does it close"
+        );
+        let mut new = TcpStream::connect(proxy.addr()).await.unwrap();
+        round_trip(&mut new).await.unwrap();
+        let still =
+            tokio::time::timeout(Duration::from_millis(300), old.read_exact(&mut buf)).await;
+        assert!(still.is_err(), "the stalled connection stays stalled");
     }
 }
