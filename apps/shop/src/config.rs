@@ -195,9 +195,6 @@ pub(crate) enum FaultInjection {
 impl Config {
     /// Refuses flag combinations that cannot work together.
     pub(crate) fn check(&self) -> Result<(), String> {
-        if self.redis_wait_replicas > 0 && self.redis_cluster {
-            return Err("--redis-wait-replicas is not offered on a Redis Cluster: a primary failover there lost records that replicas had acknowledged (the Redis guide); use one primary with replicas, or keep the records in the database".into());
-        }
         if self.redis_wait_replicas > 0 && self.idem_store != IdemStore::Redis {
             return Err("--redis-wait-replicas applies to --idem-store redis (with the records in the database, the database is the guard and Redis only a cache)".into());
         }

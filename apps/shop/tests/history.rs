@@ -585,11 +585,15 @@ enum Chaos {
         /// `--redis-wait-replicas 1`.
         wait: bool,
     },
-    /// A Redis Cluster of three primaries with a replica each: a primary
-    /// killed mid-run, its replica promoted by the cluster, the killed node
-    /// back (empty) as a replica once the replica acts as primary.
-    /// (`--redis-wait-replicas` is refused on a cluster: the Redis guide.)
-    ClusterFailover,
+    /// A Redis Cluster of three primaries with a replica each: a primary's
+    /// replica held back a second, the primary killed mid-run, its replica
+    /// promoted by the cluster, the killed node back (empty) as a replica
+    /// once the replica acts as primary; with or without
+    /// `--redis-wait-replicas 1`.
+    ClusterFailover {
+        /// `--redis-wait-replicas 1`.
+        wait: bool,
+    },
 }
 
 /// A Redis primary and its replica, the replica's link to the primary
@@ -752,7 +756,7 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     let secs: u64 = std::env::var(match chaos {
         Chaos::Crashes => "IDEM_HISTORY_SECS",
         Chaos::Network => "IDEM_NETWORK_SECS",
-        Chaos::Failover(_) | Chaos::RedisFailover { .. } | Chaos::ClusterFailover => {
+        Chaos::Failover(_) | Chaos::RedisFailover { .. } | Chaos::ClusterFailover { .. } => {
             "IDEM_FAILOVER_SECS"
         }
     })
@@ -761,7 +765,7 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     .unwrap_or(match chaos {
         Chaos::Crashes => 25,
         Chaos::Network => 20,
-        Chaos::Failover(_) | Chaos::RedisFailover { .. } | Chaos::ClusterFailover => 16,
+        Chaos::Failover(_) | Chaos::RedisFailover { .. } | Chaos::ClusterFailover { .. } => 16,
     });
     let seed = std::env::var("IDEM_HISTORY_SEED")
         .ok()
@@ -779,7 +783,7 @@ async fn run_with(mode: Mode, chaos: Chaos) {
         _ => None,
     };
     let cluster = match chaos {
-        Chaos::ClusterFailover => {
+        Chaos::ClusterFailover { .. } => {
             assert!(matches!(mode, Mode::Tiered | Mode::RedisAlone));
             Some(tokio::sync::Mutex::new(
                 tokio::task::spawn_blocking(common::rcluster::OwnCluster::start)
@@ -802,7 +806,15 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     };
     let (links, route) = match chaos {
         Chaos::Crashes => (None, Route::direct(&db)),
-        Chaos::ClusterFailover => {
+        Chaos::ClusterFailover { wait } => {
+            if wait {
+                flags.extend([
+                    "--redis-wait-replicas",
+                    "1",
+                    "--redis-wait-timeout-ms",
+                    "200",
+                ]);
+            }
             flags.extend(["--statement-timeout-ms", "700", "--redis-cluster"]);
             let urls = cluster.as_ref().unwrap().lock().await.urls();
             let route = Route {
@@ -898,13 +910,21 @@ async fn run_with(mode: Mode, chaos: Chaos) {
                     &mut *nodes,
                     common::rcluster::OwnCluster { nodes: Vec::new() },
                 );
+                let at = shared.started.elapsed().as_secs_f64();
+                shared.faults.lock().unwrap().push(format!(
+                    "{at:.1} s: a primary's replica held back 1 s, then the primary killed"
+                ));
                 let mut taken = tokio::task::spawn_blocking(move || {
                     let mut c = taken;
-                    c.fail_over_a_primary();
+                    c.fail_over_a_primary(true);
                     c
                 })
                 .await
                 .unwrap();
+                let at = shared.started.elapsed().as_secs_f64();
+                shared.faults.lock().unwrap().push(format!(
+                    "{at:.1} s: the replica promoted, the killed node back as its replica"
+                ));
                 std::mem::swap(&mut *nodes, &mut taken);
                 drop(nodes);
                 ask_again(&shared, since).await;
@@ -1008,9 +1028,10 @@ async fn run_with(mode: Mode, chaos: Chaos) {
         Chaos::Failover(r) => format!(
             ", the standby held back 1 s, the primary crashed, the standby promoted ({r:?})"
         ),
-        Chaos::ClusterFailover => {
-            ", a primary of three killed, its replica promoted by the cluster".to_owned()
-        }
+        Chaos::ClusterFailover { wait } => format!(
+            ", a primary of three held back from its replica 1 s and killed, the replica promoted by the cluster (--redis-wait-replicas {})",
+            u8::from(wait)
+        ),
         Chaos::RedisFailover { wait } => format!(
             ", the replica held back 1 s, the primary killed, the replica promoted (--redis-wait-replicas {})",
             u8::from(wait)
@@ -1050,8 +1071,11 @@ async fn run_with(mode: Mode, chaos: Chaos) {
     }
     if matches!(
         chaos,
-        Chaos::Failover(Replication::Asynchronous) | Chaos::RedisFailover { wait: false }
-    ) {
+        Chaos::Failover(Replication::Asynchronous)
+            | Chaos::RedisFailover { wait: false }
+            | Chaos::ClusterFailover { wait: false }
+    ) && mode != Mode::Tiered
+    {
         // What asynchronous replication costs, measured: the commits the
         // primary acknowledged while the standby was held back are gone
         // after the failover, so answers were given for payments that no
@@ -1161,5 +1185,15 @@ async fn failover_redis_alone_without_waiting_loses_claims() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failover_tiered() {
-    run_with(Mode::Tiered, Chaos::ClusterFailover).await;
+    run_with(Mode::Tiered, Chaos::ClusterFailover { wait: false }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failover_redis_alone_waiting_for_the_replica() {
+    run_with(Mode::RedisAlone, Chaos::ClusterFailover { wait: true }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failover_redis_alone_without_waiting_loses_claims() {
+    run_with(Mode::RedisAlone, Chaos::ClusterFailover { wait: false }).await;
 }

@@ -91,13 +91,46 @@ async fn the_flag_needs_redis_alone() {
         err.contains("--redis-wait-replicas applies to --idem-store redis"),
         "{err}"
     );
-    let on_cluster = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
-        .args(["--listen", "127.0.0.1:0", "--database-url", &db.url()])
-        .args(["--redis-url", "redis://127.0.0.1:7000", "--redis-cluster"])
-        .args(["--idem-store", "redis", "--redis-wait-replicas", "1"])
-        .output()
-        .unwrap();
-    assert!(!on_cluster.status.success());
-    let err = String::from_utf8_lossy(&on_cluster.stderr);
-    assert!(err.contains("not offered on a Redis Cluster"), "{err}");
+}
+
+/// On a Redis Cluster too: the shared test cluster has no replicas, so no
+/// claim is acknowledged: every payment is `503` and runs nothing (a
+/// cluster failover with replicas is the history checker's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_without_replicas_nothing_runs() {
+    let db = Db::postgres().await;
+    let nodes = common::redis_cluster_urls();
+    let prefix = common::RedisPrefix::new("wait-cluster");
+    let shop = Shop::start(
+        &db,
+        &[
+            "--redis-url",
+            &nodes,
+            "--redis-cluster",
+            "--redis-prefix",
+            &prefix.0,
+            "--idem-store",
+            "redis",
+            "--redis-wait-replicas",
+            "1",
+            "--redis-wait-timeout-ms",
+            "100",
+        ],
+    )
+    .await;
+    let client = common::signed_in();
+    let before = account(&client, &shop, "acc_1").await;
+    for i in 0..5 {
+        let refused = read(pay(&client, &shop, Some(&format!("c-{i}")), BODY)).await;
+        assert_eq!(refused.status, 503, "{refused:?}");
+        assert!(
+            refused.problem_type().ends_with("store-unavailable"),
+            "{refused:?}"
+        );
+    }
+    let after = account(&client, &shop, "acc_1").await;
+    assert_eq!(
+        before["bank_charges"], after["bank_charges"],
+        "nothing charged"
+    );
 }

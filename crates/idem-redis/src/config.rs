@@ -81,13 +81,12 @@ impl RedisConfig {
     /// reported the same way: its claim stays until its lease ends, so a
     /// retry after a failover that lost the completion takes the claim over
     /// under the same operation id. `WAIT` holds the connection it runs on,
-    /// so keep `timeout` below [`timeout`](Self::timeout). Not offered on a
-    /// Redis Cluster: [`RedisStore::connect`](crate::RedisStore::connect)
-    /// refuses it there (a primary failover in a cluster lost records
-    /// despite it; the Redis guide). What remains
-    /// open: `WAIT` is not a consensus; a replica that acknowledged and
-    /// then was not the one promoted, or a failover with several replicas
-    /// lost at once, can still lose a claim (the Redis guide).
+    /// so keep `timeout` below [`timeout`](Self::timeout). On a Redis
+    /// Cluster the script and its `WAIT` go together to the primary of the
+    /// key's slot. What remains open: `WAIT` is not a consensus; a replica
+    /// that acknowledged and then was not the one promoted, or a failover
+    /// with several replicas lost at once, can still lose a claim (the
+    /// Redis guide).
     ///
     /// ```
     /// # use std::time::Duration;

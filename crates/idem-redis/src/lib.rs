@@ -67,11 +67,9 @@ pub struct RedisStore {
     /// The cluster's seed nodes, to find every primary for key scans.
     cluster: Option<Vec<String>>,
     timeout: Duration,
-    wait_replicas: Option<WaitReplicas>,
-    /// With [`RedisConfig::wait_replicas`] on one server: a connection of
-    /// its own for the writes that `WAIT`, so that a `WAIT` never holds up
-    /// the replays and reads on the main one.
-    wait_conn: Option<Single>,
+    /// With [`RedisConfig::wait_replicas`]: how many replicas, and the
+    /// connection the writes that `WAIT` go on.
+    waiting: Option<Waiting>,
     prefix: String,
     claim: Script,
     complete: Script,
@@ -100,6 +98,30 @@ async fn single(config: &RedisConfig) -> Result<Single, StoreError> {
         .set_number_of_retries(1)
         .set_max_delay(Duration::from_millis(500));
     Single::connect(client, manager).await.map_err(store_error)
+}
+
+/// [`RedisConfig::wait_replicas`] at work: how many replicas, and the
+/// connection kept for the writes that wait for them.
+#[derive(Clone)]
+struct Waiting {
+    wait: WaitReplicas,
+    conn: Conn,
+}
+
+/// A connection to what `config` names: one server, or a cluster.
+async fn connection(config: &RedisConfig) -> Result<Conn, StoreError> {
+    let Some(nodes) = &config.cluster else {
+        return Ok(Conn::Single(single(config).await?));
+    };
+    let client = redis::cluster::ClusterClient::builder(nodes.iter().map(String::as_str))
+        .connection_timeout(config.timeout)
+        .response_timeout(config.timeout)
+        .retries(2)
+        .build()
+        .map_err(|e| StoreError::Backend(Box::new(e)))?;
+    Ok(Conn::Cluster(
+        client.get_async_connection().await.map_err(store_error)?,
+    ))
 }
 
 /// `WAIT replicas timeout-ms`.
@@ -164,36 +186,19 @@ impl RedisStore {
     /// Connects: to one server, with a connection manager that reconnects
     /// by itself; or to a cluster.
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
-        let bad = |e: redis::RedisError| StoreError::Backend(Box::new(e));
-        let conn = match &config.cluster {
-            None => Conn::Single(single(&config).await?),
-            Some(nodes) => {
-                let client =
-                    redis::cluster::ClusterClient::builder(nodes.iter().map(String::as_str))
-                        .connection_timeout(config.timeout)
-                        .response_timeout(config.timeout)
-                        .retries(2)
-                        .build()
-                        .map_err(bad)?;
-                Conn::Cluster(client.get_async_connection().await.map_err(store_error)?)
-            }
-        };
-        if config.wait_replicas.is_some() && config.cluster.is_some() {
-            return Err(StoreError::Backend(
-                "waiting for replicas is not offered on a Redis Cluster: a primary failover there lost records that replicas had acknowledged (the Redis guide); use one primary with replicas, or keep the records in a database"
-                    .into(),
-            ));
-        }
-        let wait_conn = match (&config.wait_replicas, &config.cluster) {
-            (Some(_), None) => Some(single(&config).await?),
-            _ => None,
+        let conn = connection(&config).await?;
+        let waiting = match config.wait_replicas {
+            Some(wait) => Some(Waiting {
+                wait,
+                conn: connection(&config).await?,
+            }),
+            None => None,
         };
         Ok(Self {
             conn,
-            wait_conn,
+            waiting,
             cluster: config.cluster,
             timeout: config.timeout,
-            wait_replicas: config.wait_replicas,
             prefix: config.prefix,
             claim: Script::new(scripts::CLAIM),
             complete: Script::new(scripts::COMPLETE),
@@ -221,13 +226,14 @@ impl RedisStore {
     }
 
     /// Runs `script` (its source) on `key` with `args`, then, with
-    /// [`RedisConfig::wait_replicas`], `WAIT`. On one server both go in one
-    /// pipeline on the connection kept for it: the `WAIT` counts the
-    /// replicas that have this very write (a reconnect between two
-    /// requests would have it count a fresh connection's nothing), and it
-    /// never holds up the replays and reads on the main connection (not
-    /// offered on a cluster: refused at connect). The second value says
-    /// whether enough replicas acknowledged.
+    /// [`RedisConfig::wait_replicas`], `WAIT`. Both go in one pipeline on
+    /// the connection kept for them: the `WAIT` counts the replicas that
+    /// have this very write (a reconnect between two requests would have
+    /// it count a fresh connection's nothing), and it never holds up the
+    /// replays and reads on the main connection. On a cluster the pipeline
+    /// goes to the primary of the key's slot (the script's key routes it;
+    /// `WAIT` has none), and follows a redirection whole. The second value
+    /// says whether enough replicas acknowledged.
     async fn write(
         &self,
         script: &Script,
@@ -235,7 +241,7 @@ impl RedisStore {
         key: &str,
         args: &[&[u8]],
     ) -> Result<(Value, Result<(), StoreError>), StoreError> {
-        let Some(wait) = self.wait_replicas else {
+        let Some(Waiting { wait, conn }) = &self.waiting else {
             let mut inv = script.key(key);
             for a in args {
                 inv.arg(*a);
@@ -244,25 +250,17 @@ impl RedisStore {
             let reply: Value = inv.invoke_async(&mut conn).await.map_err(store_error)?;
             return Ok((reply, Ok(())));
         };
-        match &self.wait_conn {
-            Some(dedicated) => {
-                let mut eval = redis::cmd("EVAL");
-                eval.arg(source).arg(1).arg(key);
-                for a in args {
-                    eval.arg(*a);
-                }
-                let mut pipe = redis::pipe();
-                pipe.add_command(eval).add_command(wait_cmd(wait));
-                let mut conn = dedicated.clone();
-                let (reply, acked): (Value, i64) =
-                    pipe.query_async(&mut conn).await.map_err(store_error)?;
-                Ok((reply, acknowledged(wait, acked)))
-            }
-            // Refused at connect (no dedicated connection on a cluster).
-            None => Err(StoreError::Backend(
-                "waiting for replicas needs one Redis primary".into(),
-            )),
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(source).arg(1).arg(key);
+        for a in args {
+            eval.arg(*a);
         }
+        let mut pipe = redis::pipe();
+        pipe.add_command(eval).add_command(wait_cmd(*wait));
+        let mut conn = conn.clone();
+        let (reply, acked): (Value, i64) =
+            pipe.query_async(&mut conn).await.map_err(store_error)?;
+        Ok((reply, acknowledged(*wait, acked)))
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {

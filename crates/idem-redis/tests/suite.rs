@@ -278,3 +278,36 @@ async fn clearing_a_prefix_with_pattern_characters_clears_only_it() {
         "another prefix's key stays"
     );
 }
+
+/// `wait_replicas` on a cluster: the script and its `WAIT` go to the
+/// primary of the key's slot. The test cluster has no replicas, so the
+/// claim is refused as unavailable, and released: a claim that does not
+/// wait takes it over at once (its lease is not held).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_claim_no_replica_acknowledged_is_refused_and_released() {
+    let (plain, _guard) = cluster().await;
+    let waiting = RedisStore::connect(
+        RedisConfig::cluster(cluster_nodes())
+            .prefix(plain.prefix())
+            .wait_replicas(1, Duration::from_millis(50)),
+    )
+    .await
+    .unwrap();
+    for key in ["a", "b", "c"] {
+        match waiting.claim(&req(key)).await {
+            Err(StoreError::Unavailable(e)) => {
+                let refused = e.downcast_ref::<idem_redis::NotReplicated>();
+                assert_eq!(
+                    refused.map(|r| (r.wanted, r.acknowledged)),
+                    Some((1, 0)),
+                    "{e}"
+                );
+            }
+            other => panic!("no replica acknowledged, yet {other:?}"),
+        }
+        match plain.claim(&req(key)).await.unwrap() {
+            ClaimOutcome::Acquired(claim) => assert!(claim.takeover, "released, not new"),
+            ClaimOutcome::Existing(r) => panic!("the refused claim still holds {key}: {r:?}"),
+        }
+    }
+}

@@ -252,9 +252,6 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
     if url.starts_with("sqlite:") && (url.contains(":memory:") || url.contains("mode=memory")) {
         return Err("--database-url: an in-memory SQLite database loses every record when the proxy stops (and is not shared by its connections); give a file, sqlite:FILE".into());
     }
-    if args.redis_wait_replicas > 0 && args.redis_cluster {
-        return Err("--redis-wait-replicas is not offered on a Redis Cluster: a primary failover there lost records that replicas had acknowledged (the Redis guide)".into());
-    }
     if args.redis_wait_replicas > 0
         && !(url.starts_with("redis://") || url.starts_with("rediss://"))
     {

@@ -37,6 +37,12 @@ impl OwnCluster {
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "1000",
+                    // A replica that comes back syncs at once (Redis
+                    // waits 5 s by default for more replicas to join the
+                    // transfer): until it has, every claim that waits for
+                    // a replica is refused.
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ]
                 .map(str::to_owned)
                 .to_vec(),
@@ -127,7 +133,13 @@ impl OwnCluster {
     /// acts as primary, then starts the killed node again, empty: it
     /// rejoins as the new primary's replica. Returns the killed node's
     /// index.
-    pub fn fail_over_a_primary(&mut self) -> usize {
+    ///
+    /// With `hold_back`, the replica falls behind first: for a second
+    /// before the kill, the kernel drops what the primary sends on its
+    /// replication link (an nftables rule on that one connection), so what
+    /// the primary acknowledged in that second never reaches the replica
+    /// it fails over to, as with a replica on a slow link.
+    pub fn fail_over_a_primary(&mut self, hold_back: bool) -> usize {
         let view = self.view(None);
         let victim_port = view
             .lines()
@@ -154,6 +166,11 @@ impl OwnCluster {
                     .is_some_and(|port| port.trim() == victim_port.to_string())
             })
             .expect("the primary has a replica");
+        let held = hold_back.then(|| {
+            let held = HeldBack::start(&self.nodes[i]);
+            std::thread::sleep(Duration::from_secs(1));
+            held
+        });
         self.nodes[i].stop();
         // Its replica is promoted once the others agree it failed. The
         // killed node comes back only after the replica acts as primary: a
@@ -186,8 +203,76 @@ impl OwnCluster {
             assert!(Instant::now() < deadline, "no failover:\n{view}");
             std::thread::sleep(Duration::from_millis(100));
         }
+        // The kernel still retransmits what the killed primary had sent
+        // (its socket outlives it): held until the replica acts as
+        // primary, that never arrives.
+        drop(held);
         self.nodes[i].restart();
         self.wait_healthy(3);
         i
+    }
+}
+
+/// An nftables table of its own that drops what a primary sends its
+/// replica on their replication connection (and nothing else); deleted
+/// when dropped.
+struct HeldBack {
+    table: String,
+}
+
+impl HeldBack {
+    fn start(primary: &OwnRedis) -> HeldBack {
+        // The replica's end of the link, as the primary sees it.
+        let listing = primary.cli(&["CLIENT", "LIST", "TYPE", "replica"]);
+        let replica_port = listing
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix("addr="))
+            .and_then(|addr| addr.rsplit(':').next())
+            .and_then(|p| p.parse::<u16>().ok())
+            .unwrap_or_else(|| panic!("the primary has no replica connection: {listing}"));
+        let table = format!("idem_hold_{}", primary.port);
+        let nft = |args: &[&str]| {
+            let out = std::process::Command::new("nft")
+                .args(args)
+                .output()
+                .expect("nft (bash scripts/test installs nftables)");
+            assert!(
+                out.status.success(),
+                "nft {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        nft(&["add", "table", "inet", &table]);
+        nft(&[
+            "add",
+            "chain",
+            "inet",
+            &table,
+            "out",
+            "{ type filter hook output priority 0 ; }",
+        ]);
+        nft(&[
+            "add",
+            "rule",
+            "inet",
+            &table,
+            "out",
+            "tcp",
+            "sport",
+            &primary.port.to_string(),
+            "tcp",
+            "dport",
+            &replica_port.to_string(),
+            "drop",
+        ]);
+        HeldBack { table }
+    }
+}
+
+impl Drop for HeldBack {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("nft")
+            .args(["delete", "table", "inet", &self.table])
+            .output();
     }
 }
