@@ -157,6 +157,11 @@ out.append("The trade-off of a claim held by the transaction: the transaction, a
            "transaction alone), and a crash ends the transaction with the connection, so "
            "the retry takes the claim over at once under the same operation id.\n")
 
+# The cost model is counted from the code, not measured: kept beside this
+# script and copied in as written.
+with open(f"{sys.path[0]}/cost-model.md", encoding="utf-8") as model:
+    out.append(model.read())
+
 if instructions:
     out.append("## Instructions per request (callgrind)\n")
     out.append("Counted by valgrind's callgrind in `idem-trivial` (`bash bench/callgrind.sh`): "
@@ -234,15 +239,16 @@ for s_ in ["replay", "inflight"]:
     t = ratio("postgres", s_, "postgres", "bare")
     out.append(f"- {s_.capitalize()}s from PostgreSQL alone: {t:.2f}× the bare handler's "
                f"throughput (target ≥ 5) — {verdict(t >= 5)}.")
-for mode, floor in [("postgres", 0.80), ("postgres (claim in tx)", 0.85), ("sqlite", 0.80)]:
+for mode, floor in [("postgres", 0.85), ("postgres (claim in tx)", 0.85), ("mysql", 0.85),
+                    ("sqlite", 0.80), ("sqlite (synchronous normal)", 0.80)]:
     n, b = by.get((mode, "new")), by.get((mode, "bare"))
     if n and b:
         t = n["rps"] / b["rps"]
         l = n["p50_ms"] / b["p50_ms"]
         line = (f"- New keys on {mode}: throughput {t:.3f} of bare (target ≥ {floor:.2f}) — "
                 f"{verdict(t >= floor)}")
-        if mode == "postgres":
-            line += f"; p50 {l:.3f} of bare (target ≤ 1.25) — {verdict(l <= 1.25)}"
+        if not mode.startswith("sqlite"):
+            line += f"; p50 {l:.3f} of bare (target ≤ 1.20) — {verdict(l <= 1.20)}"
         out.append(line + ".")
 for size in ["1KiB", "64KiB"]:
     j, r = criterion_time(f"fingerprint/json/{size}"), criterion_time(f"fingerprint/raw/{size}")

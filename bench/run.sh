@@ -5,7 +5,7 @@
 #
 # Usage: bash bench/run.sh [requests-per-scenario] [concurrency]
 #   MEMORY_SECONDS=60 bash bench/run.sh   # a shorter memory run (default 300 s)
-#   ROUNDS=3 bash bench/run.sh            # bare/new rounds per configuration (default 5)
+#   ROUNDS=3 bash bench/run.sh            # bare/new rounds per configuration (default 7)
 #   ONLY='^postgres$' bash bench/run.sh   # only the configurations matching (a quick look:
 #                                         # prints the table, leaves BENCHMARKS.md alone)
 #
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 REQUESTS=${1:-5000}
 CONCURRENCY=${2:-32}
 MEMORY_SECONDS=${MEMORY_SECONDS:-300}
-ROUNDS=${ROUNDS:-5}
+ROUNDS=${ROUNDS:-7}
 ONLY=${ONLY:-}
 PG=${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 # MySQL / MariaDB: the server (each run makes a database of its own on it).
@@ -108,6 +108,7 @@ run_config() { # name, then shop arguments
 
 echo "== scenarios: $REQUESTS requests each, concurrency $CONCURRENCY"
 run_config "sqlite"            --database-url "sqlite:$out/bench.db"
+run_config "sqlite (synchronous normal)" --database-url "sqlite:$out/bench3.db" --sqlite-synchronous normal
 run_config "postgres"          --database-url PGSCHEMA
 run_config "mysql"             --database-url MYDATABASE
 run_config "postgres (claim in tx)" --database-url PGSCHEMA --claim-in-transaction

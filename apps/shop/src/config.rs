@@ -26,6 +26,16 @@ pub(crate) struct Config {
     #[arg(long, env = "DATABASE_URL", default_value = "sqlite:shop.db")]
     pub(crate) database_url: String,
 
+    /// SQLite only: when a commit reaches the disk. `full` (the default)
+    /// syncs the write-ahead log at every commit: a committed payment and
+    /// its record survive a power loss. `normal` syncs at checkpoints only:
+    /// faster, and a commit survives a crash of shop, but a power loss or
+    /// an operating-system crash can undo the last commits (a retry of
+    /// their keys then runs again, and a client may have heard of a payment
+    /// that is gone).
+    #[arg(long, env = "SHOP_SQLITE_SYNCHRONOUS", value_enum)]
+    pub(crate) sqlite_synchronous: Option<SqliteSynchronous>,
+
     /// How long a request holds its idempotency key before a retry may take over, in milliseconds.
     #[arg(long, env = "IDEM_LEASE_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) lease_ms: u64,
@@ -179,6 +189,17 @@ pub(crate) enum IdemStore {
     Redis,
 }
 
+/// `--sqlite-synchronous`: SQLite's `synchronous` setting, in WAL mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub(crate) enum SqliteSynchronous {
+    /// Every commit synced: it survives a power loss.
+    #[default]
+    Full,
+    /// Synced at checkpoints: a commit survives a crash of the process,
+    /// not a power loss.
+    Normal,
+}
+
 /// What `X-Simulate` may ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum FaultInjection {
@@ -202,6 +223,16 @@ impl Config {
             && (self.database_url.contains(":memory:") || self.database_url.contains("mode=memory"))
         {
             return Err("--db-connections does not apply to an in-memory SQLite database (one connection is the database)".into());
+        }
+        let sqlite = idem_sql::dialect::DialectKind::of_url(&self.database_url)
+            == Some(idem_sql::dialect::DialectKind::Sqlite);
+        if self.sqlite_synchronous.is_some() && !sqlite {
+            return Err("--sqlite-synchronous applies to a SQLite --database-url (sqlite:FILE); PostgreSQL and MySQL keep their own durability settings".into());
+        }
+        if self.sqlite_synchronous == Some(SqliteSynchronous::Normal)
+            && (self.database_url.contains(":memory:") || self.database_url.contains("mode=memory"))
+        {
+            return Err("--sqlite-synchronous normal does not apply to an in-memory SQLite database (nothing reaches a disk)".into());
         }
         let postgres = idem_sql::dialect::DialectKind::of_url(&self.database_url)
             == Some(idem_sql::dialect::DialectKind::Postgres);

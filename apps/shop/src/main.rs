@@ -82,6 +82,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         &config.database_url,
         config.statement_timeout(),
         config.db_connections,
+        config.sqlite_synchronous.unwrap_or_default(),
     )
     .await?;
     let kind = database.kind();

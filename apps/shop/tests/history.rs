@@ -993,7 +993,14 @@ async fn run_with(mode: Mode, chaos: Chaos) {
                     to.as_secs_f64()
                 ));
                 fleet.tend(None).await;
-                tokio::time::sleep(Duration::from_millis(rng.between(200, 1500))).await;
+                // Calm between faults, longer than a lease: the promise is
+                // that a key settles within a lease after a fault heals
+                // (faults back to back for the whole of a key's retention
+                // leave it nothing to settle in).
+                tokio::time::sleep(Duration::from_millis(
+                    rng.between(LEASE_MS + 500, LEASE_MS + 2000),
+                ))
+                .await;
             }
         }
     }

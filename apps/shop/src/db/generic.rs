@@ -16,6 +16,10 @@ use super::{
     Claimed, Database, OpenError, Param, Row, ShopDb, ShopExec, ShopSql, ShopTx, Work, SWEEP_BATCH,
 };
 
+/// The connection options of dialect `D`'s driver.
+pub(crate) type ConnectOptions<D> =
+    <<<D as idem_sql::Dialect>::Database as sqlx::Database>::Connection as sqlx::Connection>::Options;
+
 /// The shop's database on dialect `D`.
 pub(crate) struct Db<D: ShopDialect> {
     store: SqlStore<D>,
@@ -33,23 +37,36 @@ impl<D: ShopDialect> std::fmt::Debug for Db<D> {
 
 impl<D: ShopDialect> Db<D> {
     /// Opens idem's store at `url` and creates the shop's tables, the
-    /// outbox and the inbox.
-    pub(crate) async fn open(
+    /// outbox and the inbox; `tune`, if any, adjusts the connections'
+    /// options (SQLite's `synchronous`).
+    pub(crate) async fn open<F>(
         url: &str,
         timeout: Duration,
         connections: Option<u32>,
-    ) -> Result<Self, OpenError> {
+        tune: Option<F>,
+    ) -> Result<Self, OpenError>
+    where
+        F: FnOnce(ConnectOptions<D>) -> ConnectOptions<D>,
+    {
         let mut store = SqlStore::<D>::connect(url).await?;
-        if let Some(n) = connections {
-            // The same pool's settings, sized: a pool cannot grow or shrink.
+        if connections.is_some() || tune.is_some() {
+            // The same pool's settings, sized and tuned: a pool's
+            // connections cannot change, so it is opened anew (lazily) and
+            // the first one closed before any request uses it. (Not for an
+            // in-memory SQLite database, whose one connection is the
+            // database: `Config::check` refuses both flags there.)
             let default = store.pool();
-            let sized = default
-                .options()
-                .clone()
-                .max_connections(n)
-                .connect_lazy_with(default.connect_options().as_ref().clone());
+            let mut options = default.options().clone();
+            if let Some(n) = connections {
+                options = options.max_connections(n);
+            }
+            let mut connect = default.connect_options().as_ref().clone();
+            if let Some(tune) = tune {
+                connect = tune(connect);
+            }
+            let reopened = options.connect_lazy_with(connect);
             default.close().await;
-            store = SqlStore::new(sized, store.table().clone())?;
+            store = SqlStore::new(reopened, store.table().clone())?;
         }
         let pool = store.pool();
         D::migrate_schema(pool).await?;

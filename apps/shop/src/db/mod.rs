@@ -43,23 +43,39 @@ pub(crate) enum OpenError {
 pub(crate) type Database = Arc<dyn ShopDb>;
 
 /// Opens (migrating) the database `url` names; each statement bounded by
-/// `timeout`.
+/// `timeout`; a SQLite file synced as `synchronous` says.
 pub(crate) async fn open(
     url: &str,
     timeout: std::time::Duration,
     connections: Option<u32>,
+    synchronous: crate::config::SqliteSynchronous,
 ) -> Result<Database, OpenError> {
     use idem_sql::dialect::DialectKind;
     let driver_url = DialectKind::driver_url(url);
     match DialectKind::of_url(url) {
-        Some(DialectKind::Sqlite) => Ok(Arc::new(
-            generic::Db::<idem_sql::Sqlite>::open(url, timeout, connections).await?,
-        )),
+        Some(DialectKind::Sqlite) => {
+            // `full` is idem's default (`idem_sql::dialect::sqlite::connect_options`).
+            let relaxed = (synchronous == crate::config::SqliteSynchronous::Normal).then_some(
+                |options: sqlx::sqlite::SqliteConnectOptions| {
+                    options.synchronous(sqlx::sqlite::SqliteSynchronous::Normal)
+                },
+            );
+            Ok(Arc::new(
+                generic::Db::<idem_sql::Sqlite>::open(url, timeout, connections, relaxed).await?,
+            ))
+        }
         Some(DialectKind::Postgres) => Ok(Arc::new(
-            generic::Db::<idem_sql::Postgres>::open(url, timeout, connections).await?,
+            generic::Db::<idem_sql::Postgres>::open(url, timeout, connections, None::<fn(_) -> _>)
+                .await?,
         )),
         Some(DialectKind::MySql) => Ok(Arc::new(
-            generic::Db::<idem_sql::MySql>::open(&driver_url, timeout, connections).await?,
+            generic::Db::<idem_sql::MySql>::open(
+                &driver_url,
+                timeout,
+                connections,
+                None::<fn(_) -> _>,
+            )
+            .await?,
         )),
         _ => Err(OpenError::Unsupported(url.to_owned())),
     }
@@ -435,4 +451,37 @@ pub(crate) async fn bank_charge(
     .await?
     .ok_or(sqlx::Error::RowNotFound)?
     .text("id")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::config::SqliteSynchronous;
+
+    /// `--sqlite-synchronous` reaches every connection of the pool (SQLite
+    /// keeps the setting per connection): `PRAGMA synchronous` is 2 for
+    /// FULL, 1 for NORMAL.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_synchronous_reaches_every_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        for (setting, expected) in [(SqliteSynchronous::Full, 2), (SqliteSynchronous::Normal, 1)] {
+            let url = format!("sqlite:{}/{setting:?}.db", dir.path().display());
+            let db = open(&url, std::time::Duration::from_secs(10), Some(4), setting)
+                .await
+                .unwrap();
+            // Three at once: three connections of the pool.
+            let mut conns = Vec::new();
+            for _ in 0..3 {
+                conns.push(db.conn().await.unwrap());
+            }
+            for conn in &mut conns {
+                let row = fetch_optional(&mut **conn, "PRAGMA synchronous", &[])
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(row.int("synchronous").unwrap(), expected, "{setting:?}");
+            }
+        }
+    }
 }
