@@ -152,6 +152,11 @@ struct Target {
     /// --redis-wait-replicas`); none for the other verbs.
     #[arg(skip)]
     wait_replicas: Option<idem_redis::WaitReplicas>,
+    /// SQLite: commits synced at checkpoints only (`idem proxy
+    /// --sqlite-synchronous normal`), not at each commit; off for the
+    /// other verbs.
+    #[arg(skip)]
+    sqlite_synchronous_normal: bool,
 }
 
 impl Target {
@@ -264,7 +269,10 @@ impl Target {
         if self.schema.is_some() || self.table != "idem_records" {
             return Err("--schema and --table apply to PostgreSQL and MySQL only".into());
         }
-        let options = idem_sqlite::connect_options(url)?.create_if_missing(create);
+        let mut options = idem_sqlite::connect_options(url)?.create_if_missing(create);
+        if self.sqlite_synchronous_normal {
+            options = options.synchronous(sqlx::sqlite::SqliteSynchronous::Normal);
+        }
         // Hosts starting at once (`idem once` from cron) open the same new
         // file together: switching it to WAL can meet SQLITE_BUSY before
         // any busy handler runs. That passes; wait it out, within the
@@ -958,6 +966,33 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `idem proxy --sqlite-synchronous normal` reaches the store's
+    /// connections (`PRAGMA synchronous`: 2 is FULL, 1 NORMAL); the other
+    /// verbs keep FULL.
+    #[tokio::test]
+    async fn the_sqlite_synchronous_setting_reaches_the_pool() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        for (normal, expected) in [(false, 2i64), (true, 1)] {
+            let target = Target {
+                database_url: format!("sqlite:{}/{normal}.db", dir.path().display()),
+                schema: None,
+                table: "idem_records".to_owned(),
+                redis_url: None,
+                redis_cluster: false,
+                redis_prefix: "idem".to_owned(),
+                connections: 2,
+                wait_replicas: None,
+                sqlite_synchronous_normal: normal,
+            };
+            let store = target.sqlite(true).await.unwrap_or_else(|e| panic!("{e}"));
+            let setting: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                .fetch_one(store.pool())
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(setting, expected, "normal: {normal}");
+        }
+    }
 
     #[test]
     fn urls_without_a_password_are_unchanged() {

@@ -452,6 +452,7 @@ async fn open(args: &OnceArgs) -> Result<Arc<dyn Store>, crate::Failure> {
         redis_prefix: args.redis_prefix.clone(),
         connections: 2,
         wait_replicas: None,
+        sqlite_synchronous_normal: false,
     })
     .await
 }

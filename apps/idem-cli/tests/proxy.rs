@@ -30,6 +30,8 @@ struct Records {
 #[derive(Debug, Clone, Copy)]
 enum Mode {
     Sqlite,
+    /// SQLite with `--sqlite-synchronous normal`.
+    SqliteNormal,
     Postgres,
     MySql,
     Tiered,
@@ -45,7 +47,7 @@ async fn records(mode: Mode) -> Records {
         _prefix: None,
     };
     let url = match mode {
-        Mode::Sqlite => {
+        Mode::Sqlite | Mode::SqliteNormal => {
             let dir = tempfile::tempdir().unwrap();
             let url = format!("sqlite:{}", dir.path().join("proxy.db").display());
             r._dir = Some(dir);
@@ -66,6 +68,10 @@ async fn records(mode: Mode) -> Records {
         Mode::Redis => redis_url(),
     };
     r.args.extend(["--database-url".to_owned(), url]);
+    if matches!(mode, Mode::SqliteNormal) {
+        r.args
+            .extend(["--sqlite-synchronous".to_owned(), "normal".to_owned()]);
+    }
     if matches!(mode, Mode::Tiered | Mode::Redis) {
         let prefix = TestPrefix::new("proxy");
         if matches!(mode, Mode::Tiered) {
@@ -448,6 +454,11 @@ async fn contract(mode: Mode) {
 #[tokio::test]
 async fn the_contract_on_sqlite() {
     contract(Mode::Sqlite).await;
+}
+
+#[tokio::test]
+async fn the_contract_on_sqlite_synchronous_normal() {
+    contract(Mode::SqliteNormal).await;
 }
 
 #[tokio::test]
@@ -864,6 +875,17 @@ fn bad_flags_are_refused_at_start() {
         (
             vec!["--upstream", "http://svc", "--methods", "PO ST"],
             "--methods",
+        ),
+        (
+            vec![
+                "--upstream",
+                "http://svc",
+                "--database-url",
+                "postgres://postgres@127.0.0.1:5432/test",
+                "--sqlite-synchronous",
+                "normal",
+            ],
+            "--sqlite-synchronous applies to a SQLite",
         ),
         (
             vec![

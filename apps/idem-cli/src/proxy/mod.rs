@@ -67,6 +67,12 @@ pub(crate) struct ProxyArgs {
     /// upstream. 0: do not wait.
     #[arg(long, env = "IDEM_REDIS_WAIT_REPLICAS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
     pub(crate) redis_wait_replicas: u32,
+    /// SQLite only: `full` (the default) syncs every commit, so a record
+    /// survives a power loss; `normal` syncs at checkpoints only: faster,
+    /// and a record survives a crash of the proxy, not a power loss (a
+    /// retry of a key whose record was lost is sent upstream again).
+    #[arg(long, env = "IDEM_SQLITE_SYNCHRONOUS", value_enum)]
+    pub(crate) sqlite_synchronous: Option<SqliteSynchronous>,
     /// How long a claim waits for `--redis-wait-replicas`, in milliseconds.
     #[arg(long, env = "IDEM_REDIS_WAIT_TIMEOUT_MS", default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..=450))]
     pub(crate) redis_wait_timeout_ms: u64,
@@ -150,6 +156,16 @@ pub(crate) struct ProxyArgs {
     pub(crate) shutdown_grace_secs: u64,
 }
 
+/// `--sqlite-synchronous`: SQLite's `synchronous` setting, in WAL mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum SqliteSynchronous {
+    /// Every commit synced: it survives a power loss.
+    Full,
+    /// Synced at checkpoints: a commit survives a crash of the process,
+    /// not a power loss.
+    Normal,
+}
+
 impl ProxyArgs {
     /// Where records live, as the ops verbs name it.
     fn target(&self) -> crate::Target {
@@ -171,6 +187,7 @@ impl ProxyArgs {
                 replicas: self.redis_wait_replicas,
                 timeout: Duration::from_millis(self.redis_wait_timeout_ms),
             }),
+            sqlite_synchronous_normal: self.sqlite_synchronous == Some(SqliteSynchronous::Normal),
         }
     }
 
@@ -251,6 +268,9 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
     let url = &args.database_url;
     if url.starts_with("sqlite:") && (url.contains(":memory:") || url.contains("mode=memory")) {
         return Err("--database-url: an in-memory SQLite database loses every record when the proxy stops (and is not shared by its connections); give a file, sqlite:FILE".into());
+    }
+    if args.sqlite_synchronous.is_some() && !url.starts_with("sqlite:") {
+        return Err("--sqlite-synchronous applies to a SQLite --database-url (sqlite:FILE)".into());
     }
     if args.redis_wait_replicas > 0
         && !(url.starts_with("redis://") || url.starts_with("rediss://"))
