@@ -1,7 +1,7 @@
 //! Reading what the scripts return: a stored record from its hash, and
 //! the fields of a reply.
 
-use idem_core::{OperationId, Record, RecordRow, StoreError};
+use idem_core::{OperationId, Record, RecordRow, StoreError, UnixMillis};
 use redis::Value;
 
 pub(crate) fn bytes_of(v: &Value) -> Option<&[u8]> {
@@ -34,38 +34,84 @@ pub(crate) fn parse_op(s: &str) -> Result<OperationId, StoreError> {
         .map_err(|e| StoreError::Corrupt(format!("operation id {s:?}: {e}")))
 }
 
+/// Redis's clock, from `TIME`'s reply (seconds and microseconds), in
+/// milliseconds since the epoch.
+pub(crate) fn redis_time(reply: &Value) -> Result<UnixMillis, StoreError> {
+    let Value::Array(parts) = reply else {
+        return Err(StoreError::Corrupt("unexpected reply to TIME".into()));
+    };
+    let seconds = number(parts.first())?;
+    let micros = number(parts.get(1))?;
+    Ok(UnixMillis(seconds * 1000 + micros / 1000))
+}
+
 /// Decodes a record from a flat `field, value, …` list (HGETALL).
 pub(crate) fn decode(fields: &[Value]) -> Result<Record, StoreError> {
-    let mut get = std::collections::HashMap::new();
-    for pair in fields.chunks(2) {
-        if let [k, v] = pair {
-            if let (Some(k), Some(v)) = (bytes_of(k), bytes_of(v)) {
-                get.insert(k.to_vec(), v.to_vec());
-            }
-        }
+    #[derive(Default)]
+    struct Fields<'a> {
+        s: Option<&'a [u8]>,
+        k: Option<&'a [u8]>,
+        fp: Option<&'a [u8]>,
+        op: Option<&'a [u8]>,
+        st: Option<&'a [u8]>,
+        tok: Option<&'a [u8]>,
+        lu: Option<&'a [u8]>,
+        ca: Option<&'a [u8]>,
+        ea: Option<&'a [u8]>,
+        co: Option<&'a [u8]>,
+        sc: Option<&'a [u8]>,
+        hd: Option<&'a [u8]>,
+        bd: Option<&'a [u8]>,
     }
-    let bytes = |name: &str| get.get(name.as_bytes()).cloned();
-    let text =
-        |name: &str| -> Option<String> { bytes(name).and_then(|b| String::from_utf8(b).ok()) };
-    let num = |name: &str| -> Option<i64> { text(name)?.parse().ok() };
+    let mut f = Fields::default();
+    for pair in fields.chunks(2) {
+        let [k, v] = pair else { continue };
+        let (Some(k), Some(v)) = (bytes_of(k), bytes_of(v)) else {
+            continue;
+        };
+        let slot = match k {
+            b"s" => &mut f.s,
+            b"k" => &mut f.k,
+            b"fp" => &mut f.fp,
+            b"op" => &mut f.op,
+            b"st" => &mut f.st,
+            b"tok" => &mut f.tok,
+            b"lu" => &mut f.lu,
+            b"ca" => &mut f.ca,
+            b"ea" => &mut f.ea,
+            b"co" => &mut f.co,
+            b"sc" => &mut f.sc,
+            b"hd" => &mut f.hd,
+            b"bd" => &mut f.bd,
+            _ => continue,
+        };
+        *slot = Some(v);
+    }
+    let text = |v: Option<&[u8]>| -> Option<String> {
+        v.and_then(|b| std::str::from_utf8(b).ok())
+            .map(str::to_owned)
+    };
+    let num = |v: Option<&[u8]>| -> Option<i64> {
+        v.and_then(|b| std::str::from_utf8(b).ok())?.parse().ok()
+    };
     let row = RecordRow {
-        scope: text("s").ok_or_else(|| StoreError::Corrupt("the scope is missing".into()))?,
-        key: text("k").ok_or_else(|| StoreError::Corrupt("the key is missing".into()))?,
-        fingerprint: bytes("fp").unwrap_or_default(),
-        operation_id: text("op").unwrap_or_default(),
-        state: match text("st").as_deref() {
-            Some("p") => "in_progress".to_owned(),
-            Some("c") => "completed".to_owned(),
-            other => format!("{other:?}"),
+        scope: text(f.s).ok_or_else(|| StoreError::Corrupt("the scope is missing".into()))?,
+        key: text(f.k).ok_or_else(|| StoreError::Corrupt("the key is missing".into()))?,
+        fingerprint: f.fp.map(<[u8]>::to_vec).unwrap_or_default(),
+        operation_id: text(f.op).unwrap_or_default(),
+        state: match f.st {
+            Some(b"p") => "in_progress".to_owned(),
+            Some(b"c") => "completed".to_owned(),
+            other => format!("{:?}", other.map(String::from_utf8_lossy)),
         },
-        token: num("tok"),
-        locked_until: num("lu"),
-        created_at: num("ca").ok_or_else(|| StoreError::Corrupt("created_at is missing".into()))?,
-        expires_at: num("ea").ok_or_else(|| StoreError::Corrupt("expires_at is missing".into()))?,
-        completed_at: num("co"),
-        status: num("sc"),
-        headers: bytes("hd"),
-        body: bytes("bd"),
+        token: num(f.tok),
+        locked_until: num(f.lu),
+        created_at: num(f.ca).ok_or_else(|| StoreError::Corrupt("created_at is missing".into()))?,
+        expires_at: num(f.ea).ok_or_else(|| StoreError::Corrupt("expires_at is missing".into()))?,
+        completed_at: num(f.co),
+        status: num(f.sc),
+        headers: f.hd.map(<[u8]>::to_vec),
+        body: f.bd.map(<[u8]>::to_vec),
     };
     Ok(row.into_record()?)
 }

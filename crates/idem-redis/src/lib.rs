@@ -1,9 +1,13 @@
 //! Redis for idem, two ways:
 //!
 //! - [`RedisStore`]: a store of its own, for services without a SQL database.
-//!   Claim, complete and release are each **one round trip** (a Lua script,
-//!   loaded once and called by SHA), fenced by token; leases and retention
-//!   are Redis's clock and expirations.
+//!   A claim first looks with a plain read (`HGETALL` and `TIME`, one round
+//!   trip, no script): a replay, or a duplicate of a claim still running,
+//!   is answered by it alone. A new key, a takeover and a record past its
+//!   retention are decided by the claim script (a second round trip).
+//!   Complete and release are one round trip each. The scripts are Lua,
+//!   loaded once and called by SHA, atomic, fenced by token; leases and
+//!   retention are Redis's clock and expirations.
 //! - [`TieredStore`]: Redis **in front of** a SQL store. Completed records
 //!   are cached for replay and in-flight collisions are answered from Redis;
 //!   the SQL store stays the source of truth and the only place a claim is
@@ -47,8 +51,8 @@ mod tier;
 use std::time::Duration;
 
 use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, OperationId, Record, RecordState,
-    Store, StoreError, StoredResponse, UnixMillis,
+    BoxFuture, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, OperationId, Record,
+    RecordState, Store, StoreError, StoredResponse, UnixMillis,
 };
 use redis::aio::ConnectionManagerConfig;
 use redis::{Script, Value};
@@ -58,7 +62,7 @@ pub use config::{RedisConfig, WaitReplicas};
 pub use tier::TieredStore;
 
 use conn::{Conn, Single};
-use decode::{bytes_of, decode, number, parse_op, text};
+use decode::{bytes_of, decode, number, parse_op, redis_time, text};
 
 /// The Redis store; see the crate-level docs.
 #[derive(Clone)]
@@ -74,7 +78,6 @@ pub struct RedisStore {
     claim: Script,
     complete: Script,
     release: Script,
-    get: Script,
     cache_put: Script,
     mark: Script,
 }
@@ -203,7 +206,6 @@ impl RedisStore {
             claim: Script::new(scripts::CLAIM),
             complete: Script::new(scripts::COMPLETE),
             release: Script::new(scripts::RELEASE),
-            get: Script::new(scripts::GET),
             cache_put: Script::new(scripts::CACHE_PUT),
             mark: Script::new(scripts::MARK),
         })
@@ -215,9 +217,17 @@ impl RedisStore {
         h.update((scope.len() as u64).to_be_bytes());
         h.update(scope.as_bytes());
         h.update(key.as_bytes());
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let digest = h.finalize();
-        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-        format!("{}:{{{hex}}}", self.prefix)
+        let mut out = String::with_capacity(self.prefix.len() + 3 + 2 * digest.len());
+        out.push_str(&self.prefix);
+        out.push_str(":{");
+        for b in digest {
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0xf)]));
+        }
+        out.push('}');
+        out
     }
 
     /// The key prefix.
@@ -283,6 +293,14 @@ impl RedisStore {
             retention.as_bytes(),
         ];
         let key = self.record_key(&req.scope, &req.key);
+        // The first look: a plain read. A replay, or a duplicate of a live
+        // claim, is answered here, and the claim script runs only for what
+        // it alone can decide (a new key, a takeover, a record past its
+        // retention).
+        let (record, now) = self.fetch_key(&key).await?;
+        if let Some(record) = record.filter(|r| first_look_decides(r, &req.fingerprint, now)) {
+            return Ok(ClaimOutcome::Existing(record));
+        }
         let (reply, replicated) = self.write(&self.claim, scripts::CLAIM, &key, &args).await?;
         let Value::Array(reply) = reply else {
             return Err(StoreError::Corrupt(
@@ -329,19 +347,32 @@ impl RedisStore {
         scope: &str,
         key: &str,
     ) -> Result<(Option<Record>, UnixMillis), StoreError> {
+        self.fetch_key(&self.record_key(scope, key)).await
+    }
+
+    /// Reads the record at `key` and Redis's clock: two plain commands
+    /// (`HGETALL`, `TIME`) in one pipeline, so one round trip and no script.
+    /// On a cluster the pipeline goes to the primary of the key's slot (the
+    /// one that runs the scripts), so the clock is the one they read.
+    async fn fetch_key(&self, key: &str) -> Result<(Option<Record>, UnixMillis), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("HGETALL").arg(key).cmd("TIME");
         let mut conn = self.conn.clone();
-        let reply: Vec<Value> = self
-            .get
-            .key(self.record_key(scope, key))
-            .invoke_async(&mut conn)
-            .await
-            .map_err(store_error)?;
-        let now = UnixMillis(number(reply.first())?);
-        let fields = &reply[1.min(reply.len())..];
-        if fields.is_empty() {
-            return Ok((None, now));
-        }
-        Ok((Some(decode(fields)?), now))
+        let (fields, time): (Value, Value) =
+            pipe.query_async(&mut conn).await.map_err(store_error)?;
+        let now = redis_time(&time)?;
+        let record = match fields {
+            Value::Array(fields) if fields.is_empty() => None,
+            Value::Array(fields) => Some(decode(&fields)?),
+            Value::Map(pairs) if pairs.is_empty() => None,
+            Value::Map(pairs) => {
+                let flat: Vec<Value> = pairs.into_iter().flat_map(|(k, v)| [k, v]).collect();
+                Some(decode(&flat)?)
+            }
+            Value::Nil => None,
+            _ => return Err(StoreError::Corrupt("unexpected reply to HGETALL".into())),
+        };
+        Ok((record, now))
     }
 
     /// Caches a completed record until it expires (tiered mode). Never
@@ -378,6 +409,24 @@ impl RedisStore {
         inv.arg(record.expires_at.0);
         let _: i64 = inv.invoke_async(&mut conn).await.map_err(store_error)?;
         Ok(())
+    }
+}
+
+/// Whether the record the first look read answers a claim with
+/// `fingerprint` at `now` (Redis's clock) exactly as the claim script would
+/// have at that instant, with no write: a record within its retention that
+/// no takeover may take (completed; or in progress under a live lease; or
+/// under a lapsed lease of another request's body). The rest, a record past
+/// its retention or a lapsed lease of this very request, goes to the script.
+fn first_look_decides(record: &Record, fingerprint: &Fingerprint, now: UnixMillis) -> bool {
+    if record.is_expired(now) {
+        return false;
+    }
+    match &record.state {
+        RecordState::Completed { .. } => true,
+        RecordState::InProgress { locked_until, .. } => {
+            *locked_until > now || record.fingerprint != *fingerprint
+        }
     }
 }
 

@@ -72,18 +72,6 @@ end
 return 1
 ";
 
-/// Reads a record with Redis's clock. KEYS[1]: the record.
-/// Returns `{now, field, value, …}`.
-pub(crate) const GET: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local out = {tostring(now)}
-for _, v in ipairs(redis.call('HGETALL', KEYS[1])) do
-  out[#out + 1] = v
-end
-return out
-";
-
 /// Caches a completed record for replay (tiered mode): written only if the
 /// key holds nothing or an in-flight marker, so a newer record is never
 /// overwritten by an older one. KEYS[1]: the record. ARGV: field, value, …,

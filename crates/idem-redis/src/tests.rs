@@ -41,3 +41,98 @@ async fn a_claim_sent_twice_is_won_twice_not_a_conflict_with_itself() {
     assert_eq!(first[1], again[1], "the same operation id");
     store.clear().await.unwrap();
 }
+
+/// The first look answers exactly what the claim script would answer with
+/// no write, and leaves the rest (past retention, a takeover) to it.
+#[test]
+fn the_first_look_decides_only_what_needs_no_write() {
+    let fp = Fingerprint::from_bytes([1; 32]);
+    let other = Fingerprint::from_bytes([2; 32]);
+    let now = UnixMillis(10_000);
+    let record = |fingerprint: Fingerprint, expires_at: i64, state: RecordState| Record {
+        scope: "s".into(),
+        key: "k".into(),
+        fingerprint,
+        operation_id: OperationId::generate(),
+        created_at: UnixMillis(0),
+        expires_at: UnixMillis(expires_at),
+        state,
+    };
+    let completed = || RecordState::Completed {
+        response: StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: bytes::Bytes::new(),
+        },
+        completed_at: UnixMillis(5),
+    };
+    let held = |until: i64| RecordState::InProgress {
+        token: FencingToken::generate(),
+        locked_until: UnixMillis(until),
+    };
+    // a replay, or another body's 422
+    assert!(first_look_decides(
+        &record(fp, 10_001, completed()),
+        &fp,
+        now
+    ));
+    assert!(first_look_decides(
+        &record(other, 10_001, completed()),
+        &fp,
+        now
+    ));
+    // past retention: the key is new again, for the script
+    assert!(!first_look_decides(
+        &record(fp, 10_000, completed()),
+        &fp,
+        now
+    ));
+    // a live lease: 409 (or 422 for another body)
+    assert!(first_look_decides(
+        &record(fp, 20_000, held(10_001)),
+        &fp,
+        now
+    ));
+    assert!(first_look_decides(
+        &record(other, 20_000, held(10_001)),
+        &fp,
+        now
+    ));
+    // a lapsed lease of this request: a takeover, for the script
+    assert!(!first_look_decides(
+        &record(fp, 20_000, held(10_000)),
+        &fp,
+        now
+    ));
+    // a lapsed lease of another body: 422, no takeover
+    assert!(first_look_decides(
+        &record(other, 20_000, held(10_000)),
+        &fp,
+        now
+    ));
+    // a live lease past retention still holds the key
+    assert!(first_look_decides(
+        &record(fp, 9_000, held(10_001)),
+        &fp,
+        now
+    ));
+    // a lapsed lease past retention: new again, for the script
+    assert!(!first_look_decides(
+        &record(other, 9_000, held(10_000)),
+        &fp,
+        now
+    ));
+}
+
+#[test]
+fn redis_time_is_milliseconds() {
+    let reply = Value::Array(vec![
+        Value::BulkString(b"1700000000".to_vec()),
+        Value::BulkString(b"123456".to_vec()),
+    ]);
+    assert_eq!(
+        crate::decode::redis_time(&reply).unwrap(),
+        UnixMillis(1_700_000_000_123)
+    );
+    assert!(crate::decode::redis_time(&Value::Nil).is_err());
+}

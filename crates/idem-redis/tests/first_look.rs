@@ -1,0 +1,144 @@
+//! The claim's first look is a plain read: a replay and a duplicate of a
+//! live claim are answered without the claim script. Proven against the real
+//! server by a Redis user that may not run scripts at all (an ACL without
+//! `EVAL`, `EVALSHA` and `SCRIPT`): what it answers, it answered with plain
+//! commands; what needs the script, it cannot do.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{ClaimOutcome, RecordState, Store, StoreError, StoredResponse};
+use idem_redis::{RedisConfig, RedisStore};
+
+fn redis_url() -> String {
+    std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+fn req(key: &str, body: &str, lease: Duration) -> idem_core::ClaimRequest {
+    idem_store_suite::request("s", key, body, lease, Duration::from_secs(3600))
+}
+
+/// A Redis user allowed every command but scripts, removed on drop.
+struct NoScripts {
+    admin: redis::aio::MultiplexedConnection,
+    name: String,
+    password: String,
+}
+
+impl NoScripts {
+    async fn create() -> Self {
+        let client = redis::Client::open(redis_url()).unwrap();
+        let mut admin = client
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap_or_else(|e| panic!("cannot reach Redis (`bash scripts/test` starts it): {e}"));
+        let name = format!("idem-noscripts-{}", uuid::Uuid::new_v4().simple());
+        let password = uuid::Uuid::new_v4().simple().to_string();
+        let () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(&name)
+            .arg("on")
+            .arg(format!(">{password}"))
+            .arg("~*")
+            .arg("&*")
+            .arg("+@all")
+            .arg("-@scripting")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        Self {
+            admin,
+            name,
+            password,
+        }
+    }
+
+    /// The server URL, logged in as this user.
+    fn url(&self) -> String {
+        let url = redis_url();
+        let rest = url.split_once("://").map_or(url.as_str(), |(_, r)| r);
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, h)| h);
+        format!("redis://{}:{}@{rest}", self.name, self.password)
+    }
+
+    async fn remove(mut self) {
+        let _: i64 = redis::cmd("ACL")
+            .arg("DELUSER")
+            .arg(&self.name)
+            .query_async(&mut self.admin)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn replays_and_live_duplicates_are_answered_without_a_script() {
+    let prefix = format!("idem-test-{}", uuid::Uuid::new_v4().simple());
+    let full = RedisStore::connect(RedisConfig::new(redis_url()).prefix(prefix.clone()))
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach Redis (`bash scripts/test` starts it): {e}"));
+    let user = NoScripts::create().await;
+    let plain = RedisStore::connect(RedisConfig::new(user.url()).prefix(prefix.clone()))
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(60);
+
+    // A completed record: the replay (and another body's 422) come from the
+    // first look.
+    let ClaimOutcome::Acquired(claim) = full.claim(&req("done", "{}", lease)).await.unwrap() else {
+        panic!("a new key is acquired");
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: Bytes::from_static(b"{\"id\":1}"),
+    };
+    full.complete(&claim, &response).await.unwrap();
+    for body in ["{}", "{\"other\":1}"] {
+        match plain.claim(&req("done", body, lease)).await {
+            Ok(ClaimOutcome::Existing(record)) => match record.state {
+                RecordState::Completed { response: r, .. } => assert_eq!(r, response),
+                other => panic!("the completed record, not {other:?}"),
+            },
+            other => panic!("a replay without a script: {other:?}"),
+        }
+    }
+
+    // A claim under a live lease: the duplicate's 409 comes from the first look.
+    let ClaimOutcome::Acquired(held) = full.claim(&req("held", "{}", lease)).await.unwrap() else {
+        panic!("a new key is acquired");
+    };
+    match plain.claim(&req("held", "{}", lease)).await {
+        Ok(ClaimOutcome::Existing(record)) => assert!(
+            matches!(record.state, RecordState::InProgress { token, .. } if token == held.token),
+            "{record:?}"
+        ),
+        other => panic!("a live duplicate without a script: {other:?}"),
+    }
+
+    // What only the script decides fails for a user who cannot run one, so
+    // the answers above did not come from it: a new key, and a lapsed lease
+    // of the same request (a takeover).
+    match plain.claim(&req("new", "{}", lease)).await {
+        Err(StoreError::Backend(e)) => assert!(e.to_string().contains("no permissions"), "{e}"),
+        other => panic!("a new key needs the claim script: {other:?}"),
+    }
+    let short = Duration::from_millis(1);
+    let ClaimOutcome::Acquired(_) = full.claim(&req("lapsed", "{}", short)).await.unwrap() else {
+        panic!("a new key is acquired");
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    match plain.claim(&req("lapsed", "{}", lease)).await {
+        Err(StoreError::Backend(e)) => assert!(e.to_string().contains("no permissions"), "{e}"),
+        other => panic!("a takeover needs the claim script: {other:?}"),
+    }
+    // The lapsed lease taken over through the script, by a user who may.
+    match full.claim(&req("lapsed", "{}", lease)).await.unwrap() {
+        ClaimOutcome::Acquired(c) => assert!(c.takeover),
+        other => panic!("a takeover: {other:?}"),
+    }
+
+    full.clear().await.unwrap();
+    user.remove().await;
+}
