@@ -26,6 +26,9 @@ struct Args {
     /// Redis, for `--store redis`.
     #[arg(long, default_value = "redis://127.0.0.1:6379")]
     redis_url: String,
+    /// The prefix of the records' Redis keys (a fresh one each run if not set).
+    #[arg(long)]
+    redis_prefix: Option<String>,
 }
 
 /// Reads the body it ignores, as a real handler would: left unread, hyper
@@ -57,8 +60,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "memory" => Arc::new(idem_memory::MemoryStore::new()),
         "redis" => Arc::new(
             idem_redis::RedisStore::connect(
-                idem_redis::RedisConfig::new(&args.redis_url)
-                    .prefix(format!("trivial-{}", uuid::Uuid::new_v4().simple())),
+                idem_redis::RedisConfig::new(&args.redis_url).prefix(
+                    args.redis_prefix
+                        .clone()
+                        .unwrap_or_else(|| format!("trivial-{}", uuid::Uuid::new_v4().simple())),
+                ),
             )
             .await?,
         ),

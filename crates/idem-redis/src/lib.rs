@@ -1,7 +1,7 @@
 //! Redis for idem, two ways:
 //!
 //! - [`RedisStore`]: a store of its own, for services without a SQL database.
-//!   A claim first looks with a plain read (`HGETALL` and `TIME`, one round
+//!   A claim first looks with a plain read (`GET` and `TIME`, one round
 //!   trip, no script): a replay, or a duplicate of a claim still running,
 //!   is answered by it alone. A new key, a takeover and a record past its
 //!   retention are decided by the claim script (a second round trip).
@@ -29,10 +29,14 @@
 //!
 //! # Keys
 //!
-//! A record lives in one hash, `{prefix}:{<digest>}`, where the digest
+//! A record lives in one value, `{prefix}:{<digest>}`, where the digest
 //! (SHA-256 of scope and key, hex) is a hash tag: every key of one record
-//! maps to one slot of a Redis Cluster. The scope and key are kept inside the
-//! hash for operators.
+//! maps to one slot of a Redis Cluster. The value is a MessagePack array
+//! (its layout is versioned; the scope and key are kept inside it for
+//! operators). Records an earlier idem wrote as hashes are still read, and
+//! rewritten as one value when they change; an earlier idem cannot read the
+//! new layout (`WRONGTYPE`: an error for that key, never a second run), so
+//! upgrade every instance sharing a prefix before relying on its replays.
 //!
 //! # What Redis alone does not guarantee
 //!
@@ -47,6 +51,7 @@ mod decode;
 mod ops;
 mod scripts;
 mod tier;
+mod value;
 
 use std::time::Duration;
 
@@ -79,7 +84,6 @@ pub struct RedisStore {
     complete: Script,
     release: Script,
     cache_put: Script,
-    mark: Script,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -207,7 +211,6 @@ impl RedisStore {
             complete: Script::new(scripts::COMPLETE),
             release: Script::new(scripts::RELEASE),
             cache_put: Script::new(scripts::CACHE_PUT),
-            mark: Script::new(scripts::MARK),
         })
     }
 
@@ -324,7 +327,10 @@ impl RedisStore {
             }
             Some(Some(b"existing")) => {
                 let _now = number(items.next())?;
-                ClaimOutcome::Existing(decode(items.as_slice())?)
+                let value = items.next().and_then(bytes_of).ok_or_else(|| {
+                    StoreError::Corrupt("the claim script returned no record".into())
+                })?;
+                ClaimOutcome::Existing(value::decode(value)?)
             }
             _ => {
                 return Err(StoreError::Corrupt(
@@ -351,10 +357,40 @@ impl RedisStore {
     }
 
     /// Reads the record at `key` and Redis's clock: two plain commands
-    /// (`HGETALL`, `TIME`) in one pipeline, so one round trip and no script.
+    /// (`GET`, `TIME`) in one pipeline, so one round trip and no script.
     /// On a cluster the pipeline goes to the primary of the key's slot (the
-    /// one that runs the scripts), so the clock is the one they read.
+    /// one that runs the scripts), so the clock is the one they read. A
+    /// record an earlier idem wrote as a hash is read with `HGETALL`.
     async fn fetch_key(&self, key: &str) -> Result<(Option<Record>, UnixMillis), StoreError> {
+        let mut pipe = redis::pipe();
+        // errors come back in place, so that a hash's WRONGTYPE is told
+        // apart from a failure
+        pipe.cmd("GET").arg(key).cmd("TIME").ignore_errors();
+        let mut conn = self.conn.clone();
+        let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
+        let Value::Array(mut replies) = reply else {
+            return Err(StoreError::Corrupt(
+                "unexpected reply to GET and TIME".into(),
+            ));
+        };
+        let (Some(time), Some(value)) = (replies.pop(), replies.pop()) else {
+            return Err(StoreError::Corrupt(
+                "unexpected reply to GET and TIME".into(),
+            ));
+        };
+        let now = redis_time(&time)?;
+        match value {
+            Value::Nil => Ok((None, now)),
+            Value::BulkString(b) => Ok((Some(value::decode(&b)?), now)),
+            Value::ServerError(e) if e.code() == "WRONGTYPE" => self.fetch_hash(key).await,
+            Value::ServerError(e) => Err(store_error(e.into())),
+            _ => Err(StoreError::Corrupt("unexpected reply to GET".into())),
+        }
+    }
+
+    /// [`Self::fetch_key`] for a record in the layout before one value: a
+    /// hash, read whole.
+    async fn fetch_hash(&self, key: &str) -> Result<(Option<Record>, UnixMillis), StoreError> {
         let mut pipe = redis::pipe();
         pipe.cmd("HGETALL").arg(key).cmd("TIME");
         let mut conn = self.conn.clone();
@@ -378,36 +414,18 @@ impl RedisStore {
     /// Caches a completed record until it expires (tiered mode). Never
     /// overwrites a completed record.
     pub(crate) async fn cache_completed(&self, record: &Record) -> Result<(), StoreError> {
-        let RecordState::Completed {
-            response,
-            completed_at,
-        } = &record.state
-        else {
+        let Some(value) = value::encode_record(record) else {
             return Ok(());
         };
         let mut conn = self.conn.clone();
-        let mut inv = self
+        let _: i64 = self
             .cache_put
-            .key(self.record_key(&record.scope, &record.key));
-        inv.arg("s").arg(&record.scope).arg("k").arg(&record.key);
-        inv.arg("fp").arg(record.fingerprint.as_bytes().as_slice());
-        inv.arg("op").arg(record.operation_id.0.to_string());
-        inv.arg("tok").arg(0);
-        inv.arg("st").arg("c");
-        inv.arg("ca")
-            .arg(record.created_at.0)
-            .arg("ea")
-            .arg(record.expires_at.0);
-        inv.arg("co")
-            .arg(completed_at.0)
-            .arg("sc")
-            .arg(response.status);
-        inv.arg("hd")
-            .arg(response.encode_headers())
-            .arg("bd")
-            .arg(response.body.as_ref());
-        inv.arg(record.expires_at.0);
-        let _: i64 = inv.invoke_async(&mut conn).await.map_err(store_error)?;
+            .key(self.record_key(&record.scope, &record.key))
+            .arg(value)
+            .arg(record.expires_at.0)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(store_error)?;
         Ok(())
     }
 }

@@ -5,7 +5,7 @@ use idem_core::{Claim, Fingerprint, Record, StoreError, UnixMillis};
 use redis::aio::ConnectionManagerConfig;
 
 use crate::conn::{node_url, scan, Conn, Single};
-use crate::{store_error, RedisStore};
+use crate::{store_error, value, RedisStore};
 
 impl RedisStore {
     /// Drops what Redis holds for a record in tiered mode (a cached
@@ -22,23 +22,38 @@ impl RedisStore {
     }
 
     /// Writes an in-flight marker for a claim decided elsewhere (tiered
-    /// mode), expiring with its lease.
+    /// mode), expiring with its lease: one plain `SET`, which replaces
+    /// whatever the key held.
     pub(crate) async fn mark_in_flight(
         &self,
         claim: &Claim,
         fingerprint: &Fingerprint,
     ) -> Result<(), StoreError> {
+        let op = claim.operation_id.0.to_string();
+        let marker = value::encode(&value::Parts {
+            scope: &claim.scope,
+            key: &claim.key,
+            fingerprint: fingerprint.as_bytes(),
+            operation_id: &op,
+            token: claim.token.0,
+            completed: false,
+            locked_until: claim.locked_until.0,
+            created_at: 0,
+            expires_at: claim.locked_until.0,
+            completed_at: 0,
+            status: 0,
+            headers: b"",
+            body: b"",
+        });
         let mut conn = self.conn.clone();
-        let mut inv = self.mark.key(self.record_key(&claim.scope, &claim.key));
-        inv.arg("s").arg(&claim.scope).arg("k").arg(&claim.key);
-        inv.arg("fp").arg(fingerprint.as_bytes().as_slice());
-        inv.arg("op").arg(claim.operation_id.0.to_string());
-        inv.arg("tok").arg(claim.token.0);
-        inv.arg("st").arg("p");
-        inv.arg("lu").arg(claim.locked_until.0);
-        inv.arg("ca").arg(0).arg("ea").arg(claim.locked_until.0);
-        inv.arg(claim.locked_until.0);
-        let _: i64 = inv.invoke_async(&mut conn).await.map_err(store_error)?;
+        let () = redis::cmd("SET")
+            .arg(self.record_key(&claim.scope, &claim.key))
+            .arg(marker)
+            .arg("PXAT")
+            .arg(claim.locked_until.0)
+            .query_async(&mut conn)
+            .await
+            .map_err(store_error)?;
         Ok(())
     }
 

@@ -1,100 +1,141 @@
-//! The Lua scripts: each operation is one script, so one round trip, run
+//! The Lua scripts: each write is one script, so one round trip, run
 //! atomically by Redis. Time is Redis's own (`TIME`), so instances with
-//! drifting clocks agree on leases.
+//! drifting clocks agree on leases. A record is one value (`value.rs` gives
+//! its layout), read and written with Redis's bundled `cmsgpack`; a record
+//! an earlier idem wrote as a hash is read too, and rewritten as one value
+//! by the first script that changes it.
+
+/// Prepended to every script: `load()` reads the record at KEYS[1] as a
+/// table by position (see `value.rs`), or nil; a hash (the layout before
+/// one value) is read into the same table; a layout this idem does not
+/// know is an error, never a guess.
+macro_rules! with_load {
+    ($script:literal) => {
+        concat!(
+            r"
+local function load()
+  local raw = redis.pcall('GET', KEYS[1])
+  if type(raw) == 'table' and raw.err then
+    local h = redis.call('HMGET', KEYS[1], 's', 'k', 'fp', 'op', 'tok', 'st', 'lu', 'ca', 'ea',
+      'co', 'sc', 'hd', 'bd')
+    if not h[6] then
+      return nil
+    end
+    return {1, h[1], h[2], h[3], h[4], h[5], h[6], tonumber(h[7]) or 0, tonumber(h[8]) or 0,
+      tonumber(h[9]) or 0, tonumber(h[10]) or 0, tonumber(h[11]) or 0, h[12] or '', h[13] or ''}
+  end
+  if not raw then
+    return nil
+  end
+  local r = cmsgpack.unpack(raw)
+  if type(r) ~= 'table' or r[1] ~= 1 then
+    return redis.error_reply('idem: a record of a layout this version does not know')
+  end
+  return r
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+",
+            $script
+        )
+    };
+}
 
 /// Claims a record. KEYS[1]: the record. ARGV: scope, key, fingerprint,
 /// proposed operation id, new token, lease (ms), retention (ms).
 /// Returns `{"won", operation id, locked_until, takeover}` or
-/// `{"existing", now, field, value, …}`.
-pub(crate) const CLAIM: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local st, fp, lu, ea, tok = unpack(redis.call('HMGET', KEYS[1], 'st', 'fp', 'lu', 'ea', 'tok'))
-if st == 'p' and tok == ARGV[5] then
+/// `{"existing", now, record}` (the record as one value).
+pub(crate) const CLAIM: &str = with_load!(
+    r"
+local now = now_ms()
+local r = load()
+if r and r.err then
+  return r
+end
+if r and r[7] == 'p' and r[6] == ARGV[5] then
   -- This very claim, sent again (a retried command whose reply was lost):
   -- the same answer, not a conflict with itself.
-  local op = redis.call('HGET', KEYS[1], 'op')
-  return {'won', op, tostring(lu), op == ARGV[4] and '0' or '1'}
+  return {'won', r[5], tostring(r[8]), r[5] == ARGV[4] and '0' or '1'}
 end
 local lease_until = now + tonumber(ARGV[6])
 local function fresh()
   local expires = now + tonumber(ARGV[7])
-  redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], 's', ARGV[1], 'k', ARGV[2], 'fp', ARGV[3], 'op', ARGV[4],
-    'tok', ARGV[5], 'st', 'p', 'lu', lease_until, 'ca', now, 'ea', expires)
-  redis.call('PEXPIREAT', KEYS[1], math.max(expires, lease_until))
+  redis.call('SET', KEYS[1], cmsgpack.pack({1, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 'p',
+    lease_until, now, expires, 0, 0, '', ''}), 'PXAT', math.max(expires, lease_until))
   return {'won', ARGV[4], tostring(lease_until), '0'}
 end
-if not st then
+if not r then
   return fresh()
 end
-if tonumber(ea) <= now and (st == 'c' or tonumber(lu) <= now) then
+if r[10] <= now and (r[7] == 'c' or r[8] <= now) then
   return fresh()
 end
-if st == 'p' and tonumber(lu) <= now and fp == ARGV[3] then
-  redis.call('HSET', KEYS[1], 'tok', ARGV[5], 'lu', lease_until)
-  redis.call('PEXPIREAT', KEYS[1], math.max(tonumber(ea), lease_until))
-  return {'won', redis.call('HGET', KEYS[1], 'op'), tostring(lease_until), '1'}
+if r[7] == 'p' and r[8] <= now and r[4] == ARGV[3] then
+  r[6] = ARGV[5]
+  r[8] = lease_until
+  redis.call('SET', KEYS[1], cmsgpack.pack(r), 'PXAT', math.max(r[10], lease_until))
+  return {'won', r[5], tostring(lease_until), '1'}
 end
-local out = {'existing', tostring(now)}
-for _, v in ipairs(redis.call('HGETALL', KEYS[1])) do
-  out[#out + 1] = v
-end
-return out
-";
+return {'existing', tostring(now), cmsgpack.pack(r)}
+"
+);
 
 /// Completes a record if it is in progress under the caller's token.
 /// KEYS[1]: the record. ARGV: token, status, headers, body. Returns 1 or 0.
-pub(crate) const COMPLETE: &str = r"
-local st, tok = unpack(redis.call('HMGET', KEYS[1], 'st', 'tok'))
-if st ~= 'p' or tok ~= ARGV[1] then
+pub(crate) const COMPLETE: &str = with_load!(
+    r"
+local r = load()
+if r and r.err then
+  return r
+end
+if not r or r[7] ~= 'p' or r[6] ~= ARGV[1] then
   return 0
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('HSET', KEYS[1], 'st', 'c', 'sc', ARGV[2], 'hd', ARGV[3], 'bd', ARGV[4], 'co', now)
-redis.call('HDEL', KEYS[1], 'lu')
+r[7] = 'c'
+r[8] = 0
+r[11] = now_ms()
+r[12] = tonumber(ARGV[2])
+r[13] = ARGV[3]
+r[14] = ARGV[4]
+redis.call('SET', KEYS[1], cmsgpack.pack(r), 'KEEPTTL')
 return 1
-";
+"
+);
 
 /// Releases a record if it is in progress under the caller's token: its
 /// lease ends now. KEYS[1]: the record. ARGV: token. Returns 1 or 0.
-pub(crate) const RELEASE: &str = r"
-local st, tok, lu = unpack(redis.call('HMGET', KEYS[1], 'st', 'tok', 'lu'))
-if st ~= 'p' or tok ~= ARGV[1] then
+pub(crate) const RELEASE: &str = with_load!(
+    r"
+local r = load()
+if r and r.err then
+  return r
+end
+if not r or r[7] ~= 'p' or r[6] ~= ARGV[1] then
   return 0
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if tonumber(lu) > now then
-  redis.call('HSET', KEYS[1], 'lu', now)
+local now = now_ms()
+if r[8] > now then
+  r[8] = now
+  redis.call('SET', KEYS[1], cmsgpack.pack(r), 'KEEPTTL')
 end
 return 1
-";
+"
+);
 
 /// Caches a completed record for replay (tiered mode): written only if the
 /// key holds nothing or an in-flight marker, so a newer record is never
-/// overwritten by an older one. KEYS[1]: the record. ARGV: field, value, …,
-/// then the expiry (unix ms) last.
-pub(crate) const CACHE_PUT: &str = r"
-local st = redis.call('HGET', KEYS[1], 'st')
-if st == 'c' then
+/// overwritten by an older one. KEYS[1]: the record. ARGV: the record as
+/// one value, its expiry (unix ms).
+pub(crate) const CACHE_PUT: &str = with_load!(
+    r"
+local r = load()
+if r and (r.err or r[7] == 'c') then
+  -- completed already, or a layout this version does not know: left as is
   return 0
 end
-local n = #ARGV
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 1, n - 1))
-redis.call('PEXPIREAT', KEYS[1], ARGV[n])
+redis.call('SET', KEYS[1], ARGV[1], 'PXAT', ARGV[2])
 return 1
-";
-
-/// An in-flight marker for a claim decided elsewhere (tiered mode): the
-/// record's fields replace whatever was there, expiring at the last
-/// argument. One script, so that it is atomic on a Redis Cluster too.
-pub(crate) const MARK: &str = r"
-local n = #ARGV
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 1, n - 1))
-redis.call('PEXPIREAT', KEYS[1], ARGV[n])
-return 1
-";
+"
+);

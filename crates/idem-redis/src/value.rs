@@ -1,0 +1,434 @@
+//! A record as one Redis value: a MessagePack array, which the Lua scripts
+//! read and write with Redis's bundled `cmsgpack` and this module with a few
+//! lines of its own. One value means a replay is one `GET` and one reply
+//! to parse, not a hash's two dozen.
+//!
+//! The array, by position (1-based in Lua):
+//!
+//! | # | field | in progress | completed |
+//! |---|---|---|---|
+//! | 1 | layout version | `1` | `1` |
+//! | 2 | scope | string | string |
+//! | 3 | key | string | string |
+//! | 4 | fingerprint | 32 bytes | 32 bytes |
+//! | 5 | operation id | UUID string | UUID string |
+//! | 6 | fencing token | decimal string | decimal string |
+//! | 7 | state | `"p"` | `"c"` |
+//! | 8 | lease's end (ms) | integer | `0` |
+//! | 9 | created (ms) | integer | integer |
+//! | 10 | retention's end (ms) | integer | integer |
+//! | 11 | completed (ms) | `0` | integer |
+//! | 12 | status | `0` | integer |
+//! | 13 | headers | `""` | bytes |
+//! | 14 | body | `""` | bytes |
+//!
+//! Strings and bytes are MessagePack `str` (what `cmsgpack` writes for a
+//! Lua string, whatever its bytes); `bin` is read too. No field is `nil`
+//! (a Lua array cannot hold one). A layout version other than 1 is refused
+//! (by the scripts too), so a newer idem's records are never misread.
+
+use idem_core::{Record, RecordRow, RecordState, StoreError};
+
+/// The layout this module and the scripts write.
+pub(crate) const LAYOUT: i64 = 1;
+
+/// The fields of [`LAYOUT`].
+const FIELDS: usize = 14;
+
+/// One decoded MessagePack item.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Item<'a> {
+    Int(i64),
+    Float(f64),
+    Bytes(&'a [u8]),
+    Nil,
+    Bool(bool),
+}
+
+/// What a record's parts are, to encode (the scripts write the same).
+pub(crate) struct Parts<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) key: &'a str,
+    pub(crate) fingerprint: &'a [u8],
+    pub(crate) operation_id: &'a str,
+    pub(crate) token: i64,
+    pub(crate) completed: bool,
+    pub(crate) locked_until: i64,
+    pub(crate) created_at: i64,
+    pub(crate) expires_at: i64,
+    pub(crate) completed_at: i64,
+    pub(crate) status: i64,
+    pub(crate) headers: &'a [u8],
+    pub(crate) body: &'a [u8],
+}
+
+fn put_int(out: &mut Vec<u8>, v: i64) {
+    match v {
+        0..=127 => out.push(v as u8),
+        _ => {
+            out.push(0xd3);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+}
+
+fn put_str(out: &mut Vec<u8>, b: &[u8]) {
+    let n = b.len();
+    if n < 32 {
+        out.push(0xa0 | n as u8);
+    } else if let Ok(n) = u8::try_from(n) {
+        out.extend_from_slice(&[0xd9, n]);
+    } else if let Ok(n) = u16::try_from(n) {
+        out.push(0xda);
+        out.extend_from_slice(&n.to_be_bytes());
+    } else {
+        out.push(0xdb);
+        // A Redis value is at most 512 MiB, far below u32's limit.
+        out.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_be_bytes());
+    }
+    out.extend_from_slice(b);
+}
+
+/// Encodes `parts` as the one value of [`LAYOUT`].
+pub(crate) fn encode(p: &Parts<'_>) -> Vec<u8> {
+    let mut out =
+        Vec::with_capacity(96 + p.scope.len() + p.key.len() + p.headers.len() + p.body.len());
+    out.push(0x90 | FIELDS as u8);
+    put_int(&mut out, LAYOUT);
+    put_str(&mut out, p.scope.as_bytes());
+    put_str(&mut out, p.key.as_bytes());
+    put_str(&mut out, p.fingerprint);
+    put_str(&mut out, p.operation_id.as_bytes());
+    put_str(&mut out, p.token.to_string().as_bytes());
+    put_str(&mut out, if p.completed { b"c" } else { b"p" });
+    put_int(&mut out, p.locked_until);
+    put_int(&mut out, p.created_at);
+    put_int(&mut out, p.expires_at);
+    put_int(&mut out, p.completed_at);
+    put_int(&mut out, p.status);
+    put_str(&mut out, p.headers);
+    put_str(&mut out, p.body);
+    out
+}
+
+/// Encodes a completed record (the tier's cached copy).
+pub(crate) fn encode_record(record: &Record) -> Option<Vec<u8>> {
+    let RecordState::Completed {
+        response,
+        completed_at,
+    } = &record.state
+    else {
+        return None;
+    };
+    let headers = response.encode_headers();
+    let op = record.operation_id.0.to_string();
+    Some(encode(&Parts {
+        scope: &record.scope,
+        key: &record.key,
+        fingerprint: record.fingerprint.as_bytes(),
+        operation_id: &op,
+        token: 0,
+        completed: true,
+        locked_until: 0,
+        created_at: record.created_at.0,
+        expires_at: record.expires_at.0,
+        completed_at: completed_at.0,
+        status: i64::from(response.status),
+        headers: &headers,
+        body: &response.body,
+    }))
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(format!("a stored record does not decode: {what}"))
+}
+
+/// Reads MessagePack items from a byte slice.
+struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], StoreError> {
+        if self.bytes.len() < n {
+            return Err(corrupt("it ends early"));
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        Ok(head)
+    }
+
+    fn be(&mut self, n: usize) -> Result<u64, StoreError> {
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+    }
+
+    fn len(&mut self, n: usize) -> Result<usize, StoreError> {
+        usize::try_from(self.be(n)?).map_err(|_| corrupt("a length overflows"))
+    }
+
+    fn array(&mut self) -> Result<usize, StoreError> {
+        let tag = self.take(1)?[0];
+        match tag {
+            0x90..=0x9f => Ok(usize::from(tag & 0x0f)),
+            0xdc => self.len(2),
+            0xdd => self.len(4),
+            _ => Err(corrupt("not an array")),
+        }
+    }
+
+    fn item(&mut self) -> Result<Item<'a>, StoreError> {
+        let tag = self.take(1)?[0];
+        Ok(match tag {
+            0x00..=0x7f => Item::Int(i64::from(tag)),
+            0xe0..=0xff => Item::Int(i64::from(tag as i8)),
+            0xc0 => Item::Nil,
+            0xc2 => Item::Bool(false),
+            0xc3 => Item::Bool(true),
+            0xcc => Item::Int(self.be(1)? as i64),
+            0xcd => Item::Int(self.be(2)? as i64),
+            0xce => Item::Int(self.be(4)? as i64),
+            0xcf => {
+                Item::Int(i64::try_from(self.be(8)?).map_err(|_| corrupt("an integer overflows"))?)
+            }
+            0xd0 => Item::Int(i64::from(self.be(1)? as u8 as i8)),
+            0xd1 => Item::Int(i64::from(self.be(2)? as u16 as i16)),
+            0xd2 => Item::Int(i64::from(self.be(4)? as u32 as i32)),
+            0xd3 => Item::Int(self.be(8)? as i64),
+            0xca => Item::Float(f64::from(f32::from_bits(self.be(4)? as u32))),
+            0xcb => Item::Float(f64::from_bits(self.be(8)?)),
+            0xa0..=0xbf => Item::Bytes(self.take(usize::from(tag & 0x1f))?),
+            0xd9 | 0xc4 => {
+                let n = self.len(1)?;
+                Item::Bytes(self.take(n)?)
+            }
+            0xda | 0xc5 => {
+                let n = self.len(2)?;
+                Item::Bytes(self.take(n)?)
+            }
+            0xdb | 0xc6 => {
+                let n = self.len(4)?;
+                Item::Bytes(self.take(n)?)
+            }
+            _ => return Err(corrupt("an item of a kind no record holds")),
+        })
+    }
+}
+
+fn int(item: Item<'_>, what: &str) -> Result<i64, StoreError> {
+    match item {
+        Item::Int(n) => Ok(n),
+        // Lua numbers are doubles: an integral one may come back as one.
+        Item::Float(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(f as i64),
+        _ => Err(corrupt(what)),
+    }
+}
+
+fn bytes<'a>(item: Item<'a>, what: &str) -> Result<&'a [u8], StoreError> {
+    match item {
+        Item::Bytes(b) => Ok(b),
+        _ => Err(corrupt(what)),
+    }
+}
+
+fn text(item: Item<'_>, what: &str) -> Result<String, StoreError> {
+    std::str::from_utf8(bytes(item, what)?)
+        .map(str::to_owned)
+        .map_err(|_| corrupt(what))
+}
+
+/// Decodes the one value of a record.
+pub(crate) fn decode(value: &[u8]) -> Result<Record, StoreError> {
+    let mut r = Reader { bytes: value };
+    let n = r.array()?;
+    if n == 0 {
+        return Err(corrupt("an empty array"));
+    }
+    let layout = int(r.item()?, "the layout version")?;
+    if layout != LAYOUT || n != FIELDS {
+        return Err(StoreError::Corrupt(format!(
+            "a stored record has layout {layout} with {n} fields; this idem reads layout {LAYOUT} \
+             ({FIELDS} fields): was it written by a newer version?"
+        )));
+    }
+    let scope = text(r.item()?, "the scope")?;
+    let key = text(r.item()?, "the key")?;
+    let fingerprint = bytes(r.item()?, "the fingerprint")?.to_vec();
+    let operation_id = text(r.item()?, "the operation id")?;
+    let token = match r.item()? {
+        Item::Bytes(b) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| corrupt("the token"))?,
+        other => int(other, "the token")?,
+    };
+    let completed = match bytes(r.item()?, "the state")? {
+        b"p" => false,
+        b"c" => true,
+        _ => return Err(corrupt("the state")),
+    };
+    let locked_until = int(r.item()?, "the lease's end")?;
+    let created_at = int(r.item()?, "created_at")?;
+    let expires_at = int(r.item()?, "expires_at")?;
+    let completed_at = int(r.item()?, "completed_at")?;
+    let status = int(r.item()?, "the status")?;
+    let headers = bytes(r.item()?, "the headers")?;
+    let body = bytes(r.item()?, "the body")?;
+    let row = RecordRow {
+        scope,
+        key,
+        fingerprint,
+        operation_id,
+        state: if completed {
+            "completed"
+        } else {
+            "in_progress"
+        }
+        .to_owned(),
+        token: Some(token),
+        locked_until: (!completed).then_some(locked_until),
+        created_at,
+        expires_at,
+        completed_at: completed.then_some(completed_at),
+        status: completed.then_some(status),
+        headers: completed.then(|| headers.to_vec()),
+        body: completed.then(|| body.to_vec()),
+    };
+    Ok(row.into_record()?)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use idem_core::{FencingToken, Fingerprint, OperationId, StoredResponse, UnixMillis};
+
+    fn completed(body_len: usize) -> Record {
+        Record {
+            scope: "tenant-ü".into(),
+            key: "k".repeat(40),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            operation_id: OperationId::generate(),
+            created_at: UnixMillis(1_700_000_000_000),
+            expires_at: UnixMillis(1_700_086_400_000),
+            state: RecordState::Completed {
+                response: StoredResponse {
+                    status: 201,
+                    headers: vec![("content-type".into(), b"application/json".to_vec())],
+                    body: bytes::Bytes::from(vec![b'x'; body_len]),
+                },
+                completed_at: UnixMillis(1_700_000_000_250),
+            },
+        }
+    }
+
+    /// Every length class of string (fixstr, str8, str16, str32) and the
+    /// record's every field come back as they went.
+    #[test]
+    fn a_record_comes_back_whole() {
+        for len in [0, 5, 31, 32, 255, 256, 65_535, 65_536, 200_000] {
+            let record = completed(len);
+            let value = encode_record(&record).unwrap();
+            assert_eq!(decode(&value).unwrap(), record, "body of {len} bytes");
+        }
+        let p = Parts {
+            scope: "s",
+            key: "k",
+            fingerprint: &[3; 32],
+            operation_id: "00000000-0000-0000-0000-000000000009",
+            token: 9_007_199_254_740_993,
+            completed: false,
+            locked_until: 1_700_000_030_000,
+            created_at: 0,
+            expires_at: 1_700_000_030_000,
+            completed_at: 0,
+            status: 0,
+            headers: b"",
+            body: b"",
+        };
+        let record = decode(&encode(&p)).unwrap();
+        assert_eq!(
+            record.state,
+            RecordState::InProgress {
+                token: FencingToken(9_007_199_254_740_993),
+                locked_until: UnixMillis(1_700_000_030_000)
+            }
+        );
+    }
+
+    /// What Lua's cmsgpack writes for the same record: integers in their
+    /// smallest form or as doubles, strings as str, bytes as bin.
+    #[test]
+    fn every_integer_and_string_form_reads() {
+        let mut v = vec![0x9e, 0x01];
+        for s in [&b"s"[..], b"k"] {
+            v.push(0xa0 | s.len() as u8);
+            v.extend_from_slice(s);
+        }
+        v.extend_from_slice(&[0xc4, 32]);
+        v.extend_from_slice(&[1; 32]);
+        let op = b"00000000-0000-0000-0000-000000000001";
+        v.extend_from_slice(&[0xd9, op.len() as u8]);
+        v.extend_from_slice(op);
+        v.extend_from_slice(&[0xa2, b'4', b'2', 0xa1, b'c']);
+        v.push(0x00); // lease's end
+        v.push(0xcb); // created, as a double
+        v.extend_from_slice(&1_700_000_000_000f64.to_bits().to_be_bytes());
+        v.push(0xcf); // expires, u64
+        v.extend_from_slice(&1_700_000_100_000u64.to_be_bytes());
+        v.push(0xce); // completed, u32
+        v.extend_from_slice(&4_000_000_000u32.to_be_bytes());
+        v.extend_from_slice(&[0xcd, 0x01, 0xf4]); // 500
+        v.extend_from_slice(&[0xa0, 0xc5, 0x00, 0x02, b'{', b'}']);
+        let record = decode(&v).unwrap();
+        assert_eq!(record.created_at, UnixMillis(1_700_000_000_000));
+        assert_eq!(record.expires_at, UnixMillis(1_700_000_100_000));
+        match record.state {
+            RecordState::Completed {
+                response,
+                completed_at,
+            } => {
+                assert_eq!(response.status, 500);
+                assert_eq!(&response.body[..], b"{}");
+                assert_eq!(completed_at, UnixMillis(4_000_000_000));
+            }
+            other => panic!("{other:?}"),
+        }
+        for (bytes, n) in [
+            (vec![0xd0, 0xfe], -2),
+            (vec![0xd1, 0xff, 0xfe], -2),
+            (vec![0xd2, 0xff, 0xff, 0xff, 0xfe], -2),
+            (vec![0xfe], -2),
+            (vec![0xcc, 0xff], 255),
+        ] {
+            assert_eq!(
+                Reader { bytes: &bytes }.item().unwrap(),
+                Item::Int(n),
+                "{bytes:?}"
+            );
+        }
+    }
+
+    /// Bad bytes are a typed error, never a panic; a newer layout is refused.
+    #[test]
+    fn bad_values_are_corrupt_and_a_newer_layout_is_refused() {
+        let good = encode_record(&completed(10)).unwrap();
+        for cut in 0..good.len() {
+            assert!(
+                matches!(decode(&good[..cut]), Err(StoreError::Corrupt(_))),
+                "cut at {cut}"
+            );
+        }
+        let mut newer = good.clone();
+        newer[1] = 2;
+        match decode(&newer) {
+            Err(StoreError::Corrupt(m)) => assert!(m.contains("layout 2"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        for junk in [&b""[..], b"\x90", b"\xc1", b"hello", b"\x9e\xff"] {
+            assert!(matches!(decode(junk), Err(StoreError::Corrupt(_))));
+        }
+    }
+}
