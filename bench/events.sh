@@ -13,13 +13,18 @@
 # payment has its email; messages/s is payments over the time from the first
 # payment to the last email.
 #
-# Usage: bash bench/events.sh     RATE=200 STEADY_SECONDS=20 REQUESTS=10000
+# Each broker runs with each consumer concurrency in CONSUMER_CONCURRENCY
+# (events a consumer handles at once; 1 is one at a time, in order).
+#
+# Usage: bash bench/events.sh     RATE=200 STEADY_SECONDS=20 REQUESTS=10000 CONSUMER_CONCURRENCY="1 4 16"
 # Prints a Markdown table and keeps the figures in bench/events.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${RATE:-200}
 STEADY_SECONDS=${STEADY_SECONDS:-20}
 REQUESTS=${REQUESTS:-10000}
+# each consumer's concurrency (shop --consumer-concurrency), one run each
+CONSUMER_CONCURRENCY=${CONSUMER_CONCURRENCY:-1 4 16}
 PG=${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 AMQP=${IDEM_BENCH_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
 NATS=${IDEM_BENCH_NATS_URL:-nats://127.0.0.1:4222}
@@ -122,9 +127,11 @@ run() { # broker name, then shop arguments
   SCHEMA=""
 }
 
-run "in process"
-run "RabbitMQ" --broker-url "$AMQP"
-run "NATS JetStream" --broker-url "$NATS"
+for c in $CONSUMER_CONCURRENCY; do
+  run "in process, $c at once" --consumer-concurrency "$c"
+  run "RabbitMQ, $c at once" --broker-url "$AMQP" --consumer-concurrency "$c"
+  run "NATS JetStream, $c at once" --broker-url "$NATS" --consumer-concurrency "$c"
+done
 
 cp "$out/results.jsonl" bench/events.json
 python3 - bench/events.json <<'PY'

@@ -122,6 +122,13 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_OUTBOX_MAX_LAG_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub(crate) outbox_max_lag_secs: u64,
 
+    /// Events each consumer handles at once (1 to 64). Each is one inbox
+    /// transaction; side by side they share the database's commits, and
+    /// settle in whatever order they end (shop's effects do not depend on
+    /// the order of events). 1 handles one at a time, in order.
+    #[arg(long, env = "SHOP_CONSUMER_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub(crate) consumer_concurrency: u16,
+
     /// Connections in the database pool the payments, the reads and the
     /// idempotency records share (PostgreSQL and MySQL: 16 by default;
     /// SQLite: sqlx's default). On PostgreSQL 4 of them are kept for claims,

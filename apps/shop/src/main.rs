@@ -143,6 +143,8 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             config.broker_url.as_deref(),
             &config.broker_prefix,
             Duration::from_secs(config.outbox_max_lag_secs),
+            std::num::NonZeroUsize::new(usize::from(config.consumer_concurrency))
+                .unwrap_or(std::num::NonZeroUsize::MIN),
         )
         .await?,
     );

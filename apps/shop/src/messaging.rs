@@ -189,6 +189,7 @@ impl Messaging {
         broker_url: Option<&str>,
         prefix: &str,
         max_lag: Duration,
+        concurrency: std::num::NonZeroUsize,
     ) -> Result<Self, Box<dyn std::error::Error>> {
         let (stop, stop_rx) = watch::channel(false);
         let destinations = EVENTS.map(|(suffix, _, _)| format!("{prefix}.{suffix}"));
@@ -199,7 +200,10 @@ impl Messaging {
             None => {
                 let transport = Arc::new(InProcess::new());
                 for (dest, (suffix, _, _)) in destinations.iter().zip(EVENTS) {
-                    consumers.push((Box::new(transport.consumer(dest)), suffix));
+                    consumers.push((
+                        Box::new(transport.consumer(dest).concurrency(concurrency)),
+                        suffix,
+                    ));
                 }
                 info!("messaging in process (no --broker-url)");
                 transport
@@ -209,7 +213,9 @@ impl Messaging {
                 for (dest, (suffix, _, _)) in destinations.iter().zip(EVENTS) {
                     let spec = idem_rabbitmq::QueueSpec::new(dest.clone()).max_deliveries(5);
                     spec.declare(publisher.channel()).await?;
-                    let consumer = idem_rabbitmq::RabbitConsumer::connect(url, spec, 32).await?;
+                    let consumer = idem_rabbitmq::RabbitConsumer::connect(url, spec, 32)
+                        .await?
+                        .concurrency(concurrency);
                     consumers.push((Box::new(consumer), suffix));
                 }
                 info!(url, "messaging over RabbitMQ");
@@ -241,7 +247,9 @@ impl Messaging {
                     spec.declare(publisher.context()).await?;
                 }
                 for (spec, (suffix, durable, _)) in specs.iter().zip(EVENTS) {
-                    let consumer = idem_nats::NatsConsumer::connect(url, spec, durable, 5).await?;
+                    let consumer = idem_nats::NatsConsumer::connect(url, spec, durable, 5)
+                        .await?
+                        .concurrency(concurrency);
                     consumers.push((Box::new(consumer), suffix));
                 }
                 info!(url, "messaging over NATS JetStream");

@@ -407,6 +407,23 @@ async fn bad_flags_fail_with_a_clear_message() {
         err.contains("--claim-in-transaction needs a PostgreSQL"),
         "{err}"
     );
+    // A consumer's concurrency is 1 to 64.
+    for bad in ["0", "65", "many"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+            .args([
+                "--database-url",
+                "sqlite::memory:",
+                "--consumer-concurrency",
+                bad,
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--consumer-concurrency"), "{bad}: {err}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

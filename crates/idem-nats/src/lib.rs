@@ -19,13 +19,14 @@
 //! # let _ = (publisher, consumer); Ok(()) }
 //! ```
 
+use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, AckKind};
 use futures_core::Stream;
 use idem_core::BoxFuture;
-use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler};
+use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler, InFlight};
 use idem_outbox::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -226,6 +227,7 @@ pub struct NatsConsumer {
     spec: StreamSpec,
     max_deliveries: i64,
     retry_delay: Duration,
+    concurrency: NonZeroUsize,
 }
 
 impl NatsConsumer {
@@ -282,7 +284,16 @@ impl NatsConsumer {
             spec: spec.clone(),
             max_deliveries,
             retry_delay: Duration::from_millis(200),
+            concurrency: NonZeroUsize::MIN,
         })
+    }
+
+    /// Handles up to `n` messages at once (default 1: one at a time, in the
+    /// stream's order); see [`InFlight`]. A message not acknowledged within
+    /// the ack wait is delivered again, so keep `n` handlers' time under it.
+    pub fn concurrency(mut self, n: NonZeroUsize) -> Self {
+        self.concurrency = n;
+        self
     }
 
     /// The delay before a failed message is delivered again (default 200 ms).
@@ -306,16 +317,20 @@ impl NatsConsumer {
             .messages()
             .await
             .map_err(|e| messages_failed(e.into()))?;
-        info!(subject = %self.spec.subject, "consumer started");
+        info!(subject = %self.spec.subject, concurrency = self.concurrency.get(), "consumer started");
+        let mut in_flight = InFlight::<NatsError>::new(self.concurrency);
         loop {
+            in_flight.ready().await?;
             let next = std::future::poll_fn(|cx| Pin::new(&mut messages).poll_next(cx));
             let message = tokio::select! {
                 m = next => m,
                 _ = stop.changed() => None,
             };
             let Some(message) = message else {
+                // what is in progress settles first
+                let settled = in_flight.drain().await;
                 info!(subject = %self.spec.subject, "consumer stopped");
-                return Ok(());
+                return settled;
             };
             let message = message.map_err(|e| messages_failed(e.into()))?;
             let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
@@ -339,43 +354,52 @@ impl NatsConsumer {
                     })
                     .unwrap_or_default(),
             };
-            match handler(incoming.clone()).await {
-                Ok(()) => message.ack().await.map_err(NatsError::Ack)?,
-                Err(e) if delivered >= self.max_deliveries => {
-                    warn!(error = %e, delivered, "handler failed for the last time; dead-lettering");
-                    let mut copy = jetstream::message::PublishMessage::build()
-                        .payload(incoming.payload.clone());
-                    if let Some(id) = &incoming.message_id {
-                        copy = copy.message_id(format!("{id}.dlq"));
-                    }
-                    for (name, value) in &incoming.headers {
-                        if !name.eq_ignore_ascii_case("Nats-Msg-Id") {
-                            copy = copy.header(name.as_str(), value.as_str());
+            let (handler, js, dead_letter_subject) = (
+                handler.clone(),
+                self.js.clone(),
+                self.spec.dead_letter_subject(),
+            );
+            let (max_deliveries, retry_delay) = (self.max_deliveries, self.retry_delay);
+            in_flight.spawn(async move {
+                match handler(incoming.clone()).await {
+                    Ok(()) => message.ack().await.map_err(NatsError::Ack)?,
+                    Err(e) if delivered >= max_deliveries => {
+                        warn!(error = %e, delivered, "handler failed for the last time; dead-lettering");
+                        let mut copy = jetstream::message::PublishMessage::build()
+                            .payload(incoming.payload.clone());
+                        if let Some(id) = &incoming.message_id {
+                            copy = copy.message_id(format!("{id}.dlq"));
                         }
+                        for (name, value) in &incoming.headers {
+                            if !name.eq_ignore_ascii_case("Nats-Msg-Id") {
+                                copy = copy.header(name.as_str(), value.as_str());
+                            }
+                        }
+                        let dead_letter_failed = |e: Source| NatsError::DeadLetter {
+                            subject: dead_letter_subject.clone(),
+                            source: e,
+                        };
+                        js
+                            .send_publish(dead_letter_subject.clone(), copy)
+                            .await
+                            .map_err(|e| dead_letter_failed(e.into()))?
+                            .await
+                            .map_err(|e| dead_letter_failed(e.into()))?;
+                        message
+                            .ack_with(AckKind::Term)
+                            .await
+                            .map_err(NatsError::Ack)?;
                     }
-                    let dead_letter_failed = |e: Source| NatsError::DeadLetter {
-                        subject: self.spec.dead_letter_subject(),
-                        source: e,
-                    };
-                    self.js
-                        .send_publish(self.spec.dead_letter_subject(), copy)
-                        .await
-                        .map_err(|e| dead_letter_failed(e.into()))?
-                        .await
-                        .map_err(|e| dead_letter_failed(e.into()))?;
-                    message
-                        .ack_with(AckKind::Term)
-                        .await
-                        .map_err(NatsError::Ack)?;
+                    Err(e) => {
+                        warn!(error = %e, delivered, "handler failed; retrying later");
+                        message
+                            .ack_with(AckKind::Nak(Some(retry_delay)))
+                            .await
+                            .map_err(NatsError::Ack)?;
+                    }
                 }
-                Err(e) => {
-                    warn!(error = %e, delivered, "handler failed; retrying later");
-                    message
-                        .ack_with(AckKind::Nak(Some(self.retry_delay)))
-                        .await
-                        .map_err(NatsError::Ack)?;
-                }
-            }
+                Ok(())
+            });
         }
     }
 }

@@ -102,6 +102,11 @@ impl Broker for Nats {
             Box::new(self.durable(Duration::from_secs(2)).await) as Box<dyn Consumer>
         })
     }
+    fn concurrent_consumer(&self, n: std::num::NonZeroUsize) -> BoxFuture<'_, Box<dyn Consumer>> {
+        Box::pin(async move {
+            Box::new(self.durable(Duration::from_secs(2)).await.concurrency(n)) as Box<dyn Consumer>
+        })
+    }
     fn dead_lettered(&self) -> BoxFuture<'_, u64> {
         Box::pin(async move {
             let Ok(stream) = self

@@ -72,3 +72,134 @@ pub trait Consumer: Send {
         stop: watch::Receiver<bool>,
     ) -> BoxFuture<'static, Result<(), ConsumeError>>;
 }
+
+/// The deliveries a consumer is handling at once, at most its concurrency:
+/// what each transport's consumer uses to run handlers side by side.
+///
+/// With a concurrency of 1 (every consumer's default) a delivery is
+/// settled before the next is taken, so a queue's order is kept. With more,
+/// up to that many handlers run at once and settle in whatever order they
+/// end: for effects whose order does not matter (an email per payment),
+/// where one transaction and one acknowledgement at a time would bound the
+/// consumer's rate.
+///
+/// ```
+/// # async fn f() -> Result<(), idem_outbox::consumer::ConsumeError> {
+/// use std::num::NonZeroUsize;
+/// use idem_outbox::consumer::InFlight;
+/// let mut in_flight = InFlight::new(NonZeroUsize::new(4).unwrap_or(NonZeroUsize::MIN));
+/// for n in 0..10 {
+///     in_flight.ready().await?; // fewer than 4 running
+///     in_flight.spawn(async move { let _ = n; Ok::<(), idem_outbox::consumer::ConsumeError>(()) });
+/// }
+/// in_flight.drain().await?; // every one settled
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct InFlight<E> {
+    tasks: tokio::task::JoinSet<Result<(), E>>,
+    limit: usize,
+}
+
+impl<E: Send + 'static> InFlight<E> {
+    /// At most `limit` at once.
+    pub fn new(limit: std::num::NonZeroUsize) -> Self {
+        Self {
+            tasks: tokio::task::JoinSet::new(),
+            limit: limit.get(),
+        }
+    }
+
+    /// Waits until fewer than the limit run; the first error of those that
+    /// ended is returned (the others keep running).
+    pub async fn ready(&mut self) -> Result<(), E> {
+        while let Some(done) = self.tasks.try_join_next() {
+            settled(done)?;
+        }
+        while self.tasks.len() >= self.limit {
+            match self.tasks.join_next().await {
+                Some(done) => settled(done)?,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `settle` (a handler and its acknowledgement) beside the others.
+    /// Call [`InFlight::ready`] first to keep to the limit.
+    pub fn spawn<F>(&mut self, settle: F)
+    where
+        F: Future<Output = Result<(), E>> + Send + 'static,
+    {
+        self.tasks.spawn(settle);
+    }
+
+    /// Waits for every one running to end (on stop: each settles before the
+    /// consumer returns); the first error is returned after all ended.
+    pub async fn drain(&mut self) -> Result<(), E> {
+        let mut first = Ok(());
+        while let Some(done) = self.tasks.join_next().await {
+            if let Err(e) = settled(done) {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+}
+
+/// A settled delivery's result; a handler that panicked panics here, in the
+/// consumer, as it would have run in line.
+fn settled<E>(done: Result<Result<(), E>, tokio::task::JoinError>) -> Result<(), E> {
+    match done {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Aborted only when the set is dropped, and then nobody asks.
+        Err(_) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use std::num::NonZeroUsize;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn never_more_than_the_limit_and_the_first_error_comes_back() {
+        let mut in_flight = InFlight::<String>::new(NonZeroUsize::new(3).unwrap());
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        for i in 0..12 {
+            in_flight.ready().await.unwrap();
+            let (running, most) = (running.clone(), most.clone());
+            in_flight.spawn(async move {
+                most.fetch_max(running.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(5 + i % 3)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok(())
+            });
+        }
+        in_flight.drain().await.unwrap();
+        assert_eq!(most.load(Ordering::SeqCst), 3);
+        assert_eq!(running.load(Ordering::SeqCst), 0);
+
+        in_flight.spawn(async { Err("first".to_owned()) });
+        in_flight.spawn(async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Err("second".to_owned())
+        });
+        assert_eq!(in_flight.drain().await, Err("first".to_owned()));
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a handler panicked")]
+    async fn a_panic_in_a_handler_panics_in_the_consumer() {
+        let mut in_flight = InFlight::<String>::new(NonZeroUsize::MIN);
+        in_flight.spawn(async { panic!("a handler panicked") });
+        let _ = in_flight.drain().await;
+    }
+}

@@ -6,6 +6,7 @@
 //! again, and the inbox absorbs the repeat. At-least-once, like a broker.
 
 use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use idem_core::BoxFuture;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::warn;
 
-use crate::consumer::{ConsumeError, Consumer, Delivery, Handler};
+use crate::consumer::{ConsumeError, Consumer, Delivery, Handler, InFlight};
 use crate::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
 
 /// A message handed to an in-process subscriber, to acknowledge or fail.
@@ -143,6 +144,7 @@ impl InProcess {
         InProcessConsumer {
             destination: destination.to_owned(),
             rx: self.subscribe(destination),
+            concurrency: NonZeroUsize::MIN,
         }
     }
 }
@@ -154,21 +156,37 @@ impl InProcess {
 pub struct InProcessConsumer {
     destination: String,
     rx: mpsc::UnboundedReceiver<InProcessDelivery>,
+    concurrency: NonZeroUsize,
+}
+
+impl InProcessConsumer {
+    /// Handles up to `n` deliveries at once (default 1: one at a time, in
+    /// order); see [`InFlight`].
+    pub fn concurrency(mut self, n: NonZeroUsize) -> Self {
+        self.concurrency = n;
+        self
+    }
 }
 
 impl Consumer for InProcessConsumer {
+    /// Runs `handler` on each delivery, up to the concurrency at once; on
+    /// stop, the deliveries in progress finish and are settled first.
     fn consume(
         mut self: Box<Self>,
         handler: Handler,
         mut stop: watch::Receiver<bool>,
     ) -> BoxFuture<'static, Result<(), ConsumeError>> {
         Box::pin(async move {
+            let mut in_flight = InFlight::<ConsumeError>::new(self.concurrency);
             loop {
+                in_flight.ready().await?;
                 let next = tokio::select! {
                     d = self.rx.recv() => d,
                     _ = stop.changed() => None,
                 };
-                let Some(delivery) = next else { return Ok(()) };
+                let Some(delivery) = next else {
+                    return in_flight.drain().await;
+                };
                 let m = &delivery.message;
                 let seen = Delivery {
                     message_id: Some(m.message_id.clone()),
@@ -176,14 +194,119 @@ impl Consumer for InProcessConsumer {
                     headers: m.headers.clone(),
                     redelivered: false,
                 };
-                match handler(seen).await {
-                    Ok(()) => delivery.ack(),
-                    Err(e) => {
-                        warn!(destination = %self.destination, message_id = %m.message_id, error = %e, "handler failed; the relay will retry");
-                        delivery.fail(e.to_string());
+                let (handler, destination) = (handler.clone(), self.destination.clone());
+                in_flight.spawn(async move {
+                    match handler(seen).await {
+                        Ok(()) => delivery.ack(),
+                        Err(e) => {
+                            warn!(%destination, message_id = %delivery.message.message_id, error = %e, "handler failed; the relay will retry");
+                            delivery.fail(e.to_string());
+                        }
                     }
-                }
+                    Ok(())
+                });
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::consumer::handler;
+
+    fn batch(destination: &str, n: usize) -> Vec<OutgoingMessage> {
+        (0..n)
+            .map(|i| OutgoingMessage {
+                message_id: format!("m-{i}"),
+                destination: destination.to_owned(),
+                ordering_key: None,
+                payload: Bytes::from_static(b"{}"),
+                headers: vec![],
+            })
+            .collect()
+    }
+
+    /// Runs a consumer of "d" on `transport` with `on_message`, publishes
+    /// `n` messages and returns how many were acknowledged.
+    async fn run(
+        transport: Arc<InProcess>,
+        consumer: InProcessConsumer,
+        n: usize,
+        on_message: Handler,
+    ) -> usize {
+        let (stop_tx, stop) = watch::channel(false);
+        let task = tokio::spawn(Box::new(consumer).consume(on_message, stop));
+        let published =
+            tokio::time::timeout(Duration::from_secs(20), transport.publish(&batch("d", n)))
+                .await
+                .expect("every delivery settles");
+        stop_tx.send(true).unwrap();
+        task.await.unwrap().unwrap();
+        (0..n)
+            .filter(|i| published.confirmed(&format!("m-{i}")))
+            .count()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn by_default_one_delivery_at_a_time() {
+        let transport = Arc::new(InProcess::new().ack_timeout(Duration::from_secs(20)));
+        let consumer = transport.consumer("d");
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (r, m) = (running.clone(), most.clone());
+        let on_message = handler(move |_d: Delivery| {
+            let (running, most) = (r.clone(), m.clone());
+            async move {
+                most.fetch_max(running.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok(())
+            }
+        });
+        assert_eq!(run(transport, consumer, 5, on_message).await, 5);
+        assert_eq!(most.load(Ordering::SeqCst), 1);
+    }
+
+    /// Each handler waits until all N have started: only a consumer that
+    /// runs N at once gets through.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn with_a_concurrency_of_n_n_deliveries_at_once() {
+        const N: usize = 5;
+        let transport = Arc::new(InProcess::new().ack_timeout(Duration::from_secs(20)));
+        let consumer = transport
+            .consumer("d")
+            .concurrency(NonZeroUsize::new(N).unwrap());
+        let all = Arc::new(tokio::sync::Barrier::new(N));
+        let on_message = handler(move |_d: Delivery| {
+            let all = all.clone();
+            async move {
+                all.wait().await;
+                Ok(())
+            }
+        });
+        assert_eq!(run(transport, consumer, N, on_message).await, N);
+    }
+
+    /// A failed handler's delivery goes back to the relay; the others are
+    /// acknowledged.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failure_is_the_failed_delivery_alone() {
+        let transport = Arc::new(InProcess::new().ack_timeout(Duration::from_secs(20)));
+        let consumer = transport
+            .consumer("d")
+            .concurrency(NonZeroUsize::new(3).unwrap());
+        let on_message = handler(move |d: Delivery| async move {
+            if d.message_id.as_deref() == Some("m-1") {
+                return Err("no".into());
+            }
+            Ok(())
+        });
+        assert_eq!(run(transport, consumer, 4, on_message).await, 3);
     }
 }

@@ -25,12 +25,13 @@
 //! # let _ = (Arc::new(publisher), consumer); Ok(()) }
 //! ```
 
+use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::task::Poll;
 
 use futures_core::Stream;
 use idem_core::BoxFuture;
-use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler};
+use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler, InFlight};
 use idem_outbox::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
@@ -263,6 +264,7 @@ pub struct RabbitConsumer {
     _connection: Connection,
     channel: Channel,
     spec: QueueSpec,
+    concurrency: NonZeroUsize,
 }
 
 impl RabbitConsumer {
@@ -278,7 +280,17 @@ impl RabbitConsumer {
             _connection: connection,
             channel,
             spec,
+            concurrency: NonZeroUsize::MIN,
         })
+    }
+
+    /// Handles up to `n` deliveries at once (default 1: one at a time, in
+    /// the queue's order); see [`InFlight`]. The broker hands over at most
+    /// the prefetch window unacknowledged, so a concurrency above it waits
+    /// on the broker.
+    pub fn concurrency(mut self, n: NonZeroUsize) -> Self {
+        self.concurrency = n;
+        self
     }
 
     /// What [`Consumer::consume`] runs.
@@ -296,8 +308,10 @@ impl RabbitConsumer {
                 FieldTable::default(),
             )
             .await?;
-        info!(queue = %self.spec.name, "consumer started");
+        info!(queue = %self.spec.name, concurrency = self.concurrency.get(), "consumer started");
+        let mut in_flight = InFlight::<RabbitError>::new(self.concurrency);
         loop {
+            in_flight.ready().await?;
             let next = std::future::poll_fn(|cx| match Pin::new(&mut consumer).poll_next(cx) {
                 Poll::Ready(item) => Poll::Ready(item),
                 Poll::Pending => Poll::Pending,
@@ -307,8 +321,10 @@ impl RabbitConsumer {
                 _ = stop.changed() => None,
             };
             let Some(delivery) = delivery else {
+                // what is in progress settles first
+                let settled = in_flight.drain().await;
                 info!(queue = %self.spec.name, "consumer stopped");
-                return Ok(());
+                return settled;
             };
             let delivery = delivery?;
             let incoming = Delivery {
@@ -321,22 +337,26 @@ impl RabbitConsumer {
                 redelivered: delivery.redelivered,
                 headers: text_headers(delivery.properties.headers().as_ref()),
             };
-            match handler(incoming).await {
-                Ok(()) => {
-                    delivery.acker.ack(BasicAckOptions::default()).await?;
+            let (handler, queue) = (handler.clone(), self.spec.name.clone());
+            in_flight.spawn(async move {
+                match handler(incoming).await {
+                    Ok(()) => {
+                        delivery.acker.ack(BasicAckOptions::default()).await?;
+                    }
+                    Err(e) => {
+                        warn!(%queue, error = %e, "handler failed; requeueing");
+                        delivery
+                            .acker
+                            .nack(BasicNackOptions {
+                                requeue: true,
+                                ..BasicNackOptions::default()
+                            })
+                            .await?;
+                    }
                 }
-                Err(e) => {
-                    warn!(queue = %self.spec.name, error = %e, "handler failed; requeueing");
-                    delivery
-                        .acker
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..BasicNackOptions::default()
-                        })
-                        .await?;
-                }
-            }
-            debug!(queue = %self.spec.name, "delivery settled");
+                debug!(%queue, "delivery settled");
+                Ok(())
+            });
         }
     }
 }

@@ -90,6 +90,15 @@ impl Broker for Rabbit {
             Box::new(c) as Box<dyn Consumer>
         })
     }
+    fn concurrent_consumer(&self, n: std::num::NonZeroUsize) -> BoxFuture<'_, Box<dyn Consumer>> {
+        Box::pin(async move {
+            let c = RabbitConsumer::connect(&amqp(), self.spec.clone(), 50)
+                .await
+                .unwrap()
+                .concurrency(n);
+            Box::new(c) as Box<dyn Consumer>
+        })
+    }
     fn dead_lettered(&self) -> BoxFuture<'_, u64> {
         Box::pin(async move {
             let passive = QueueDeclareOptions {

@@ -5,6 +5,7 @@
 //! cases with [`broker_suite!`](crate::broker_suite).
 
 use std::collections::HashSet;
+use std::num::NonZeroUsize;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,6 +33,9 @@ pub trait Broker: Send + Sync + 'static {
     /// A consumer of the destination, on a connection of its own (several
     /// share the destination's deliveries).
     fn consumer(&self) -> BoxFuture<'_, Box<dyn Consumer>>;
+    /// A consumer like [`Broker::consumer`] that handles up to `n`
+    /// deliveries at once.
+    fn concurrent_consumer(&self, n: NonZeroUsize) -> BoxFuture<'_, Box<dyn Consumer>>;
     /// How many messages the dead-letter destination holds.
     fn dead_lettered(&self) -> BoxFuture<'_, u64>;
 }
@@ -49,7 +53,10 @@ macro_rules! broker_suite {
             a_message_published_twice_acts_once,
             two_relays_move_ten_thousand_messages_none_lost,
             a_poison_message_is_dead_lettered_without_blocking_the_rest,
-            the_consumer_hands_over_id_body_and_headers
+            the_consumer_hands_over_id_body_and_headers,
+            a_consumer_handles_one_delivery_at_a_time_in_order_by_default,
+            a_consumer_handles_as_many_deliveries_at_once_as_its_concurrency,
+            on_stop_the_deliveries_in_progress_settle_first
         );
     };
     (@cases $make:expr; $($case:ident),* $(,)?) => {
@@ -386,4 +393,164 @@ where
     assert!(!d.redelivered);
     stop_tx.send(true).unwrap_or(());
     task.await.unwrap().unwrap();
+}
+
+/// Publishes `ids` in one batch and checks the broker confirmed each.
+async fn publish_all<B: Broker>(b: &B, ids: &[String]) {
+    let batch: Vec<OutgoingMessage> = ids.iter().map(|id| message(id, b.destination())).collect();
+    let published = b.publisher().await.publish(&batch).await;
+    for id in ids {
+        assert!(published.confirmed(id), "{id} confirmed");
+    }
+}
+
+/// Receives `n` message ids from `rx`, waiting at most 20 s in all.
+async fn receive(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Option<String>>,
+    n: usize,
+) -> Vec<String> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while got.len() < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, rx.recv()).await {
+            Ok(Some(id)) => got.push(id.unwrap_or_default()),
+            _ => panic!("{} of {n} deliveries handled in 20 s: {got:?}", got.len()),
+        }
+    }
+    got
+}
+
+/// By default a consumer settles each delivery before it takes the next:
+/// never two handlers at once, and the destination's order kept.
+pub async fn a_consumer_handles_one_delivery_at_a_time_in_order_by_default<B, F, Fut>(make: F)
+where
+    B: Broker,
+    F: FnOnce(u32) -> Fut,
+    Fut: std::future::Future<Output = B>,
+{
+    let b = make(5).await;
+    let ids: Vec<String> = (0..5).map(|i| format!("o-{i}")).collect();
+    publish_all(&b, &ids).await;
+    let consumer = b.consumer().await;
+    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (stop_tx, stop) = watch::channel(false);
+    let (r, m) = (running.clone(), most.clone());
+    let on_message = handler(move |d: Delivery| {
+        let (running, most, tx) = (r.clone(), m.clone(), tx.clone());
+        async move {
+            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(now, Ordering::SeqCst);
+            // long enough for a second delivery to start, were it allowed
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            running.fetch_sub(1, Ordering::SeqCst);
+            let _ = tx.send(d.message_id);
+            Ok(())
+        }
+    });
+    let task = tokio::spawn(consumer.consume(on_message, stop));
+    let got = receive(&mut rx, ids.len()).await;
+    assert_eq!(got, ids, "in the order published");
+    assert_eq!(most.load(Ordering::SeqCst), 1, "one handler at a time");
+    stop_tx.send(true).unwrap_or(());
+    task.await.unwrap().unwrap();
+}
+
+/// With a concurrency of N, N deliveries are in their handlers at once:
+/// each handler waits until all N have started, which one at a time would
+/// never happen.
+pub async fn a_consumer_handles_as_many_deliveries_at_once_as_its_concurrency<B, F, Fut>(make: F)
+where
+    B: Broker,
+    F: FnOnce(u32) -> Fut,
+    Fut: std::future::Future<Output = B>,
+{
+    const N: usize = 6;
+    let b = make(5).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("c-{i}")).collect();
+    publish_all(&b, &ids).await;
+    let consumer = b
+        .concurrent_consumer(NonZeroUsize::new(N).unwrap_or(NonZeroUsize::MIN))
+        .await;
+    let all_started = Arc::new(tokio::sync::Barrier::new(N));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (stop_tx, stop) = watch::channel(false);
+    let on_message = handler(move |d: Delivery| {
+        let (all_started, tx) = (all_started.clone(), tx.clone());
+        async move {
+            all_started.wait().await;
+            let _ = tx.send(d.message_id);
+            Ok(())
+        }
+    });
+    let task = tokio::spawn(consumer.consume(on_message, stop));
+    let mut got = receive(&mut rx, N).await;
+    got.sort();
+    assert_eq!(got, ids);
+    stop_tx.send(true).unwrap_or(());
+    task.await.unwrap().unwrap();
+}
+
+/// A consumer told to stop while deliveries are in their handlers returns
+/// only once each has finished and been acknowledged: none comes back.
+pub async fn on_stop_the_deliveries_in_progress_settle_first<B, F, Fut>(make: F)
+where
+    B: Broker,
+    F: FnOnce(u32) -> Fut,
+    Fut: std::future::Future<Output = B>,
+{
+    const N: usize = 4;
+    let b = make(5).await;
+    let ids: Vec<String> = (0..N).map(|i| format!("s-{i}")).collect();
+    publish_all(&b, &ids).await;
+    let consumer = b
+        .concurrent_consumer(NonZeroUsize::new(N).unwrap_or(NonZeroUsize::MIN))
+        .await;
+    // the test waits with the handlers until all are in progress
+    let all_started = Arc::new(tokio::sync::Barrier::new(N + 1));
+    let (open, gate) = watch::channel(false);
+    let seen = Arc::new(Seen::default());
+    let pool = b.pool().clone();
+    let (stop_tx, stop) = watch::channel(false);
+    let (started, effects_seen) = (all_started.clone(), seen.clone());
+    let on_message = handler(move |d: Delivery| {
+        let (started, mut gate, pool, seen) = (
+            started.clone(),
+            gate.clone(),
+            pool.clone(),
+            effects_seen.clone(),
+        );
+        async move {
+            started.wait().await;
+            let _ = gate.wait_for(|open| *open).await;
+            record_effect(&pool, &seen, d.message_id, Duration::ZERO, None).await?;
+            Ok(())
+        }
+    });
+    let task = tokio::spawn(consumer.consume(on_message, stop));
+    tokio::time::timeout(Duration::from_secs(20), all_started.wait())
+        .await
+        .unwrap_or_else(|_| panic!("{N} deliveries in progress at once"));
+    stop_tx.send(true).unwrap_or(());
+    open.send(true).unwrap_or(());
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .unwrap_or_else(|_| panic!("the consumer stops once its deliveries settled"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(effects(b.pool()).await, N as i64);
+    // Nothing was left unacknowledged: a new consumer is handed nothing,
+    // past the redelivery time of an unacknowledged message.
+    let again = Arc::new(Seen::default());
+    let (stop_again, task_again) = consume(&b, again.clone(), false, None).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(
+        again.deliveries.load(Ordering::SeqCst),
+        0,
+        "nothing redelivered"
+    );
+    stop_again.send(true).unwrap_or(());
+    task_again.await.unwrap_or(());
 }
