@@ -327,12 +327,21 @@ impl NatsConsumer {
                 _ = stop.changed() => None,
             };
             let Some(message) = message else {
-                // what is in progress settles first
+                // what is in progress settles first; an ack is sent
+                // without waiting for a reply, so the connection is flushed
+                // before it may close with acks still in its buffer
                 let settled = in_flight.drain().await;
+                if let Err(e) = self.js.client().flush().await {
+                    warn!(subject = %self.spec.subject, error = %e, "acks not flushed; their messages come again");
+                }
                 info!(subject = %self.spec.subject, "consumer stopped");
                 return settled;
             };
-            let message = message.map_err(|e| messages_failed(e.into()))?;
+            let message = match message {
+                Ok(message) => message,
+                // the transport failed: what is in progress settles first
+                Err(e) => return in_flight.fail(messages_failed(e.into())).await,
+            };
             let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
             let incoming = Delivery {
                 message_id: message

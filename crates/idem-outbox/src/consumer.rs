@@ -110,19 +110,24 @@ impl<E: Send + 'static> InFlight<E> {
         }
     }
 
-    /// Waits until fewer than the limit run; the first error of those that
-    /// ended is returned (the others keep running).
+    /// Waits until fewer than the limit run. If one of those that ended
+    /// failed, the others are waited for first (each settles), and then the
+    /// error is returned: the consumer stops with nothing half-done.
     pub async fn ready(&mut self) -> Result<(), E> {
-        while let Some(done) = self.tasks.try_join_next() {
-            settled(done)?;
-        }
-        while self.tasks.len() >= self.limit {
-            match self.tasks.join_next().await {
-                Some(done) => settled(done)?,
-                None => break,
+        loop {
+            let done = if self.tasks.len() >= self.limit {
+                self.tasks.join_next().await
+            } else {
+                self.tasks.try_join_next()
+            };
+            let Some(done) = done else {
+                return Ok(());
+            };
+            if let Err(failure) = outcome(done) {
+                let _ = self.drain().await;
+                return failure.raise();
             }
         }
-        Ok(())
     }
 
     /// Runs `settle` (a handler and its acknowledgement) beside the others.
@@ -135,28 +140,57 @@ impl<E: Send + 'static> InFlight<E> {
     }
 
     /// Waits for every one running to end (on stop: each settles before the
-    /// consumer returns); the first error is returned after all ended.
+    /// consumer returns); the first error is returned after all ended, and a
+    /// handler that panicked panics here once the others ended.
     pub async fn drain(&mut self) -> Result<(), E> {
-        let mut first = Ok(());
+        let mut first: Option<Failure<E>> = None;
         while let Some(done) = self.tasks.join_next().await {
-            if let Err(e) = settled(done) {
-                if first.is_ok() {
-                    first = Err(e);
+            if let Err(failure) = outcome(done) {
+                // a panic outranks an error
+                if first.is_none() || matches!(failure, Failure::Panic(_)) {
+                    first = Some(failure);
                 }
             }
         }
-        first
+        match first {
+            Some(failure) => failure.raise(),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for every one running to settle, then returns `error`: for a
+    /// consumer whose transport failed.
+    pub async fn fail<T>(&mut self, error: E) -> Result<T, E> {
+        let _ = self.drain().await;
+        Err(error)
     }
 }
 
-/// A settled delivery's result; a handler that panicked panics here, in the
-/// consumer, as it would have run in line.
-fn settled<E>(done: Result<Result<(), E>, tokio::task::JoinError>) -> Result<(), E> {
+/// How a delivery's task ended badly.
+enum Failure<E> {
+    Error(E),
+    Panic(Box<dyn std::any::Any + Send>),
+}
+
+impl<E> Failure<E> {
+    /// The error, or the handler's panic resumed here, as if it had run in
+    /// line.
+    fn raise<T>(self) -> Result<T, E> {
+        match self {
+            Failure::Error(e) => Err(e),
+            Failure::Panic(payload) => std::panic::resume_unwind(payload),
+        }
+    }
+}
+
+fn outcome<E>(done: Result<Result<(), E>, tokio::task::JoinError>) -> Result<(), Failure<E>> {
     match done {
-        Ok(result) => result,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        // Aborted only when the set is dropped, and then nobody asks.
-        Err(_) => Ok(()),
+        Ok(result) => result.map_err(Failure::Error),
+        Err(e) => match e.try_into_panic() {
+            Ok(payload) => Err(Failure::Panic(payload)),
+            // Aborted only when the set is dropped, and then nobody asks.
+            Err(_) => Ok(()),
+        },
     }
 }
 
@@ -193,6 +227,26 @@ mod tests {
             Err("second".to_owned())
         });
         assert_eq!(in_flight.drain().await, Err("first".to_owned()));
+    }
+
+    /// A failure stops the consumer only once the others have settled.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failure_waits_for_the_others_to_settle() {
+        let mut in_flight = InFlight::<String>::new(NonZeroUsize::new(2).unwrap());
+        let settled = Arc::new(AtomicUsize::new(0));
+        let s = settled.clone();
+        in_flight.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            s.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        });
+        in_flight.spawn(async { Err("failed".to_owned()) });
+        assert_eq!(in_flight.ready().await, Err("failed".to_owned()));
+        assert_eq!(settled.load(Ordering::SeqCst), 1, "the other settled first");
+        assert_eq!(
+            in_flight.fail::<()>("transport".to_owned()).await,
+            Err("transport".to_owned())
+        );
     }
 
     #[tokio::test]

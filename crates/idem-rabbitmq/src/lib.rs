@@ -326,7 +326,11 @@ impl RabbitConsumer {
                 info!(queue = %self.spec.name, "consumer stopped");
                 return settled;
             };
-            let delivery = delivery?;
+            let delivery = match delivery {
+                Ok(delivery) => delivery,
+                // the transport failed: what is in progress settles first
+                Err(e) => return in_flight.fail(e.into()).await,
+            };
             let incoming = Delivery {
                 message_id: delivery
                     .properties

@@ -362,6 +362,24 @@ impl RedisStore {
     /// one that runs the scripts), so the clock is the one they read. A
     /// record an earlier idem wrote as a hash is read with `HGETALL`.
     async fn fetch_key(&self, key: &str) -> Result<(Option<Record>, UnixMillis), StoreError> {
+        // A hash can be rewritten as one value between the two reads: then
+        // the value is read again (a value never turns back into a hash).
+        match self.fetch_value(key).await? {
+            Some(found) => Ok(found),
+            None => match self.fetch_hash(key).await? {
+                Some(found) => Ok(found),
+                None => self.fetch_value(key).await?.ok_or_else(|| {
+                    StoreError::Corrupt("a record is neither a value nor a hash".into())
+                }),
+            },
+        }
+    }
+
+    /// `GET` and `TIME`; `None` if the key holds a hash.
+    async fn fetch_value(
+        &self,
+        key: &str,
+    ) -> Result<Option<(Option<Record>, UnixMillis)>, StoreError> {
         let mut pipe = redis::pipe();
         // errors come back in place, so that a hash's WRONGTYPE is told
         // apart from a failure
@@ -380,22 +398,34 @@ impl RedisStore {
         };
         let now = redis_time(&time)?;
         match value {
-            Value::Nil => Ok((None, now)),
-            Value::BulkString(b) => Ok((Some(value::decode(&b)?), now)),
-            Value::ServerError(e) if e.code() == "WRONGTYPE" => self.fetch_hash(key).await,
+            Value::Nil => Ok(Some((None, now))),
+            Value::BulkString(b) => Ok(Some((Some(value::decode(&b)?), now))),
+            Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(None),
             Value::ServerError(e) => Err(store_error(e.into())),
             _ => Err(StoreError::Corrupt("unexpected reply to GET".into())),
         }
     }
 
     /// [`Self::fetch_key`] for a record in the layout before one value: a
-    /// hash, read whole.
-    async fn fetch_hash(&self, key: &str) -> Result<(Option<Record>, UnixMillis), StoreError> {
+    /// hash, read whole; `None` if the key holds a value by now.
+    async fn fetch_hash(
+        &self,
+        key: &str,
+    ) -> Result<Option<(Option<Record>, UnixMillis)>, StoreError> {
         let mut pipe = redis::pipe();
-        pipe.cmd("HGETALL").arg(key).cmd("TIME");
+        pipe.cmd("HGETALL").arg(key).cmd("TIME").ignore_errors();
         let mut conn = self.conn.clone();
-        let (fields, time): (Value, Value) =
-            pipe.query_async(&mut conn).await.map_err(store_error)?;
+        let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
+        let Value::Array(mut replies) = reply else {
+            return Err(StoreError::Corrupt(
+                "unexpected reply to HGETALL and TIME".into(),
+            ));
+        };
+        let (Some(time), Some(fields)) = (replies.pop(), replies.pop()) else {
+            return Err(StoreError::Corrupt(
+                "unexpected reply to HGETALL and TIME".into(),
+            ));
+        };
         let now = redis_time(&time)?;
         let record = match fields {
             Value::Array(fields) if fields.is_empty() => None,
@@ -406,9 +436,11 @@ impl RedisStore {
                 Some(decode(&flat)?)
             }
             Value::Nil => None,
+            Value::ServerError(e) if e.code() == "WRONGTYPE" => return Ok(None),
+            Value::ServerError(e) => return Err(store_error(e.into())),
             _ => return Err(StoreError::Corrupt("unexpected reply to HGETALL".into())),
         };
-        Ok((record, now))
+        Ok(Some((record, now)))
     }
 
     /// Caches a completed record until it expires (tiered mode). Never

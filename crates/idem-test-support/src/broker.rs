@@ -458,9 +458,9 @@ where
     task.await.unwrap().unwrap();
 }
 
-/// With a concurrency of N, N deliveries are in their handlers at once:
-/// each handler waits until all N have started, which one at a time would
-/// never happen.
+/// With a concurrency of N, N deliveries are in their handlers at once,
+/// and never more: of 2N messages, each handler waits until N have started
+/// (which one at a time would never reach), and no more than N run.
 pub async fn a_consumer_handles_as_many_deliveries_at_once_as_its_concurrency<B, F, Fut>(make: F)
 where
     B: Broker,
@@ -469,26 +469,37 @@ where
 {
     const N: usize = 6;
     let b = make(5).await;
-    let ids: Vec<String> = (0..N).map(|i| format!("c-{i}")).collect();
+    let ids: Vec<String> = (0..2 * N).map(|i| format!("c-{i:02}")).collect();
     publish_all(&b, &ids).await;
     let consumer = b
         .concurrent_consumer(NonZeroUsize::new(N).unwrap_or(NonZeroUsize::MIN))
         .await;
     let all_started = Arc::new(tokio::sync::Barrier::new(N));
+    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let (stop_tx, stop) = watch::channel(false);
+    let (r, m) = (running.clone(), most.clone());
     let on_message = handler(move |d: Delivery| {
-        let (all_started, tx) = (all_started.clone(), tx.clone());
+        let (all_started, tx, running, most) =
+            (all_started.clone(), tx.clone(), r.clone(), m.clone());
         async move {
+            most.fetch_max(running.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
             all_started.wait().await;
+            running.fetch_sub(1, Ordering::SeqCst);
             let _ = tx.send(d.message_id);
             Ok(())
         }
     });
     let task = tokio::spawn(consumer.consume(on_message, stop));
-    let mut got = receive(&mut rx, N).await;
+    let mut got = receive(&mut rx, 2 * N).await;
     got.sort();
     assert_eq!(got, ids);
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        N,
+        "never more than the concurrency"
+    );
     stop_tx.send(true).unwrap_or(());
     task.await.unwrap().unwrap();
 }
@@ -505,8 +516,10 @@ where
     let b = make(5).await;
     let ids: Vec<String> = (0..N).map(|i| format!("s-{i}")).collect();
     publish_all(&b, &ids).await;
+    // room for one more, so the consumer waits on its next delivery (and
+    // sees the stop) rather than on a free place
     let consumer = b
-        .concurrent_consumer(NonZeroUsize::new(N).unwrap_or(NonZeroUsize::MIN))
+        .concurrent_consumer(NonZeroUsize::new(N + 1).unwrap_or(NonZeroUsize::MIN))
         .await;
     // the test waits with the handlers until all are in progress
     let all_started = Arc::new(tokio::sync::Barrier::new(N + 1));
@@ -534,6 +547,8 @@ where
         .await
         .unwrap_or_else(|_| panic!("{N} deliveries in progress at once"));
     stop_tx.send(true).unwrap_or(());
+    // the consumer has seen the stop; its handlers are still waiting
+    tokio::time::sleep(Duration::from_millis(200)).await;
     open.send(true).unwrap_or(());
     tokio::time::timeout(Duration::from_secs(20), task)
         .await
