@@ -375,28 +375,34 @@ impl RedisStore {
         }
     }
 
+    /// `read` (a command on `key`) and `TIME` in one pipeline, errors kept
+    /// in place (so that a WRONGTYPE is told apart from a failure): the
+    /// read's reply and Redis's clock.
+    async fn read_with_time(
+        &self,
+        read: &str,
+        key: &str,
+    ) -> Result<(Value, UnixMillis), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd(read).arg(key).cmd("TIME").ignore_errors();
+        let mut conn = self.conn.clone();
+        let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
+        let unexpected = || StoreError::Corrupt(format!("unexpected reply to {read} and TIME"));
+        let Value::Array(mut replies) = reply else {
+            return Err(unexpected());
+        };
+        let (Some(time), Some(value)) = (replies.pop(), replies.pop()) else {
+            return Err(unexpected());
+        };
+        Ok((value, redis_time(&time)?))
+    }
+
     /// `GET` and `TIME`; `None` if the key holds a hash.
     async fn fetch_value(
         &self,
         key: &str,
     ) -> Result<Option<(Option<Record>, UnixMillis)>, StoreError> {
-        let mut pipe = redis::pipe();
-        // errors come back in place, so that a hash's WRONGTYPE is told
-        // apart from a failure
-        pipe.cmd("GET").arg(key).cmd("TIME").ignore_errors();
-        let mut conn = self.conn.clone();
-        let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
-        let Value::Array(mut replies) = reply else {
-            return Err(StoreError::Corrupt(
-                "unexpected reply to GET and TIME".into(),
-            ));
-        };
-        let (Some(time), Some(value)) = (replies.pop(), replies.pop()) else {
-            return Err(StoreError::Corrupt(
-                "unexpected reply to GET and TIME".into(),
-            ));
-        };
-        let now = redis_time(&time)?;
+        let (value, now) = self.read_with_time("GET", key).await?;
         match value {
             Value::Nil => Ok(Some((None, now))),
             Value::BulkString(b) => Ok(Some((Some(value::decode(&b)?), now))),
@@ -412,21 +418,7 @@ impl RedisStore {
         &self,
         key: &str,
     ) -> Result<Option<(Option<Record>, UnixMillis)>, StoreError> {
-        let mut pipe = redis::pipe();
-        pipe.cmd("HGETALL").arg(key).cmd("TIME").ignore_errors();
-        let mut conn = self.conn.clone();
-        let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
-        let Value::Array(mut replies) = reply else {
-            return Err(StoreError::Corrupt(
-                "unexpected reply to HGETALL and TIME".into(),
-            ));
-        };
-        let (Some(time), Some(fields)) = (replies.pop(), replies.pop()) else {
-            return Err(StoreError::Corrupt(
-                "unexpected reply to HGETALL and TIME".into(),
-            ));
-        };
-        let now = redis_time(&time)?;
+        let (fields, now) = self.read_with_time("HGETALL", key).await?;
         let record = match fields {
             Value::Array(fields) if fields.is_empty() => None,
             Value::Array(fields) => Some(decode(&fields)?),

@@ -421,6 +421,28 @@ async fn receive(
     got
 }
 
+/// Counts the handlers running at once, and the most seen.
+#[derive(Default)]
+struct Overlap {
+    running: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+impl Overlap {
+    /// Runs `work` counted as one handler running.
+    async fn during<T>(&self, work: impl std::future::Future<Output = T>) -> T {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        let out = work.await;
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        out
+    }
+
+    fn most(&self) -> usize {
+        self.most.load(Ordering::SeqCst)
+    }
+}
+
 /// By default a consumer settles each delivery before it takes the next:
 /// never two handlers at once, and the destination's order kept.
 pub async fn a_consumer_handles_one_delivery_at_a_time_in_order_by_default<B, F, Fut>(make: F)
@@ -433,19 +455,17 @@ where
     let ids: Vec<String> = (0..5).map(|i| format!("o-{i}")).collect();
     publish_all(&b, &ids).await;
     let consumer = b.consumer().await;
-    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let overlap = Arc::new(Overlap::default());
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let (stop_tx, stop) = watch::channel(false);
-    let (r, m) = (running.clone(), most.clone());
+    let o = overlap.clone();
     let on_message = handler(move |d: Delivery| {
-        let (running, most, tx) = (r.clone(), m.clone(), tx.clone());
+        let (overlap, tx) = (o.clone(), tx.clone());
         async move {
-            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
-            most.fetch_max(now, Ordering::SeqCst);
             // long enough for a second delivery to start, were it allowed
-            tokio::time::sleep(Duration::from_millis(30)).await;
-            running.fetch_sub(1, Ordering::SeqCst);
+            overlap
+                .during(tokio::time::sleep(Duration::from_millis(30)))
+                .await;
             let _ = tx.send(d.message_id);
             Ok(())
         }
@@ -453,7 +473,7 @@ where
     let task = tokio::spawn(consumer.consume(on_message, stop));
     let got = receive(&mut rx, ids.len()).await;
     assert_eq!(got, ids, "in the order published");
-    assert_eq!(most.load(Ordering::SeqCst), 1, "one handler at a time");
+    assert_eq!(overlap.most(), 1, "one handler at a time");
     stop_tx.send(true).unwrap_or(());
     task.await.unwrap().unwrap();
 }
@@ -475,18 +495,14 @@ where
         .concurrent_consumer(NonZeroUsize::new(N).unwrap_or(NonZeroUsize::MIN))
         .await;
     let all_started = Arc::new(tokio::sync::Barrier::new(N));
-    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let overlap = Arc::new(Overlap::default());
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let (stop_tx, stop) = watch::channel(false);
-    let (r, m) = (running.clone(), most.clone());
+    let o = overlap.clone();
     let on_message = handler(move |d: Delivery| {
-        let (all_started, tx, running, most) =
-            (all_started.clone(), tx.clone(), r.clone(), m.clone());
+        let (all_started, tx, overlap) = (all_started.clone(), tx.clone(), o.clone());
         async move {
-            most.fetch_max(running.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
-            all_started.wait().await;
-            running.fetch_sub(1, Ordering::SeqCst);
+            overlap.during(all_started.wait()).await;
             let _ = tx.send(d.message_id);
             Ok(())
         }
@@ -495,11 +511,7 @@ where
     let mut got = receive(&mut rx, 2 * N).await;
     got.sort();
     assert_eq!(got, ids);
-    assert_eq!(
-        most.load(Ordering::SeqCst),
-        N,
-        "never more than the concurrency"
-    );
+    assert_eq!(overlap.most(), N, "never more than the concurrency");
     stop_tx.send(true).unwrap_or(());
     task.await.unwrap().unwrap();
 }
