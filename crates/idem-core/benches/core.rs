@@ -1,5 +1,7 @@
 //! Micro-benchmarks of the pure core: key parsing, canonical-JSON
-//! fingerprints of 1 KiB and 64 KiB bodies, and the decision function.
+//! fingerprints of 1 KiB and 64 KiB bodies (with the raw hash, an already
+//! canonical body and serde_json's validation of the same bytes beside
+//! them), and the decision function.
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use std::hint::black_box;
@@ -57,6 +59,24 @@ fn benches(c: &mut Criterion) {
             b.iter(|| {
                 Fingerprint::of_request("POST", "/orders", Some("text/plain"), black_box(&body))
             })
+        });
+        // Two ceilings beside them: the same body already canonical (the
+        // parse without the reordering), and serde_json validating it alone
+        // (a parse that writes nothing). Names short enough for criterion
+        // to print each on one line, which bench/run.sh reads.
+        let canonical = idem_core::fingerprint::canonical_json(&body).unwrap();
+        g.bench_function(format!("canon/{}KiB", size / 1024), |b| {
+            b.iter(|| {
+                Fingerprint::of_request(
+                    "POST",
+                    "/orders",
+                    Some("application/json"),
+                    black_box(&canonical),
+                )
+            })
+        });
+        g.bench_function(format!("serde/{}KiB", size / 1024), |b| {
+            b.iter(|| serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&body)).unwrap())
         });
         g.finish();
     }

@@ -18,30 +18,106 @@
 //!   control character in a string, invalid UTF-8, a number beyond the
 //!   double range, nesting 128 deep, anything after the value.
 
+use std::cmp::Ordering;
+
 use crate::fingerprint::CanonicalJsonError;
 
 /// Containers nested this deep are refused (as `serde_json` does).
 const MAX_DEPTH: u32 = 128;
 
 /// Canonicalises `input` into `out` (appended).
+///
+/// Most of a body is already canonical as it stands: the parser only reads
+/// it, and copies each such run in one piece when something different must
+/// be written (whitespace dropped, an escape or a number respelled, the
+/// members of an object reordered) or at the end.
 pub(crate) fn canonicalize(input: &[u8], out: &mut Vec<u8>) -> Result<(), CanonicalJsonError> {
+    let spare = SPARE.take();
     let mut p = Parser {
         s: input,
         i: 0,
+        run: 0,
         depth: 0,
-        members: Vec::new(),
-        scratch: Vec::new(),
+        members: spare.members,
+        scratch: spare.scratch,
+        order: spare.order,
+        refusal: Fault { what: "", at: 0 },
     };
-    p.value(out)?;
-    p.skip_ws();
-    if p.i != p.s.len() {
-        return Err(p.error("trailing characters"));
+    let read = p.value(out).and_then(|()| {
+        p.skip_ws(out);
+        if p.i == p.s.len() {
+            Ok(())
+        } else {
+            Err(p.fault("trailing characters"))
+        }
+    });
+    let refused = read.err().map(|Refused| p.refusal);
+    if refused.is_none() {
+        p.flush(out);
     }
-    Ok(())
+    SPARE.set(Spare::keep(p));
+    match refused {
+        None => Ok(()),
+        Some(Fault { what, at }) => Err(CanonicalJsonError(format!("{what} at byte {at}"))),
+    }
 }
 
-/// One object member as written to `out`: where its key starts and ends
-/// (quotes included) and where its value ends.
+/// The parser's working space, kept by each thread between bodies so that a
+/// body of a few members allocates nothing but its output.
+#[derive(Default)]
+struct Spare {
+    members: Vec<Member>,
+    scratch: Vec<u8>,
+    order: Vec<usize>,
+}
+
+impl Spare {
+    /// Buffers larger than this are let go rather than kept.
+    const MAX_KEPT: usize = 1 << 20;
+
+    fn keep(p: Parser<'_>) -> Self {
+        fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
+            v.clear();
+            if v.capacity() * size_of::<T>() > Spare::MAX_KEPT {
+                Vec::new()
+            } else {
+                v
+            }
+        }
+        Self {
+            members: cleared(p.members),
+            scratch: cleared(p.scratch),
+            order: cleared(p.order),
+        }
+    }
+}
+
+thread_local! {
+    static SPARE: std::cell::Cell<Spare> = const {
+        std::cell::Cell::new(Spare {
+            members: Vec::new(),
+            scratch: Vec::new(),
+            order: Vec::new(),
+        })
+    };
+}
+
+/// Why and where the input was refused; spelled out once, at the end.
+#[derive(Clone, Copy)]
+struct Fault {
+    what: &'static str,
+    at: usize,
+}
+
+/// The input was refused: the parser holds the [`Fault`]. (Nothing to
+/// carry back through every step, the steps stay cheap to return from.)
+struct Refused;
+
+/// What each step of the parser gives back.
+type Step = Result<(), Refused>;
+
+/// One object member: where its key starts and ends (quotes included) and
+/// where its value ends, as positions in the output (see [`Parser::at`]).
 #[derive(Clone, Copy)]
 struct Member {
     /// The key's first bytes after its opening quote, big-endian and padded
@@ -55,195 +131,351 @@ struct Member {
 }
 
 impl Member {
-    fn new(out: &[u8], key: usize, colon: usize, end: usize) -> Self {
-        let after_quote = &out[key + 1..colon];
-        let prefix = (0..8).fold(0u64, |p, i| {
-            p << 8 | u64::from(after_quote.get(i).copied().unwrap_or(0))
-        });
-        Self {
-            prefix,
-            key,
-            colon,
-            end,
-        }
+    /// Moves the member's positions from a buffer where its bytes stand
+    /// from `from` on to one where they stand from `to` on.
+    fn shift(&mut self, from: usize, to: usize) {
+        self.key = self.key - from + to;
+        self.colon = self.colon - from + to;
+        self.end = self.end - from + to;
     }
 
-    /// Orders by key; `buf` holds the member at `base`.
-    fn cmp(&self, other: &Self, buf: &[u8], base: usize) -> std::cmp::Ordering {
-        self.prefix.cmp(&other.prefix).then_with(|| {
-            buf[self.key - base..self.colon - base].cmp(&buf[other.key - base..other.colon - base])
-        })
+    /// Whether the two keys are the same; `buf` holds the members.
+    fn same_key(&self, other: &Self, buf: &[u8]) -> bool {
+        self.prefix == other.prefix && buf[self.key..self.colon] == buf[other.key..other.colon]
+    }
+
+    /// Orders by key; `buf` holds the member.
+    fn cmp(&self, other: &Self, buf: &[u8]) -> Ordering {
+        self.prefix
+            .cmp(&other.prefix)
+            .then_with(|| buf[self.key..self.colon].cmp(&buf[other.key..other.colon]))
+    }
+}
+
+/// The prefix of a key (see [`Member::prefix`]) whose bytes after the
+/// opening quote, closing quote included, are the `len` bytes of `buf` from
+/// `at` on.
+fn key_prefix(buf: &[u8], at: usize, len: usize) -> u64 {
+    match buf.get(at..).and_then(<[u8]>::first_chunk::<8>) {
+        // The bytes beyond the key (if it is shorter) are masked off.
+        Some(eight) if len >= 8 => u64::from_be_bytes(*eight),
+        Some(eight) => u64::from_be_bytes(*eight) & !(u64::MAX >> (8 * len)),
+        None => buf[at..at + len.min(8)]
+            .iter()
+            .enumerate()
+            .fold(0, |p, (n, &b)| p | u64::from(b) << (56 - 8 * n)),
     }
 }
 
 struct Parser<'a> {
     s: &'a [u8],
     i: usize,
+    /// Where the run of input that is canonical as it stands, and not yet
+    /// written, begins: `s[run..i]` comes next in the output.
+    run: usize,
     depth: u32,
     /// The members of the objects being read, innermost last.
     members: Vec<Member>,
     /// Where an unsorted object's members wait while they are reordered.
     scratch: Vec<u8>,
+    /// An unsorted object's members' indices, in key order.
+    order: Vec<usize>,
+    /// Why the input was refused, once it is.
+    refusal: Fault,
 }
 
 impl Parser<'_> {
-    fn error(&self, what: &str) -> CanonicalJsonError {
-        CanonicalJsonError(format!("{what} at byte {}", self.i))
+    /// Refuses the input where it now stands.
+    #[cold]
+    fn fault(&mut self, what: &'static str) -> Refused {
+        self.refusal = Fault { what, at: self.i };
+        Refused
     }
 
     fn peek(&self) -> Option<u8> {
         self.s.get(self.i).copied()
     }
 
-    fn skip_ws(&mut self) {
-        while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.peek() {
-            self.i += 1;
+    /// Where the byte at `i` will stand in the output.
+    fn at(&self, out: &[u8]) -> usize {
+        out.len() + (self.i - self.run)
+    }
+
+    /// Writes the pending run of canonical input.
+    fn flush(&mut self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.s[self.run..self.i]);
+        self.run = self.i;
+    }
+
+    /// Writes the pending run up to `to`, where input that is spelled
+    /// otherwise begins; the caller writes that spelling, then resumes the
+    /// run after it.
+    fn flush_to(&mut self, to: usize, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.s[self.run..to]);
+    }
+
+    /// Starts a new pending run where the input now stands.
+    fn resume(&mut self) {
+        self.run = self.i;
+    }
+
+    fn skip_ws(&mut self, out: &mut Vec<u8>) {
+        // Whitespace and the control characters are all at or below the
+        // space; anything above is not whitespace.
+        if let Some(0..=b' ') = self.peek() {
+            self.skip_ws_slow(out);
         }
     }
 
-    fn expect(&mut self, byte: u8, what: &str) -> Result<(), CanonicalJsonError> {
-        self.skip_ws();
-        if self.peek() == Some(byte) {
+    fn skip_ws_slow(&mut self, out: &mut Vec<u8>) {
+        if let Some(b' ' | b'\n' | b'\t' | b'\r') = self.peek() {
+            self.flush(out);
             self.i += 1;
-            Ok(())
-        } else {
-            Err(self.error(what))
+            while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.peek() {
+                self.i += 1;
+            }
+            self.resume();
         }
     }
 
-    fn value(&mut self, out: &mut Vec<u8>) -> Result<(), CanonicalJsonError> {
-        self.skip_ws();
+    fn value(&mut self, out: &mut Vec<u8>) -> Step {
+        self.skip_ws(out);
         match self.peek() {
             Some(b'{') => self.object(out),
             Some(b'[') => self.array(out),
             Some(b'"') => self.string(out),
-            Some(b't') => self.literal(b"true", out),
-            Some(b'f') => self.literal(b"false", out),
-            Some(b'n') => self.literal(b"null", out),
+            Some(b't') => self.literal(b"true"),
+            Some(b'f') => self.literal(b"false"),
+            Some(b'n') => self.literal(b"null"),
             Some(b'-' | b'0'..=b'9') => self.number(out),
-            Some(_) => Err(self.error("expected a value")),
-            None => Err(self.error("unexpected end")),
+            Some(_) => Err(self.fault("expected a value")),
+            None => Err(self.fault("unexpected end")),
         }
     }
 
-    fn literal(&mut self, word: &[u8], out: &mut Vec<u8>) -> Result<(), CanonicalJsonError> {
+    fn literal(&mut self, word: &[u8]) -> Step {
         if self.s[self.i..].starts_with(word) {
             self.i += word.len();
-            out.extend_from_slice(word);
             Ok(())
         } else {
-            Err(self.error("expected a literal"))
+            Err(self.fault("expected a literal"))
         }
     }
 
-    fn enter(&mut self) -> Result<(), CanonicalJsonError> {
+    fn enter(&mut self) -> Step {
         if self.depth + 1 >= MAX_DEPTH {
-            return Err(self.error("nested too deep"));
+            return Err(self.fault("nested too deep"));
         }
         self.depth += 1;
         self.i += 1;
         Ok(())
     }
 
-    fn array(&mut self, out: &mut Vec<u8>) -> Result<(), CanonicalJsonError> {
+    fn array(&mut self, out: &mut Vec<u8>) -> Step {
         self.enter()?;
-        out.push(b'[');
-        self.skip_ws();
+        self.skip_ws(out);
         if self.peek() == Some(b']') {
             self.i += 1;
         } else {
             loop {
                 self.value(out)?;
-                self.skip_ws();
+                self.skip_ws(out);
                 match self.peek() {
-                    Some(b',') => {
-                        self.i += 1;
-                        out.push(b',');
-                    }
+                    Some(b',') => self.i += 1,
                     Some(b']') => {
                         self.i += 1;
                         break;
                     }
-                    _ => return Err(self.error("expected `,` or `]`")),
+                    _ => return Err(self.fault("expected `,` or `]`")),
                 }
             }
         }
-        out.push(b']');
         self.depth -= 1;
         Ok(())
     }
 
-    fn object(&mut self, out: &mut Vec<u8>) -> Result<(), CanonicalJsonError> {
+    fn object(&mut self, out: &mut Vec<u8>) -> Step {
         self.enter()?;
-        out.push(b'{');
-        let start = out.len();
         let first = self.members.len();
-        self.skip_ws();
+        self.skip_ws(out);
         if self.peek() == Some(b'}') {
             self.i += 1;
         } else {
+            // Whether each key so far came after the one before it (a tie
+            // in the prefix counts as not: the sort then looks closer).
+            // Whether some key came before the one before it, or shared its
+            // prefix (then only the sort can tell).
+            let (mut inverted, mut tied) = (false, false);
             loop {
-                self.skip_ws();
+                self.skip_ws(out);
                 if self.peek() != Some(b'"') {
-                    return Err(self.error("expected a key"));
+                    return Err(self.fault("expected a key"));
                 }
-                let key = out.len();
+                let key = self.at(out);
+                let key_in = self.i;
                 self.string(out)?;
-                let colon = out.len();
-                self.expect(b':', "expected `:`")?;
-                out.push(b':');
+                let len = self.i - key_in - 1;
+                let prefix = if self.run <= key_in {
+                    // As it stands in the input.
+                    key_prefix(self.s, key_in + 1, len)
+                } else {
+                    // Respelled: written out in full.
+                    self.flush(out);
+                    key_prefix(out, key + 1, out.len() - key - 1)
+                };
+                if let Some(last) = self.members.get(first..).and_then(<[Member]>::last) {
+                    inverted |= last.prefix > prefix;
+                    tied |= last.prefix == prefix;
+                }
+                let colon = self.at(out);
+                self.skip_ws(out);
+                if self.peek() != Some(b':') {
+                    return Err(self.fault("expected `:`"));
+                }
+                self.i += 1;
                 self.value(out)?;
-                self.members.push(Member::new(out, key, colon, out.len()));
-                self.skip_ws();
+                self.members.push(Member {
+                    prefix,
+                    key,
+                    colon,
+                    end: self.at(out),
+                });
+                self.skip_ws(out);
                 match self.peek() {
-                    Some(b',') => {
-                        self.i += 1;
-                        out.push(b',');
-                    }
-                    Some(b'}') => {
-                        self.i += 1;
-                        break;
-                    }
-                    _ => return Err(self.error("expected `,` or `}`")),
+                    Some(b',') => self.i += 1,
+                    Some(b'}') => break,
+                    _ => return Err(self.fault("expected `,` or `}`")),
                 }
             }
-            self.sort_members(out, start, first);
+            if inverted || tied {
+                self.sort_members(out, first, inverted);
+            }
+            self.i += 1;
         }
         self.members.truncate(first);
-        out.push(b'}');
         self.depth -= 1;
         Ok(())
     }
 
-    /// Puts the members written since `start` (listed from `first`) in key
-    /// order, the last of equal keys kept. Already in order, nothing moves.
-    fn sort_members(&mut self, out: &mut Vec<u8>, start: usize, first: usize) {
-        let members = &mut self.members[first..];
-        let sorted = members.windows(2).all(|w| w[0].cmp(&w[1], out, 0).is_lt());
-        if sorted {
+    /// Puts the members read since `first` (the input stands at the
+    /// object's `}`) in key order, the last of equal keys kept. Already in
+    /// order, nothing moves. Members still in the pending run are written
+    /// from the input; others, from a copy of the output.
+    fn sort_members(&mut self, out: &mut Vec<u8>, first: usize, inverted: bool) {
+        let Some(start) = self.members.get(first).map(|m| m.key) else {
+            return;
+        };
+        // Either every member is still in the pending run, or the run is
+        // written and every member is in the output.
+        let in_run = start >= out.len();
+        let buf: &[u8] = if in_run {
+            let (from, to) = (out.len(), self.run);
+            for m in &mut self.members[first..] {
+                m.shift(from, to);
+            }
+            self.s
+        } else {
+            self.flush(out);
+            out
+        };
+        let members = &self.members[first..];
+        if !inverted && members.windows(2).all(|w| w[0].cmp(&w[1], buf).is_lt()) {
             return;
         }
-        self.scratch.clear();
-        self.scratch.extend_from_slice(&out[start..]);
-        out.truncate(start);
-        let buf = &self.scratch;
-        // Stable: equal keys stay in the order they came, so the last of a
-        // run is the one kept.
-        members.sort_by(|a, b| a.cmp(b, buf, start));
-        let mut written = false;
-        for (n, m) in members.iter().enumerate() {
-            let next_is_same = members
-                .get(n + 1)
-                .is_some_and(|next| m.cmp(next, buf, start).is_eq());
-            if next_is_same {
-                continue;
+        // The members' indices in key order. Stable: equal keys stay in the
+        // order they came, so the last of a run is the one kept.
+        let mut few = [0; 16];
+        let (order, unique) = match few.get_mut(..members.len()) {
+            Some(order) => {
+                let mut unique = true;
+                for n in 0..order.len() {
+                    let mut at = n;
+                    while let Some(&before) = at.checked_sub(1).and_then(|b| order.get(b)) {
+                        match members[n].cmp(&members[before], buf) {
+                            Ordering::Less => {
+                                order[at] = before;
+                                at -= 1;
+                            }
+                            Ordering::Equal => {
+                                unique = false;
+                                break;
+                            }
+                            Ordering::Greater => break,
+                        }
+                    }
+                    order[at] = n;
+                }
+                (&*order, unique)
             }
-            if written {
-                out.push(b',');
+            None => {
+                let order = &mut self.order;
+                order.clear();
+                order.extend(0..members.len());
+                order.sort_by(|&a, &b| members[a].cmp(&members[b], buf));
+                let unique = !order
+                    .windows(2)
+                    .any(|w| members[w[0]].same_key(&members[w[1]], buf));
+                (&order[..], unique)
             }
-            out.extend_from_slice(&buf[(m.key - start)..(m.end - start)]);
-            written = true;
+        };
+        // In the output, the members from `keep` on may already stand where
+        // they belong: then only those before them are written again.
+        let keep = if in_run || !unique {
+            order.len()
+        } else {
+            order
+                .iter()
+                .enumerate()
+                .rposition(|(n, &m)| n != m)
+                .map_or(0, |n| n + 1)
+        };
+        if in_run {
+            out.extend_from_slice(&self.s[self.run..members[0].key]);
+            write_members(members, order, unique, self.s, out);
+        } else if let Some(stay) = members.get(keep) {
+            // Same members, same commas: the bytes before `stay` are
+            // rewritten in place.
+            self.scratch.clear();
+            self.scratch.extend_from_slice(&out[start..stay.key]);
+            let mut w = start;
+            for m in order[..keep].iter().map(|&n| &members[n]) {
+                let bytes = &self.scratch[m.key - start..m.end - start];
+                out[w..w + bytes.len()].copy_from_slice(bytes);
+                w += bytes.len();
+                out[w] = b',';
+                w += 1;
+            }
+        } else {
+            self.scratch.clear();
+            self.scratch.extend_from_slice(&out[start..]);
+            out.truncate(start);
+            for m in &mut self.members[first..] {
+                m.shift(start, 0);
+            }
+            write_members(&self.members[first..], order, unique, &self.scratch, out);
         }
+        self.run = self.i;
+    }
+}
+
+/// Writes the members held in `buf` in key `order`, comma-separated, the
+/// last of equal keys only (unless the keys are known to be `unique`).
+fn write_members(members: &[Member], order: &[usize], unique: bool, buf: &[u8], out: &mut Vec<u8>) {
+    let mut written = false;
+    for (n, m) in order.iter().map(|&m| &members[m]).enumerate() {
+        let superseded = || {
+            order
+                .get(n + 1)
+                .is_some_and(|&next| m.same_key(&members[next], buf))
+        };
+        if !unique && superseded() {
+            continue;
+        }
+        if written {
+            out.push(b',');
+        }
+        out.extend_from_slice(&buf[m.key..m.end]);
+        written = true;
     }
 }
 

@@ -2,7 +2,7 @@
 //! the nearest double in ECMAScript's shortest spelling.
 
 use super::Parser;
-use crate::fingerprint::CanonicalJsonError;
+use super::Step;
 
 impl Parser<'_> {
     fn digits(&mut self) -> usize {
@@ -13,7 +13,9 @@ impl Parser<'_> {
         self.i - from
     }
 
-    pub(super) fn number(&mut self, out: &mut Vec<u8>) -> Result<(), CanonicalJsonError> {
+    /// A number. It stays in the pending run if it is spelled as it must
+    /// be; otherwise its spelling is written in its place.
+    pub(super) fn number(&mut self, out: &mut Vec<u8>) -> Step {
         let start = self.i;
         let negative = self.peek() == Some(b'-');
         if negative {
@@ -24,60 +26,65 @@ impl Parser<'_> {
             Some(b'0') => {
                 self.i += 1;
                 if let Some(b'0'..=b'9') = self.peek() {
-                    return Err(self.error("leading zero in a number"));
+                    return Err(self.fault("leading zero in a number"));
                 }
             }
             Some(b'1'..=b'9') => {
                 self.digits();
             }
-            _ => return Err(self.error("invalid number")),
+            _ => return Err(self.fault("invalid number")),
         }
-        let int_end = self.i;
-        let mut integral = true;
+        let int = &self.s[int_start..self.i];
+        let mut fraction = None;
         if self.peek() == Some(b'.') {
             self.i += 1;
+            let from = self.i;
             if self.digits() == 0 {
-                return Err(self.error("invalid number"));
+                return Err(self.fault("invalid number"));
             }
-            integral = false;
+            fraction = Some(&self.s[from..self.i]);
         }
+        let mut exponent = false;
         if let Some(b'e' | b'E') = self.peek() {
             self.i += 1;
             if let Some(b'+' | b'-') = self.peek() {
                 self.i += 1;
             }
             if self.digits() == 0 {
-                return Err(self.error("invalid number"));
+                return Err(self.fault("invalid number"));
             }
-            integral = false;
+            exponent = true;
         }
-        let token = &self.s[start..self.i];
-        if integral {
-            let digits = &self.s[int_start..int_end];
-            if let Some(magnitude) = parse_u64(digits) {
-                if magnitude == 0 {
-                    out.push(b'0');
-                    return Ok(());
-                }
+        let as_it_stands = match (fraction, exponent) {
+            (None, false) if int == b"0" => !negative,
+            // Up to 18 digits always fit.
+            (None, false) if int.len() <= 18 => true,
+            (None, false) => parse_u64(int).is_some_and(|magnitude| {
                 // -2^63 is the most negative integer that fits.
-                if !negative || magnitude <= 1 << 63 {
-                    out.extend_from_slice(token);
-                    return Ok(());
-                }
-            }
-        } else if is_shortest_fixed(token, negative) {
-            out.extend_from_slice(token);
+                !negative || magnitude <= 1 << 63
+            }),
+            (Some(fraction), false) => is_shortest_fixed(int, fraction),
+            (_, true) => false,
+        };
+        if as_it_stands {
             return Ok(());
         }
-        self.float(token, out)
+        self.flush_to(start, out);
+        if fraction.is_none() && !exponent && int == b"0" {
+            out.push(b'0');
+        } else {
+            self.float(&self.s[start..self.i], out)?;
+        }
+        self.resume();
+        Ok(())
     }
 
-    fn float(&self, token: &[u8], out: &mut Vec<u8>) -> Result<(), CanonicalJsonError> {
+    fn float(&mut self, token: &[u8], out: &mut Vec<u8>) -> Step {
         // The token is ASCII by construction.
-        let text = std::str::from_utf8(token).map_err(|_| self.error("invalid number"))?;
-        let value: f64 = text.parse().map_err(|_| self.error("invalid number"))?;
+        let text = std::str::from_utf8(token).map_err(|_| self.fault("invalid number"))?;
+        let value: f64 = text.parse().map_err(|_| self.fault("invalid number"))?;
         if !value.is_finite() {
-            return Err(self.error("number out of range"));
+            return Err(self.fault("number out of range"));
         }
         if value == 0.0 {
             out.push(b'0');
@@ -94,29 +101,25 @@ fn parse_u64(digits: &[u8]) -> Option<u64> {
     })
 }
 
-/// Whether a number token with a fraction is already how ECMAScript would
-/// write the double it denotes: no exponent, no trailing zero in the
-/// fraction, at most 15 significant digits (so no shorter or closer spelling
-/// denotes the same double), and at least 1e-6 in magnitude (below that
-/// ECMAScript switches to exponent notation). The common `12.5` is then
-/// copied instead of parsed and formatted.
-fn is_shortest_fixed(token: &[u8], negative: bool) -> bool {
-    let body = if negative { &token[1..] } else { token };
-    let Some(dot) = body.iter().position(|&b| b == b'.') else {
-        return false;
-    };
-    let (int, frac) = (&body[..dot], &body[dot + 1..]);
-    if !frac.iter().all(u8::is_ascii_digit) || frac.last() == Some(&b'0') {
+/// Whether a number with a fraction and no exponent, its integer part
+/// `int` and fraction `fraction`, is already how ECMAScript would write the
+/// double it denotes: no trailing zero in the fraction, at most 15
+/// significant digits (so no shorter or closer spelling denotes the same
+/// double), and at least 1e-6 in magnitude (below that ECMAScript switches
+/// to exponent notation). The common `12.5` then stays as it is instead of
+/// being parsed and formatted.
+fn is_shortest_fixed(int: &[u8], fraction: &[u8]) -> bool {
+    if fraction.last() == Some(&b'0') {
         return false;
     }
     let significant = if int == b"0" {
-        let zeros = frac.iter().take_while(|&&b| b == b'0').count();
+        let zeros = fraction.iter().take_while(|&&b| b == b'0').count();
         if zeros > 5 {
             return false;
         }
-        frac.len() - zeros
+        fraction.len() - zeros
     } else {
-        int.len() + frac.len()
+        int.len() + fraction.len()
     };
     significant <= 15
 }

@@ -482,3 +482,144 @@ fn object_members_sorted_and_last_duplicate_kept() {
         assert_eq!(refusal(input), want, "{input:?}");
     }
 }
+
+#[test]
+fn runs_written_where_they_break() {
+    // Each spelling changed in the middle of a run that is canonical as it
+    // stands: what comes before and after is kept exactly.
+    assert_spellings(&[
+        (r#"["x",1.0,"y"]"#, r#"["x",1,"y"]"#),
+        (r#"["x",-0,"y"]"#, r#"["x",0,"y"]"#),
+        (r#"["x","a\/b","y"]"#, r#"["x","a/b","y"]"#),
+        (r#"["x","\u0041\u00e9","y"]"#, "[\"x\",\"A\u{e9}\",\"y\"]"),
+        (r#"["x","\n\"\\\t","y"]"#, r#"["x","\n\"\\\t","y"]"#),
+        ("[\"x\", 1 ,\n\"y\"\t]", r#"["x",1,"y"]"#),
+        (r#"[1e2,2E0,"z"]"#, r#"[100,2,"z"]"#),
+        ("  \"a\"  ", r#""a""#),
+    ]);
+}
+
+#[test]
+fn unsorted_objects_whether_read_as_they_stand_or_respelled() {
+    assert_spellings(&[
+        // Compact, the members written from the input.
+        (r#"[0,{"b":1,"a":2},3]"#, r#"[0,{"a":2,"b":1},3]"#),
+        (
+            r#"{"d":1,"c":2,"b":3,"a":4}"#,
+            r#"{"a":4,"b":3,"c":2,"d":1}"#,
+        ),
+        // A key respelled: the members come from the output.
+        (r#"{"\u0062":1,"a":2}"#, r#"{"a":2,"b":1}"#),
+        (r#"{"b":1,"\u0061":2}"#, r#"{"a":2,"b":1}"#),
+        (r#"{"b":1.0,"a":2}"#, r#"{"a":2,"b":1}"#),
+        // Whitespace between the members.
+        (r#"{"b":1, "a":2}"#, r#"{"a":2,"b":1}"#),
+        (r#"{"b":1,"a":2 }"#, r#"{"a":2,"b":1}"#),
+        // The members after those that move stay where they stand.
+        (
+            r#"{"b":{"y":1,"x":2},"a":1,"c":{"z":1}}"#,
+            r#"{"a":1,"b":{"x":2,"y":1},"c":{"z":1}}"#,
+        ),
+        (
+            r#"{ "b":1, "a":2, "c":3, "d":[4] }"#,
+            r#"{"a":2,"b":1,"c":3,"d":[4]}"#,
+        ),
+        (
+            r#"{"c":1, "b":2, "a":3, "d":4}"#,
+            r#"{"a":3,"b":2,"c":1,"d":4}"#,
+        ),
+        // None stays: the last moves too.
+        (r#"{"a":1, "c":2, "b":3}"#, r#"{"a":1,"b":3,"c":2}"#),
+        // A duplicate among them: written again from the start.
+        (r#"{"b":1, "a":2, "b":3, "c":4}"#, r#"{"a":2,"b":3,"c":4}"#),
+        // Keys that tie on their first eight bytes, in order and not.
+        (
+            r#"{"customer_id":1,"customer_name":2}"#,
+            r#"{"customer_id":1,"customer_name":2}"#,
+        ),
+        (
+            r#"{"customer_name":1,"customer_id":2}"#,
+            r#"{"customer_id":2,"customer_name":1}"#,
+        ),
+        // Keys near the end of the input, shorter than eight bytes.
+        (r#"{"b":0,"a":0}"#, r#"{"a":0,"b":0}"#),
+    ]);
+    // More members than the small sort takes.
+    let many: Vec<String> = (0..40).rev().map(|n| format!(r#""k{n:02}":{n}"#)).collect();
+    let mut sorted = many.clone();
+    sorted.sort();
+    assert_spellings(&[(
+        &format!("{{{}}}", many.join(",")),
+        &format!("{{{}}}", sorted.join(",")),
+    )]);
+}
+
+#[test]
+fn strings_a_word_at_a_time_and_at_the_end() {
+    let long = "abcdefghijklmnopqrstuvwxyz0123456789";
+    for text in [
+        String::new(),
+        "a".into(),
+        long.into(),
+        format!("{long}\u{7f}{long}"),
+        "\u{7f}".into(),
+        format!("{long}é"),
+        format!("é{long}"),
+        format!("{}😀{}", &long[..7], &long[..9]),
+        format!("{}\u{800}\u{ffff}", &long[..5]),
+    ] {
+        let doc = format!("\"{text}\"");
+        assert_eq!(canon(&doc).ok().as_deref(), Some(doc.as_str()), "{doc:?}");
+        assert_eq!(
+            canon(&doc).ok().map(String::into_bytes),
+            reference(doc.as_bytes())
+        );
+    }
+    // Invalid UTF-8, at the start of a word, inside one and at the end.
+    for bad in [
+        &b"\xc0\x80"[..],
+        b"\xed\xa0\x80",
+        b"\xe2\x82",
+        b"\xf5\x80\x80\x80",
+        b"\x80",
+        b"\xf0\x9f\x98",
+        b"\xe0\x80\xaf",
+    ] {
+        for (before, after) in [("", ""), ("abcdefghij", ""), ("abc", "defghijklmn")] {
+            let mut doc = b"\"".to_vec();
+            doc.extend_from_slice(before.as_bytes());
+            doc.extend_from_slice(bad);
+            doc.extend_from_slice(after.as_bytes());
+            doc.push(b'"');
+            assert!(
+                canonicalize(&doc, &mut Vec::new()).is_err(),
+                "{doc:?} accepted"
+            );
+            assert_eq!(reference(&doc), None);
+        }
+    }
+    // A control character or quote found inside a word, not only at its
+    // start.
+    assert_eq!(
+        refusal("\"abcdefghij\u{1}klm\""),
+        "control character in a string at byte 11"
+    );
+    assert_spellings(&[(r#"["abcdefghij","k"]"#, r#"["abcdefghij","k"]"#)]);
+}
+
+#[test]
+fn a_refused_body_leaves_nothing_for_the_next() {
+    // The parser's buffers are kept by the thread between bodies.
+    assert!(canon(r#"{"b":{"d":1,"c":2,"#).is_err());
+    assert!(canon(r#"{"z":1,"y":[{"x":1,"w":"#).is_err());
+    assert_spellings(&[(r#"{"b":1,"a":2}"#, r#"{"a":2,"b":1}"#)]);
+    let big = format!(
+        "[{}]",
+        (0..5000)
+            .map(|n| format!(r#"{{"b":{n},"a":"{}"}}"#, "x".repeat(300)))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    assert!(canon(&big).is_ok());
+    assert_spellings(&[(r#"{"d":1,"c":2}"#, r#"{"c":2,"d":1}"#)]);
+}
