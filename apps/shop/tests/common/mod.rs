@@ -641,14 +641,6 @@ impl OwnRedis {
         redis
     }
 
-    /// Starts it again, empty, as a replica of `primary` (`host:port`): an
-    /// old primary rejoining after a failover, as Sentinel would have it.
-    pub fn rejoin_as_replica_of(&mut self, primary: &str) {
-        let (host, port) = primary.rsplit_once(':').expect("host:port");
-        self.args = vec!["--replicaof".into(), host.into(), port.into()];
-        self.restart();
-    }
-
     /// Runs a command on it with redis-cli; its output.
     pub fn cli(&self, args: &[&str]) -> String {
         let out = Command::new("redis-cli")
