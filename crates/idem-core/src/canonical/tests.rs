@@ -544,6 +544,18 @@ fn unsorted_objects_whether_read_as_they_stand_or_respelled() {
         // Keys near the end of the input, shorter than eight bytes.
         (r#"{"b":0,"a":0}"#, r#"{"a":0,"b":0}"#),
     ]);
+    // More members than the small sort takes, one of them twice.
+    let member = |n: usize| match n {
+        7 => r#""k07":"last""#.to_owned(),
+        n => format!(r#""k{n:02}":{n}"#),
+    };
+    let mut twice: Vec<String> = (0..20).rev().map(|n| format!(r#""k{n:02}":{n}"#)).collect();
+    twice.push(member(7));
+    let once: Vec<String> = (0..20).map(member).collect();
+    assert_spellings(&[(
+        &format!("{{{}}}", twice.join(",")),
+        &format!("{{{}}}", once.join(",")),
+    )]);
     // More members than the small sort takes.
     let many: Vec<String> = (0..40).rev().map(|n| format!(r#""k{n:02}":{n}"#)).collect();
     let mut sorted = many.clone();
@@ -599,11 +611,19 @@ fn strings_a_word_at_a_time_and_at_the_end() {
         }
     }
     // A control character or quote found inside a word, not only at its
-    // start.
+    // start, and in the bytes after the last whole word.
     assert_eq!(
         refusal("\"abcdefghij\u{1}klm\""),
         "control character in a string at byte 11"
     );
+    for b in [0u8, 0x1f, b'\n'] {
+        let inside = format!("\"abc{}defghijklmnopqrstuvwxyz\"", char::from(b));
+        assert_eq!(
+            refusal(&inside),
+            "control character in a string at byte 4",
+            "{inside:?}"
+        );
+    }
     assert_spellings(&[(r#"["abcdefghij","k"]"#, r#"["abcdefghij","k"]"#)]);
 }
 
