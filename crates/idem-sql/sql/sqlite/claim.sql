@@ -1,9 +1,8 @@
--- The claim, in one statement: its own transaction, under SQLite's write
--- lock from its first step to its commit. It inserts a new record,
--- replaces one past its retention, or takes over an expired or released
--- lease of the same request, and returns the row with the caller's token:
--- the caller won. Otherwise it changes and returns nothing, and the caller
--- reads the record that stands (select.sql).
+-- The claim, in one statement, under the write transaction's lock. It
+-- inserts a new record, replaces one past its retention, or takes over an
+-- expired or released lease of the same request; otherwise it changes
+-- nothing. The caller reads the row back (select.sql): its token is the
+-- caller's exactly when the caller won.
 -- $1 scope, $2 key, $3 fingerprint, $4 proposed operation id, $5 new
 -- token, $6 lease (ms), $7 retention (ms).
 INSERT INTO {table}
@@ -30,5 +29,3 @@ WHERE
     OR ({table}.state = 'in_progress'
         AND {table}.locked_until <= {now}
         AND {table}.fingerprint = excluded.fingerprint)
-RETURNING scope, key, fingerprint, operation_id, token, state, locked_until,
-          created_at, expires_at, completed_at, status, headers, body, {now} AS now

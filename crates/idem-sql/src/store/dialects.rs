@@ -43,12 +43,6 @@ pub trait RecordDialect: Dialect + sealed::Sealed {
     #[doc(hidden)]
     const EXPIRED: &'static str = "";
 
-    /// Whether the claim statement is a transaction of its own that returns
-    /// the row it wrote (SQLite): then no write transaction is opened
-    /// around it, nor the row read back under its lock.
-    #[doc(hidden)]
-    const CLAIM_RETURNS: bool = false;
-
     /// What a store keeps beside its pool and statements for its claims.
     #[doc(hidden)]
     type Extra: std::fmt::Debug + Send + Sync + 'static;
@@ -91,7 +85,6 @@ impl RecordDialect for crate::Sqlite {
         stats: include_str!("../../sql/sqlite/stats.sql"),
         max_scope: None,
     };
-    const CLAIM_RETURNS: bool = true;
     type Extra = ();
 
     fn extra(_: &TableName) -> Result<(), sqlx::Error> {

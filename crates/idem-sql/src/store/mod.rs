@@ -4,19 +4,16 @@
 //!
 //! A repeat is answered by a first look, one plain read that writes and
 //! locks nothing: a completed record, another request's record, or a claim
-//! under a live lease (see `first_look`). Anything else is claimed by an
-//! upsert (`sql/<dialect>/claim.sql`) that inserts a new record, replaces
-//! one past its retention, or takes over an expired lease of the same
-//! request, and otherwise changes nothing. On MySQL it runs in a write
-//! transaction ([`Dialect::begin_write`]) whose second statement reads the
-//! row back, holding its lock (the upsert locked the row, and the read is a
-//! locking read): the caller won exactly when the token there is the one it
-//! proposed. On SQLite the upsert is a transaction of its own, holding the
-//! database's one write lock from its first step to its commit, and returns
-//! the row it wrote (`RETURNING`): the caller won exactly when it returns
-//! one, and otherwise reads the record that stands. Either way two racing
-//! claims cannot both win, and a loser sees the winner's record as
-//! committed. A deadlock or lock wait
+//! under a live lease (see `first_look`). Anything else is claimed: one
+//! write transaction ([`Dialect::begin_write`]) of two
+//! statements. The first (`sql/<dialect>/claim.sql`) is an upsert that
+//! inserts a new record, replaces one past its retention, or takes over an
+//! expired lease of the same request, and otherwise changes nothing. The
+//! second reads the row back, holding its lock (SQLite's write
+//! transaction holds the whole database; MySQL's upsert locked the row, and
+//! the read is a locking read): the caller won exactly when the token there
+//! is the one it proposed. So two racing claims cannot both win, and a
+//! loser sees the winner's record as committed. A deadlock or lock wait
 //! time-out ([`ErrorClass::RetryTransaction`]) runs the transaction again,
 //! a few times.
 
@@ -245,29 +242,16 @@ impl<D: RecordDialect> SqlStore<D> {
 
     /// One claim transaction: the upsert, then the row read back.
     async fn claim_turn(&self, args: &[Arg<'_>]) -> Result<Option<Record>, sqlx::Error> {
-        let decode = |row: Option<crate::dialect::Row<D>>| {
-            row.map(|r| D::decode_record(&r))
-                .transpose()
-                .map_err(|e| sqlx::Error::Decode(Box::new(e)))
-        };
-        if D::CLAIM_RETURNS {
-            // The upsert is its own transaction and returns the row it
-            // wrote (stepped to its end, so that it has committed when this
-            // returns); no row, and the record that stands is read.
-            let mut conn = self.pool.acquire().await?;
-            let written = D::fetch_all(&mut conn, &self.sql.claim, args).await?;
-            if let Some(row) = written.into_iter().next() {
-                return decode(Some(row));
-            }
-            return decode(D::fetch_optional(&mut conn, &self.sql.select, &args[..2]).await?);
-        }
         let mut tx: Transaction<D> = D::begin_write(&self.pool).await?;
         let staged = async {
             D::execute(&mut tx, &self.sql.claim, args).await?;
             D::fetch_optional(&mut tx, &self.sql.select, &args[..2]).await
         }
         .await;
-        decode(crate::finish(tx, staged).await?)
+        let row = crate::finish(tx, staged).await?;
+        row.map(|r| D::decode_record(&r))
+            .transpose()
+            .map_err(|e| sqlx::Error::Decode(Box::new(e)))
     }
 }
 
