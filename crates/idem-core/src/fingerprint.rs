@@ -55,14 +55,6 @@ pub enum BodyForm {
 #[error("not canonicalisable JSON: {0}")]
 pub struct CanonicalJsonError(pub(crate) String);
 
-/// A canonical spelling's buffer larger than this is let go, not kept.
-const MAX_KEPT_CANONICAL: usize = 1 << 20;
-
-thread_local! {
-    /// The buffer each thread canonicalises request bodies into.
-    static CANONICAL: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
-}
-
 impl Fingerprint {
     /// Fingerprints a request from its parts.
     ///
@@ -87,18 +79,10 @@ impl Fingerprint {
         if !content_type.is_some_and(is_json_media_type) {
             return Self::digest(method, path_and_query, BodyForm::Raw, body);
         }
-        // The canonical spelling goes into a buffer this thread keeps.
-        let mut canonical = CANONICAL.take();
-        canonical.clear();
-        let fingerprint = match crate::canonical::canonicalize(body, &mut canonical) {
-            Ok(()) => Self::digest(method, path_and_query, BodyForm::CanonicalJson, &canonical),
+        crate::canonical::with_canonical(body, |canonical| match canonical {
+            Ok(c) => Self::digest(method, path_and_query, BodyForm::CanonicalJson, c),
             Err(_) => Self::digest(method, path_and_query, BodyForm::Raw, body),
-        };
-        if canonical.capacity() <= MAX_KEPT_CANONICAL {
-            canonical.clear();
-            CANONICAL.set(canonical);
-        }
-        fingerprint
+        })
     }
 
     fn digest(method: &str, path_and_query: &str, form: BodyForm, body: &[u8]) -> (Self, BodyForm) {

@@ -33,62 +33,89 @@ const MAX_DEPTH: u32 = 128;
 /// members of an object reordered) or at the end.
 pub(crate) fn canonicalize(input: &[u8], out: &mut Vec<u8>) -> Result<(), CanonicalJsonError> {
     let spare = SPARE.take();
-    let mut p = Parser {
-        s: input,
-        i: 0,
-        run: 0,
-        depth: 0,
-        members: spare.members,
-        scratch: spare.scratch,
-        order: spare.order,
-        refusal: Fault { what: "", at: 0 },
-    };
-    let read = p.value(out).and_then(|()| {
-        p.skip_ws(out);
-        if p.i == p.s.len() {
-            Ok(())
-        } else {
-            Err(p.fault("trailing characters"))
-        }
-    });
-    let refused = read.err().map(|Refused| p.refusal);
-    if refused.is_none() {
-        p.flush(out);
-    }
-    SPARE.set(Spare::keep(p));
-    match refused {
-        None => Ok(()),
-        Some(Fault { what, at }) => Err(CanonicalJsonError(format!("{what} at byte {at}"))),
-    }
+    let (read, spare) = spare.canonicalize(input, out);
+    SPARE.set(spare);
+    read
 }
 
-/// The parser's working space, kept by each thread between bodies so that a
-/// body of a few members allocates nothing but its output.
+/// Canonicalises `input` into an output buffer this thread keeps, and
+/// gives `f` the canonical bytes (or the refusal).
+pub(crate) fn with_canonical<R>(
+    input: &[u8],
+    f: impl FnOnce(Result<&[u8], CanonicalJsonError>) -> R,
+) -> R {
+    let mut spare = SPARE.take();
+    let mut out = std::mem::take(&mut spare.out);
+    let (read, mut spare) = spare.canonicalize(input, &mut out);
+    let answer = f(read.map(|()| out.as_slice()));
+    spare.out = cleared(out);
+    SPARE.set(spare);
+    answer
+}
+
+/// The parser's working space, and an output buffer, kept by each thread
+/// between bodies so that a body of a few members allocates nothing.
 #[derive(Default)]
 struct Spare {
     members: Vec<Member>,
     scratch: Vec<u8>,
     order: Vec<usize>,
+    out: Vec<u8>,
 }
 
 impl Spare {
-    /// Buffers larger than this are let go rather than kept.
-    const MAX_KEPT: usize = 1 << 20;
-
-    fn keep(p: Parser<'_>) -> Self {
-        fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
-            v.clear();
-            if v.capacity() * size_of::<T>() > Spare::MAX_KEPT {
-                Vec::new()
+    /// Runs the parser over `input` with this working space; the space
+    /// comes back emptied.
+    fn canonicalize(
+        self,
+        input: &[u8],
+        out: &mut Vec<u8>,
+    ) -> (Result<(), CanonicalJsonError>, Self) {
+        let mut p = Parser {
+            s: input,
+            i: 0,
+            run: 0,
+            depth: 0,
+            members: self.members,
+            scratch: self.scratch,
+            order: self.order,
+            refusal: Fault { what: "", at: 0 },
+        };
+        let read = p.value(out).and_then(|()| {
+            p.skip_ws(out);
+            if p.i == p.s.len() {
+                Ok(())
             } else {
-                v
+                Err(p.fault("trailing characters"))
             }
-        }
-        Self {
+        });
+        let read = match read {
+            Ok(()) => {
+                p.flush(out);
+                Ok(())
+            }
+            Err(Refused) => Err(CanonicalJsonError(format!(
+                "{} at byte {}",
+                p.refusal.what, p.refusal.at
+            ))),
+        };
+        let spare = Self {
             members: cleared(p.members),
             scratch: cleared(p.scratch),
             order: cleared(p.order),
-        }
+            out: self.out,
+        };
+        (read, spare)
+    }
+}
+
+/// `v` emptied, or let go if it grew beyond a mebibyte.
+fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
+    v.clear();
+    if v.capacity() * size_of::<T>() > 1 << 20 {
+        Vec::new()
+    } else {
+        v
     }
 }
 
@@ -98,6 +125,7 @@ thread_local! {
             members: Vec::new(),
             scratch: Vec::new(),
             order: Vec::new(),
+            out: Vec::new(),
         })
     };
 }

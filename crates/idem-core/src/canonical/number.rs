@@ -69,12 +69,9 @@ impl Parser<'_> {
         if as_it_stands {
             return Ok(());
         }
+        // `-0` too: the double it reads as is zero, written `0`.
         self.flush_to(start, out);
-        if fraction.is_none() && !exponent && int == b"0" {
-            out.push(b'0');
-        } else {
-            self.float(&self.s[start..self.i], out)?;
-        }
+        self.float(&self.s[start..self.i], out)?;
         self.resume();
         Ok(())
     }
