@@ -651,7 +651,10 @@ impl OwnRedis {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// Waits until `n` replicas are connected to it and online.
+    /// Waits until `n` replicas are connected to it, online, and
+    /// acknowledging writes: a replica reported online may still be loading
+    /// what it was sent, and on a busy machine its first acknowledgements
+    /// can take longer than a claim's `WAIT` time-out.
     pub fn wait_replicas_online(&self, n: usize) {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         loop {
@@ -660,7 +663,9 @@ impl OwnRedis {
                 .lines()
                 .filter(|l| l.starts_with("slave") && l.contains("state=online"))
                 .count();
-            if online >= n {
+            // A replica (the middle of a chain) takes no writes to probe.
+            let acknowledging = info.contains("role:slave") || self.acknowledged_by(n) >= n;
+            if online >= n && acknowledging {
                 return;
             }
             assert!(
@@ -669,6 +674,34 @@ impl OwnRedis {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// How many of `n` replicas acknowledge a write within a second: a
+    /// write and `WAIT` on one connection (`WAIT` counts this connection's
+    /// writes).
+    fn acknowledged_by(&self, n: usize) -> usize {
+        use std::io::Write;
+        let mut child = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("redis-cli");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(
+                format!("SET idem-test-ack-probe 1\nWAIT {n} 1000\nDEL idem-test-ack-probe\n")
+                    .as_bytes(),
+            )
+            .expect("write to redis-cli");
+        let out = child.wait_with_output().expect("redis-cli");
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .nth(1)
+            .and_then(|l| l.trim().parse().ok())
+            .unwrap_or(0)
     }
 
     /// Its URL.
