@@ -30,10 +30,14 @@
 //!
 //! # InnoDB, and what the store does about it
 //!
-//! - **No `RETURNING`.** A claim is a write transaction of an upsert
-//!   (`INSERT … ON DUPLICATE KEY UPDATE`, whose first assignment decides)
-//!   and a locking read of the row back: the caller won when the token
-//!   there is its own. See [`idem_sql::store`].
+//! - **No `RETURNING`.** A key never seen is claimed by one plain insert
+//!   after the first look, whose lease is counted from the clock that look
+//!   read, so nothing needs reading back: a new key costs two statements
+//!   before the handler. Any other claim (a racing insert lost on the
+//!   primary key, a record past its retention, a lease run out) is a write
+//!   transaction of an upsert (`INSERT … ON DUPLICATE KEY UPDATE`, whose
+//!   first assignment decides) and a locking read of the row back: the
+//!   caller won when the token there is its own. See [`idem_sql::store`].
 //! - **Stale snapshots.** REPEATABLE READ (InnoDB's default) would let a
 //!   plain `SELECT` after a wait read a snapshot from before it: the store's
 //!   write transactions run under READ COMMITTED, and its reads after a

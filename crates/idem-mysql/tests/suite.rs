@@ -149,3 +149,82 @@ async fn a_missing_database_is_created_on_connect() {
         .unwrap();
     assert_eq!(found, 1);
 }
+
+/// A key never seen is claimed by the first look and one plain insert, not
+/// by the claim's transaction: a user who may read and insert records but
+/// not update them claims new keys (the transaction's upsert needs
+/// `UPDATE`), and a repeat finds the claim in progress with the lease the
+/// claim reported. A key whose record is past its retention still goes to
+/// the transaction, which that user may not run.
+#[tokio::test]
+async fn a_new_key_is_claimed_by_one_insert() {
+    use idem_core::{ClaimOutcome, RecordState, Store};
+    use std::time::Duration;
+    let (store, db) = fresh().await;
+    let user = format!("idem_ins_{}", &db.name()[db.name().len() - 12..]);
+    sqlx::raw_sql(&format!(
+        "CREATE USER '{user}'@'%' IDENTIFIED BY 'pw';
+         GRANT SELECT, INSERT ON `{}`.idem_records TO '{user}'@'%'",
+        db.name()
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let url = db.url().replacen("://root@", &format!("://{user}:pw@"), 1);
+    assert!(url.contains(&user), "the test URL names root: {url}");
+    let main = store.clone();
+    let outcome = async move {
+        let limited =
+            MySqlStore::new(open_pool(&url).await.unwrap(), TableName::default()).unwrap();
+        let req = idem_store_suite::request(
+            "s",
+            "new",
+            "{}",
+            idem_store_suite::LONG,
+            Duration::from_secs(60),
+        );
+        let ClaimOutcome::Acquired(claim) = limited.claim(&req).await.unwrap() else {
+            panic!("a new key is acquired");
+        };
+        assert!(!claim.takeover);
+        let ClaimOutcome::Existing(record) = limited.claim(&req).await.unwrap() else {
+            panic!("a repeat finds the claim");
+        };
+        assert_eq!(
+            record.state,
+            RecordState::InProgress {
+                token: claim.token,
+                locked_until: claim.locked_until
+            }
+        );
+        assert_eq!(record.operation_id, claim.operation_id);
+        // Past its retention (here: none), the record is replaced by the
+        // transaction's upsert, which this user may not run.
+        let gone = idem_store_suite::request(
+            "s",
+            "gone",
+            "{}",
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+        );
+        assert!(matches!(
+            main.claim(&gone).await.unwrap(),
+            ClaimOutcome::Acquired(_)
+        ));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let refused = limited.claim(&gone).await;
+        assert!(refused.is_err(), "{refused:?}");
+        assert!(matches!(
+            main.claim(&gone).await.unwrap(),
+            ClaimOutcome::Acquired(_)
+        ));
+    };
+    let result = tokio::spawn(outcome).await;
+    sqlx::raw_sql(&format!("DROP USER '{user}'@'%'"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic.into_panic());
+    }
+}

@@ -22,6 +22,22 @@ pub struct RecordTemplates {
     pub(super) stats: &'static str,
     /// The longest scope the table holds, in bytes.
     pub(super) max_scope: Option<usize>,
+    /// A new key claimed by one plain insert (MySQL), or `None`: every
+    /// claim the first look did not answer runs the claim's transaction.
+    pub(super) new_key: Option<NewKeyTemplates>,
+}
+
+/// A new key's claim in one statement where the database cannot return
+/// what it inserted: a first look that always reports the database's
+/// clock, and an insert whose times are taken from it.
+#[derive(Debug)]
+#[doc(hidden)]
+pub(super) struct NewKeyTemplates {
+    /// The first look, one row even when there is no record (its columns
+    /// `NULL`), with the clock in `now`; `$1` scope, `$2` key.
+    pub(super) first: &'static str,
+    /// The insert; fails on the primary key if any row holds the key.
+    pub(super) insert: &'static str,
 }
 
 /// A [`Dialect`] whose records [`SqlStore`] keeps: SQLite, PostgreSQL and
@@ -84,6 +100,7 @@ impl RecordDialect for crate::Sqlite {
         sweep: include_str!("../../sql/sqlite/sweep.sql"),
         stats: include_str!("../../sql/sqlite/stats.sql"),
         max_scope: None,
+        new_key: None,
     };
     type Extra = ();
 
@@ -111,6 +128,10 @@ impl RecordDialect for crate::MySql {
         sweep: include_str!("../../sql/mysql/sweep.sql"),
         stats: include_str!("../../sql/mysql/stats.sql"),
         max_scope: Some(2048),
+        new_key: Some(NewKeyTemplates {
+            first: include_str!("../../sql/mysql/first.sql"),
+            insert: include_str!("../../sql/mysql/insert.sql"),
+        }),
     };
     type Extra = ();
 
