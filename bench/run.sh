@@ -153,23 +153,63 @@ run_peer "trivial: @node-idempotency (redis)"  env REDIS_URL="$REDIS" node bench
 
 if [ -n "$ONLY" ]; then exit 0; fi
 
-echo "== ceilings: the same statements with pgbench, no HTTP in between"
-# The shop creates its tables in a schema of its own; pgbench then runs
-# bare's statements, and a primary-key read of a completed record, at the
-# same concurrency, prepared once per connection.
+echo "== ceilings: the same statements with pgbench and mysqlslap, no HTTP in between"
+# The shop creates its tables in a schema of its own; pgbench then runs, at
+# the same concurrency, prepared once per connection: bare's statements;
+# those of a new key (the claim committed first, the completion in bare's
+# transaction) in both modes, made from idem's own SQL by claims.py; and a
+# primary-key read of a completed record. bare, new and held alternate in
+# CEILING_ROUNDS rounds (medians), as the HTTP rounds do.
+CEILING_ROUNDS=${CEILING_ROUNDS:-3}
 start_shop --database-url PGSCHEMA
 kill "$PID"; wait "$PID" 2>/dev/null || true
 ceiling_opts="-c client_min_messages=warning -c search_path=$SCHEMA"
 PGOPTIONS="$ceiling_opts" psql "$PG" -q -f bench/pgbench/records.sql
+for k in pg-new pg-held my-bare my-new; do python3 bench/pgbench/claims.py "$k" > "$out/$k.sql"; done
 pgbench_tps() { # script
-  PGOPTIONS="$ceiling_opts" pgbench -n -M prepared -c "$CONCURRENCY" -j 2 -T "${CEILING_SECONDS:-15}" \
+  PGOPTIONS="$ceiling_opts" pgbench -n -M prepared -c "$CONCURRENCY" -j 2 -T "${CEILING_SECONDS:-10}" \
     -f "$1" "$PG" 2>/dev/null | awk '/^tps = / {print $3; exit}'
 }
-bare_tps=$(pgbench_tps bench/pgbench/bare.sql)
+median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
+: > "$out/pg-bare.tps"; : > "$out/pg-new.tps"; : > "$out/pg-held.tps"
+for _ in $(seq 1 "$CEILING_ROUNDS"); do
+  pgbench_tps bench/pgbench/bare.sql >> "$out/pg-bare.tps"
+  pgbench_tps "$out/pg-new.sql" >> "$out/pg-new.tps"
+  pgbench_tps "$out/pg-held.sql" >> "$out/pg-held.tps"
+done
+bare_tps=$(median < "$out/pg-bare.tps")
+new_tps=$(median < "$out/pg-new.tps")
+held_tps=$(median < "$out/pg-held.tps")
 read_tps=$(pgbench_tps bench/pgbench/replay.sql)
 psql "$PG" -qc "DROP SCHEMA $SCHEMA CASCADE"
-echo "pgbench: bare statements $bare_tps tps, primary-key read $read_tps tps"
-echo "{\"bare_statements_tps\": $bare_tps, \"primary_key_read_tps\": $read_tps}" > "$out/ceilings.json"
+echo "pgbench: bare statements $bare_tps tps, a new key's $new_tps, claim in tx $held_tps, primary-key read $read_tps tps"
+# MySQL / MariaDB: the same with mysqlslap (statements sent as text, no
+# pgbench there), each client running a request's statements in turn.
+start_shop --database-url MYDATABASE
+kill "$PID"; wait "$PID" 2>/dev/null || true
+MY_PER_CLIENT=${MY_PER_CLIENT:-300}
+mysqlslap_tps() { # script: requests per second
+  local statements seconds
+  statements=$(grep -c ';$' "$1")
+  seconds=$(mysqlslap -h127.0.0.1 -uroot --create-schema="$MYDB" --concurrency="$CONCURRENCY" --iterations=1 \
+    --number-of-queries=$((CONCURRENCY * MY_PER_CLIENT * statements)) --query="$1" --delimiter=";" 2>/dev/null \
+    | awk '/Average number of seconds/ {print $(NF - 1); exit}')
+  python3 -c "print(round($CONCURRENCY * $MY_PER_CLIENT / $seconds, 1))"
+}
+: > "$out/my-bare.tps"; : > "$out/my-new.tps"
+for _ in $(seq 1 "$CEILING_ROUNDS"); do
+  mysqlslap_tps "$out/my-bare.sql" >> "$out/my-bare.tps"
+  mysqlslap_tps "$out/my-new.sql" >> "$out/my-new.tps"
+done
+my_bare_tps=$(median < "$out/my-bare.tps")
+my_new_tps=$(median < "$out/my-new.tps")
+mysql -h127.0.0.1 -uroot -e "DROP DATABASE $MYDB"
+echo "mysqlslap: bare statements $my_bare_tps/s, a new key's $my_new_tps/s"
+cat > "$out/ceilings.json" <<JSON
+{"bare_statements_tps": $bare_tps, "new_key_statements_tps": $new_tps, "held_claim_statements_tps": $held_tps,
+ "primary_key_read_tps": $read_tps, "mysql_bare_statements_tps": $my_bare_tps, "mysql_new_key_statements_tps": $my_new_tps,
+ "rounds": $CEILING_ROUNDS}
+JSON
 
 echo "== instructions per request (callgrind): the layer with the memory store vs the bare handler"
 bash bench/callgrind.sh "$out/callgrind.jsonl"
@@ -200,5 +240,7 @@ cargo bench -q -p idem-core --bench core -- --warm-up-time 1 --measurement-time 
   | grep -E "^[a-z].*time:" > "$out/criterion.txt" || true
 
 python3 bench/render.py "$results" "$out/memory.json" "$out/criterion.txt" \
-  "bash bench/run.sh $REQUESTS $CONCURRENCY" "$ROUNDS" "$out/ceilings.json" "$out/callgrind.jsonl" > BENCHMARKS.md
+  "bash bench/run.sh $REQUESTS $CONCURRENCY" "$ROUNDS" "$out/ceilings.json" "$out/callgrind.jsonl" \
+  BENCHMARKS.md > "$out/BENCHMARKS.md"
+mv "$out/BENCHMARKS.md" BENCHMARKS.md
 echo "wrote BENCHMARKS.md"
