@@ -38,6 +38,11 @@
 //!   transaction of an upsert (`INSERT … ON DUPLICATE KEY UPDATE`, whose
 //!   first assignment decides) and a locking read of the row back: the
 //!   caller won when the token there is its own. See [`idem_sql::store`].
+//!   The insert commits once sent, as PostgreSQL's first look does: a
+//!   caller that stops waiting for it (a client gone, a store time-out)
+//!   leaves a claim nobody holds, freed when its lease runs out. It is tried
+//!   only in sessions that commit each statement by themselves
+//!   (`autocommit = 1`, the server's default).
 //! - **Stale snapshots.** REPEATABLE READ (InnoDB's default) would let a
 //!   plain `SELECT` after a wait read a snapshot from before it: the store's
 //!   write transactions run under READ COMMITTED, and its reads after a

@@ -228,3 +228,74 @@ async fn a_new_key_is_claimed_by_one_insert() {
         std::panic::resume_unwind(panic.into_panic());
     }
 }
+
+/// A key longer than the table holds is refused, never cut short to fit:
+/// cut short, its claim would be stored under another key than the one
+/// its completion names.
+#[tokio::test]
+async fn an_overlong_key_is_refused_never_truncated() {
+    use idem_core::{ClaimOutcome, Store, StoreError};
+    let (store, _db) = fresh().await;
+    let req = |key: &str| {
+        idem_store_suite::request(
+            "s",
+            key,
+            "{}",
+            idem_store_suite::LONG,
+            std::time::Duration::from_secs(60),
+        )
+    };
+    let err = store.claim(&req(&"k".repeat(1021))).await.unwrap_err();
+    assert!(matches!(err, StoreError::Backend(_)), "{err:?}");
+    assert!(
+        format!("{err:?}").contains("a key of 1021 bytes"),
+        "{err:?}"
+    );
+    assert!(matches!(
+        store.claim(&req(&"k".repeat(1020))).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+}
+
+/// In sessions that do not commit each statement by themselves
+/// (`autocommit = 0`), a new key is never claimed by an insert left
+/// uncommitted: whatever the claim answers, a claim it reports acquired is
+/// committed (another connection sees it), and a refused one left nothing.
+#[tokio::test]
+async fn a_session_without_autocommit_never_holds_an_uncommitted_claim() {
+    use idem_core::{ClaimOutcome, Store};
+    let (store, db) = fresh().await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("SET autocommit = 0").execute(conn).await?;
+                Ok(())
+            })
+        })
+        .connect(&db.url())
+        .await
+        .unwrap();
+    let manual = MySqlStore::new(pool, TableName::default()).unwrap();
+    for i in 0..4 {
+        let key = format!("manual-{i}");
+        let req = idem_store_suite::request(
+            "s",
+            &key,
+            "{}",
+            idem_store_suite::LONG,
+            std::time::Duration::from_secs(60),
+        );
+        let outcome = manual.claim(&req).await;
+        let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_records WHERE `key` = ?")
+            .bind(&key)
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        match outcome {
+            Ok(ClaimOutcome::Acquired(_)) => assert_eq!(seen, 1, "acquired but not committed"),
+            Ok(ClaimOutcome::Existing(r)) => panic!("a new key found {r:?}"),
+            Err(_) => assert_eq!(seen, 0, "refused, yet a claim was left"),
+        }
+    }
+}

@@ -1,11 +1,13 @@
 -- The first look: the record under a key, unless it is past its retention,
 -- and the database's clock, in one row even when there is no record (its
 -- columns then NULL). Knowing the clock lets a new key be claimed by a
--- plain insert (insert.sql) whose lease is known without reading it back.
--- $1 scope, $2 key.
+-- plain insert (insert.sql) whose lease is known without reading it back;
+-- the insert is a claim only in a session that commits each statement by
+-- itself (autocommit = 1). $1 scope, $2 key.
 SELECT CONVERT(r.scope USING utf8mb4) AS scope, CONVERT(r.`key` USING utf8mb4) AS `key`,
        r.fingerprint, r.operation_id, r.token, r.state, r.locked_until,
-       r.created_at, r.expires_at, r.completed_at, r.status, r.headers, r.body, clock.now
+       r.created_at, r.expires_at, r.completed_at, r.status, r.headers, r.body, clock.now,
+       @@session.autocommit AS autocommit
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN {table} AS r
   ON r.scope = $1 AND r.`key` = $2

@@ -22,6 +22,8 @@ pub struct RecordTemplates {
     pub(super) stats: &'static str,
     /// The longest scope the table holds, in bytes.
     pub(super) max_scope: Option<usize>,
+    /// The longest key the table holds, in bytes.
+    pub(super) max_key: Option<usize>,
     /// A new key claimed by one plain insert (MySQL), or `None`: every
     /// claim the first look did not answer runs the claim's transaction.
     pub(super) new_key: Option<NewKeyTemplates>,
@@ -34,7 +36,8 @@ pub struct RecordTemplates {
 #[doc(hidden)]
 pub(super) struct NewKeyTemplates {
     /// The first look, one row even when there is no record (its columns
-    /// `NULL`), with the clock in `now`; `$1` scope, `$2` key.
+    /// `NULL`), with the clock in `now` and whether the session commits
+    /// each statement by itself in `autocommit`; `$1` scope, `$2` key.
     pub(super) first: &'static str,
     /// The insert; fails on the primary key if any row holds the key.
     pub(super) insert: &'static str,
@@ -71,8 +74,9 @@ pub trait RecordDialect: Dialect + sealed::Sealed {
     #[doc(hidden)]
     fn open_pool(url: &str) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>>;
 
-    /// Claims `req`: by default the first look, then the claim's write
-    /// transaction (see [`crate::store`]).
+    /// Claims `req`: by default the first look, then (on MySQL, for a key
+    /// never seen) one insert, then the claim's write transaction (see
+    /// [`crate::store`]).
     #[doc(hidden)]
     fn claim<'a>(
         store: &'a SqlStore<Self>,
@@ -100,6 +104,7 @@ impl RecordDialect for crate::Sqlite {
         sweep: include_str!("../../sql/sqlite/sweep.sql"),
         stats: include_str!("../../sql/sqlite/stats.sql"),
         max_scope: None,
+        max_key: None,
         new_key: None,
     };
     type Extra = ();
@@ -128,6 +133,7 @@ impl RecordDialect for crate::MySql {
         sweep: include_str!("../../sql/mysql/sweep.sql"),
         stats: include_str!("../../sql/mysql/stats.sql"),
         max_scope: Some(2048),
+        max_key: Some(1020),
         new_key: Some(NewKeyTemplates {
             first: include_str!("../../sql/mysql/first.sql"),
             insert: include_str!("../../sql/mysql/insert.sql"),

@@ -4,7 +4,8 @@
 //!
 //! A repeat is answered by a first look, one plain read that writes and
 //! locks nothing: a completed record, another request's record, or a claim
-//! under a live lease (see `first_look`). Anything else is claimed: one
+//! under a live lease (see `first_look`). Anything else is claimed (on
+//! MySQL a key never seen first by one insert, below): one
 //! write transaction ([`Dialect::begin_write`]) of two
 //! statements. The first (`sql/<dialect>/claim.sql`) is an upsert that
 //! inserts a new record, replaces one past its retention, or takes over an
@@ -26,7 +27,9 @@
 //! its lease without reading the row back: two statements for a new key
 //! instead of five. Like PostgreSQL's first look, the insert commits once
 //! sent: a caller that stops waiting for it leaves a claim that is freed
-//! when its lease runs out.
+//! when its lease runs out. It is tried only in a session that commits each
+//! statement by itself (the first look reads `@@autocommit`), and a key
+//! longer than the table holds is refused before (never cut short to fit).
 
 use std::sync::Arc;
 
@@ -68,7 +71,7 @@ struct RecordSql<D> {
     new_key: Option<NewKeySql<D>>,
 }
 
-/// A new key's claim in one insert ([`dialects::NewKeyTemplates`]).
+/// A new key's claim in one insert (`dialects::NewKeyTemplates`).
 #[derive(Debug)]
 struct NewKeySql<D> {
     first: Statement<D>,
@@ -102,6 +105,9 @@ impl<D: RecordDialect> RecordSql<D> {
         })
     }
 }
+
+/// The longest lease or retention a claim stores: a century, in ms.
+const MAX_MILLIS: i64 = 100 * 366 * 24 * 60 * 60 * 1000;
 
 /// How many times a claim's transaction runs when the database asks for a
 /// retry (a deadlock, a lock wait time-out) or the row vanished (swept).
@@ -185,30 +191,54 @@ impl<D: RecordDialect> SqlStore<D> {
         D::RECORDS.migrations
     }
 
-    fn check_scope(&self, scope: &str) -> Result<(), StoreError> {
-        match D::RECORDS.max_scope {
-            Some(max) if scope.len() > max => Err(StoreError::Backend(
-                format!(
-                    "a scope of {} bytes does not fit {}'s records table \
-                     (at most {max}): hash long scopes before they reach idem",
-                    scope.len(),
-                    D::NAME
-                )
-                .into(),
-            )),
-            _ => Ok(()),
+    /// Refuses a scope or key longer than the table holds (MySQL's), so
+    /// that neither is ever cut short to fit.
+    fn check_sizes(&self, scope: &str, key: &str) -> Result<(), StoreError> {
+        let t = &D::RECORDS;
+        for (what, value, max, advice) in [
+            (
+                "scope",
+                scope,
+                t.max_scope,
+                "hash long scopes before they reach idem",
+            ),
+            (
+                "key",
+                key,
+                t.max_key,
+                "keys are at most 255 bytes over HTTP",
+            ),
+        ] {
+            if let Some(max) = max.filter(|max| value.len() > *max) {
+                return Err(StoreError::Backend(
+                    format!(
+                        "a {what} of {} bytes does not fit {}'s records table \
+                         (at most {max}): {advice}",
+                        value.len(),
+                        D::NAME
+                    )
+                    .into(),
+                ));
+            }
         }
+        Ok(())
     }
 
-    /// The claim of SQLite and MySQL: the first look, then the claim's
-    /// write transaction.
+    /// The claim of SQLite and MySQL: the first look, then (on MySQL, for
+    /// a key it found no record of) one insert, then the claim's write
+    /// transaction if neither decided.
     pub(crate) async fn claim_generic(
         &self,
         req: &ClaimRequest,
     ) -> Result<ClaimOutcome, StoreError> {
-        self.check_scope(&req.scope)?;
-        let lease = i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX);
-        let retention = i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX);
+        self.check_sizes(&req.scope, &req.key)?;
+        // Past a century a lease or a retention means "for ever", and stays
+        // far from overflowing the clock plus it in either path.
+        let millis = |d: std::time::Duration| {
+            i64::try_from(d.as_millis()).map_or(MAX_MILLIS, |ms| ms.min(MAX_MILLIS))
+        };
+        let lease = millis(req.lease);
+        let retention = millis(req.retention);
         {
             // One connection for the first look and a new key's insert,
             // given back before the claim's transaction takes its own.
@@ -278,12 +308,20 @@ impl<D: RecordDialect> SqlStore<D> {
             return Ok(Look::Undecided);
         };
         let now = now_of::<D>(&row)?;
-        let scope = D::get(&row, "scope")
-            .map_err(|e| StoreError::Corrupt(format!("the first look's scope: {e}")))?;
-        if matches!(scope, Value::Null) {
+        let column = |name: &str| {
+            D::get(&row, name)
+                .map(Value::into_owned)
+                .map_err(|e| StoreError::Corrupt(format!("the first look's {name}: {e}")))
+        };
+        if matches!(column("scope")?, Value::Null) {
             // Only the first look with the clock returns a row without a
-            // record.
-            return Ok(Look::Absent(now));
+            // record. Its insert is a claim only if it commits by itself:
+            // in a session that does not (`autocommit = 0`) the claim's
+            // transaction decides, and fails as it always did there.
+            return Ok(match column("autocommit")? {
+                Value::Int(1) => Look::Absent(now),
+                _ => Look::Undecided,
+            });
         }
         let record = D::decode_record(&row)?;
         let answers = record.fingerprint != req.fingerprint

@@ -73,6 +73,7 @@ impl RecordDialect for Postgres {
         sweep: include_str!("../../../sql/postgres/sweep.sql"),
         stats: include_str!("../../../sql/postgres/stats.sql"),
         max_scope: None,
+        max_key: None,
         new_key: None,
     };
     const COLUMNS: &'static str = COLUMNS;
