@@ -5,6 +5,18 @@
 use idem_mysql::{open_pool, MySqlStore, SqlRecords, TableName};
 use idem_test_support::mysql::TestDatabase;
 
+/// A claim of `key` in scope `s`, with a long lease and a minute's
+/// retention.
+fn request(key: &str) -> idem_core::ClaimRequest {
+    idem_store_suite::request(
+        "s",
+        key,
+        "{}",
+        idem_store_suite::LONG,
+        std::time::Duration::from_secs(60),
+    )
+}
+
 async fn fresh() -> (MySqlStore, TestDatabase) {
     let db = TestDatabase::create("idem_store").await;
     let store = MySqlStore::connect(&db.url()).await.expect("connect");
@@ -54,25 +66,16 @@ async fn a_table_in_another_database_is_created_there_and_kept_apart() {
 async fn keys_differing_in_case_are_two_keys() {
     use idem_core::{ClaimOutcome, Store};
     let (store, _db) = fresh().await;
-    let req = |key: &str| {
-        idem_store_suite::request(
-            "s",
-            key,
-            "{}",
-            idem_store_suite::LONG,
-            std::time::Duration::from_secs(60),
-        )
-    };
     assert!(matches!(
-        store.claim(&req("abc")).await.unwrap(),
+        store.claim(&request("abc")).await.unwrap(),
         ClaimOutcome::Acquired(_)
     ));
     assert!(matches!(
-        store.claim(&req("ABC")).await.unwrap(),
+        store.claim(&request("ABC")).await.unwrap(),
         ClaimOutcome::Acquired(_)
     ));
     assert!(matches!(
-        store.claim(&req("abc ")).await.unwrap(),
+        store.claim(&request("abc ")).await.unwrap(),
         ClaimOutcome::Acquired(_)
     ));
     let scoped = |scope: &str| {
@@ -176,13 +179,7 @@ async fn a_new_key_is_claimed_by_one_insert() {
     let outcome = async move {
         let limited =
             MySqlStore::new(open_pool(&url).await.unwrap(), TableName::default()).unwrap();
-        let req = idem_store_suite::request(
-            "s",
-            "new",
-            "{}",
-            idem_store_suite::LONG,
-            Duration::from_secs(60),
-        );
+        let req = request("new");
         let ClaimOutcome::Acquired(claim) = limited.claim(&req).await.unwrap() else {
             panic!("a new key is acquired");
         };
@@ -236,23 +233,14 @@ async fn a_new_key_is_claimed_by_one_insert() {
 async fn an_overlong_key_is_refused_never_truncated() {
     use idem_core::{ClaimOutcome, Store, StoreError};
     let (store, _db) = fresh().await;
-    let req = |key: &str| {
-        idem_store_suite::request(
-            "s",
-            key,
-            "{}",
-            idem_store_suite::LONG,
-            std::time::Duration::from_secs(60),
-        )
-    };
-    let err = store.claim(&req(&"k".repeat(1021))).await.unwrap_err();
+    let err = store.claim(&request(&"k".repeat(1021))).await.unwrap_err();
     assert!(matches!(err, StoreError::Backend(_)), "{err:?}");
     assert!(
         format!("{err:?}").contains("a key of 1021 bytes"),
         "{err:?}"
     );
     assert!(matches!(
-        store.claim(&req(&"k".repeat(1020))).await.unwrap(),
+        store.claim(&request(&"k".repeat(1020))).await.unwrap(),
         ClaimOutcome::Acquired(_)
     ));
 }
@@ -279,13 +267,7 @@ async fn a_session_without_autocommit_never_holds_an_uncommitted_claim() {
     let manual = MySqlStore::new(pool, TableName::default()).unwrap();
     for i in 0..4 {
         let key = format!("manual-{i}");
-        let req = idem_store_suite::request(
-            "s",
-            &key,
-            "{}",
-            idem_store_suite::LONG,
-            std::time::Duration::from_secs(60),
-        );
+        let req = request(&key);
         let outcome = manual.claim(&req).await;
         let seen: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_records WHERE `key` = ?")
             .bind(&key)
