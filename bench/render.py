@@ -159,13 +159,13 @@ if db_limit:
     out.append("### A new key's price in the database alone\n")
     out.append("What a new key adds can be measured without HTTP or shop: the same clients "
                "(pgbench on PostgreSQL, prepared; mysqlslap on MariaDB, as text) run bare's "
-               "statements, then a new key's: the claim exactly as idem sends it "
+               "statements, then a new key's: idem's own claim statements "
                "(`bench/pgbench/claims.py` makes the scripts from `crates/idem-sql/sql`), "
-               "committed on its own, then bare's statements with the completion in their "
-               f"transaction. Alternated in {ceilings.get('rounds', 1)} rounds, medians. The "
-               "ratio is the most the database lets a new key reach against bare on this "
-               "machine; the HTTP figure can exceed it only because shop's own CPU, the "
-               "same in both, dilutes it.\n")
+               "committed on their own, then bare's statements with the completion in their "
+               "transaction (neither with the outbox's `pg_notify`). Alternated in "
+               f"{ceilings.get('rounds', 1)} rounds, medians. The ratio is what the database "
+               "alone allows a new key against bare on this machine; over HTTP shop's own "
+               "work is added to both.\n")
     out.append("| config | new keys / bare over HTTP | the database's statements alone: new / bare |")
     out.append("|---|---:|---:|")
     for c, (lim, detail) in db_limit.items():

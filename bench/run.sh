@@ -8,9 +8,14 @@
 #   ROUNDS=3 bash bench/run.sh            # bare/new rounds per configuration (default 7)
 #   ONLY='^postgres$' bash bench/run.sh   # only the configurations matching (a quick look:
 #                                         # prints the table, leaves BENCHMARKS.md alone)
+#   CEILINGS=1 ONLY=… bash bench/run.sh   # a quick look with the ceilings, rendered to stdout
+#   CEILING_ROUNDS=3 CEILING_SECONDS=10   # rounds and length of each pgbench ceiling;
+#   MY_PER_CLIENT=600                     # requests per mysqlslap client (MariaDB's ceilings)
+#   SETTLE_SECONDS=120                    # the longest wait for idle before replays
 #
 # Needs the services `bash scripts/test` starts (PostgreSQL, MariaDB, Redis), Node.js
-# and npm for the Node peers, pgbench for the ceilings, valgrind for the
+# and npm for the Node peers, pgbench, mysqlslap and the mysql client for the
+# ceilings, valgrind for the
 # instruction counts (bench/callgrind.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -92,24 +97,29 @@ print(json.dumps(d))" "$before" "$after" >> "$results"
 wanted() { [ -z "$ONLY" ] || [[ "$1" =~ $ONLY ]]; }
 
 # Waits until shop and the database servers are idle (under a tenth of a
-# core for a second): every payment sends an event that shop's consumers
+# core for three seconds in a row): every payment sends an event that shop's consumers
 # commit once through the inbox, and the backlog the new-key rounds leave
 # would otherwise run beside the next scenario (it once cut replays to a
-# quarter). At most SETTLE_SECONDS (default 600).
+# quarter). At most SETTLE_SECONDS (default 120).
 settle() {
-  local before after waited=0
+  local before after waited=0 quiet=0
   before=$(python3 bench/cpu.py "$PID")
-  while [ "$waited" -lt "${SETTLE_SECONDS:-600}" ]; do
+  while [ "$waited" -lt "${SETTLE_SECONDS:-120}" ]; do
     sleep 1; waited=$((waited + 1))
     after=$(python3 bench/cpu.py "$PID")
     if python3 -c "
 import sys
 b, a = [list(map(float, x.split())) for x in sys.argv[1:3]]
 sys.exit(0 if (a[0] - b[0]) + (a[1] - b[1]) < 100 else 1)" "$before" "$after"; then
-      [ "$waited" -gt 1 ] && echo "   (settled after ${waited}s)"
-      return 0
+      quiet=$((quiet + 1))
+    else
+      quiet=0
     fi
     before=$after
+    if [ "$quiet" -ge 3 ]; then
+      if [ "$waited" -gt 3 ]; then echo "   (settled after ${waited}s)"; fi
+      return 0
+    fi
   done
   echo "   (still busy after ${waited}s)"
 }
@@ -194,10 +204,14 @@ kill "$PID"; wait "$PID" 2>/dev/null || true
 ceiling_opts="-c client_min_messages=warning -c search_path=$SCHEMA"
 PGOPTIONS="$ceiling_opts" psql "$PG" -q -f bench/pgbench/records.sql
 for k in pg-new pg-held my-bare my-new; do python3 bench/pgbench/claims.py "$k" > "$out/$k.sql"; done
+# A ceiling that fails prints nothing (render.py leaves it out) and says
+# why in ceilings.err, rather than ending the run and its results.
 pgbench_tps() { # script
-  PGOPTIONS="$ceiling_opts" pgbench -n -M prepared -c "$CONCURRENCY" -j 2 -T "${CEILING_SECONDS:-10}" \
-    -f "$1" "$PG" 2>/dev/null | awk '/^tps = / {print $3; exit}'
+  { PGOPTIONS="$ceiling_opts" pgbench -n -M prepared -c "$CONCURRENCY" -j 2 -T "${CEILING_SECONDS:-10}" \
+    -f "$1" "$PG" 2>>"$out/ceilings.err" || echo "pgbench failed on $1" >&2; } | awk '/^tps = / {print $3; exit}'
 }
+# The read first, before the write rounds leave work for autovacuum.
+read_tps=$(pgbench_tps bench/pgbench/replay.sql)
 median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
 : > "$out/pg-bare.tps"; : > "$out/pg-new.tps"; : > "$out/pg-held.tps"
 for _ in $(seq 1 "$CEILING_ROUNDS"); do
@@ -208,21 +222,22 @@ done
 bare_tps=$(median < "$out/pg-bare.tps")
 new_tps=$(median < "$out/pg-new.tps")
 held_tps=$(median < "$out/pg-held.tps")
-read_tps=$(pgbench_tps bench/pgbench/replay.sql)
 psql "$PG" -qc "DROP SCHEMA $SCHEMA CASCADE"
 echo "pgbench: bare statements $bare_tps tps, a new key's $new_tps, claim in tx $held_tps, primary-key read $read_tps tps"
 # MySQL / MariaDB: the same with mysqlslap (statements sent as text, no
 # pgbench there), each client running a request's statements in turn.
 start_shop --database-url MYDATABASE
 kill "$PID"; wait "$PID" 2>/dev/null || true
-MY_PER_CLIENT=${MY_PER_CLIENT:-300}
+MY_PER_CLIENT=${MY_PER_CLIENT:-600}
 mysqlslap_tps() { # script: requests per second
   local statements seconds
   statements=$(grep -c ';$' "$1")
-  seconds=$(mysqlslap -h127.0.0.1 -uroot --create-schema="$MYDB" --concurrency="$CONCURRENCY" --iterations=1 \
-    --number-of-queries=$((CONCURRENCY * MY_PER_CLIENT * statements)) --query="$1" --delimiter=";" 2>/dev/null \
+  seconds=$( { mysqlslap -h127.0.0.1 -uroot --create-schema="$MYDB" --concurrency="$CONCURRENCY" --iterations=1 \
+    --number-of-queries=$((CONCURRENCY * MY_PER_CLIENT * statements)) --query="$1" --delimiter=";" \
+    2>>"$out/ceilings.err" || echo "mysqlslap failed on $1" >&2; } \
     | awk '/Average number of seconds/ {print $(NF - 1); exit}')
-  python3 -c "print(round($CONCURRENCY * $MY_PER_CLIENT / $seconds, 1))"
+  [ -n "$seconds" ] && python3 -c "print(round($CONCURRENCY * $MY_PER_CLIENT / $seconds, 1))"
+  return 0
 }
 : > "$out/my-bare.tps"; : > "$out/my-new.tps"
 for _ in $(seq 1 "$CEILING_ROUNDS"); do
@@ -232,6 +247,7 @@ done
 my_bare_tps=$(median < "$out/my-bare.tps")
 my_new_tps=$(median < "$out/my-new.tps")
 mysql -h127.0.0.1 -uroot -e "DROP DATABASE $MYDB"
+[ -s "$out/ceilings.err" ] && { echo "ceilings that failed:"; cat "$out/ceilings.err"; }
 echo "mysqlslap: bare statements $my_bare_tps/s, a new key's $my_new_tps/s"
 cat > "$out/ceilings.json" <<JSON
 {"bare_statements_tps": $bare_tps, "new_key_statements_tps": $new_tps, "held_claim_statements_tps": $held_tps,
@@ -243,7 +259,8 @@ if [ -n "$ONLY" ]; then
   echo '{"rss_start_kb": 0, "rss_end_kb": 0, "seconds": 0}' > "$out/memory.json"
   : > "$out/criterion.txt"
   python3 bench/render.py "$results" "$out/memory.json" "$out/criterion.txt" \
-    "ONLY='$ONLY' CEILINGS=1 bash bench/run.sh $REQUESTS $CONCURRENCY" "$ROUNDS" "$out/ceilings.json"
+    "ONLY='$ONLY' CEILINGS=1 ROUNDS=$ROUNDS CEILING_ROUNDS=$CEILING_ROUNDS bash bench/run.sh $REQUESTS $CONCURRENCY" \
+    "$ROUNDS" "$out/ceilings.json"
   exit 0
 fi
 

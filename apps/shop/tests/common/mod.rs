@@ -663,9 +663,11 @@ impl OwnRedis {
                 .lines()
                 .filter(|l| l.starts_with("slave") && l.contains("state=online"))
                 .count();
-            // A replica (the middle of a chain) takes no writes to probe.
-            let acknowledging = info.contains("role:slave") || self.acknowledged_by(n) >= n;
-            if online >= n && acknowledging {
+            // A replica (the middle of a chain) takes no writes to probe;
+            // a primary is probed only once its replicas are online.
+            let ready = online >= n
+                && (info.contains("role:slave") || self.acknowledged_by(n) >= n);
+            if ready {
                 return;
             }
             assert!(
