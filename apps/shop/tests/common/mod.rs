@@ -665,8 +665,8 @@ impl OwnRedis {
                 .count();
             // A replica (the middle of a chain) takes no writes to probe;
             // a primary is probed only once its replicas are online.
-            let ready = online >= n
-                && (info.contains("role:slave") || self.acknowledged_by(n) >= n);
+            let ready =
+                online >= n && (info.contains("role:slave") || self.acknowledged_by(n) >= n);
             if ready {
                 return;
             }
