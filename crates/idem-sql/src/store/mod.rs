@@ -365,14 +365,12 @@ impl<D: RecordDialect> SqlStore<D> {
             Arg::Int(clock.0.saturating_add(retention)),
         ];
         match D::execute(conn, &new_key.insert, &args).await {
-            Ok(_) => Ok(Some(Claim {
-                scope: req.scope.clone(),
-                key: req.key.clone(),
+            Ok(_) => Ok(Some(inserted_claim(
+                req,
                 token,
                 operation_id,
-                locked_until: UnixMillis(locked_until),
-                takeover: false,
-            })),
+                UnixMillis(locked_until),
+            ))),
             Err(e) => match D::classify(&e) {
                 ErrorClass::UniqueViolation | ErrorClass::RetryTransaction => Ok(None),
                 _ => Err(store_error(e)),
@@ -392,6 +390,24 @@ impl<D: RecordDialect> SqlStore<D> {
         row.map(|r| D::decode_record(&r))
             .transpose()
             .map_err(|e| sqlx::Error::Decode(Box::new(e)))
+    }
+}
+
+/// The claim on a record this attempt inserted: its own token and
+/// operation id, no takeover.
+fn inserted_claim(
+    req: &ClaimRequest,
+    token: FencingToken,
+    operation_id: OperationId,
+    locked_until: UnixMillis,
+) -> Claim {
+    Claim {
+        scope: req.scope.clone(),
+        key: req.key.clone(),
+        token,
+        operation_id,
+        locked_until,
+        takeover: false,
     }
 }
 

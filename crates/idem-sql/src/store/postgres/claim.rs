@@ -91,14 +91,12 @@ fn fresh_claim(
     let locked_until: i64 = row
         .try_get("locked_until")
         .map_err(|e| corrupt("locked_until", e))?;
-    Ok(Claim {
-        scope: req.scope.clone(),
-        key: req.key.clone(),
+    Ok(super::super::inserted_claim(
+        req,
         token,
         operation_id,
-        locked_until: UnixMillis(locked_until),
-        takeover: false,
-    })
+        UnixMillis(locked_until),
+    ))
 }
 
 /// How many times a deciding claim runs when the row it lost to vanished
