@@ -1,13 +1,17 @@
 //! Redis for idem, two ways:
 //!
 //! - [`RedisStore`]: a store of its own, for services without a SQL database.
-//!   A claim first looks with a plain read (`GET` and `TIME`, one round
-//!   trip, no script): a replay, or a duplicate of a claim still running,
-//!   is answered by it alone. A new key, a takeover and a record past its
-//!   retention are decided by the claim script (a second round trip).
-//!   Complete and release are one round trip each. The scripts are Lua,
-//!   loaded once and called by SHA, atomic, fenced by token; leases and
-//!   retention are Redis's clock and expirations.
+//!   A claim first looks with plain commands in one round trip, no script:
+//!   `SET … NX GET PX`, `TIME` and `PTTL`. A key that holds nothing is
+//!   claimed by it; a replay, or a duplicate of a claim still running, is
+//!   answered by it alone (the `SET` writes nothing where a value is and
+//!   returns it). A takeover and a record past its retention are decided by
+//!   the claim script (a second round trip). Complete and release are one
+//!   round trip each. The scripts are Lua, loaded once and called by SHA,
+//!   atomic, fenced by token; leases and retention are Redis's clock and
+//!   expirations: a claim made by the `SET` counts its times from its key's
+//!   expiry, so not even it is stamped with this process's clock. Needs
+//!   Redis 7.0 or later (or Valkey): `SET` with both `NX` and `GET`.
 //! - [`TieredStore`]: Redis **in front of** a SQL store. Completed records
 //!   are cached for replay and in-flight collisions are answered from Redis;
 //!   the SQL store stays the source of truth and the only place a claim is
@@ -68,6 +72,7 @@ pub use tier::TieredStore;
 
 use conn::{Conn, Single};
 use decode::{bytes_of, decode, number, parse_op, redis_time, text};
+use value::{KeyClock, NewClaim};
 
 /// The Redis store; see the crate-level docs.
 #[derive(Clone)]
@@ -296,12 +301,23 @@ impl RedisStore {
             retention.as_bytes(),
         ];
         let key = self.record_key(&req.scope, &req.key);
-        // The first look: a plain read. A replay, or a duplicate of a live
-        // claim, is answered here, and the claim script runs only for what
-        // it alone can decide (a new key, a takeover, a record past its
-        // retention).
-        let (record, now) = self.fetch_key(&key).await?;
-        if let Some(record) = record.filter(|r| first_look_decides(r, &req.fingerprint, now)) {
+        // The first look: plain commands in one round trip. A key that holds
+        // nothing is claimed by it; a replay, or a duplicate of a live
+        // claim, is answered by it; the claim script runs only for what it
+        // alone can decide (a takeover, a record past its retention).
+        let (record, now) = match self.first_look(&key, req, &op, token).await? {
+            FirstLook::Claimed(claim) => return Ok(ClaimOutcome::Acquired(claim)),
+            FirstLook::Read(record, now) => (record, now),
+            FirstLook::Hash => self.fetch_key(&key).await?,
+        };
+        // A claim under this very token is this request's first look sent
+        // again (its reply lost): the claim script answers it as the claim
+        // it is, not as a conflict with itself.
+        let decides = |r: &Record| {
+            first_look_decides(r, &req.fingerprint, now)
+                && !matches!(r.state, RecordState::InProgress { token: t, .. } if t == token)
+        };
+        if let Some(record) = record.filter(decides) {
             return Ok(ClaimOutcome::Existing(record));
         }
         let (reply, replicated) = self.write(&self.claim, scripts::CLAIM, &key, &args).await?;
@@ -330,7 +346,7 @@ impl RedisStore {
                 let value = items.next().and_then(bytes_of).ok_or_else(|| {
                     StoreError::Corrupt("the claim script returned no record".into())
                 })?;
-                ClaimOutcome::Existing(value::decode(value)?)
+                ClaimOutcome::Existing(value::decode(value, None)?)
             }
             _ => {
                 return Err(StoreError::Corrupt(
@@ -375,37 +391,131 @@ impl RedisStore {
         }
     }
 
-    /// `read` (a command on `key`) and `TIME` in one pipeline, errors kept
-    /// in place (so that a WRONGTYPE is told apart from a failure): the
-    /// read's reply and Redis's clock.
-    async fn read_with_time(
+    /// The first look: one pipeline of plain commands, no script.
+    ///
+    /// `SET key <claim> NX GET PX <life>` claims a key that holds nothing
+    /// and, for one that holds a value, writes nothing and returns it: a
+    /// read. `TIME` and `PTTL` follow, so that a claim made this way
+    /// (layout 2, whose times are counted from its key's expiry: it cannot
+    /// read Redis's clock before it is written) is read on Redis's clock
+    /// alone, this one and any other. Nothing is stamped with this
+    /// process's clock.
+    ///
+    /// With [`RedisConfig::wait_replicas`] the look is `GET` alone: a claim
+    /// must be followed by `WAIT` on the connection kept for writes, and a
+    /// replay must not wait; the claim script makes the claim.
+    async fn first_look(
         &self,
-        read: &str,
         key: &str,
-    ) -> Result<(Value, UnixMillis), StoreError> {
-        let mut pipe = redis::pipe();
-        pipe.cmd(read).arg(key).cmd("TIME").ignore_errors();
-        let mut conn = self.conn.clone();
-        let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
-        let unexpected = || StoreError::Corrupt(format!("unexpected reply to {read} and TIME"));
-        let Value::Array(mut replies) = reply else {
-            return Err(unexpected());
+        req: &ClaimRequest,
+        operation_id: &str,
+        token: FencingToken,
+    ) -> Result<FirstLook, StoreError> {
+        let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        let claim = self.waiting.is_none().then(|| {
+            NewClaim::new(
+                &req.scope,
+                &req.key,
+                req.fingerprint.as_bytes(),
+                operation_id,
+                token.0,
+                millis(req.lease),
+                millis(req.retention),
+            )
+        });
+        let read = match &claim {
+            Some(c) => {
+                let mut set = redis::cmd("SET");
+                set.arg(key)
+                    .arg(&c.value)
+                    .arg("NX")
+                    .arg("GET")
+                    .arg("PX")
+                    .arg(c.ttl);
+                set
+            }
+            None => {
+                let mut get = redis::cmd("GET");
+                get.arg(key);
+                get
+            }
         };
-        let (Some(time), Some(value)) = (replies.pop(), replies.pop()) else {
-            return Err(unexpected());
-        };
-        Ok((value, redis_time(&time)?))
+        let (value, clock) = self.read_with_clock(read, key).await?;
+        let now = UnixMillis(clock.now);
+        match (value, claim) {
+            (Value::Nil, Some(c)) => {
+                let made = value::decode(&c.value, Some(clock))?;
+                let RecordState::InProgress { locked_until, .. } = made.state else {
+                    return Err(StoreError::Corrupt("a claim reads as completed".into()));
+                };
+                Ok(FirstLook::Claimed(Claim {
+                    scope: req.scope.clone(),
+                    key: req.key.clone(),
+                    token,
+                    operation_id: made.operation_id,
+                    locked_until,
+                    takeover: false,
+                }))
+            }
+            (Value::Nil, None) => Ok(FirstLook::Read(None, now)),
+            (Value::BulkString(b), _) => {
+                Ok(FirstLook::Read(Some(value::decode(&b, Some(clock))?), now))
+            }
+            (Value::ServerError(e), _) if e.code() == "WRONGTYPE" => Ok(FirstLook::Hash),
+            (Value::ServerError(e), _) => Err(store_error(e.into())),
+            _ => Err(StoreError::Corrupt(
+                "unexpected reply to the first look".into(),
+            )),
+        }
     }
 
-    /// `GET` and `TIME`; `None` if the key holds a hash.
+    /// `read` (a command on `key`), `TIME` and `PTTL` in one pipeline,
+    /// errors kept in place (so that a WRONGTYPE is told apart from a
+    /// failure): the read's reply, and Redis's clock with the key's
+    /// remaining life.
+    async fn read_with_clock(
+        &self,
+        read: redis::Cmd,
+        key: &str,
+    ) -> Result<(Value, KeyClock), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.add_command(read)
+            .cmd("TIME")
+            .cmd("PTTL")
+            .arg(key)
+            .ignore_errors();
+        let mut conn = self.conn.clone();
+        let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
+        let unexpected = || StoreError::Corrupt("unexpected reply to a read, TIME and PTTL".into());
+        let Value::Array(replies) = reply else {
+            return Err(unexpected());
+        };
+        let [value, time, pttl] = <[Value; 3]>::try_from(replies).map_err(|_| unexpected())?;
+        let pttl = match pttl {
+            Value::Int(n) => n,
+            _ => return Err(unexpected()),
+        };
+        Ok((
+            value,
+            KeyClock {
+                now: redis_time(&time)?.0,
+                pttl,
+            },
+        ))
+    }
+
+    /// `GET`, `TIME` and `PTTL`; `None` if the key holds a hash.
     async fn fetch_value(
         &self,
         key: &str,
     ) -> Result<Option<(Option<Record>, UnixMillis)>, StoreError> {
-        let (value, now) = self.read_with_time("GET", key).await?;
+        let mut get = redis::cmd("GET");
+        get.arg(key);
+        let (value, clock) = self.read_with_clock(get, key).await?;
+        let now = UnixMillis(clock.now);
         match value {
             Value::Nil => Ok(Some((None, now))),
-            Value::BulkString(b) => Ok(Some((Some(value::decode(&b)?), now))),
+            Value::BulkString(b) => Ok(Some((Some(value::decode(&b, Some(clock))?), now))),
             Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(None),
             Value::ServerError(e) => Err(store_error(e.into())),
             _ => Err(StoreError::Corrupt("unexpected reply to GET".into())),
@@ -418,7 +528,10 @@ impl RedisStore {
         &self,
         key: &str,
     ) -> Result<Option<(Option<Record>, UnixMillis)>, StoreError> {
-        let (fields, now) = self.read_with_time("HGETALL", key).await?;
+        let mut hgetall = redis::cmd("HGETALL");
+        hgetall.arg(key);
+        let (fields, clock) = self.read_with_clock(hgetall, key).await?;
+        let now = UnixMillis(clock.now);
         let record = match fields {
             Value::Array(fields) if fields.is_empty() => None,
             Value::Array(fields) => Some(decode(&fields)?),
@@ -452,6 +565,16 @@ impl RedisStore {
             .map_err(store_error)?;
         Ok(())
     }
+}
+
+/// What the first look found.
+enum FirstLook {
+    /// The key held nothing: the claim it made.
+    Claimed(Claim),
+    /// The record under the key, or none, and Redis's clock.
+    Read(Option<Record>, UnixMillis),
+    /// A record in the layout before one value (a hash), read apart.
+    Hash,
 }
 
 /// Whether the record the first look read answers a claim with

@@ -1,18 +1,25 @@
-//! The Lua scripts: each write is one script, so one round trip, run
-//! atomically by Redis. Time is Redis's own (`TIME`), so instances with
+//! The Lua scripts: each write but the first look's claim of a key that
+//! holds nothing (one plain `SET … NX`) is one script, so one round trip,
+//! run atomically by Redis. Time is Redis's own (`TIME`), so instances with
 //! drifting clocks agree on leases. A record is one value (`value.rs` gives
 //! its layout), read and written with Redis's bundled `cmsgpack`; a record
 //! an earlier idem wrote as a hash is read too, and rewritten as one value
 //! by the first script that changes it.
 
-/// Prepended to every script: `load()` reads the record at KEYS[1] as a
-/// table by position (see `value.rs`), or nil; a hash (the layout before
-/// one value) is read into the same table; a layout this idem does not
-/// know is an error, never a guess.
+/// Prepended to every script: `now_ms()`, Redis's clock in unix ms; and
+/// `load()`, which reads the record at KEYS[1] as a table by position (see
+/// `value.rs`), or nil. A hash (the layout before one value) is read into
+/// the same table; a claim made by one `SET … NX` (layout 2) is read by its
+/// key's expiry into layout 1, which is what a script writes back; a layout
+/// this idem does not know is an error, never a guess.
 macro_rules! with_load {
     ($script:literal) => {
         concat!(
             r"
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local function load()
   local raw = redis.pcall('GET', KEYS[1])
   if type(raw) == 'table' and raw.err then
@@ -28,14 +35,19 @@ local function load()
     return nil
   end
   local r = cmsgpack.unpack(raw)
+  if type(r) == 'table' and r[1] == 2 and r[7] == 'p' then
+    local pttl = redis.call('PTTL', KEYS[1])
+    if pttl < 0 then
+      return redis.error_reply('idem: a claim counted from its key expiry has none')
+    end
+    local lease, retention = r[8], r[9]
+    local created = now_ms() + pttl - math.max(lease, retention, 1)
+    r[1], r[8], r[9], r[10] = 1, created + lease, created, created + retention
+  end
   if type(r) ~= 'table' or r[1] ~= 1 then
     return redis.error_reply('idem: a record of a layout this version does not know')
   end
   return r
-end
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 ",
             $script

@@ -22,15 +22,93 @@
 //! | 13 | headers | `""` | bytes |
 //! | 14 | body | `""` | bytes |
 //!
+//! Layout 2 is a claim made by one plain `SET … NX` (the first look), which
+//! cannot read Redis's clock before it writes: the same fields, but in
+//! progress with 8 the lease's length (ms), 9 the retention's length (ms),
+//! 10 `0`, and the key set to expire after the longer of the two. Its times
+//! are read from that expiry: created = now + the key's `PTTL` − the longer
+//! length, so every reader (the scripts with `TIME` and `PTTL`, this module
+//! with both read in the same pipeline) counts them on Redis's clock alone.
+//! The first script that changes such a record writes it as layout 1.
+//!
 //! Strings and bytes are MessagePack `str` (what `cmsgpack` writes for a
 //! Lua string, whatever its bytes); `bin` is read too. No field is `nil`
-//! (a Lua array cannot hold one). A layout version other than 1 is refused
-//! (by the scripts too), so a newer idem's records are never misread.
+//! (a Lua array cannot hold one). Any other layout version is refused (by
+//! the scripts too), so a newer idem's records are never misread.
 
 use idem_core::{Record, RecordRow, RecordState, StoreError};
 
 /// The layout this module and the scripts write.
 pub(crate) const LAYOUT: i64 = 1;
+
+/// The layout of a claim made by one plain `SET … NX`: its times follow
+/// from the key's expiry (see the module docs).
+pub(crate) const NEW_CLAIM: i64 = 2;
+
+/// Redis's clock and a key's remaining time to live (`TIME` and `PTTL`,
+/// read in one pipeline or one script), to read a [`NEW_CLAIM`] by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyClock {
+    /// Redis's clock, unix ms.
+    pub(crate) now: i64,
+    /// The key's `PTTL`: ms left, or negative (no key, or no expiry).
+    pub(crate) pttl: i64,
+}
+
+/// A claim made by one plain `SET … NX`: its value, and how long the key
+/// lives (the longer of lease and retention, ms; at least 1).
+pub(crate) struct NewClaim {
+    /// The value, in layout [`NEW_CLAIM`].
+    pub(crate) value: Vec<u8>,
+    /// The key's time to live, for `PX`.
+    pub(crate) ttl: i64,
+}
+
+impl NewClaim {
+    /// The claim of `token` under `operation_id` for a lease of `lease` ms
+    /// and a retention of `retention` ms.
+    pub(crate) fn new(
+        scope: &str,
+        key: &str,
+        fingerprint: &[u8],
+        operation_id: &str,
+        token: i64,
+        lease: i64,
+        retention: i64,
+    ) -> Self {
+        let value = encode_layout(
+            NEW_CLAIM,
+            &Parts {
+                scope,
+                key,
+                fingerprint,
+                operation_id,
+                token,
+                completed: false,
+                locked_until: lease,
+                created_at: retention,
+                expires_at: 0,
+                completed_at: 0,
+                status: 0,
+                headers: b"",
+                body: b"",
+            },
+        );
+        Self {
+            value,
+            ttl: lease.max(retention).max(1),
+        }
+    }
+
+    /// When a claim of this layout was made, read by `clock`: now, plus
+    /// what is left of the key's life, minus the life it was given.
+    fn created(clock: KeyClock, lease: i64, retention: i64) -> Result<i64, StoreError> {
+        if clock.pttl < 0 {
+            return Err(corrupt("a claim counted from its key's expiry has none"));
+        }
+        Ok(clock.now + clock.pttl - lease.max(retention).max(1))
+    }
+}
 
 /// The fields of [`LAYOUT`].
 const FIELDS: usize = 14;
@@ -91,10 +169,14 @@ fn put_str(out: &mut Vec<u8>, b: &[u8]) {
 
 /// Encodes `parts` as the one value of [`LAYOUT`].
 pub(crate) fn encode(p: &Parts<'_>) -> Vec<u8> {
+    encode_layout(LAYOUT, p)
+}
+
+fn encode_layout(layout: i64, p: &Parts<'_>) -> Vec<u8> {
     let mut out =
         Vec::with_capacity(96 + p.scope.len() + p.key.len() + p.headers.len() + p.body.len());
     out.push(0x90 | FIELDS as u8);
-    put_int(&mut out, LAYOUT);
+    put_int(&mut out, layout);
     put_str(&mut out, p.scope.as_bytes());
     put_str(&mut out, p.key.as_bytes());
     put_str(&mut out, p.fingerprint);
@@ -239,18 +321,19 @@ fn text(item: Item<'_>, what: &str) -> Result<String, StoreError> {
         .map_err(|_| corrupt(what))
 }
 
-/// Decodes the one value of a record.
-pub(crate) fn decode(value: &[u8]) -> Result<Record, StoreError> {
+/// Decodes the one value of a record. A claim of layout [`NEW_CLAIM`] is
+/// read by `clock` (its key's, read with it); without one it is an error.
+pub(crate) fn decode(value: &[u8], clock: Option<KeyClock>) -> Result<Record, StoreError> {
     let mut r = Reader { bytes: value };
     let n = r.array()?;
     if n == 0 {
         return Err(corrupt("an empty array"));
     }
     let layout = int(r.item()?, "the layout version")?;
-    if layout != LAYOUT || n != FIELDS {
+    if !(layout == LAYOUT || layout == NEW_CLAIM) || n != FIELDS {
         return Err(StoreError::Corrupt(format!(
-            "a stored record has layout {layout} with {n} fields; this idem reads layout {LAYOUT} \
-             ({FIELDS} fields): was it written by a newer version?"
+            "a stored record has layout {layout} with {n} fields; this idem reads layouts \
+             {LAYOUT} and {NEW_CLAIM} ({FIELDS} fields): was it written by a newer version?"
         )));
     }
     let scope = text(r.item()?, "the scope")?;
@@ -269,9 +352,20 @@ pub(crate) fn decode(value: &[u8]) -> Result<Record, StoreError> {
         b"c" => true,
         _ => return Err(corrupt("the state")),
     };
-    let locked_until = int(r.item()?, "the lease's end")?;
-    let created_at = int(r.item()?, "created_at")?;
-    let expires_at = int(r.item()?, "expires_at")?;
+    let mut locked_until = int(r.item()?, "the lease's end")?;
+    let mut created_at = int(r.item()?, "created_at")?;
+    let mut expires_at = int(r.item()?, "expires_at")?;
+    if layout == NEW_CLAIM {
+        let clock =
+            clock.ok_or_else(|| corrupt("a claim counted from its key's expiry, unread"))?;
+        if completed {
+            return Err(corrupt("a completed record in a claim's layout"));
+        }
+        let (lease, retention) = (locked_until, created_at);
+        created_at = NewClaim::created(clock, lease, retention)?;
+        locked_until = created_at + lease;
+        expires_at = created_at + retention;
+    }
     let completed_at = int(r.item()?, "completed_at")?;
     let status = int(r.item()?, "the status")?;
     let headers = bytes(r.item()?, "the headers")?;
@@ -331,7 +425,7 @@ mod tests {
         for len in [0, 5, 31, 32, 255, 256, 65_535, 65_536, 200_000] {
             let record = completed(len);
             let value = encode_record(&record).unwrap();
-            assert_eq!(decode(&value).unwrap(), record, "body of {len} bytes");
+            assert_eq!(decode(&value, None).unwrap(), record, "body of {len} bytes");
         }
         let p = Parts {
             scope: "s",
@@ -348,7 +442,7 @@ mod tests {
             headers: b"",
             body: b"",
         };
-        let record = decode(&encode(&p)).unwrap();
+        let record = decode(&encode(&p), None).unwrap();
         assert_eq!(
             record.state,
             RecordState::InProgress {
@@ -382,7 +476,7 @@ mod tests {
         v.extend_from_slice(&4_000_000_000u32.to_be_bytes());
         v.extend_from_slice(&[0xcd, 0x01, 0xf4]); // 500
         v.extend_from_slice(&[0xa0, 0xc5, 0x00, 0x02, b'{', b'}']);
-        let record = decode(&v).unwrap();
+        let record = decode(&v, None).unwrap();
         assert_eq!(record.created_at, UnixMillis(1_700_000_000_000));
         assert_eq!(record.expires_at, UnixMillis(1_700_000_100_000));
         match record.state {
@@ -417,18 +511,78 @@ mod tests {
         let good = encode_record(&completed(10)).unwrap();
         for cut in 0..good.len() {
             assert!(
-                matches!(decode(&good[..cut]), Err(StoreError::Corrupt(_))),
+                matches!(decode(&good[..cut], None), Err(StoreError::Corrupt(_))),
                 "cut at {cut}"
             );
         }
         let mut newer = good.clone();
-        newer[1] = 2;
-        match decode(&newer) {
-            Err(StoreError::Corrupt(m)) => assert!(m.contains("layout 2"), "{m}"),
+        newer[1] = 3;
+        match decode(&newer, None) {
+            Err(StoreError::Corrupt(m)) => assert!(m.contains("layout 3"), "{m}"),
             other => panic!("{other:?}"),
         }
+        // A completed record never takes the claim's layout.
+        newer[1] = 2;
+        let clock = KeyClock { now: 1, pttl: 1 };
+        assert!(matches!(
+            decode(&newer, Some(clock)),
+            Err(StoreError::Corrupt(_))
+        ));
         for junk in [&b""[..], b"\x90", b"\xc1", b"hello", b"\x9e\xff"] {
-            assert!(matches!(decode(junk), Err(StoreError::Corrupt(_))));
+            assert!(matches!(decode(junk, None), Err(StoreError::Corrupt(_))));
+        }
+    }
+
+    /// A claim made by one `SET … NX` is read by its key's expiry: made
+    /// when the key's whole life was left, its lease and retention counted
+    /// from then; unreadable without the clock, or with a key that has no
+    /// expiry.
+    #[test]
+    fn a_new_claim_is_read_by_its_keys_expiry() {
+        let op = "00000000-0000-0000-0000-000000000007";
+        let claim = NewClaim::new("s", "k", &[5; 32], op, 42, 30_000, 3_600_000);
+        assert_eq!(claim.ttl, 3_600_000);
+        // 1,000 ms after it was made (at 1_700_000_000_000)
+        let clock = KeyClock {
+            now: 1_700_000_001_000,
+            pttl: 3_599_000,
+        };
+        let record = decode(&claim.value, Some(clock)).unwrap();
+        assert_eq!(record.created_at, UnixMillis(1_700_000_000_000));
+        assert_eq!(record.expires_at, UnixMillis(1_700_003_600_000));
+        assert_eq!(
+            record.state,
+            RecordState::InProgress {
+                token: FencingToken(42),
+                locked_until: UnixMillis(1_700_000_030_000),
+            }
+        );
+        assert_eq!(record.operation_id.0.to_string(), op);
+        assert_eq!(record.fingerprint.as_bytes(), &[5; 32]);
+        // A lease longer than the retention: the key lives for the lease.
+        let long = NewClaim::new("s", "k", &[5; 32], op, 42, 7_200_000, 3_600_000);
+        assert_eq!(long.ttl, 7_200_000);
+        let record = decode(
+            &long.value,
+            Some(KeyClock {
+                now: 10_000_000,
+                pttl: 7_200_000,
+            }),
+        )
+        .unwrap();
+        assert_eq!(record.created_at, UnixMillis(10_000_000));
+        assert!(matches!(
+            record.state,
+            RecordState::InProgress {
+                locked_until: UnixMillis(17_200_000),
+                ..
+            }
+        ));
+        for clock in [None, Some(KeyClock { now: 1, pttl: -1 })] {
+            assert!(matches!(
+                decode(&claim.value, clock),
+                Err(StoreError::Corrupt(_))
+            ));
         }
     }
 }

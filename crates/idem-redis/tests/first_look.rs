@@ -1,8 +1,9 @@
-//! The claim's first look is a plain read: a replay and a duplicate of a
-//! live claim are answered without the claim script. Proven against the real
-//! server by a Redis user that may not run scripts at all (an ACL without
-//! `EVAL`, `EVALSHA` and `SCRIPT`): what it answers, it answered with plain
-//! commands; what needs the script, it cannot do.
+//! The claim's first look is plain commands: a replay and a duplicate of a
+//! live claim are answered, and a key that holds nothing is claimed,
+//! without a script. Proven against the real server by a Redis user that may
+//! not run scripts at all (an ACL without `EVAL`, `EVALSHA` and `SCRIPT`):
+//! what it answers, it answered with plain commands; what needs the script
+//! (a completion, a takeover), it cannot do.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -117,13 +118,56 @@ async fn replays_and_live_duplicates_are_answered_without_a_script() {
         other => panic!("a live duplicate without a script: {other:?}"),
     }
 
-    // What only the script decides fails for a user who cannot run one, so
-    // the answers above did not come from it: a new key, and a lapsed lease
-    // of the same request (a takeover).
-    match plain.claim(&req("new", "{}", lease)).await {
-        Err(StoreError::Backend(e)) => assert!(e.to_string().contains("no permissions"), "{e}"),
-        other => panic!("a new key needs the claim script: {other:?}"),
+    // A key that holds nothing is claimed by the first look's plain
+    // `SET … NX`, with no script; every reader, scripts included, counts
+    // its lease on Redis's clock from the key's expiry (to a millisecond
+    // or two: TIME and PTTL are read a tick apart at most).
+    let ClaimOutcome::Acquired(new) = plain.claim(&req("new", "{}", lease)).await.unwrap() else {
+        panic!("a new key is claimed without a script");
+    };
+    assert!(!new.takeover);
+    let (Some(seen), now) = full.peek("s", "new").await.unwrap() else {
+        panic!("the claim is stored");
+    };
+    match seen.state {
+        RecordState::InProgress {
+            token,
+            locked_until,
+        } => {
+            assert_eq!(token, new.token);
+            assert!(
+                (locked_until.0 - new.locked_until.0).abs() <= 2,
+                "{locked_until:?} against {:?}",
+                new.locked_until
+            );
+            let left = locked_until.0 - now.0;
+            assert!(left > 0 && left <= 60_000, "{left} ms of lease left");
+        }
+        other => panic!("a claim in progress, not {other:?}"),
     }
+    assert_eq!(seen.operation_id, new.operation_id);
+    // A duplicate meets it at the first look; completing it takes the
+    // script, which reads the claim by its key's expiry too.
+    match plain.claim(&req("new", "{}", lease)).await {
+        Ok(ClaimOutcome::Existing(r)) => assert!(matches!(r.state, RecordState::InProgress { .. })),
+        other => panic!("a live duplicate: {other:?}"),
+    }
+    match plain.complete(&new, &response).await {
+        Err(StoreError::Backend(e)) => assert!(e.to_string().contains("no permissions"), "{e}"),
+        other => panic!("completing needs the script: {other:?}"),
+    }
+    full.complete(&new, &response).await.unwrap();
+    match plain.claim(&req("new", "{}", lease)).await {
+        Ok(ClaimOutcome::Existing(r)) => {
+            assert!(matches!(r.state, RecordState::Completed { .. }), "{r:?}");
+            assert_eq!(r.operation_id, new.operation_id);
+        }
+        other => panic!("the replay: {other:?}"),
+    }
+
+    // What only the script decides fails for a user who cannot run one, so
+    // the answers above did not come from it: a lapsed lease of the same
+    // request (a takeover).
     let short = Duration::from_millis(1);
     let ClaimOutcome::Acquired(_) = full.claim(&req("lapsed", "{}", short)).await.unwrap() else {
         panic!("a new key is acquired");
