@@ -2,7 +2,7 @@
 //!
 //! - [`RedisStore`]: a store of its own, for services without a SQL database.
 //!   A claim first looks with plain commands in one round trip, no script:
-//!   `SET … NX GET PX`, `TIME` and `PTTL`. A key that holds nothing is
+//!   `SET … NX GET PX`, `TIME` and `PEXPIRETIME`. A key that holds nothing is
 //!   claimed by it; a replay, or a duplicate of a claim still running, is
 //!   answered by it alone (the `SET` writes nothing where a value is and
 //!   returns it). A takeover and a record past its retention are decided by
@@ -372,8 +372,9 @@ impl RedisStore {
         self.fetch_key(&self.record_key(scope, key)).await
     }
 
-    /// Reads the record at `key` and Redis's clock: two plain commands
-    /// (`GET`, `TIME`) in one pipeline, so one round trip and no script.
+    /// Reads the record at `key` and Redis's clock: plain commands (`GET`,
+    /// `TIME`, `PEXPIRETIME`) in one pipeline, so one round trip and no
+    /// script.
     /// On a cluster the pipeline goes to the primary of the key's slot (the
     /// one that runs the scripts), so the clock is the one they read. A
     /// record an earlier idem wrote as a hash is read with `HGETALL`.
@@ -395,15 +396,19 @@ impl RedisStore {
     ///
     /// `SET key <claim> NX GET PX <life>` claims a key that holds nothing
     /// and, for one that holds a value, writes nothing and returns it: a
-    /// read. `TIME` and `PTTL` follow, so that a claim made this way
+    /// read. `TIME` and `PEXPIRETIME` follow, so that a claim made this way
     /// (layout 2, whose times are counted from its key's expiry: it cannot
     /// read Redis's clock before it is written) is read on Redis's clock
-    /// alone, this one and any other. Nothing is stamped with this
-    /// process's clock.
+    /// alone, to the millisecond the scripts read it. Nothing is stamped
+    /// with this process's clock.
     ///
-    /// With [`RedisConfig::wait_replicas`] the look is `GET` alone: a claim
-    /// must be followed by `WAIT` on the connection kept for writes, and a
-    /// replay must not wait; the claim script makes the claim.
+    /// A `SET` that Redis refuses (memory full under `noeviction`, too few
+    /// replicas for `min-replicas-to-write`, a user who may only read) is
+    /// followed by the plain read, so replays and duplicates are answered
+    /// as before; the claim script meets the same refusal for what needs a
+    /// claim. With [`RedisConfig::wait_replicas`] the look is the plain read
+    /// alone: a claim must be followed by `WAIT` on the connection kept for
+    /// writes, and a replay must not wait; the claim script claims.
     async fn first_look(
         &self,
         key: &str,
@@ -411,40 +416,37 @@ impl RedisStore {
         operation_id: &str,
         token: FencingToken,
     ) -> Result<FirstLook, StoreError> {
+        if self.waiting.is_some() {
+            return self.plain_look(key).await;
+        }
         let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-        let claim = self.waiting.is_none().then(|| {
-            NewClaim::new(
-                &req.scope,
-                &req.key,
-                req.fingerprint.as_bytes(),
-                operation_id,
-                token.0,
-                millis(req.lease),
-                millis(req.retention),
-            )
-        });
-        let read = match &claim {
-            Some(c) => {
-                let mut set = redis::cmd("SET");
-                set.arg(key)
-                    .arg(&c.value)
-                    .arg("NX")
-                    .arg("GET")
-                    .arg("PX")
-                    .arg(c.ttl);
-                set
-            }
-            None => {
-                let mut get = redis::cmd("GET");
-                get.arg(key);
-                get
-            }
-        };
-        let (value, clock) = self.read_with_clock(read, key).await?;
-        let now = UnixMillis(clock.now);
-        match (value, claim) {
-            (Value::Nil, Some(c)) => {
-                let made = value::decode(&c.value, Some(clock))?;
+        let claim = NewClaim::new(
+            &req.scope,
+            &req.key,
+            req.fingerprint.as_bytes(),
+            operation_id,
+            token.0,
+            millis(req.lease),
+            millis(req.retention),
+        );
+        let mut set = redis::cmd("SET");
+        set.arg(key)
+            .arg(&claim.value)
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(claim.ttl);
+        let (value, clock) = self.read_with_clock(set, key).await?;
+        match value {
+            Value::Nil => {
+                if clock.expires < 0 {
+                    // Deleted, or stripped of its expiry, between the two
+                    // commands: not a claim anyone can count on.
+                    return Err(StoreError::Backend(
+                        "the claim just made was gone before its expiry was read".into(),
+                    ));
+                }
+                let made = value::decode(&claim.value, Some(clock))?;
                 let RecordState::InProgress { locked_until, .. } = made.state else {
                     return Err(StoreError::Corrupt("a claim reads as completed".into()));
                 };
@@ -457,22 +459,26 @@ impl RedisStore {
                     takeover: false,
                 }))
             }
-            (Value::Nil, None) => Ok(FirstLook::Read(None, now)),
-            (Value::BulkString(b), _) => {
-                Ok(FirstLook::Read(Some(value::decode(&b, Some(clock))?), now))
-            }
-            (Value::ServerError(e), _) if e.code() == "WRONGTYPE" => Ok(FirstLook::Hash),
-            (Value::ServerError(e), _) => Err(store_error(e.into())),
-            _ => Err(StoreError::Corrupt(
-                "unexpected reply to the first look".into(),
-            )),
+            Value::ServerError(e) if e.code() != "WRONGTYPE" => self.plain_look(key).await,
+            value => Ok(match read_reply(value, clock)? {
+                Some(record) => FirstLook::Read(record, UnixMillis(clock.now)),
+                None => FirstLook::Hash,
+            }),
         }
     }
 
-    /// `read` (a command on `key`), `TIME` and `PTTL` in one pipeline,
-    /// errors kept in place (so that a WRONGTYPE is told apart from a
-    /// failure): the read's reply, and Redis's clock with the key's
-    /// remaining life.
+    /// The first look as a plain read: `GET`, `TIME`, `PEXPIRETIME`.
+    async fn plain_look(&self, key: &str) -> Result<FirstLook, StoreError> {
+        Ok(match self.fetch_value(key).await? {
+            Some((record, now)) => FirstLook::Read(record, now),
+            None => FirstLook::Hash,
+        })
+    }
+
+    /// `read` (a command on `key`), `TIME` and `PEXPIRETIME` in one
+    /// pipeline, the read's errors kept in place (so that a WRONGTYPE is
+    /// told apart from a failure): the read's reply, and Redis's clock with
+    /// the key's expiry.
     async fn read_with_clock(
         &self,
         read: redis::Cmd,
@@ -481,30 +487,30 @@ impl RedisStore {
         let mut pipe = redis::pipe();
         pipe.add_command(read)
             .cmd("TIME")
-            .cmd("PTTL")
+            .cmd("PEXPIRETIME")
             .arg(key)
             .ignore_errors();
         let mut conn = self.conn.clone();
         let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
-        let unexpected = || StoreError::Corrupt("unexpected reply to a read, TIME and PTTL".into());
+        let unexpected =
+            || StoreError::Corrupt("unexpected reply to a read, TIME and PEXPIRETIME".into());
         let Value::Array(replies) = reply else {
             return Err(unexpected());
         };
-        let [value, time, pttl] = <[Value; 3]>::try_from(replies).map_err(|_| unexpected())?;
-        let pttl = match pttl {
+        let [value, time, expires] = <[Value; 3]>::try_from(replies).map_err(|_| unexpected())?;
+        let expires = match expires {
             Value::Int(n) => n,
+            Value::ServerError(e) => return Err(store_error(e.into())),
             _ => return Err(unexpected()),
         };
-        Ok((
-            value,
-            KeyClock {
-                now: redis_time(&time)?.0,
-                pttl,
-            },
-        ))
+        if let Value::ServerError(e) = time {
+            return Err(store_error(e.into()));
+        }
+        let now = redis_time(&time)?.0;
+        Ok((value, KeyClock { now, expires }))
     }
 
-    /// `GET`, `TIME` and `PTTL`; `None` if the key holds a hash.
+    /// `GET`, `TIME` and `PEXPIRETIME`; `None` if the key holds a hash.
     async fn fetch_value(
         &self,
         key: &str,
@@ -512,14 +518,7 @@ impl RedisStore {
         let mut get = redis::cmd("GET");
         get.arg(key);
         let (value, clock) = self.read_with_clock(get, key).await?;
-        let now = UnixMillis(clock.now);
-        match value {
-            Value::Nil => Ok(Some((None, now))),
-            Value::BulkString(b) => Ok(Some((Some(value::decode(&b, Some(clock))?), now))),
-            Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(None),
-            Value::ServerError(e) => Err(store_error(e.into())),
-            _ => Err(StoreError::Corrupt("unexpected reply to GET".into())),
-        }
+        Ok(read_reply(value, clock)?.map(|record| (record, UnixMillis(clock.now))))
     }
 
     /// [`Self::fetch_key`] for a record in the layout before one value: a
@@ -564,6 +563,21 @@ impl RedisStore {
             .await
             .map_err(store_error)?;
         Ok(())
+    }
+}
+
+/// A record read as one value, by the clock read with it: `Some(None)` if
+/// the key holds nothing (or was gone by the time its expiry was read: it
+/// expired, or was deleted, in between); `None` if it holds a hash (the
+/// layout before one value).
+fn read_reply(value: Value, clock: KeyClock) -> Result<Option<Option<Record>>, StoreError> {
+    match value {
+        Value::Nil => Ok(Some(None)),
+        Value::BulkString(_) if clock.expires == -2 => Ok(Some(None)),
+        Value::BulkString(b) => Ok(Some(Some(value::decode(&b, Some(clock))?))),
+        Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(None),
+        Value::ServerError(e) => Err(store_error(e.into())),
+        _ => Err(StoreError::Corrupt("unexpected reply to a read".into())),
     }
 }
 

@@ -36,12 +36,12 @@ local function load()
   end
   local r = cmsgpack.unpack(raw)
   if type(r) == 'table' and r[1] == 2 and r[7] == 'p' then
-    local pttl = redis.call('PTTL', KEYS[1])
-    if pttl < 0 then
-      return redis.error_reply('idem: a claim counted from its key expiry has none')
-    end
+    local expires = redis.call('PEXPIRETIME', KEYS[1])
     local lease, retention = r[8], r[9]
-    local created = now_ms() + pttl - math.max(lease, retention, 1)
+    if expires < 0 or lease < 0 or retention < 0 then
+      return redis.error_reply('idem: a claim counted from its key expiry, unreadable')
+    end
+    local created = expires - math.max(lease, retention, 1)
     r[1], r[8], r[9], r[10] = 1, created + lease, created, created + retention
   end
   if type(r) ~= 'table' or r[1] ~= 1 then

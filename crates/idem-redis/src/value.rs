@@ -26,10 +26,11 @@
 //! cannot read Redis's clock before it writes: the same fields, but in
 //! progress with 8 the lease's length (ms), 9 the retention's length (ms),
 //! 10 `0`, and the key set to expire after the longer of the two. Its times
-//! are read from that expiry: created = now + the key's `PTTL` − the longer
-//! length, so every reader (the scripts with `TIME` and `PTTL`, this module
-//! with both read in the same pipeline) counts them on Redis's clock alone.
-//! The first script that changes such a record writes it as layout 1.
+//! are read from that expiry: created = the key's `PEXPIRETIME` − the longer
+//! length, so every reader (the scripts, and this module with the value and
+//! `PEXPIRETIME` read in one pipeline) gets the very same times, on Redis's
+//! clock alone. The first script that changes such a record writes it as
+//! layout 1.
 //!
 //! Strings and bytes are MessagePack `str` (what `cmsgpack` writes for a
 //! Lua string, whatever its bytes); `bin` is read too. No field is `nil`
@@ -45,14 +46,15 @@ pub(crate) const LAYOUT: i64 = 1;
 /// from the key's expiry (see the module docs).
 pub(crate) const NEW_CLAIM: i64 = 2;
 
-/// Redis's clock and a key's remaining time to live (`TIME` and `PTTL`,
-/// read in one pipeline or one script), to read a [`NEW_CLAIM`] by.
+/// Redis's clock and a key's expiry (`TIME` and `PEXPIRETIME`, read in one
+/// pipeline with the key's value), to read a [`NEW_CLAIM`] by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct KeyClock {
     /// Redis's clock, unix ms.
     pub(crate) now: i64,
-    /// The key's `PTTL`: ms left, or negative (no key, or no expiry).
-    pub(crate) pttl: i64,
+    /// The key's `PEXPIRETIME`: when it expires (unix ms); -1 if it has no
+    /// expiry, -2 if there is no key.
+    pub(crate) expires: i64,
 }
 
 /// A claim made by one plain `SET … NX`: its value, and how long the key
@@ -100,13 +102,13 @@ impl NewClaim {
         }
     }
 
-    /// When a claim of this layout was made, read by `clock`: now, plus
-    /// what is left of the key's life, minus the life it was given.
+    /// When a claim of this layout was made, read by `clock`: its key's
+    /// expiry minus the life it was given.
     fn created(clock: KeyClock, lease: i64, retention: i64) -> Result<i64, StoreError> {
-        if clock.pttl < 0 {
+        if clock.expires < 0 {
             return Err(corrupt("a claim counted from its key's expiry has none"));
         }
-        Ok(clock.now + clock.pttl - lease.max(retention).max(1))
+        Ok(clock.expires - lease.max(retention).max(1))
     }
 }
 
@@ -362,9 +364,16 @@ pub(crate) fn decode(value: &[u8], clock: Option<KeyClock>) -> Result<Record, St
             return Err(corrupt("a completed record in a claim's layout"));
         }
         let (lease, retention) = (locked_until, created_at);
+        if lease < 0 || retention < 0 {
+            return Err(corrupt("a claim's lengths"));
+        }
         created_at = NewClaim::created(clock, lease, retention)?;
-        locked_until = created_at + lease;
-        expires_at = created_at + retention;
+        locked_until = created_at
+            .checked_add(lease)
+            .ok_or_else(|| corrupt("the lease's length"))?;
+        expires_at = created_at
+            .checked_add(retention)
+            .ok_or_else(|| corrupt("the retention's length"))?;
     }
     let completed_at = int(r.item()?, "completed_at")?;
     let status = int(r.item()?, "the status")?;
@@ -523,7 +532,7 @@ mod tests {
         }
         // A completed record never takes the claim's layout.
         newer[1] = 2;
-        let clock = KeyClock { now: 1, pttl: 1 };
+        let clock = KeyClock { now: 1, expires: 1 };
         assert!(matches!(
             decode(&newer, Some(clock)),
             Err(StoreError::Corrupt(_))
@@ -534,9 +543,9 @@ mod tests {
     }
 
     /// A claim made by one `SET … NX` is read by its key's expiry: made
-    /// when the key's whole life was left, its lease and retention counted
-    /// from then; unreadable without the clock, or with a key that has no
-    /// expiry.
+    /// the life it was given before it, its lease and retention counted
+    /// from then; unreadable without the clock, with a key that has no
+    /// expiry, or with a negative length.
     #[test]
     fn a_new_claim_is_read_by_its_keys_expiry() {
         let op = "00000000-0000-0000-0000-000000000007";
@@ -545,7 +554,7 @@ mod tests {
         // 1,000 ms after it was made (at 1_700_000_000_000)
         let clock = KeyClock {
             now: 1_700_000_001_000,
-            pttl: 3_599_000,
+            expires: 1_700_003_600_000,
         };
         let record = decode(&claim.value, Some(clock)).unwrap();
         assert_eq!(record.created_at, UnixMillis(1_700_000_000_000));
@@ -566,7 +575,7 @@ mod tests {
             &long.value,
             Some(KeyClock {
                 now: 10_000_000,
-                pttl: 7_200_000,
+                expires: 17_200_000,
             }),
         )
         .unwrap();
@@ -578,7 +587,18 @@ mod tests {
                 ..
             }
         ));
-        for clock in [None, Some(KeyClock { now: 1, pttl: -1 })] {
+        let negative = NewClaim::new("s", "k", &[5; 32], op, 42, -1, 1);
+        assert!(matches!(
+            decode(&negative.value, Some(clock)),
+            Err(StoreError::Corrupt(_))
+        ));
+        for clock in [
+            None,
+            Some(KeyClock {
+                now: 1,
+                expires: -1,
+            }),
+        ] {
             assert!(matches!(
                 decode(&claim.value, clock),
                 Err(StoreError::Corrupt(_))

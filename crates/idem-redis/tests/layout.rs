@@ -222,8 +222,8 @@ async fn records_written_as_hashes_are_read_and_become_one_value_when_they_chang
 async fn a_layout_this_version_does_not_know_is_refused_not_guessed() {
     let (store, mut raw) = setup().await;
     let key = store.record_key("s", "newer");
-    // layout 2, as a newer idem might write it
-    let value: Vec<u8> = vec![0x92, 0x02, 0xa1, b'x'];
+    // layout 3, as a newer idem might write it
+    let value: Vec<u8> = vec![0x92, 0x03, 0xa1, b'x'];
     let () = redis::cmd("SET")
         .arg(&key)
         .arg(value.as_slice())
@@ -234,7 +234,7 @@ async fn a_layout_this_version_does_not_know_is_refused_not_guessed() {
         .unwrap();
     let lease = Duration::from_secs(60);
     match store.claim(&req("newer", "{}", lease)).await {
-        Err(StoreError::Corrupt(m)) => assert!(m.contains("layout 2"), "{m}"),
+        Err(StoreError::Corrupt(m)) => assert!(m.contains("layout 3"), "{m}"),
         other => panic!("refused: {other:?}"),
     }
     // the scripts refuse it too, and leave it alone
