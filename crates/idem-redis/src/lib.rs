@@ -282,8 +282,19 @@ impl RedisStore {
     }
 
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let token = FencingToken::generate();
-        let proposed = OperationId::generate();
+        self.claim_as(req, FencingToken::generate(), OperationId::generate())
+            .await
+    }
+
+    /// The claim of `req` under `token`, proposing `proposed` as the
+    /// operation id: [`Store::claim`] with both chosen by the caller (the
+    /// tests send one claim twice, as a lost reply would).
+    async fn claim_as(
+        &self,
+        req: &ClaimRequest,
+        token: FencingToken,
+        proposed: OperationId,
+    ) -> Result<ClaimOutcome, StoreError> {
         let (op, tok) = (proposed.0.to_string(), token.0.to_string());
         let lease = i64::try_from(req.lease.as_millis())
             .unwrap_or(i64::MAX)

@@ -42,6 +42,50 @@ async fn a_claim_sent_twice_is_won_twice_not_a_conflict_with_itself() {
     store.clear().await.unwrap();
 }
 
+/// A claim whose first look was sent again after it claimed (its reply
+/// lost) meets its own claim: won again, by the claim script, with the
+/// same operation id and lease, not a conflict with itself; any other
+/// token meets it as a claim in flight.
+#[tokio::test]
+async fn a_first_look_sent_twice_is_won_twice_not_a_conflict_with_itself() {
+    let url = std::env::var("IDEM_TEST_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    let store = RedisStore::connect(
+        RedisConfig::new(url).prefix(format!("idem-unit-{}", uuid::Uuid::new_v4().simple())),
+    )
+    .await
+    .expect("Redis is up");
+    let req = ClaimRequest {
+        scope: "s".into(),
+        key: "k".into(),
+        fingerprint: Fingerprint::from_bytes([4; 32]),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(600),
+    };
+    let (token, proposed) = (FencingToken::generate(), OperationId::generate());
+    let first = store.claim_as(&req, token, proposed).await.unwrap();
+    let again = store.claim_as(&req, token, proposed).await.unwrap();
+    match (first, again) {
+        (ClaimOutcome::Acquired(a), ClaimOutcome::Acquired(b)) => {
+            assert_eq!(a.operation_id, b.operation_id);
+            assert_eq!(a.locked_until, b.locked_until);
+            assert!(!b.takeover, "{b:?}");
+        }
+        other => panic!("won twice: {other:?}"),
+    }
+    match store
+        .claim_as(&req, FencingToken::generate(), OperationId::generate())
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(record) => {
+            assert!(matches!(record.state, RecordState::InProgress { token: t, .. } if t == token));
+        }
+        other => panic!("another token meets the claim in flight: {other:?}"),
+    }
+    store.clear().await.unwrap();
+}
+
 /// The first look answers exactly what the claim script would answer with
 /// no write, and leaves the rest (past retention, a takeover) to it.
 #[test]

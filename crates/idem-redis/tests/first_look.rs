@@ -79,16 +79,22 @@ impl NoScripts {
     }
 }
 
-#[tokio::test]
-async fn replays_and_live_duplicates_are_answered_without_a_script() {
+/// Two stores on one fresh prefix: one with every right, one as `user`.
+async fn stores(user: &NoScripts) -> (RedisStore, RedisStore) {
     let prefix = format!("idem-test-{}", uuid::Uuid::new_v4().simple());
     let full = RedisStore::connect(RedisConfig::new(redis_url()).prefix(prefix.clone()))
         .await
         .unwrap_or_else(|e| panic!("cannot reach Redis (`bash scripts/test` starts it): {e}"));
-    let user = NoScripts::create().await;
-    let plain = RedisStore::connect(RedisConfig::new(user.url()).prefix(prefix.clone()))
+    let limited = RedisStore::connect(RedisConfig::new(user.url()).prefix(prefix))
         .await
         .unwrap();
+    (full, limited)
+}
+
+#[tokio::test]
+async fn replays_and_live_duplicates_are_answered_without_a_script() {
+    let user = NoScripts::create().await;
+    let (full, plain) = stores(&user).await;
     let lease = Duration::from_secs(60);
 
     // A completed record: the replay (and another body's 422) come from the
@@ -199,14 +205,8 @@ async fn replays_and_live_duplicates_are_answered_without_a_script() {
 /// that needs a claim fails with Redis's refusal.
 #[tokio::test]
 async fn a_refused_set_leaves_the_plain_read() {
-    let prefix = format!("idem-test-{}", uuid::Uuid::new_v4().simple());
-    let full = RedisStore::connect(RedisConfig::new(redis_url()).prefix(prefix.clone()))
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach Redis (`bash scripts/test` starts it): {e}"));
     let user = NoScripts::denied(&["-@write"]).await;
-    let reader = RedisStore::connect(RedisConfig::new(user.url()).prefix(prefix.clone()))
-        .await
-        .unwrap();
+    let (full, reader) = stores(&user).await;
     let lease = Duration::from_secs(60);
     let ClaimOutcome::Acquired(claim) = full.claim(&req("done", "{}", lease)).await.unwrap() else {
         panic!("a new key is acquired");
