@@ -79,7 +79,8 @@ out.append(f"- machine: {cpu()}, {nproc()} cores, {platform.system()} {platform.
 out.append(f"- load: `idem-load`, {rows[0]['requests']} requests per scenario, "
            f"concurrency {rows[0]['concurrency']}, client on the same machine")
 out.append(f"- bare and new alternate in {rounds} rounds per configuration (a slow spell of "
-           "this shared machine lands on both); their rows show the median of the rounds")
+           "this shared machine lands on both), and the peers run in as many rounds, in an "
+           "order reversed every other round; their rows show the median of the rounds")
 out.append(f"- reproduce: `{command}` (after `bash scripts/test` has the services up)\n")
 out.append("Scenarios: **bare** — no idem layer; **new** — a fresh `Idempotency-Key` each "
            "request; **replay** — completed keys sent again; **inflight** — duplicates of a "

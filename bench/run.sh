@@ -5,7 +5,7 @@
 #
 # Usage: bash bench/run.sh [requests-per-scenario] [concurrency]
 #   MEMORY_SECONDS=60 bash bench/run.sh   # a shorter memory run (default 300 s)
-#   ROUNDS=3 bash bench/run.sh            # bare/new rounds per configuration (default 7)
+#   ROUNDS=3 bash bench/run.sh            # bare/new rounds per configuration, and peer rounds (default 7)
 #   ONLY='^postgres$' bash bench/run.sh   # only the configurations matching (a quick look:
 #                                         # prints the table, leaves BENCHMARKS.md alone)
 #   CEILINGS=1 ONLY=… bash bench/run.sh   # a quick look with the ceilings, rendered to stdout
@@ -176,16 +176,28 @@ run_peer() { # config name, then the command
 PEERS_BIN=${IDEM_PEERS_TARGET_DIR:-$HOME/.cache/idem-peers-target}/release
 wanted "trivial: " && (cd bench/rust-peers && CARGO_TARGET_DIR=${PEERS_BIN%/release} \
   cargo build --release -q --ignore-rust-version)
-run_peer "trivial: idem (memory)"              "$BIN/idem-trivial" --listen 127.0.0.1:0 --store memory
-run_peer "trivial: idempotent (memory)"        "$PEERS_BIN/idempotent-peer" --listen 127.0.0.1:0 --store memory
-# axum-idempotent keys records by session and never creates one: every
-# request carries one fixed session cookie, or nothing is deduplicated.
-LOAD_ARGS="--header cookie:session=aWRlbS1iZW5jaC1zZXNzMQ" \
-run_peer "trivial: axum-idempotent (memory)"   "$PEERS_BIN/axum-idempotent-peer" --listen 127.0.0.1:0 --store memory
-run_peer "trivial: express-idempotency"        node bench/peers/express-idempotency.js
-run_peer "trivial: idem (redis)"               "$BIN/idem-trivial" --listen 127.0.0.1:0 --store redis --redis-url "$REDIS"
-run_peer "trivial: idempotent (redis)"         "$PEERS_BIN/idempotent-peer" --listen 127.0.0.1:0 --store redis --redis-url "$REDIS"
-run_peer "trivial: @node-idempotency (redis)"  env REDIS_URL="$REDIS" node bench/peers/node-idempotency.js
+# One peer by its number; the peers run in ROUNDS rounds, the order reversed
+# every other round (a slow spell, or a Redis grown by the runs before,
+# lands on all), and the table shows the median of the rounds.
+PEERS=7
+peer() { # number
+  case $1 in
+    1) run_peer "trivial: idem (memory)"              "$BIN/idem-trivial" --listen 127.0.0.1:0 --store memory ;;
+    2) run_peer "trivial: idempotent (memory)"        "$PEERS_BIN/idempotent-peer" --listen 127.0.0.1:0 --store memory ;;
+    # axum-idempotent keys records by session and never creates one: every
+    # request carries one fixed session cookie, or nothing is deduplicated.
+    3) LOAD_ARGS="--header cookie:session=aWRlbS1iZW5jaC1zZXNzMQ" \
+       run_peer "trivial: axum-idempotent (memory)"   "$PEERS_BIN/axum-idempotent-peer" --listen 127.0.0.1:0 --store memory ;;
+    4) run_peer "trivial: express-idempotency"        node bench/peers/express-idempotency.js ;;
+    5) run_peer "trivial: idem (redis)"               "$BIN/idem-trivial" --listen 127.0.0.1:0 --store redis --redis-url "$REDIS" ;;
+    6) run_peer "trivial: idempotent (redis)"         "$PEERS_BIN/idempotent-peer" --listen 127.0.0.1:0 --store redis --redis-url "$REDIS" ;;
+    7) run_peer "trivial: @node-idempotency (redis)"  env REDIS_URL="$REDIS" node bench/peers/node-idempotency.js ;;
+  esac
+}
+for round in $(seq 1 "$ROUNDS"); do
+  if [ $((round % 2)) = 1 ]; then order=$(seq 1 "$PEERS"); else order=$(seq "$PEERS" -1 1); fi
+  for i in $order; do peer "$i"; done
+done
 
 # A quick look (ONLY) stops here, unless CEILINGS=1 asks for the ceilings
 # too; it then prints the rendered tables instead of writing BENCHMARKS.md.
