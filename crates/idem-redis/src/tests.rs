@@ -10,16 +10,21 @@ fn patterns_in_a_prefix_match_only_themselves() {
     assert_eq!(glob_escaped("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
 }
 
-/// Against the Redis the tests use (`bash scripts/test` starts it).
-#[tokio::test]
-async fn a_claim_sent_twice_is_won_twice_not_a_conflict_with_itself() {
+/// A store on a fresh prefix of the Redis the tests use (`bash
+/// scripts/test` starts it).
+async fn store() -> RedisStore {
     let url = std::env::var("IDEM_TEST_REDIS_URL")
         .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    let store = RedisStore::connect(
+    RedisStore::connect(
         RedisConfig::new(url).prefix(format!("idem-unit-{}", uuid::Uuid::new_v4().simple())),
     )
     .await
-    .expect("Redis is up");
+    .expect("Redis is up (`bash scripts/test` starts it)")
+}
+
+#[tokio::test]
+async fn a_claim_sent_twice_is_won_twice_not_a_conflict_with_itself() {
+    let store = store().await;
     let key = store.record_key("s", "k");
     let token = FencingToken::generate();
     let claim_once = || {
@@ -48,13 +53,7 @@ async fn a_claim_sent_twice_is_won_twice_not_a_conflict_with_itself() {
 /// token meets it as a claim in flight.
 #[tokio::test]
 async fn a_first_look_sent_twice_is_won_twice_not_a_conflict_with_itself() {
-    let url = std::env::var("IDEM_TEST_REDIS_URL")
-        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
-    let store = RedisStore::connect(
-        RedisConfig::new(url).prefix(format!("idem-unit-{}", uuid::Uuid::new_v4().simple())),
-    )
-    .await
-    .expect("Redis is up");
+    let store = store().await;
     let req = ClaimRequest {
         scope: "s".into(),
         key: "k".into(),
