@@ -295,28 +295,16 @@ impl RedisStore {
         token: FencingToken,
         proposed: OperationId,
     ) -> Result<ClaimOutcome, StoreError> {
-        let (op, tok) = (proposed.0.to_string(), token.0.to_string());
-        let lease = i64::try_from(req.lease.as_millis())
-            .unwrap_or(i64::MAX)
-            .to_string();
-        let retention = i64::try_from(req.retention.as_millis())
-            .unwrap_or(i64::MAX)
-            .to_string();
-        let args: [&[u8]; 7] = [
-            req.scope.as_bytes(),
-            req.key.as_bytes(),
-            req.fingerprint.as_bytes(),
-            op.as_bytes(),
-            tok.as_bytes(),
-            lease.as_bytes(),
-            retention.as_bytes(),
-        ];
+        let op = proposed.0.to_string();
+        let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        let (lease, retention) = (millis(req.lease), millis(req.retention));
         let key = self.record_key(&req.scope, &req.key);
         // The first look: plain commands in one round trip. A key that holds
         // nothing is claimed by it; a replay, or a duplicate of a live
         // claim, is answered by it; the claim script runs only for what it
         // alone can decide (a takeover, a record past its retention).
-        let (record, now) = match self.first_look(&key, req, &op, token).await? {
+        let look = self.first_look(&key, req, &op, token, lease, retention);
+        let (record, now) = match look.await? {
             FirstLook::Claimed(claim) => return Ok(ClaimOutcome::Acquired(claim)),
             FirstLook::Read(record, now) => (record, now),
             FirstLook::Hash => self.fetch_key(&key).await?,
@@ -331,6 +319,20 @@ impl RedisStore {
         if let Some(record) = record.filter(decides) {
             return Ok(ClaimOutcome::Existing(record));
         }
+        let (tok, lease, retention) = (
+            token.0.to_string(),
+            lease.to_string(),
+            retention.to_string(),
+        );
+        let args: [&[u8]; 7] = [
+            req.scope.as_bytes(),
+            req.key.as_bytes(),
+            req.fingerprint.as_bytes(),
+            op.as_bytes(),
+            tok.as_bytes(),
+            lease.as_bytes(),
+            retention.as_bytes(),
+        ];
         let (reply, replicated) = self.write(&self.claim, scripts::CLAIM, &key, &args).await?;
         let Value::Array(reply) = reply else {
             return Err(StoreError::Corrupt(
@@ -403,7 +405,8 @@ impl RedisStore {
         }
     }
 
-    /// The first look: one pipeline of plain commands, no script.
+    /// The first look: one pipeline of plain commands, no script. `lease`
+    /// and `retention` in ms.
     ///
     /// `SET key <claim> NX GET PX <life>` claims a key that holds nothing
     /// and, for one that holds a value, writes nothing and returns it: a
@@ -426,19 +429,20 @@ impl RedisStore {
         req: &ClaimRequest,
         operation_id: &str,
         token: FencingToken,
+        lease: i64,
+        retention: i64,
     ) -> Result<FirstLook, StoreError> {
         if self.waiting.is_some() {
             return self.plain_look(key).await;
         }
-        let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         let claim = NewClaim::new(
             &req.scope,
             &req.key,
             req.fingerprint.as_bytes(),
             operation_id,
             token.0,
-            millis(req.lease),
-            millis(req.retention),
+            lease,
+            retention,
         );
         let mut set = redis::cmd("SET");
         set.arg(key)
