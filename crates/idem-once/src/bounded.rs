@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use idem_core::{
@@ -59,13 +60,30 @@ impl BoundedStore {
         &self,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Unavailable(Box::new(StoreTimedOut(
+        match within(self.timeout, call).await {
+            Some(result) => result,
+            None => Err(StoreError::Unavailable(Box::new(StoreTimedOut(
                 self.timeout,
             )))),
         }
     }
+}
+
+/// `call`'s output, or `None` if it had none `limit` after its first poll.
+///
+/// A call that answers on its first poll (the memory store, an answer
+/// already at hand) sets no timer: the timer would cost more than the call.
+/// Any other is timed from the end of that poll, which only starts the
+/// work (sends the request); a poll that blocked could not be cut short by
+/// a timer anyway.
+async fn within<T>(limit: Duration, call: impl Future<Output = T>) -> Option<T> {
+    let mut call = std::pin::pin!(call);
+    if let Poll::Ready(answer) =
+        std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await
+    {
+        return Some(answer);
+    }
+    tokio::time::timeout(limit, call).await.ok()
 }
 
 impl Store for BoundedStore {
@@ -102,7 +120,7 @@ impl Store for BoundedStore {
 
     fn settled<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let _ = tokio::time::timeout(self.timeout, self.inner.settled(claim)).await;
+            let _ = within(self.timeout, self.inner.settled(claim)).await;
         })
     }
 
@@ -152,19 +170,47 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn every_call_ends_within_the_limit() {
-        let limit = Duration::from_millis(50);
-        let store = BoundedStore::new(Arc::new(Partitioned), limit);
-        let request = ClaimRequest {
+    fn request() -> ClaimRequest {
+        ClaimRequest {
             scope: "s".into(),
             key: "k".into(),
             fingerprint: Fingerprint::from_bytes([7; 32]),
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(60),
+        }
+    }
+
+    /// A call answered on its first poll sets no timer: it runs on a
+    /// runtime without timers, where setting one panics.
+    #[test]
+    fn an_answer_on_the_first_poll_sets_no_timer() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let store = BoundedStore::new(
+            Arc::new(idem_memory::MemoryStore::new()),
+            Duration::from_secs(5),
+        );
+        let outcome = runtime.block_on(store.claim(&request())).unwrap();
+        let ClaimOutcome::Acquired(claim) = outcome else {
+            panic!("{outcome:?}")
         };
+        let response = StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: Vec::new().into(),
+        };
+        runtime.block_on(store.complete(&claim, &response)).unwrap();
+        let record = runtime.block_on(store.get("s", "k")).unwrap();
+        assert!(record.is_some_and(|r| matches!(r.state, idem_core::RecordState::Completed { .. })));
+    }
+
+    #[tokio::test]
+    async fn every_call_ends_within_the_limit() {
+        let limit = Duration::from_millis(50);
+        let store = BoundedStore::new(Arc::new(Partitioned), limit);
         let started = tokio::time::Instant::now();
-        let err = store.claim(&request).await.unwrap_err();
+        let err = store.claim(&request()).await.unwrap_err();
         assert!(started.elapsed() >= limit);
         let StoreError::Unavailable(cause) = err else {
             panic!("{err:?}")
