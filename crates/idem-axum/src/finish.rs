@@ -57,7 +57,7 @@ async fn finish(
             "the outcome is unknown; the claim is kept until its lease runs out"
         );
         guard.disarm();
-        config.store.settled(&guard.claim).await;
+        config.store.settled(guard.claim()).await;
         return response;
     }
     // The layer's own "in flight" answer, returned by a handler (a step an
@@ -85,14 +85,14 @@ async fn finish(
         Completion::InTransaction => {
             debug!(status, "completed in the handler's transaction");
             guard.disarm();
-            config.store.settled(&guard.claim).await;
+            config.store.settled(guard.claim()).await;
             return response;
         }
         Completion::Lost => {
             count(Outcome::ClaimLost);
             warn!("the handler's claim was taken over; nothing stored");
             guard.disarm();
-            config.store.settled(&guard.claim).await;
+            config.store.settled(guard.claim()).await;
             return response;
         }
         Completion::ByLayer | Completion::Kept | Completion::Released => {}
@@ -108,7 +108,7 @@ async fn finish(
     };
     let stored = stored_response(&config.policy, &parts, bytes.clone());
     let started = std::time::Instant::now();
-    let completed = config.store.complete(&guard.claim, &stored).await;
+    let completed = config.store.complete(guard.claim(), &stored).await;
     timed(config.store.kind(), StoreOp::Complete, started);
     match completed {
         Ok(()) => debug!(status, "stored the response"),
@@ -142,32 +142,33 @@ pub(crate) fn handler_failed(e: &tokio::task::JoinError) -> Response {
 /// handler panicked, or its task was dropped.
 pub(crate) struct ReleaseGuard {
     store: Arc<dyn Store>,
-    claim: Claim,
+    /// The handler's handle, which holds the claim: a claim the handler
+    /// keeps ([`Idempotency::keep_claim`]) is not released when the request
+    /// ends unfinished.
+    handle: Idempotency,
     armed: bool,
-    /// The handler's handle: a claim it keeps ([`Idempotency::keep_claim`])
-    /// is not released when the request ends unfinished.
-    handle: Option<Idempotency>,
 }
 
 impl ReleaseGuard {
+    /// A guard of `claim`, as for a handler that never touched its handle.
     #[cfg(test)]
     pub(crate) fn new(store: Arc<dyn Store>, claim: Claim) -> Self {
-        Self {
-            store,
-            claim,
-            armed: true,
-            handle: None,
-        }
+        let policy = Arc::new(idem_core::Policy::default());
+        let handle = Idempotency::new(claim, policy, std::time::Instant::now());
+        Self::watching(store, &handle)
     }
 
-    /// A guard that leaves the claim alone if `handle` keeps it.
+    /// A guard of `handle`'s claim that leaves it alone if `handle` keeps it.
     pub(crate) fn watching(store: Arc<dyn Store>, handle: &Idempotency) -> Self {
         Self {
             store,
-            claim: handle.claim().clone(),
+            handle: handle.clone(),
             armed: true,
-            handle: Some(handle.clone()),
         }
+    }
+
+    fn claim(&self) -> &Claim {
+        self.handle.claim()
     }
 
     fn disarm(&mut self) {
@@ -176,7 +177,7 @@ impl ReleaseGuard {
 
     async fn release_now(&mut self) {
         self.armed = false;
-        release(&*self.store, &self.claim).await;
+        release(&*self.store, self.handle.claim()).await;
     }
 }
 
@@ -202,18 +203,14 @@ impl Drop for ReleaseGuard {
             return;
         }
         let panicking = std::thread::panicking();
-        if self
-            .handle
-            .as_ref()
-            .is_some_and(|h| h.completion() == Completion::Kept)
-        {
-            warn!(key = ?self.claim.key, panicking, "the handler did not finish while its outcome was unknown; the claim is kept until its lease runs out");
+        if self.handle.completion() == Completion::Kept {
+            warn!(key = ?self.claim().key, panicking, "the handler did not finish while its outcome was unknown; the claim is kept until its lease runs out");
             return;
         }
-        warn!(key = ?self.claim.key, panicking, "the handler did not finish; releasing the claim");
+        warn!(key = ?self.claim().key, panicking, "the handler did not finish; releasing the claim");
         // The decision table's "handler panicked or was dropped" row: release.
         let store = self.store.clone();
-        let claim = self.claim.clone();
+        let claim = self.claim().clone();
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
                 rt.spawn(async move { release(&*store, &claim).await });
