@@ -1,7 +1,8 @@
 //! An in-memory [`Store`] for tests and examples.
 //!
-//! Records live in a `HashMap` behind one mutex; each operation holds the lock
-//! for its whole read-decide-write, which makes it atomic. Nothing survives
+//! Records live in a `HashMap` (by scope, then key, so that a lookup copies
+//! neither) behind one mutex; each operation holds the lock for its whole
+//! read-decide-write, which makes it atomic. Nothing survives
 //! the process, and two processes do not share it: use the SQLite or
 //! PostgreSQL store for anything real.
 //!
@@ -32,7 +33,8 @@ use idem_core::{
     Policy, Record, RecordState, Store, StoreError, StoredResponse, UnixMillis,
 };
 
-type Records = HashMap<(String, String), Record>;
+/// The records by scope, then by key.
+type Records = HashMap<String, HashMap<String, Record>>;
 
 /// An in-memory store; see the crate-level docs.
 #[derive(Debug, Default)]
@@ -48,12 +50,12 @@ impl MemoryStore {
 
     /// How many records the store holds, expired ones included.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().values().map(HashMap::len).sum()
     }
 
     /// Whether the store holds no record.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().values().all(HashMap::is_empty)
     }
 
     fn lock(&self) -> MutexGuard<'_, Records> {
@@ -62,13 +64,18 @@ impl MemoryStore {
         self.records.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn claim_now(&self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
+    fn claim_now(&self, req: &ClaimRequest, now: UnixMillis) -> Result<ClaimOutcome, StoreError> {
         // The decision needs no settings of the layer's (whether to wait is
         // the caller's business): the defaults, built once.
         static DECIDING: LazyLock<Policy> = LazyLock::new(Policy::default);
         let mut records = self.lock();
-        let id = (req.scope.clone(), req.key.clone());
-        let stored = records.get_mut(&id);
+        if !records.contains_key(req.scope.as_str()) {
+            records.insert(req.scope.clone(), HashMap::new());
+        }
+        let Some(scoped) = records.get_mut(req.scope.as_str()) else {
+            return Err(StoreError::Corrupt("a scope just added is gone".into()));
+        };
+        let stored = scoped.get_mut(req.key.as_str());
         let arrival = on_arrival(&DECIDING, stored.as_deref(), &req.fingerprint, now);
         let locked_until = now.plus(req.lease);
         let token = FencingToken::generate();
@@ -78,14 +85,14 @@ impl MemoryStore {
                     token,
                     locked_until,
                 };
-                return ClaimOutcome::Acquired(Claim {
+                return Ok(ClaimOutcome::Acquired(Claim {
                     scope: req.scope.clone(),
                     key: req.key.clone(),
                     token,
                     operation_id: record.operation_id,
                     locked_until,
                     takeover: true,
-                });
+                }));
             }
             (Arrival::Run, _) | (_, None) => Record {
                 scope: req.scope.clone(),
@@ -105,7 +112,7 @@ impl MemoryStore {
                 | Arrival::Wait { .. }
                 | Arrival::Mismatch,
                 Some(existing),
-            ) => return ClaimOutcome::Existing(existing.clone()),
+            ) => return Ok(ClaimOutcome::Existing(existing.clone())),
         };
         let claim = Claim {
             scope: req.scope.clone(),
@@ -115,8 +122,8 @@ impl MemoryStore {
             locked_until,
             takeover: false,
         };
-        records.insert(id, record);
-        ClaimOutcome::Acquired(claim)
+        scoped.insert(req.key.clone(), record);
+        Ok(ClaimOutcome::Acquired(claim))
     }
 
     /// Applies `f` to the record if it is in progress under `claim.token`.
@@ -127,7 +134,10 @@ impl MemoryStore {
     ) -> Result<(), StoreError> {
         let mut records = self.lock();
         let now = UnixMillis::now();
-        match records.get_mut(&(claim.scope.clone(), claim.key.clone())) {
+        let held = records
+            .get_mut(claim.scope.as_str())
+            .and_then(|scoped| scoped.get_mut(claim.key.as_str()));
+        match held {
             Some(r) if matches!(r.state, RecordState::InProgress { token, .. } if token == claim.token) =>
             {
                 f(r, now);
@@ -148,7 +158,7 @@ impl Store for MemoryStore {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         let outcome = self.claim_now(request, UnixMillis::now());
-        Box::pin(async move { Ok(outcome) })
+        Box::pin(async move { outcome })
     }
 
     fn complete<'a>(
@@ -182,7 +192,8 @@ impl Store for MemoryStore {
         let now = UnixMillis::now();
         let record = self
             .lock()
-            .get(&(scope.to_owned(), key.to_owned()))
+            .get(scope)
+            .and_then(|scoped| scoped.get(key))
             .filter(|r| !r.is_expired(now))
             .cloned();
         Box::pin(async move { Ok(record) })
@@ -191,16 +202,16 @@ impl Store for MemoryStore {
     fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
         let now = UnixMillis::now();
         let mut records = self.lock();
-        let expired: Vec<_> = records
-            .iter()
-            .filter(|(_, r)| r.is_expired(now))
-            .map(|(id, _)| id.clone())
-            .take(batch)
-            .collect();
-        for id in &expired {
-            records.remove(id);
+        let mut swept = 0;
+        for scoped in records.values_mut() {
+            scoped.retain(|_, r| {
+                let sweep = swept < batch && r.is_expired(now);
+                swept += usize::from(sweep);
+                !sweep
+            });
         }
-        let n = expired.len() as u64;
+        records.retain(|_, scoped| !scoped.is_empty());
+        let n = swept as u64;
         Box::pin(async move { Ok(n) })
     }
 }
@@ -208,4 +219,37 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     idem_store_suite::store_suite!(|| async { (crate::MemoryStore::new(), ()) });
+
+    use std::time::Duration;
+
+    use super::*;
+    use idem_core::Fingerprint;
+
+    /// Records are counted across scopes, and a sweep leaves no empty scope.
+    #[tokio::test]
+    async fn len_counts_every_scope_and_a_sweep_empties_them() {
+        let store = MemoryStore::new();
+        assert!(store.is_empty());
+        for (scope, key) in [("a", "1"), ("a", "2"), ("b", "1")] {
+            let request = ClaimRequest {
+                scope: scope.into(),
+                key: key.into(),
+                fingerprint: Fingerprint::from_bytes([1; 32]),
+                lease: Duration::ZERO,
+                retention: Duration::ZERO,
+            };
+            assert!(matches!(
+                store.claim(&request).await,
+                Ok(ClaimOutcome::Acquired(_))
+            ));
+        }
+        assert_eq!(store.len(), 3);
+        assert!(!store.is_empty());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(store.sweep(2).await.unwrap(), 2);
+        assert_eq!(store.len(), 1);
+        assert_eq!(store.sweep(2).await.unwrap(), 1);
+        assert!(store.is_empty());
+        assert!(store.lock().is_empty(), "no empty scope is left behind");
+    }
 }
