@@ -24,7 +24,9 @@ REDIS=${IDEM_BENCH_REDIS_URL:-redis://127.0.0.1:6379}
 PEER=${IDEMPOTENT_PROXY_BIN:-$HOME/.cache/idempotent-proxy-target/release/idempotent-proxy-server}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/idem-target}"
 export PGOPTIONS="-c client_min_messages=warning"
-cargo build --release -q -p idem-cli -p idem-load -p idem-trivial
+# idem-trivial on its own, with only its own features (as bench/run.sh does)
+cargo build --release -q -p idem-trivial
+cargo build --release -q -p idem-cli -p idem-load
 BIN="$CARGO_TARGET_DIR/release"
 out=$(mktemp -d)
 SCHEMA="bench_proxy_$(date +%s%N)"

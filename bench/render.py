@@ -208,8 +208,9 @@ if instructions:
     out.append("## Instructions per request (callgrind)\n")
     out.append("Counted by valgrind's callgrind in `idem-trivial` (`bash bench/callgrind.sh`): "
                "the whole server process, per request, the difference between two runs of "
-               "different lengths so that start-up and warm-up cancel out. Noise cannot move "
-               "these; a change to the code can. Under valgrind SHA-256 runs without the "
+               "different lengths so that start-up and warm-up cancel out. The machine's speed "
+               "cannot move these; the scheduler's wake-ups move them by about 1 % between "
+               "runs of one binary, so a change to the code shows beyond that. Under valgrind SHA-256 runs without the "
                "CPU's SHA extensions, so the fingerprint's share is larger here than natively.\n")
     out.append("| scenario | instructions / request | vs bare |")
     out.append("|---|---:|---:|")

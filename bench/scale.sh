@@ -34,7 +34,9 @@ MY=${IDEM_BENCH_MYSQL_URL:-mysql://root@127.0.0.1:3306}
 REDIS=${IDEM_BENCH_REDIS_URL:-redis://127.0.0.1:6379}
 export PGOPTIONS="-c client_min_messages=warning"
 
-cargo build --release -q -p shop -p idem-cli -p idem-load -p idem-trivial
+# idem-trivial on its own, with only its own features (as bench/run.sh does)
+cargo build --release -q -p idem-trivial
+cargo build --release -q -p shop -p idem-cli -p idem-load
 BIN=${CARGO_TARGET_DIR:-target}/release
 out=$(mktemp -d)
 results=bench/scale.json
