@@ -219,15 +219,18 @@ start_shop --database-url PGSCHEMA
 kill "$PID"; wait "$PID" 2>/dev/null || true
 ceiling_opts="-c client_min_messages=warning -c search_path=$SCHEMA"
 PGOPTIONS="$ceiling_opts" psql "$PG" -q -f bench/pgbench/records.sql
-for k in pg-new pg-held my-bare my-new; do python3 bench/pgbench/claims.py "$k" > "$out/$k.sql"; done
+for k in pg-new pg-held pg-look my-bare my-new; do python3 bench/pgbench/claims.py "$k" > "$out/$k.sql"; done
 # A ceiling that fails prints nothing (render.py leaves it out) and says
 # why in ceilings.err, rather than ending the run and its results.
 pgbench_tps() { # script
   { PGOPTIONS="$ceiling_opts" pgbench -n -M prepared -c "$CONCURRENCY" -j 2 -T "${CEILING_SECONDS:-10}" \
     -f "$1" "$PG" 2>>"$out/ceilings.err" || echo "pgbench failed on $1" >&2; } | awk '/^tps = / {print $3; exit}'
 }
-# The read first, before the write rounds leave work for autovacuum.
+# The reads first, before the write rounds leave work for autovacuum: a
+# primary-key read, and idem's first look finding a completed record (what
+# a replay costs the database).
 read_tps=$(pgbench_tps bench/pgbench/replay.sql)
+look_tps=$(pgbench_tps "$out/pg-look.sql")
 median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
 : > "$out/pg-bare.tps"; : > "$out/pg-new.tps"; : > "$out/pg-held.tps"
 for _ in $(seq 1 "$CEILING_ROUNDS"); do
@@ -239,7 +242,7 @@ bare_tps=$(median < "$out/pg-bare.tps")
 new_tps=$(median < "$out/pg-new.tps")
 held_tps=$(median < "$out/pg-held.tps")
 psql "$PG" -qc "DROP SCHEMA $SCHEMA CASCADE"
-echo "pgbench: bare statements $bare_tps tps, a new key's $new_tps, claim in tx $held_tps, primary-key read $read_tps tps"
+echo "pgbench: bare statements $bare_tps tps, a new key's $new_tps, claim in tx $held_tps, primary-key read $read_tps tps, first look on a completed record $look_tps tps"
 # MySQL / MariaDB: the same with mysqlslap (statements sent as text, no
 # pgbench there), each client running a request's statements in turn.
 start_shop --database-url MYDATABASE
@@ -267,7 +270,7 @@ mysql -h127.0.0.1 -uroot -e "DROP DATABASE $MYDB"
 echo "mysqlslap: bare statements $my_bare_tps/s, a new key's $my_new_tps/s"
 cat > "$out/ceilings.json" <<JSON
 {"bare_statements_tps": $bare_tps, "new_key_statements_tps": $new_tps, "held_claim_statements_tps": $held_tps,
- "primary_key_read_tps": $read_tps, "mysql_bare_statements_tps": $my_bare_tps, "mysql_new_key_statements_tps": $my_new_tps,
+ "primary_key_read_tps": $read_tps, "first_look_tps": ${look_tps:-null}, "mysql_bare_statements_tps": $my_bare_tps, "mysql_new_key_statements_tps": $my_new_tps,
  "rounds": $CEILING_ROUNDS}
 JSON
 

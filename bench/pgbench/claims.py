@@ -12,6 +12,9 @@ so that the ceilings follow the code:
   pg-held    the claim committed with its lease at zero, then the bare
              handler's transaction locking the claim's row first and
              completing it last (--claim-in-transaction)
+  pg-look    a replay's one statement: the first look run on one of the
+             completed records bench/pgbench/records.sql writes (it finds
+             the record and inserts nothing)
   my-bare    the bare handler's statements on MySQL / MariaDB (mysqlslap)
   my-new     the first look, the claim's insert (committed by itself), then
              the bare handler's statements with the completion in its
@@ -77,6 +80,22 @@ def pg_claim(lease_ms):
     )
 
 
+def pg_look():
+    # the records of bench/pgbench/records.sql: scope 'pgbench', keys k1..k10000
+    return fill(
+        pg("claim_first"),
+        {
+            1: "'pgbench'",
+            2: "('k' || :k)",
+            3: "sha256((:k)::text::bytea)",
+            4: "gen_random_uuid()::text",
+            5: ":k",
+            6: "30000",
+            7: "86400000",
+        },
+    )
+
+
 def pg_complete():
     return fill(
         pg("complete"),
@@ -99,6 +118,8 @@ def bare_pg():
 
 
 def pg_script(kind):
+    if kind == "pg-look":
+        return "\\set k random(1, 10000)\n" + pg_look() + ";\n"
     bank, body = bare_pg()
     out = ["\\set n random(1, 1000000000000)"]
     if kind == "pg-bare":
@@ -157,12 +178,12 @@ def my_script(kind):
 
 def main():
     kind = sys.argv[1] if len(sys.argv) > 1 else ""
-    if kind in ("pg-bare", "pg-new", "pg-held"):
+    if kind in ("pg-bare", "pg-new", "pg-held", "pg-look"):
         sys.stdout.write(pg_script(kind))
     elif kind in ("my-bare", "my-new"):
         sys.stdout.write(my_script(kind))
     else:
-        sys.exit("usage: claims.py pg-bare|pg-new|pg-held|my-bare|my-new")
+        sys.exit("usage: claims.py pg-bare|pg-new|pg-held|pg-look|my-bare|my-new")
 
 
 if __name__ == "__main__":
