@@ -64,18 +64,14 @@ impl MemoryStore {
         self.records.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn claim_now(&self, req: &ClaimRequest, now: UnixMillis) -> Result<ClaimOutcome, StoreError> {
+    fn claim_now(&self, req: &ClaimRequest, now: UnixMillis) -> ClaimOutcome {
         // The decision needs no settings of the layer's (whether to wait is
         // the caller's business): the defaults, built once.
         static DECIDING: LazyLock<Policy> = LazyLock::new(Policy::default);
         let mut records = self.lock();
-        if !records.contains_key(req.scope.as_str()) {
-            records.insert(req.scope.clone(), HashMap::new());
-        }
-        let Some(scoped) = records.get_mut(req.scope.as_str()) else {
-            return Err(StoreError::Corrupt("a scope just added is gone".into()));
-        };
-        let stored = scoped.get_mut(req.key.as_str());
+        let stored = records
+            .get_mut(req.scope.as_str())
+            .and_then(|scoped| scoped.get_mut(req.key.as_str()));
         let arrival = on_arrival(&DECIDING, stored.as_deref(), &req.fingerprint, now);
         let locked_until = now.plus(req.lease);
         let token = FencingToken::generate();
@@ -85,14 +81,14 @@ impl MemoryStore {
                     token,
                     locked_until,
                 };
-                return Ok(ClaimOutcome::Acquired(Claim {
+                return ClaimOutcome::Acquired(Claim {
                     scope: req.scope.clone(),
                     key: req.key.clone(),
                     token,
                     operation_id: record.operation_id,
                     locked_until,
                     takeover: true,
-                }));
+                });
             }
             (Arrival::Run, _) | (_, None) => Record {
                 scope: req.scope.clone(),
@@ -112,7 +108,7 @@ impl MemoryStore {
                 | Arrival::Wait { .. }
                 | Arrival::Mismatch,
                 Some(existing),
-            ) => return Ok(ClaimOutcome::Existing(existing.clone())),
+            ) => return ClaimOutcome::Existing(existing.clone()),
         };
         let claim = Claim {
             scope: req.scope.clone(),
@@ -122,8 +118,16 @@ impl MemoryStore {
             locked_until,
             takeover: false,
         };
-        scoped.insert(req.key.clone(), record);
-        Ok(ClaimOutcome::Acquired(claim))
+        match records.get_mut(req.scope.as_str()) {
+            Some(scoped) => {
+                scoped.insert(req.key.clone(), record);
+            }
+            None => {
+                let scoped = HashMap::from([(req.key.clone(), record)]);
+                records.insert(req.scope.clone(), scoped);
+            }
+        }
+        ClaimOutcome::Acquired(claim)
     }
 
     /// Applies `f` to the record if it is in progress under `claim.token`.
@@ -158,7 +162,7 @@ impl Store for MemoryStore {
         request: &'a ClaimRequest,
     ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
         let outcome = self.claim_now(request, UnixMillis::now());
-        Box::pin(async move { outcome })
+        Box::pin(async move { Ok(outcome) })
     }
 
     fn complete<'a>(

@@ -1,4 +1,5 @@
-//! [`BoundedStore`]: every store call ends within a time limit.
+//! [`BoundedStore`]: every store call that waits gets an answer within a
+//! time limit.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -9,9 +10,11 @@ use idem_core::{
     BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, Store, StoreError, StoredResponse,
 };
 
-/// A store whose every call ends within `timeout`: one that gets no answer
-/// in time fails with [`StoreError::Unavailable`] (its cause a
-/// [`StoreTimedOut`]) instead of waiting for a network partition to heal.
+/// A store whose every call ends within `timeout` of its first poll (the
+/// poll that starts it, sending the request; a call answered by that poll
+/// sets no timer): one that gets no answer in time fails with
+/// [`StoreError::Unavailable`] (its cause a [`StoreTimedOut`]) instead of
+/// waiting for a network partition to heal.
 ///
 /// What a call that timed out did is unknown, and every caller already
 /// treats an unavailable store that way: a claim may have been written (it
@@ -203,6 +206,24 @@ mod tests {
         runtime.block_on(store.complete(&claim, &response)).unwrap();
         let record = runtime.block_on(store.get("s", "k")).unwrap();
         assert!(record.is_some_and(|r| matches!(r.state, idem_core::RecordState::Completed { .. })));
+    }
+
+    /// A call that waits is answered if it answers within the limit, and
+    /// cut short if it does not.
+    #[tokio::test]
+    async fn a_call_that_waits_is_timed() {
+        let answer = within(Duration::from_secs(30), async {
+            tokio::task::yield_now().await;
+            7
+        })
+        .await;
+        assert_eq!(answer, Some(7));
+        let late = within(Duration::from_millis(20), async {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            7
+        })
+        .await;
+        assert_eq!(late, None);
     }
 
     #[tokio::test]
