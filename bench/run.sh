@@ -269,8 +269,8 @@ mysql -h127.0.0.1 -uroot -e "DROP DATABASE $MYDB"
 [ -s "$out/ceilings.err" ] && { echo "ceilings that failed:"; cat "$out/ceilings.err"; }
 echo "mysqlslap: bare statements $my_bare_tps/s, a new key's $my_new_tps/s"
 cat > "$out/ceilings.json" <<JSON
-{"bare_statements_tps": $bare_tps, "new_key_statements_tps": $new_tps, "held_claim_statements_tps": $held_tps,
- "primary_key_read_tps": $read_tps, "first_look_tps": ${look_tps:-null}, "mysql_bare_statements_tps": $my_bare_tps, "mysql_new_key_statements_tps": $my_new_tps,
+{"bare_statements_tps": ${bare_tps:-null}, "new_key_statements_tps": ${new_tps:-null}, "held_claim_statements_tps": ${held_tps:-null},
+ "primary_key_read_tps": ${read_tps:-null}, "first_look_tps": ${look_tps:-null}, "mysql_bare_statements_tps": ${my_bare_tps:-null}, "mysql_new_key_statements_tps": ${my_new_tps:-null},
  "rounds": $CEILING_ROUNDS}
 JSON
 
