@@ -49,7 +49,7 @@ def median(xs):
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
-# A scenario run several times (bare and new alternate in rounds) shows the
+# A scenario run several times (every scenario runs in rounds) shows the
 # median of each figure; errors are summed.
 grouped = {}
 for r in raw:
@@ -78,9 +78,11 @@ out.append("What idem costs on each path, side by side with the same `POST /paym
 out.append(f"- machine: {cpu()}, {nproc()} cores, {platform.system()} {platform.release()}")
 out.append(f"- load: `idem-load`, {rows[0]['requests']} requests per scenario, "
            f"concurrency {rows[0]['concurrency']}, client on the same machine")
-out.append(f"- bare and new alternate in {rounds} rounds per configuration (a slow spell of "
-           "this shared machine lands on both), and the peers run in as many rounds, in an "
-           "order reversed every other round; their rows show the median of the rounds")
+out.append(f"- every scenario runs in each of {rounds} rounds per configuration (bare, new, "
+           "then, once the new keys' backlog has settled, replays and in-flight duplicates), so "
+           "that a slow spell of this shared machine lands on all of them, and the peers run in "
+           "as many rounds, in an order reversed every other round; the rows show the median "
+           "of the rounds")
 out.append(f"- reproduce: `{command}` (after `bash scripts/test` has the services up)\n")
 out.append("Scenarios: **bare** — no idem layer; **new** — a fresh `Idempotency-Key` each "
            "request; **replay** — completed keys sent again; **inflight** — duplicates of a "
