@@ -216,17 +216,21 @@ echo "== ceilings: the same statements with pgbench and mysqlslap, no HTTP in be
 # those of a new key (the claim committed first, the completion in bare's
 # transaction) in both modes, made from idem's own SQL by claims.py; and a
 # primary-key read of a completed record. bare, new and held alternate in
-# CEILING_ROUNDS rounds (medians), as the HTTP rounds do.
+# CEILING_ROUNDS rounds (medians), as the HTTP rounds do, with three
+# counterfactuals that say what limits a new key here: the claim inside the
+# business transaction (no commit of its own: a mode idem refuses to ship,
+# since a crash would lose the claim's operation id), and bare and new with
+# no commit waiting for the disk (synchronous_commit off for that client).
 CEILING_ROUNDS=${CEILING_ROUNDS:-3}
 start_shop --database-url PGSCHEMA
 kill "$PID"; wait "$PID" 2>/dev/null || true
 ceiling_opts="-c client_min_messages=warning -c search_path=$SCHEMA"
 PGOPTIONS="$ceiling_opts" psql "$PG" -q -f bench/pgbench/records.sql
-for k in pg-new pg-held pg-look my-bare my-new; do python3 bench/pgbench/claims.py "$k" > "$out/$k.sql"; done
+for k in pg-new pg-held pg-intx pg-look my-bare my-new; do python3 bench/pgbench/claims.py "$k" > "$out/$k.sql"; done
 # A ceiling that fails prints nothing (render.py leaves it out) and says
 # why in ceilings.err, rather than ending the run and its results.
-pgbench_tps() { # script
-  { PGOPTIONS="$ceiling_opts" pgbench -n -M prepared -c "$CONCURRENCY" -j 2 -T "${CEILING_SECONDS:-10}" \
+pgbench_tps() { # script [server options]
+  { PGOPTIONS="$ceiling_opts ${2:-}" pgbench -n -M prepared -c "$CONCURRENCY" -j 2 -T "${CEILING_SECONDS:-10}" \
     -f "$1" "$PG" 2>>"$out/ceilings.err" || echo "pgbench failed on $1" >&2; } | awk '/^tps = / {print $3; exit}'
 }
 # The reads first, before the write rounds leave work for autovacuum: a
@@ -235,17 +239,25 @@ pgbench_tps() { # script
 read_tps=$(pgbench_tps bench/pgbench/replay.sql)
 look_tps=$(pgbench_tps "$out/pg-look.sql")
 median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
-: > "$out/pg-bare.tps"; : > "$out/pg-new.tps"; : > "$out/pg-held.tps"
+no_flush="-c synchronous_commit=off"
+for f in pg-bare pg-new pg-held pg-intx pg-bare-noflush pg-new-noflush; do : > "$out/$f.tps"; done
 for _ in $(seq 1 "$CEILING_ROUNDS"); do
   pgbench_tps bench/pgbench/bare.sql >> "$out/pg-bare.tps"
   pgbench_tps "$out/pg-new.sql" >> "$out/pg-new.tps"
   pgbench_tps "$out/pg-held.sql" >> "$out/pg-held.tps"
+  pgbench_tps "$out/pg-intx.sql" >> "$out/pg-intx.tps"
+  pgbench_tps bench/pgbench/bare.sql "$no_flush" >> "$out/pg-bare-noflush.tps"
+  pgbench_tps "$out/pg-new.sql" "$no_flush" >> "$out/pg-new-noflush.tps"
 done
 bare_tps=$(median < "$out/pg-bare.tps")
 new_tps=$(median < "$out/pg-new.tps")
 held_tps=$(median < "$out/pg-held.tps")
+intx_tps=$(median < "$out/pg-intx.tps")
+bare_noflush_tps=$(median < "$out/pg-bare-noflush.tps")
+new_noflush_tps=$(median < "$out/pg-new-noflush.tps")
 psql "$PG" -qc "DROP SCHEMA $SCHEMA CASCADE"
 echo "pgbench: bare statements $bare_tps tps, a new key's $new_tps, claim in tx $held_tps, primary-key read $read_tps tps, first look on a completed record $look_tps tps"
+echo "pgbench counterfactuals: the claim without a commit of its own $intx_tps tps; no commit waiting for the disk: bare $bare_noflush_tps, a new key $new_noflush_tps"
 # MySQL / MariaDB: the same with mysqlslap (statements sent as text, no
 # pgbench there), each client running a request's statements in turn.
 start_shop --database-url MYDATABASE
@@ -273,6 +285,7 @@ mysql -h127.0.0.1 -uroot -e "DROP DATABASE $MYDB"
 echo "mysqlslap: bare statements $my_bare_tps/s, a new key's $my_new_tps/s"
 cat > "$out/ceilings.json" <<JSON
 {"bare_statements_tps": ${bare_tps:-null}, "new_key_statements_tps": ${new_tps:-null}, "held_claim_statements_tps": ${held_tps:-null},
+ "claim_without_commit_statements_tps": ${intx_tps:-null}, "bare_statements_no_flush_tps": ${bare_noflush_tps:-null}, "new_key_statements_no_flush_tps": ${new_noflush_tps:-null},
  "primary_key_read_tps": ${read_tps:-null}, "first_look_tps": ${look_tps:-null}, "mysql_bare_statements_tps": ${my_bare_tps:-null}, "mysql_new_key_statements_tps": ${my_new_tps:-null},
  "rounds": $CEILING_ROUNDS}
 JSON

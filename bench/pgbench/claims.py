@@ -12,6 +12,10 @@ so that the ceilings follow the code:
   pg-held    the claim committed with its lease at zero, then the bare
              handler's transaction locking the claim's row first and
              completing it last (--claim-in-transaction)
+  pg-intx    a counterfactual, not a mode idem has: the first look run
+             inside the bare handler's transaction, so that the claim has no
+             commit of its own (a crash would then lose the claim and its
+             operation id with it); what removing that commit could gain
   pg-look    a replay's one statement: the first look run on one of the
              completed records bench/pgbench/records.sql writes (it finds
              the record and inserts nothing)
@@ -126,6 +130,8 @@ def pg_script(kind):
         out += [bank, "BEGIN;", body, "COMMIT;"]
     elif kind == "pg-new":
         out += [pg_claim(30000) + ";", bank, "BEGIN;", body, pg_complete() + ";", "COMMIT;"]
+    elif kind == "pg-intx":
+        out += [bank, "BEGIN;", pg_claim(30000) + ";", body, pg_complete() + ";", "COMMIT;"]
     elif kind == "pg-held":
         out += [pg_claim(0) + ";", bank, "BEGIN;", pg_hold() + ";", body, pg_complete() + ";", "COMMIT;"]
     return "\n".join(out) + "\n"
@@ -178,12 +184,12 @@ def my_script(kind):
 
 def main():
     kind = sys.argv[1] if len(sys.argv) > 1 else ""
-    if kind in ("pg-bare", "pg-new", "pg-held", "pg-look"):
+    if kind in ("pg-bare", "pg-new", "pg-held", "pg-intx", "pg-look"):
         sys.stdout.write(pg_script(kind))
     elif kind in ("my-bare", "my-new"):
         sys.stdout.write(my_script(kind))
     else:
-        sys.exit("usage: claims.py pg-bare|pg-new|pg-held|pg-look|my-bare|my-new")
+        sys.exit("usage: claims.py pg-bare|pg-new|pg-held|pg-intx|pg-look|my-bare|my-new")
 
 
 if __name__ == "__main__":
