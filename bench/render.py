@@ -110,7 +110,7 @@ out.append("")
 
 out.append("## Against the machine's limit\n")
 out.append("The same work without the HTTP stack in between, in the same run: `pgbench` "
-           "(prepared statements, the same concurrency) running bare's statements "
+           "(prepared statements, the same concurrency, without TLS as shop connects) running bare's statements "
            "(`bench/pgbench/bare.sql`: the bank's charge and its read-back, the payment and "
            "its outbox event in one transaction) and a primary-key read of a completed "
            "record (`bench/pgbench/replay.sql`), and the HTTP stack without a database "
