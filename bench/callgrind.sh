@@ -8,12 +8,25 @@
 #
 # Usage: bash bench/callgrind.sh [out.json]   (after building idem-trivial and
 # idem-load in release mode; bench/run.sh does both and calls this)
+#
+#        bash bench/callgrind.sh --redis [out.json]
+#   idem's Redis store beside aklanti's `idempotent` (its Valkey store) in
+#   front of the same trivial endpoint, new keys and replays, needing Redis
+#   (REDIS_URL, default redis://127.0.0.1:6379) and the peers built
+#   (bench/rust-peers; bench/run.sh builds them). Each row also gives the
+#   instructions SHA-256's block function took: valgrind does not pass the
+#   CPU's SHA extensions through, so under callgrind `sha2` runs its portable
+#   code, about ten times the instructions it takes on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${CARGO_TARGET_DIR:-target}/release
+MODE=memory
+if [ "${1:-}" = --redis ]; then MODE=redis; shift; fi
 OUT=${1:-/dev/stdout}
 N1=${CALLGRIND_N1:-500}
 N2=${CALLGRIND_N2:-2500}
+REDIS=${REDIS_URL:-redis://127.0.0.1:6379}
+PEERS_BIN=${IDEM_PEERS_TARGET_DIR:-$HOME/.cache/idem-peers-target}/release
 work=$(mktemp -d)
 cleanup() {
   kill $(jobs -p) 2>/dev/null || true
@@ -21,12 +34,27 @@ cleanup() {
 }
 trap cleanup EXIT
 
-valgrind --tool=callgrind --callgrind-out-file="$work/cg.out" --dump-instr=no \
-  "$BIN/idem-trivial" --listen 127.0.0.1:0 --store memory > "$work/server.out" 2> "$work/valgrind.err" &
-PID=$!
-for _ in $(seq 1 600); do grep -q "listening on" "$work/server.out" && break; sleep 0.1; done
-URL=$(sed -n 's/^.* listening on //p' "$work/server.out")
-[ -n "$URL" ] || { cat "$work/valgrind.err"; exit 1; }
+PID=""
+URL=""
+SERVER=""
+start() { # label, then the server's command line
+  SERVER=$1; shift
+  rm -f "$work"/cg.out* "$work/server.out"
+  valgrind --tool=callgrind --callgrind-out-file="$work/cg.out" --dump-instr=no \
+    "$@" > "$work/server.out" 2> "$work/valgrind.err" &
+  PID=$!
+  for _ in $(seq 1 600); do grep -q "listening on" "$work/server.out" && break; sleep 0.1; done
+  URL=$(sed -n 's/^.* listening on //p' "$work/server.out")
+  [ -n "$URL" ] || { cat "$work/valgrind.err"; exit 1; }
+}
+
+stop() {
+  kill -INT "$PID" 2>/dev/null || true
+  # A server under valgrind may be slow to drain: it is not waited for.
+  sleep 1
+  kill -KILL "$PID" 2>/dev/null || true
+  wait "$PID" 2>/dev/null || true
+}
 
 # The instructions counted since the last zeroing: callgrind_control -d
 # writes a dump part whose `summary:` line holds them.
@@ -41,7 +69,11 @@ count() {
   done
   local part
   part=$(ls -t "$work"/cg.out* | head -n 1)
-  awk '/^summary:/ {print $2}' "$part"
+  # The total, and SHA-256's block function's own instructions.
+  local sha
+  sha=$(callgrind_annotate --threshold=100 "$part" 2>/dev/null \
+    | awk '/sha2::sha256::compress256/ {gsub(",", "", $1); print $1; exit}')
+  echo "$(awk '/^summary:/ {print $2}' "$part") ${sha:-0}"
 }
 
 drive() { # path, mix, requests
@@ -58,14 +90,40 @@ measure() { # name, path, mix
   callgrind_control -z "$PID" > /dev/null 2>&1
   drive "$2" "$3" "$N2"
   b=$(count)
-  python3 -c "import json,sys; a,b,n1,n2=map(int,sys.argv[2:]); print(json.dumps({'scenario': sys.argv[1], 'instructions_per_request': (b-a)/(n2-n1)}))" \
-    "$1" "$a" "$b" "$N1" "$N2"
+  # shellcheck disable=SC2086
+  python3 -c "
+import json, sys
+name, server = sys.argv[1:3]
+a, sa, b, sb, n1, n2 = map(int, sys.argv[3:])
+row = {'scenario': name, 'instructions_per_request': (b - a) / (n2 - n1)}
+if server != 'memory':
+    row.update(server=server, sha256_instructions_per_request=(sb - sa) / (n2 - n1))
+print(json.dumps(row))" "$1" "$SERVER" $a $b "$N1" "$N2"
 }
 
-{
-  measure bare /bare/payments nokey=100
-  measure new /payments new=100
-  measure replay /payments replay=100
-} > "$work/result.jsonl"
-kill -INT "$PID" 2>/dev/null || true
+if [ "$MODE" = memory ]; then
+  start memory "$BIN/idem-trivial" --listen 127.0.0.1:0 --store memory
+  {
+    measure bare /bare/payments nokey=100
+    measure new /payments new=100
+    measure replay /payments replay=100
+  } > "$work/result.jsonl"
+  stop
+else
+  [ -x "$PEERS_BIN/idempotent-peer" ] || { echo "build the peers first (bench/rust-peers)" >&2; exit 1; }
+  : > "$work/result.jsonl"
+  prefix="callgrind-$$"
+  start "idem (redis)" "$BIN/idem-trivial" --listen 127.0.0.1:0 --store redis \
+    --redis-url "$REDIS" --redis-prefix "$prefix-idem"
+  { measure new /payments new=100; measure replay /payments replay=100; } >> "$work/result.jsonl"
+  stop
+  start "idempotent (redis)" "$PEERS_BIN/idempotent-peer" --listen 127.0.0.1:0 --store redis \
+    --redis-url "$REDIS" --redis-prefix "$prefix-peer"
+  { measure new /payments new=100; measure replay /payments replay=100; } >> "$work/result.jsonl"
+  stop
+  # The records the runs left (they would expire by themselves).
+  for p in "$prefix-idem" "$prefix-peer"; do
+    redis-cli -u "$REDIS" --scan --pattern "$p*" | xargs -r redis-cli -u "$REDIS" DEL > /dev/null
+  done
+fi
 cat "$work/result.jsonl" > "$OUT"
