@@ -205,8 +205,8 @@ if db_limit:
                "work is added to both.\n")
     out.append("Two counterfactuals, alternated in the same rounds, say what that price is "
                "made of on PostgreSQL. *Without the claim's commit*: the first look run inside "
-               "the business transaction, so the claim has no commit of its own (a round trip "
-               "and a durable commit fewer; not a mode idem ships, since a crash before the "
+               "the business transaction, so the claim has no commit of its own (the same "
+               "statements, one durable commit fewer; not a mode idem ships, since a crash before the "
                "commit would lose the claim's operation id, and the retry would run the bank's "
                "charge under a new one). *No flush*: bare's and a new key's statements with "
                "`synchronous_commit = off`, no commit waiting for the disk. Where both stay "
