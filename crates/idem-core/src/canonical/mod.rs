@@ -23,7 +23,7 @@ use std::cmp::Ordering;
 use crate::fingerprint::CanonicalJsonError;
 
 /// Containers nested this deep are refused (as `serde_json` does).
-const MAX_DEPTH: u32 = 128;
+const MAX_DEPTH: usize = 128;
 
 /// Canonicalises `input` into `out` (appended).
 ///
@@ -57,6 +57,7 @@ pub(crate) fn with_canonical<R>(
 /// between bodies so that a body of a few members allocates nothing.
 #[derive(Default)]
 struct Spare {
+    frames: Vec<Frame>,
     members: Vec<Member>,
     scratch: Vec<u8>,
     order: Vec<usize>,
@@ -75,13 +76,13 @@ impl Spare {
             s: input,
             i: 0,
             run: 0,
-            depth: 0,
+            frames: self.frames,
             members: self.members,
             scratch: self.scratch,
             order: self.order,
             refusal: Fault { what: "", at: 0 },
         };
-        let read = p.value(out).and_then(|()| {
+        let read = p.document(out).and_then(|()| {
             p.skip_ws(out);
             if p.i == p.s.len() {
                 Ok(())
@@ -100,6 +101,7 @@ impl Spare {
             ))),
         };
         let spare = Self {
+            frames: cleared(p.frames),
             members: cleared(p.members),
             scratch: cleared(p.scratch),
             order: cleared(p.order),
@@ -122,6 +124,7 @@ fn cleared<T>(mut v: Vec<T>) -> Vec<T> {
 thread_local! {
     static SPARE: std::cell::Cell<Spare> = const {
         std::cell::Cell::new(Spare {
+            frames: Vec::new(),
             members: Vec::new(),
             scratch: Vec::new(),
             order: Vec::new(),
@@ -180,6 +183,35 @@ impl Member {
     }
 }
 
+/// A container being read.
+#[derive(Clone, Copy)]
+struct Frame {
+    object: bool,
+    /// An object's first member, as an index into [`Parser::members`].
+    first: usize,
+    /// Whether some key came before the one before it.
+    inverted: bool,
+    /// Whether some key shared the prefix of the one before it.
+    tied: bool,
+}
+
+impl Frame {
+    const ARRAY: Self = Self {
+        object: false,
+        first: 0,
+        inverted: false,
+        tied: false,
+    };
+
+    fn object(first: usize) -> Self {
+        Self {
+            object: true,
+            first,
+            ..Self::ARRAY
+        }
+    }
+}
+
 /// The prefix of a key (see [`Member::prefix`]) whose bytes after the
 /// opening quote, closing quote included, are the `len` bytes of `buf` from
 /// `at` on.
@@ -201,7 +233,8 @@ struct Parser<'a> {
     /// Where the run of input that is canonical as it stands, and not yet
     /// written, begins: `s[run..i]` comes next in the output.
     run: usize,
-    depth: u32,
+    /// The containers being read, innermost last.
+    frames: Vec<Frame>,
     /// The members of the objects being read, innermost last.
     members: Vec<Member>,
     /// Where an unsorted object's members wait while they are reordered.
@@ -266,18 +299,82 @@ impl Parser<'_> {
         }
     }
 
-    fn value(&mut self, out: &mut Vec<u8>) -> Step {
-        self.skip_ws(out);
-        match self.peek() {
-            Some(b'{') => self.object(out),
-            Some(b'[') => self.array(out),
-            Some(b'"') => self.string(out),
-            Some(b't') => self.literal(b"true"),
-            Some(b'f') => self.literal(b"false"),
-            Some(b'n') => self.literal(b"null"),
-            Some(b'-' | b'0'..=b'9') => self.number(out),
-            Some(_) => Err(self.fault("expected a value")),
-            None => Err(self.fault("unexpected end")),
+    /// The whole document: one value, containers and all. Containers are
+    /// tracked in `frames` rather than by recursion, so the parser's state
+    /// stays in registers from one token to the next.
+    fn document(&mut self, out: &mut Vec<u8>) -> Step {
+        let mut frames = std::mem::take(&mut self.frames);
+        let read = self.values(&mut frames, out);
+        self.frames = cleared(frames);
+        read
+    }
+
+    fn values(&mut self, frames: &mut Vec<Frame>, out: &mut Vec<u8>) -> Step {
+        'value: loop {
+            // A value begins.
+            self.skip_ws(out);
+            match self.peek() {
+                Some(b'{') => {
+                    self.enter(frames.len())?;
+                    self.skip_ws(out);
+                    if self.peek() == Some(b'}') {
+                        self.i += 1;
+                    } else {
+                        let mut frame = Frame::object(self.members.len());
+                        self.key(&mut frame, out)?;
+                        frames.push(frame);
+                        continue 'value;
+                    }
+                }
+                Some(b'[') => {
+                    self.enter(frames.len())?;
+                    self.skip_ws(out);
+                    if self.peek() == Some(b']') {
+                        self.i += 1;
+                    } else {
+                        frames.push(Frame::ARRAY);
+                        continue 'value;
+                    }
+                }
+                Some(b'"') => self.string(out)?,
+                Some(b't') => self.literal(b"true")?,
+                Some(b'f') => self.literal(b"false")?,
+                Some(b'n') => self.literal(b"null")?,
+                Some(b'-' | b'0'..=b'9') => self.number(out)?,
+                Some(_) => return Err(self.fault("expected a value")),
+                None => return Err(self.fault("unexpected end")),
+            }
+            // A value ended: close every container it completes.
+            while let Some(frame) = frames.last_mut() {
+                if frame.object {
+                    let end = self.at(out);
+                    if let Some(member) = self.members.last_mut() {
+                        member.end = end;
+                    }
+                }
+                self.skip_ws(out);
+                match self.peek() {
+                    Some(b',') => {
+                        self.i += 1;
+                        if frame.object {
+                            self.key(frame, out)?;
+                        }
+                        continue 'value;
+                    }
+                    Some(b'}') if frame.object => {
+                        if frame.inverted || frame.tied {
+                            self.sort_members(out, frame.first, frame.inverted);
+                        }
+                        self.i += 1;
+                        self.members.truncate(frame.first);
+                    }
+                    Some(b']') if !frame.object => self.i += 1,
+                    _ if frame.object => return Err(self.fault("expected `,` or `}`")),
+                    _ => return Err(self.fault("expected `,` or `]`")),
+                }
+                frames.pop();
+            }
+            return Ok(());
         }
     }
 
@@ -290,98 +387,56 @@ impl Parser<'_> {
         }
     }
 
-    fn enter(&mut self) -> Step {
-        if self.depth + 1 >= MAX_DEPTH {
+    /// Steps over a container's opening bracket, `open` containers being
+    /// open around it.
+    fn enter(&mut self, open: usize) -> Step {
+        if open + 1 >= MAX_DEPTH {
             return Err(self.fault("nested too deep"));
         }
-        self.depth += 1;
         self.i += 1;
         Ok(())
     }
 
-    fn array(&mut self, out: &mut Vec<u8>) -> Step {
-        self.enter()?;
+    /// A member's key and its colon, the member then recorded (its end set
+    /// once its value is read).
+    #[inline(always)]
+    fn key(&mut self, frame: &mut Frame, out: &mut Vec<u8>) -> Step {
         self.skip_ws(out);
-        if self.peek() == Some(b']') {
-            self.i += 1;
-        } else {
-            loop {
-                self.value(out)?;
-                self.skip_ws(out);
-                match self.peek() {
-                    Some(b',') => self.i += 1,
-                    Some(b']') => {
-                        self.i += 1;
-                        break;
-                    }
-                    _ => return Err(self.fault("expected `,` or `]`")),
-                }
-            }
+        if self.peek() != Some(b'"') {
+            return Err(self.fault("expected a key"));
         }
-        self.depth -= 1;
-        Ok(())
-    }
-
-    fn object(&mut self, out: &mut Vec<u8>) -> Step {
-        self.enter()?;
-        let first = self.members.len();
+        let key = self.at(out);
+        let key_in = self.i;
+        self.string(out)?;
+        let len = self.i - key_in - 1;
+        let prefix = if self.run <= key_in {
+            // As it stands in the input.
+            key_prefix(self.s, key_in + 1, len)
+        } else {
+            // Respelled: written out in full.
+            self.flush(out);
+            key_prefix(out, key + 1, out.len() - key - 1)
+        };
+        // Whether each key so far came after the one before it (a tie in
+        // the prefix counts as not: the sort then looks closer); whether
+        // some key came before the one before it, or shared its prefix
+        // (then only the sort can tell).
+        if let Some(last) = self.members.get(frame.first..).and_then(<[Member]>::last) {
+            frame.inverted |= last.prefix > prefix;
+            frame.tied |= last.prefix == prefix;
+        }
+        let colon = self.at(out);
         self.skip_ws(out);
-        if self.peek() == Some(b'}') {
-            self.i += 1;
-        } else {
-            // Whether each key so far came after the one before it (a tie
-            // in the prefix counts as not: the sort then looks closer).
-            // Whether some key came before the one before it, or shared its
-            // prefix (then only the sort can tell).
-            let (mut inverted, mut tied) = (false, false);
-            loop {
-                self.skip_ws(out);
-                if self.peek() != Some(b'"') {
-                    return Err(self.fault("expected a key"));
-                }
-                let key = self.at(out);
-                let key_in = self.i;
-                self.string(out)?;
-                let len = self.i - key_in - 1;
-                let prefix = if self.run <= key_in {
-                    // As it stands in the input.
-                    key_prefix(self.s, key_in + 1, len)
-                } else {
-                    // Respelled: written out in full.
-                    self.flush(out);
-                    key_prefix(out, key + 1, out.len() - key - 1)
-                };
-                if let Some(last) = self.members.get(first..).and_then(<[Member]>::last) {
-                    inverted |= last.prefix > prefix;
-                    tied |= last.prefix == prefix;
-                }
-                let colon = self.at(out);
-                self.skip_ws(out);
-                if self.peek() != Some(b':') {
-                    return Err(self.fault("expected `:`"));
-                }
-                self.i += 1;
-                self.value(out)?;
-                self.members.push(Member {
-                    prefix,
-                    key,
-                    colon,
-                    end: self.at(out),
-                });
-                self.skip_ws(out);
-                match self.peek() {
-                    Some(b',') => self.i += 1,
-                    Some(b'}') => break,
-                    _ => return Err(self.fault("expected `,` or `}`")),
-                }
-            }
-            if inverted || tied {
-                self.sort_members(out, first, inverted);
-            }
-            self.i += 1;
+        if self.peek() != Some(b':') {
+            return Err(self.fault("expected `:`"));
         }
-        self.members.truncate(first);
-        self.depth -= 1;
+        self.i += 1;
+        self.members.push(Member {
+            prefix,
+            key,
+            colon,
+            end: colon,
+        });
         Ok(())
     }
 
