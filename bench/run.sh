@@ -329,6 +329,10 @@ echo "{\"rss_start_kb\": $rss_start, \"rss_end_kb\": $rss_end, \"seconds\": $MEM
 echo "== criterion micro-benchmarks"
 cargo bench -q -p idem-core --bench core -- --warm-up-time 1 --measurement-time 3 2>/dev/null \
   | grep -E "^[a-z].*time:" > "$out/criterion.txt" || true
+# The fingerprint against the raw hash in alternated rounds (criterion times
+# one variant after the other): the figure render.py reports for it.
+cargo bench -q -p idem-core --bench fingerprint_rounds 2>/dev/null \
+  | grep -E "^fingerprint-rounds " >> "$out/criterion.txt" || true
 
 python3 bench/render.py "$results" "$out/memory.json" "$out/criterion.txt" \
   "bash bench/run.sh $REQUESTS $CONCURRENCY" "$ROUNDS" "$out/ceilings.json" "$out/callgrind.jsonl" \
