@@ -298,6 +298,31 @@ fn closing_a_container_gives_its_depth_back() {
 }
 
 #[test]
+fn each_container_closes_with_its_own_bracket() {
+    // Containers are kept on a stack, not in the call stack: the bracket
+    // that closes one must be its own, at every depth.
+    for (input, why) in [
+        ("[1}", "expected `,` or `]` at byte 2"),
+        ("[}", "expected a value at byte 1"),
+        (r#"{"a":1]"#, "expected `,` or `}` at byte 6"),
+        (r#"{"a":[1}}"#, "expected `,` or `]` at byte 7"),
+        (r#"[{"a":1]]"#, "expected `,` or `}` at byte 7"),
+        (r#"[[],{"b":{}]]"#, "expected `,` or `}` at byte 11"),
+        ("[[1]", "expected `,` or `]` at byte 4"),
+        (r#"{"a":{"b":1}"#, "expected `,` or `}` at byte 12"),
+    ] {
+        assert_eq!(refusal(input), why, "{input:?}");
+    }
+    assert_spellings(&[
+        (r#"[{"b":[1],"a":{}},[{}]]"#, r#"[{"a":{},"b":[1]},[{}]]"#),
+        (
+            r#"{"b":[{"d":1,"c":[]}],"a":[]}"#,
+            r#"{"a":[],"b":[{"c":[],"d":1}]}"#,
+        ),
+    ]);
+}
+
+#[test]
 fn control_characters_and_spaces_in_strings() {
     for b in 0u8..0x20 {
         let named = match b {
