@@ -22,7 +22,9 @@
 //! };
 //! let ClaimOutcome::Acquired(claim) = store.claim(&request).await? else { unreachable!() };
 //!
-//! let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await?;
+//! // The write transaction on the store's writers' pool: this process's
+//! // writers queue there in order, rather than sleep while the file is locked.
+//! let mut tx = store.writers().begin_with("BEGIN IMMEDIATE").await?;
 //! // ... the business write on `tx` ...
 //! let response = StoredResponse { status: 201, headers: vec![], body: "{}".into() };
 //! store.complete_in(&mut tx, &claim, &response).await?; // fenced by the claim's token
@@ -99,6 +101,92 @@ mod tests {
             .await
             .is_err());
         assert!(SqliteStore::connect("postgres://nope").await.is_err());
+    }
+
+    /// This process's writers queue for the store's writers' connection,
+    /// each woken when the one before it is done, so none finds the file
+    /// locked: even with no busy timeout at all (SQLite then refuses a
+    /// locked file at once), every one of many racing claims and business
+    /// transactions, each holding the lock a moment, goes through, and
+    /// each effect is written once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn writers_queue_in_the_process_instead_of_finding_the_file_locked() {
+        use idem_core::{
+            ClaimOutcome, ClaimRequest, Fingerprint, RecordState, Store, StoredResponse,
+        };
+        use std::time::Duration;
+
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite:{}", dir.path().join("idem.db").display());
+        let options = connect_options(&url)
+            .expect("options")
+            .busy_timeout(Duration::ZERO);
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .expect("pool");
+        let store = SqliteStore::from_pool(pool);
+        store.migrate().await.expect("migrate");
+        sqlx::query("CREATE TABLE effects (key TEXT PRIMARY KEY)")
+            .execute(store.writers())
+            .await
+            .expect("table");
+        let response = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: "{}".into(),
+        };
+        let racers = (0..32).map(|n| {
+            let (store, response) = (store.clone(), response.clone());
+            tokio::spawn(async move {
+                let request = ClaimRequest {
+                    scope: "client-1".into(),
+                    key: format!("key-{n}"),
+                    fingerprint: Fingerprint::of_request("POST", "/payments", None, b"{}"),
+                    lease: Duration::from_secs(60),
+                    retention: Duration::from_secs(86_400),
+                };
+                let ClaimOutcome::Acquired(claim) = store.claim(&request).await? else {
+                    return Err("a fresh key was not acquired".into());
+                };
+                let mut tx = store.writers().begin_with("BEGIN IMMEDIATE").await?;
+                sqlx::query("INSERT INTO effects (key) VALUES (?1)")
+                    .bind(&request.key)
+                    .execute(&mut *tx)
+                    .await?;
+                // Held a moment, so that others arrive while it is.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                store.complete_in(&mut tx, &claim, &response).await?;
+                tx.commit().await?;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(request.key)
+            })
+        });
+        let mut done = Vec::new();
+        for racer in racers.collect::<Vec<_>>() {
+            done.push(
+                racer
+                    .await
+                    .expect("task")
+                    .expect("every writer goes through"),
+            );
+        }
+        let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(effects, 32);
+        for key in &done {
+            let record = store
+                .get("client-1", key)
+                .await
+                .expect("get")
+                .expect("record");
+            assert!(
+                matches!(record.state, RecordState::Completed { .. }),
+                "{key}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -347,13 +347,17 @@ impl<D: ShopDialect> ShopDb for Db<D> {
         Box::pin(self.pooled(self.store.pool()))
     }
 
+    fn write_conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
+        Box::pin(self.pooled(self.store.writers()))
+    }
+
     fn health_conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>> {
         Box::pin(self.pooled(&self.health))
     }
 
     fn begin(&self) -> BoxFuture<'_, Result<Box<dyn ShopTx>, sqlx::Error>> {
         Box::pin(async move {
-            let tx = bounded(self.timeout, D::begin_write(self.store.pool())).await?;
+            let tx = bounded(self.timeout, D::begin_write(self.store.writers())).await?;
             Ok(Box::new(Tx::<D> {
                 tx,
                 store: self.store.clone(),

@@ -210,8 +210,13 @@ pub(crate) trait ShopDb: Send + Sync + std::fmt::Debug {
     fn sql(&self) -> &'static ShopSql;
     /// idem's store of records, on this database.
     fn idem_store(&self) -> Arc<dyn Store>;
-    /// A connection from the pool.
+    /// A connection from the pool, for reads.
     fn conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>>;
+    /// A connection for statements that write, each committing by itself:
+    /// from the store's writers (`SqlStore::writers`), on SQLite the one
+    /// connection this process's writers queue for. Not to be taken while
+    /// a transaction of [`begin`](Self::begin) is open in the same task.
+    fn write_conn(&self) -> BoxFuture<'_, Result<Box<dyn ShopExec>, sqlx::Error>>;
     /// A connection outside the business pool (a pool of one of its own),
     /// for `/healthz`: it says whether the database answers, even while
     /// the business pool is busy.
@@ -426,7 +431,7 @@ pub(crate) async fn bank_charge(
     let operation_id = operation_id.to_string();
     let id = format!("ch_{}", uuid::Uuid::now_v7().simple());
     let now = idem_core::UnixMillis::now().0;
-    let mut conn = db.conn().await?;
+    let mut conn = db.write_conn().await?;
     let written = conn
         .execute(
             db.sql().insert_charge,
@@ -482,6 +487,18 @@ mod tests {
                     .unwrap();
                 assert_eq!(row.int("synchronous").unwrap(), expected, "{setting:?}");
             }
+            // The writers' own connection too (on SQLite, a pool of its own).
+            drop(conns);
+            let mut writer = db.write_conn().await.unwrap();
+            let row = fetch_optional(&mut *writer, "PRAGMA synchronous", &[])
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(
+                row.int("synchronous").unwrap(),
+                expected,
+                "writers, {setting:?}"
+            );
         }
     }
 }

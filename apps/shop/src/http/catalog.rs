@@ -231,7 +231,7 @@ async fn put_product(
         };
     }
     let fetch = format!("SELECT {COLUMNS} FROM shop_products WHERE sku = $1");
-    let mut conn = state.db.conn().await?;
+    let mut conn = state.db.write_conn().await?;
     let created = db::create_once(
         &mut *conn,
         (state.db.sql().insert_product, PRODUCT_KEY),

@@ -582,7 +582,7 @@ async fn capture_payment(
                   WHERE id = $1 AND client_id = $2 AND status = 'authorized'";
     let fetch =
         format!("SELECT {PAYMENT_COLUMNS} FROM shop_payments WHERE id = $1 AND client_id = $2");
-    let mut conn = state.db.conn().await?;
+    let mut conn = state.db.write_conn().await?;
     let moved = db::transition(
         &mut *conn,
         "captured",

@@ -65,6 +65,19 @@ impl Dialect for Sqlite {
         }
     }
 
+    fn writers(pool: &sqlx::SqlitePool) -> sqlx::SqlitePool {
+        let options = pool.options();
+        if options.get_max_connections() <= 1 {
+            return pool.clone();
+        }
+        sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(options.get_acquire_timeout())
+            .idle_timeout(options.get_idle_timeout())
+            .max_lifetime(options.get_max_lifetime())
+            .connect_lazy_with(pool.connect_options().as_ref().clone())
+    }
+
     fn begin_write(
         pool: &sqlx::SqlitePool,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error>> {

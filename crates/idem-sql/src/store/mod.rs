@@ -119,6 +119,8 @@ const CLAIM_TURNS: usize = 5;
 #[derive(Debug)]
 pub struct SqlStore<D: RecordDialect> {
     pool: Pool<D>,
+    /// Where its writes take their connection ([`Dialect::writers`]).
+    writers: Pool<D>,
     table: TableName,
     sql: Arc<RecordSql<D>>,
     extra: Arc<D::Extra>,
@@ -129,6 +131,7 @@ impl<D: RecordDialect> Clone for SqlStore<D> {
     fn clone(&self) -> Self {
         Self {
             pool: self.pool.clone(),
+            writers: self.writers.clone(),
             table: self.table.clone(),
             sql: self.sql.clone(),
             extra: self.extra.clone(),
@@ -169,6 +172,7 @@ impl<D: RecordDialect> SqlStore<D> {
         let sql = RecordSql::new(&table).map_err(backend)?;
         let extra = D::extra(&table).map_err(backend)?;
         Ok(Self {
+            writers: D::writers(&pool),
             pool,
             table,
             sql: Arc::new(sql),
@@ -179,6 +183,20 @@ impl<D: RecordDialect> SqlStore<D> {
     /// The pool, for the application's own queries and transactions.
     pub fn pool(&self) -> &Pool<D> {
         &self.pool
+    }
+
+    /// The pool the store's own writes take their connection from, for the
+    /// application's writes too ([`Dialect::writers`]): on SQLite one
+    /// connection that this process's writers queue for, in order, instead
+    /// of sleeping in SQLite's busy handler while the file is locked; on
+    /// the other databases the same as [`pool`](Self::pool).
+    ///
+    /// A task that holds a connection of it (a write transaction open) must
+    /// not wait for another: on SQLite that second write could never have
+    /// run beside the first anyway (the file has one writer), but here it
+    /// waits for the pool's acquire time-out rather than the busy timeout.
+    pub fn writers(&self) -> &Pool<D> {
+        &self.writers
     }
 
     /// The table records live in.
@@ -380,7 +398,7 @@ impl<D: RecordDialect> SqlStore<D> {
 
     /// One claim transaction: the upsert, then the row read back.
     async fn claim_turn(&self, args: &[Arg<'_>]) -> Result<Option<Record>, sqlx::Error> {
-        let mut tx: Transaction<D> = D::begin_write(&self.pool).await?;
+        let mut tx: Transaction<D> = D::begin_write(&self.writers).await?;
         let staged = async {
             D::execute(&mut tx, &self.sql.claim, args).await?;
             D::fetch_optional(&mut tx, &self.sql.select, &args[..2]).await
@@ -468,14 +486,14 @@ impl<D: RecordDialect> Store for SqlStore<D> {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            let mut conn = self.writers.acquire().await.map_err(store_error)?;
             self.complete_in(&mut conn, claim, response).await
         })
     }
 
     fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            let mut conn = self.writers.acquire().await.map_err(store_error)?;
             let args = [
                 Arg::Text(&claim.scope),
                 Arg::Text(&claim.key),
@@ -505,7 +523,7 @@ impl<D: RecordDialect> Store for SqlStore<D> {
 
     fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async move {
-            let mut conn = self.pool.acquire().await.map_err(store_error)?;
+            let mut conn = self.writers.acquire().await.map_err(store_error)?;
             let batch = i64::try_from(batch).unwrap_or(i64::MAX);
             D::execute(&mut conn, &self.sql.sweep, &[Arg::Int(batch)])
                 .await

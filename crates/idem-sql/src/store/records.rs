@@ -66,7 +66,7 @@ impl<D: RecordDialect> SqlRecords for SqlStore<D> {
     /// Reads a record as an operator sees it, past its retention or not,
     /// with the database's clock.
     async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
-        let mut tx = D::begin_write(&self.pool).await.map_err(store_error)?;
+        let mut tx = D::begin_write(&self.writers).await.map_err(store_error)?;
         let row = D::fetch_optional(
             &mut tx,
             &self.sql.select,
@@ -90,7 +90,7 @@ impl<D: RecordDialect> SqlRecords for SqlStore<D> {
             "SELECT 1 AS held FROM {} WHERE scope = $1 AND key = $2 FOR UPDATE NOWAIT",
             self.table.qualified()
         );
-        let mut tx = D::begin_write(&self.pool).await.map_err(store_error)?;
+        let mut tx = D::begin_write(&self.writers).await.map_err(store_error)?;
         let probed = D::fetch_optional(
             &mut tx,
             &crate::Statement::raw(&sql),

@@ -51,9 +51,10 @@ impl<D: RecordDialect> BeginTransaction for SqlStore<D> {
     type Transaction = Transaction<D>;
     type Connection = Conn<D>;
 
-    /// A write transaction ([`Dialect::begin_write`](crate::Dialect::begin_write)).
+    /// A write transaction ([`Dialect::begin_write`](crate::Dialect::begin_write))
+    /// on the store's [`writers`](SqlStore::writers).
     fn begin_transaction(&self) -> BoxFuture<'_, Result<Self::Transaction, StoreError>> {
-        Box::pin(async move { D::begin_write(&self.pool).await.map_err(store_error) })
+        Box::pin(async move { D::begin_write(&self.writers).await.map_err(store_error) })
     }
     fn connection(tx: &mut Self::Transaction) -> &mut Conn<D> {
         tx
