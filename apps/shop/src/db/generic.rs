@@ -399,28 +399,31 @@ impl<D: ShopDialect> ShopDb for Db<D> {
         work: Work,
     ) -> BoxFuture<'a, Result<Handled<()>, String>> {
         Box::pin(async move {
-            inbox::process(self.store.pool(), consumer, message_id, async move |conn| {
-                act::<D>(conn, work).await
-            })
+            inbox::process(
+                self.store.writers(),
+                consumer,
+                message_id,
+                async move |conn| act::<D>(conn, work).await,
+            )
             .await
             .map_err(|e| e.to_string())
         })
     }
 
     fn sweep_inbox(&self, retention: Duration) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
-        Box::pin(inbox::sweep(self.store.pool(), retention, SWEEP_BATCH))
+        Box::pin(inbox::sweep(self.store.writers(), retention, SWEEP_BATCH))
     }
 
     fn sweep_outbox(&self, retention: Duration) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
         Box::pin(idem_outbox::outbox::sweep_sent(
-            self.store.pool(),
+            self.store.writers(),
             retention,
             SWEEP_BATCH,
         ))
     }
 
     fn relay(&self, publisher: Arc<dyn Publisher>, config: RelayConfig) -> Relay {
-        Relay::new(self.store.pool(), publisher, config)
+        Relay::new(self.store.writers(), publisher, config)
     }
 
     fn bank(&self, url: &str) -> BoxFuture<'_, Result<Database, sqlx::Error>> {

@@ -72,6 +72,10 @@ impl Dialect for Sqlite {
         }
         sqlx::sqlite::SqlitePoolOptions::new()
             .max_connections(1)
+            // Every write waits its turn for this connection: a ping
+            // before each would lengthen every turn. A broken connection
+            // still fails its statement, and is replaced.
+            .test_before_acquire(false)
             .acquire_timeout(options.get_acquire_timeout())
             .idle_timeout(options.get_idle_timeout())
             .max_lifetime(options.get_max_lifetime())
