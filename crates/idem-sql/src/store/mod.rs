@@ -191,6 +191,12 @@ impl<D: RecordDialect> SqlStore<D> {
     /// of sleeping in SQLite's busy handler while the file is locked; on
     /// the other databases the same as [`pool`](Self::pool).
     ///
+    /// Every writer of the file in this process belongs here (an outbox
+    /// relay, an inbox too): a writer on another pool takes the file's lock
+    /// between two turns, and the writer at the head of the queue then
+    /// sleeps in the busy handler with every other writer behind it.
+    /// Writers in other processes still meet the busy handler.
+    ///
     /// A task that holds a connection of it (a write transaction open) must
     /// not wait for another: on SQLite that second write could never have
     /// run beside the first anyway (the file has one writer), but here it
