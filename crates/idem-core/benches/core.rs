@@ -12,27 +12,8 @@ use idem_core::{
     RecordState, UnixMillis,
 };
 
-fn json_body(bytes: usize) -> Vec<u8> {
-    let mut items = Vec::new();
-    let mut i = 0;
-    while serde_json_len(&items) < bytes {
-        items.push(format!(
-            r#"{{"sku":"sku-{i}","qty":{},"note":"line {i} of the order","price":{}.5}}"#,
-            i % 7 + 1,
-            i * 3
-        ));
-        i += 1;
-    }
-    format!(
-        r#"{{"customer_id":"cust-1","currency":"EUR","items":[{}]}}"#,
-        items.join(",")
-    )
-    .into_bytes()
-}
-
-fn serde_json_len(items: &[String]) -> usize {
-    items.iter().map(|s| s.len() + 1).sum()
-}
+mod body;
+use body::json_body;
 
 fn benches(c: &mut Criterion) {
     c.bench_function("key/bare", |b| {

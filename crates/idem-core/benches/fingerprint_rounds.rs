@@ -29,25 +29,8 @@ use std::time::Instant;
 
 use idem_core::Fingerprint;
 
-/// The same body as the `core` bench: an order whose every line item's
-/// members arrive out of key order.
-fn json_body(bytes: usize) -> Vec<u8> {
-    let mut items: Vec<String> = Vec::new();
-    let mut i = 0;
-    while items.iter().map(|s| s.len() + 1).sum::<usize>() < bytes {
-        items.push(format!(
-            r#"{{"sku":"sku-{i}","qty":{},"note":"line {i} of the order","price":{}.5}}"#,
-            i % 7 + 1,
-            i * 3
-        ));
-        i += 1;
-    }
-    format!(
-        r#"{{"customer_id":"cust-1","currency":"EUR","items":[{}]}}"#,
-        items.join(",")
-    )
-    .into_bytes()
-}
+mod body;
+use body::json_body;
 
 /// Nanoseconds per call of `f`, over `n` calls.
 fn time(n: usize, mut f: impl FnMut()) -> f64 {
