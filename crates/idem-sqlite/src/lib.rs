@@ -189,6 +189,60 @@ mod tests {
         }
     }
 
+    /// The insert's times are the database's clock as it runs, not the first
+    /// look's: a claim that queued behind another writer still holds its whole
+    /// lease from when its record was written.
+    #[tokio::test]
+    async fn a_new_keys_lease_counts_from_when_it_is_written() {
+        use idem_core::{ClaimOutcome, Store};
+        use std::time::Duration;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite:{}", dir.path().join("idem.db").display());
+        let store = SqliteStore::connect(&url).await.expect("connect");
+        let mut held = store
+            .writers()
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .expect("the writers' connection");
+        let before: i64 = sqlx::query_scalar(
+            "SELECT CAST(round((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)",
+        )
+        .fetch_one(&mut *held)
+        .await
+        .expect("clock");
+        let claimer = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let fresh = idem_store_suite::request(
+                    "s",
+                    "queued",
+                    "{}",
+                    Duration::from_secs(60),
+                    idem_store_suite::LONG,
+                );
+                store.claim(&fresh).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!claimer.is_finished(), "the insert waits for the writer");
+        held.rollback().await.expect("rollback");
+        let ClaimOutcome::Acquired(claim) = claimer.await.expect("task").expect("claim") else {
+            panic!("a new key is acquired");
+        };
+        let record = store
+            .get("s", "queued")
+            .await
+            .expect("get")
+            .expect("record");
+        assert!(
+            record.created_at.0 - before >= 300,
+            "written at {}, the writer was free from {} on",
+            record.created_at.0,
+            before + 300
+        );
+        assert_eq!(claim.locked_until.0, record.created_at.0 + 60_000);
+    }
+
     #[tokio::test]
     async fn a_schema_is_refused_with_a_clear_error() {
         let pool = open_pool("sqlite::memory:").await.unwrap();

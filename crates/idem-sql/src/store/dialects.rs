@@ -24,23 +24,40 @@ pub struct RecordTemplates {
     pub(super) max_scope: Option<usize>,
     /// The longest key the table holds, in bytes.
     pub(super) max_key: Option<usize>,
-    /// A new key claimed by one plain insert (MySQL), or `None`: every
-    /// claim the first look did not answer runs the claim's transaction.
+    /// A new key claimed by one plain insert (SQLite, MySQL), or `None`:
+    /// every claim the first look did not answer runs the claim's
+    /// transaction.
     pub(super) new_key: Option<NewKeyTemplates>,
 }
 
-/// A new key's claim in one statement where the database cannot return
-/// what it inserted: a first look that always reports the database's
-/// clock, and an insert whose times are taken from it.
+/// A new key's claim in one statement that commits by itself, tried when
+/// the first look found no record; a row holding the key (a claim that
+/// raced it, or a record past its retention) makes it fail on the primary
+/// key, and the claim's transaction decides then.
 #[derive(Debug)]
 #[doc(hidden)]
-pub(super) struct NewKeyTemplates {
-    /// The first look, one row even when there is no record (its columns
-    /// `NULL`), with the clock in `now` and whether the session commits
-    /// each statement by itself in `autocommit`; `$1` scope, `$2` key.
-    pub(super) first: &'static str,
-    /// The insert; fails on the primary key if any row holds the key.
-    pub(super) insert: &'static str,
+pub(super) enum NewKeyTemplates {
+    /// The database returns what it inserted (SQLite): the insert takes its
+    /// times from the database's clock as it runs, on the writers' pool
+    /// ([`Dialect::writers`]), and returns `locked_until`. The first look
+    /// stays the plain read `get`.
+    Returning {
+        /// The insert; `$1` scope, `$2` key, `$3` fingerprint, `$4`
+        /// operation id, `$5` token, `$6` lease (ms), `$7` retention (ms).
+        insert: &'static str,
+    },
+    /// It cannot (MySQL): a first look that always reports the database's
+    /// clock, and an insert, on the same connection, whose times are taken
+    /// from it.
+    Clocked {
+        /// The first look, one row even when there is no record (its
+        /// columns `NULL`), with the clock in `now` and whether the session
+        /// commits each statement by itself in `autocommit`; `$1` scope,
+        /// `$2` key.
+        first: &'static str,
+        /// The insert; `$6` locked_until, `$7` created_at, `$8` expires_at.
+        insert: &'static str,
+    },
 }
 
 /// A [`Dialect`] whose records [`SqlStore`] keeps: SQLite, PostgreSQL and
@@ -74,8 +91,8 @@ pub trait RecordDialect: Dialect + sealed::Sealed {
     #[doc(hidden)]
     fn open_pool(url: &str) -> BoxFuture<'_, Result<Pool<Self>, sqlx::Error>>;
 
-    /// Claims `req`: by default the first look, then (on MySQL, for a key
-    /// never seen) one insert, then the claim's write transaction (see
+    /// Claims `req`: by default the first look, then (for a key it found
+    /// no record of) one insert, then the claim's write transaction (see
     /// [`crate::store`]).
     #[doc(hidden)]
     fn claim<'a>(
@@ -105,7 +122,9 @@ impl RecordDialect for crate::Sqlite {
         stats: include_str!("../../sql/sqlite/stats.sql"),
         max_scope: None,
         max_key: None,
-        new_key: None,
+        new_key: Some(NewKeyTemplates::Returning {
+            insert: include_str!("../../sql/sqlite/insert.sql"),
+        }),
     };
     type Extra = ();
 
@@ -134,7 +153,7 @@ impl RecordDialect for crate::MySql {
         stats: include_str!("../../sql/mysql/stats.sql"),
         max_scope: Some(2048),
         max_key: Some(1020),
-        new_key: Some(NewKeyTemplates {
+        new_key: Some(NewKeyTemplates::Clocked {
             first: include_str!("../../sql/mysql/first.sql"),
             insert: include_str!("../../sql/mysql/insert.sql"),
         }),

@@ -4,8 +4,8 @@
 //!
 //! A repeat is answered by a first look, one plain read that writes and
 //! locks nothing: a completed record, another request's record, or a claim
-//! under a live lease (see `first_look`). Anything else is claimed (on
-//! MySQL a key never seen first by one insert, below): one
+//! under a live lease (see `first_look`). A key it found no record of is
+//! first claimed by one insert (below). Anything else is claimed by one
 //! write transaction ([`Dialect::begin_write`]) of two
 //! statements. The first (`sql/<dialect>/claim.sql`) is an upsert that
 //! inserts a new record, replaces one past its retention, or takes over an
@@ -18,18 +18,28 @@
 //! time-out ([`ErrorClass::RetryTransaction`]) runs the transaction again,
 //! a few times.
 //!
-//! On MySQL a key the first look found no record of is first claimed by one
-//! plain insert that commits by itself (`sql/mysql/insert.sql`): the primary
+//! A key the first look found no record of is first claimed by one plain
+//! insert that commits by itself (`sql/<dialect>/insert.sql`): the primary
 //! key lets one racing insert through, and any other (or a key whose
 //! record is past its retention) fails on it and goes to the transaction
-//! above. The first look reports the database's clock even when it finds
-//! nothing, and the insert's lease is counted from it, so the claim knows
-//! its lease without reading the row back: two statements for a new key
-//! instead of five. Like PostgreSQL's first look, the insert commits once
-//! sent: a caller that stops waiting for it leaves a claim that is freed
-//! when its lease runs out. It is tried only in a session that commits each
-//! statement by itself (the first look reads `@@autocommit`), and a key
-//! longer than the table holds is refused before (never cut short to fit).
+//! above. One statement under the write lock where the transaction takes
+//! four (`BEGIN`, the upsert, the read, `COMMIT`), and on SQLite, where the
+//! whole file has one writer, that is what every other writer waits for.
+//!
+//! - On SQLite the insert queues for the writers' connection
+//!   ([`Dialect::writers`]), takes its times from the database's clock as
+//!   it runs and returns the lease it stored (`RETURNING`); it is read to
+//!   its end, so its commit has succeeded before the claim is reported.
+//! - On MySQL, which cannot return what it inserted, the first look reports
+//!   the database's clock even when it finds nothing, and the insert's
+//!   lease is counted from it, so the claim knows its lease without reading
+//!   it back: two statements for a new key instead of five. The insert runs
+//!   on the first look's connection. Like PostgreSQL's first look, it
+//!   commits once sent: a caller that stops waiting for it leaves a claim
+//!   that is freed when its lease runs out. It is tried only in a session
+//!   that commits each statement by itself (the first look reads
+//!   `@@autocommit`), and a key longer than the table holds is refused
+//!   before (never cut short to fit).
 
 use std::sync::Arc;
 
@@ -48,6 +58,7 @@ mod postgres;
 mod records;
 mod tx;
 
+use dialects::NewKeyTemplates;
 pub use dialects::RecordDialect;
 #[doc(hidden)]
 pub use dialects::RecordTemplates;
@@ -73,9 +84,14 @@ struct RecordSql<D> {
 
 /// A new key's claim in one insert (`dialects::NewKeyTemplates`).
 #[derive(Debug)]
-struct NewKeySql<D> {
-    first: Statement<D>,
-    insert: Statement<D>,
+enum NewKeySql<D> {
+    /// SQLite: the insert returns the lease it stored.
+    Returning { insert: Statement<D> },
+    /// MySQL: the first look reports the clock the insert's times are from.
+    Clocked {
+        first: Statement<D>,
+        insert: Statement<D>,
+    },
 }
 
 impl<D: RecordDialect> RecordSql<D> {
@@ -96,9 +112,12 @@ impl<D: RecordDialect> RecordSql<D> {
             sweep: prepare(t.sweep)?,
             stats: prepare(t.stats)?,
             new_key: match &t.new_key {
-                Some(n) => Some(NewKeySql {
-                    first: prepare(n.first)?,
-                    insert: prepare(n.insert)?,
+                Some(NewKeyTemplates::Returning { insert }) => Some(NewKeySql::Returning {
+                    insert: prepare(insert)?,
+                }),
+                Some(NewKeyTemplates::Clocked { first, insert }) => Some(NewKeySql::Clocked {
+                    first: prepare(first)?,
+                    insert: prepare(insert)?,
                 }),
                 None => None,
             },
@@ -248,9 +267,9 @@ impl<D: RecordDialect> SqlStore<D> {
         Ok(())
     }
 
-    /// The claim of SQLite and MySQL: the first look, then (on MySQL, for
-    /// a key it found no record of) one insert, then the claim's write
-    /// transaction if neither decided.
+    /// The claim of SQLite and MySQL: the first look, then (for a key it
+    /// found no record of) one insert, then the claim's write transaction
+    /// if neither decided.
     pub(crate) async fn claim_generic(
         &self,
         req: &ClaimRequest,
@@ -264,20 +283,27 @@ impl<D: RecordDialect> SqlStore<D> {
         let lease = millis(req.lease);
         let retention = millis(req.retention);
         {
-            // One connection for the first look and a new key's insert,
-            // given back before the claim's transaction takes its own.
+            // One connection for the first look and (on MySQL) a new key's
+            // insert, given back before the claim's transaction takes its
+            // own; SQLite's insert queues for the writers' connection.
             let mut conn = self.pool.acquire().await.map_err(store_error)?;
-            match self.first_look(&mut conn, req).await? {
+            let inserted = match self.first_look(&mut conn, req).await? {
                 Look::Answers(record) => return Ok(ClaimOutcome::Existing(record)),
-                Look::Absent(clock) => {
-                    let inserted = self
-                        .insert_claim(&mut conn, req, clock, lease, retention)
-                        .await?;
-                    if let Some(claim) = inserted {
-                        return Ok(ClaimOutcome::Acquired(claim));
+                Look::Absent(clock) => match (&self.sql.new_key, clock) {
+                    (Some(NewKeySql::Clocked { insert, .. }), Some(clock)) => {
+                        self.insert_claim(&mut conn, insert, req, clock, lease, retention)
+                            .await?
                     }
-                }
-                Look::Undecided => {}
+                    (Some(NewKeySql::Returning { insert }), _) => {
+                        drop(conn);
+                        self.insert_returning(insert, req, lease, retention).await?
+                    }
+                    _ => None,
+                },
+                Look::Undecided => None,
+            };
+            if let Some(claim) = inserted {
+                return Ok(ClaimOutcome::Acquired(claim));
             }
         }
         let mut last = None;
@@ -322,14 +348,14 @@ impl<D: RecordDialect> SqlStore<D> {
     ) -> Result<Look, StoreError> {
         let args = [Arg::Text(&req.scope), Arg::Text(&req.key)];
         let statement = match &self.sql.new_key {
-            Some(n) => &n.first,
-            None => &self.sql.get,
+            Some(NewKeySql::Clocked { first, .. }) => first,
+            _ => &self.sql.get,
         };
         let Some(row) = D::fetch_optional(conn, statement, &args)
             .await
             .map_err(store_error)?
         else {
-            return Ok(Look::Undecided);
+            return Ok(Look::Absent(None));
         };
         let now = now_of::<D>(&row)?;
         let column = |name: &str| {
@@ -343,7 +369,7 @@ impl<D: RecordDialect> SqlStore<D> {
             // in a session that does not (`autocommit = 0`) the claim's
             // transaction decides, and fails as it always did there.
             return Ok(match column("autocommit")? {
-                Value::Int(1) => Look::Absent(now),
+                Value::Int(1) => Look::Absent(Some(now)),
                 _ => Look::Undecided,
             });
         }
@@ -366,14 +392,12 @@ impl<D: RecordDialect> SqlStore<D> {
     async fn insert_claim(
         &self,
         conn: &mut crate::dialect::Conn<D>,
+        insert: &Statement<D>,
         req: &ClaimRequest,
         clock: UnixMillis,
         lease: i64,
         retention: i64,
     ) -> Result<Option<Claim>, StoreError> {
-        let Some(new_key) = &self.sql.new_key else {
-            return Ok(None);
-        };
         let token = FencingToken::generate();
         let operation_id = OperationId::generate();
         let id = operation_id.0.to_string();
@@ -388,7 +412,7 @@ impl<D: RecordDialect> SqlStore<D> {
             Arg::Int(clock.0),
             Arg::Int(clock.0.saturating_add(retention)),
         ];
-        match D::execute(conn, &new_key.insert, &args).await {
+        match D::execute(conn, insert, &args).await {
             Ok(_) => Ok(Some(inserted_claim(
                 req,
                 token,
@@ -400,6 +424,62 @@ impl<D: RecordDialect> SqlStore<D> {
                 _ => Err(store_error(e)),
             },
         }
+    }
+
+    /// A new key's claim in one insert that commits by itself on the
+    /// writers' connection, its times the database's clock as it runs: the
+    /// claim with the lease the insert returns, or `None` when a row holds
+    /// the key (the claim's transaction decides then) or the database asked
+    /// for a retry.
+    async fn insert_returning(
+        &self,
+        insert: &Statement<D>,
+        req: &ClaimRequest,
+        lease: i64,
+        retention: i64,
+    ) -> Result<Option<Claim>, StoreError> {
+        let token = FencingToken::generate();
+        let operation_id = OperationId::generate();
+        let id = operation_id.0.to_string();
+        let args = [
+            Arg::Text(&req.scope),
+            Arg::Text(&req.key),
+            Arg::Bytes(req.fingerprint.as_bytes()),
+            Arg::Text(&id),
+            Arg::Int(token.0),
+            Arg::Int(lease),
+            Arg::Int(retention),
+        ];
+        let mut conn = self.writers.acquire().await.map_err(store_error)?;
+        // Every row read, not the first alone: the statement then runs to
+        // its end, and its commit (the `fsync` included) has succeeded
+        // before the claim is reported, rather than when the statement is
+        // reset later.
+        let rows = match D::fetch_all(&mut conn, insert, &args).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                return match D::classify(&e) {
+                    ErrorClass::UniqueViolation | ErrorClass::RetryTransaction => Ok(None),
+                    _ => Err(store_error(e)),
+                }
+            }
+        };
+        drop(conn);
+        let [row] = rows.as_slice() else {
+            return Err(StoreError::Corrupt(format!(
+                "a new key's insert returned {} rows, not one",
+                rows.len()
+            )));
+        };
+        let locked_until = D::get(row, "locked_until")
+            .and_then(|v| v.int("locked_until"))
+            .map_err(|e| StoreError::Corrupt(format!("the inserted claim's lease: {e}")))?;
+        Ok(Some(inserted_claim(
+            req,
+            token,
+            operation_id,
+            UnixMillis(locked_until),
+        )))
     }
 
     /// One claim transaction: the upsert, then the row read back.
@@ -439,9 +519,11 @@ fn inserted_claim(
 enum Look {
     /// A record that answers the request without a claim.
     Answers(Record),
-    /// No record, at the database's clock (the first look that reports it).
-    Absent(UnixMillis),
-    /// Neither, or no record without the clock: the claim's transaction.
+    /// No record, at the database's clock where the first look reports it
+    /// (MySQL's).
+    Absent(Option<UnixMillis>),
+    /// A record that does not answer it (a lease run out), or a session
+    /// whose insert would not commit by itself: the claim's transaction.
     Undecided,
 }
 
