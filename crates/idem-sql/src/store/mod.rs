@@ -22,22 +22,28 @@
 //! insert that commits by itself (`sql/<dialect>/insert.sql`): the primary
 //! key lets one racing insert through, and any other (or a key whose
 //! record is past its retention) fails on it and goes to the transaction
-//! above. One statement under the write lock where the transaction takes
-//! four (`BEGIN`, the upsert, the read, `COMMIT`), and on SQLite, where the
-//! whole file has one writer, that is what every other writer waits for.
+//! above. One statement where the transaction takes four (`BEGIN`, the
+//! upsert, the read, `COMMIT`); on SQLite, where the whole file has one
+//! writer, that statement is all every other writer waits for. Like
+//! PostgreSQL's first look, the insert commits once sent: a caller that
+//! stops waiting for it leaves a claim that is freed when its lease runs
+//! out.
 //!
 //! - On SQLite the insert queues for the writers' connection
 //!   ([`Dialect::writers`]), takes its times from the database's clock as
-//!   it runs and returns the lease it stored (`RETURNING`); it is read to
-//!   its end, so its commit has succeeded before the claim is reported.
+//!   it runs and returns the lease it stored (`RETURNING`). It is read to
+//!   its end, so a failed commit (a full disk, an `fsync` that failed) is
+//!   its error, and the claim is reported only once committed. It relies
+//!   on that connection committing each statement by itself, as sqlx hands
+//!   out every pooled connection (a transaction begun through sqlx is
+//!   rolled back when its connection comes back); a `BEGIN` sent as a plain
+//!   statement and left open there would take the claim into it.
 //! - On MySQL, which cannot return what it inserted, the first look reports
 //!   the database's clock even when it finds nothing, and the insert's
 //!   lease is counted from it, so the claim knows its lease without reading
 //!   it back: two statements for a new key instead of five. The insert runs
-//!   on the first look's connection. Like PostgreSQL's first look, it
-//!   commits once sent: a caller that stops waiting for it leaves a claim
-//!   that is freed when its lease runs out. It is tried only in a session
-//!   that commits each statement by itself (the first look reads
+//!   on the first look's connection. It is tried only in a session that
+//!   commits each statement by itself (the first look reads
 //!   `@@autocommit`), and a key longer than the table holds is refused
 //!   before (never cut short to fit).
 
@@ -452,9 +458,10 @@ impl<D: RecordDialect> SqlStore<D> {
         ];
         let mut conn = self.writers.acquire().await.map_err(store_error)?;
         // Every row read, not the first alone: the statement then runs to
-        // its end, and its commit (the `fsync` included) has succeeded
-        // before the claim is reported, rather than when the statement is
-        // reset later.
+        // its end and commits there, so a failed commit is its error. Read
+        // for one row, sqlx's SQLite worker resets the statement after that
+        // row, which commits it too, but drops any error the reset returns:
+        // a claim that never committed would be reported acquired.
         let rows = match D::fetch_all(&mut conn, insert, &args).await {
             Ok(rows) => rows,
             Err(e) => {
