@@ -41,6 +41,7 @@ pub(super) enum NewKeyTemplates {
     /// times from the database's clock as it runs, on the writers' pool
     /// ([`Dialect::writers`]), and returns `locked_until`. The first look
     /// stays the plain read `get`.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Returning {
         /// The insert; `$1` scope, `$2` key, `$3` fingerprint, `$4`
         /// operation id, `$5` token, `$6` lease (ms), `$7` retention (ms).
@@ -49,6 +50,7 @@ pub(super) enum NewKeyTemplates {
     /// It cannot (MySQL): a first look that always reports the database's
     /// clock, and an insert, on the same connection, whose times are taken
     /// from it.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     Clocked {
         /// The first look, one row even when there is no record (its
         /// columns `NULL`), with the clock in `now` and whether the session

@@ -314,20 +314,9 @@ impl<D: RecordDialect> SqlStore<D> {
         }
         let mut last = None;
         for _ in 0..CLAIM_TURNS {
-            let token = FencingToken::generate();
-            let proposed = OperationId::generate();
-            let operation_id = proposed.0.to_string();
-            let args = [
-                Arg::Text(&req.scope),
-                Arg::Text(&req.key),
-                Arg::Bytes(req.fingerprint.as_bytes()),
-                Arg::Text(&operation_id),
-                Arg::Int(token.0),
-                Arg::Int(lease),
-                Arg::Int(retention),
-            ];
-            match self.claim_turn(&args).await {
-                Ok(Some(record)) => return decide(record, token, proposed),
+            let proposal = Proposal::new();
+            match self.claim_turn(&proposal.args(req, lease, retention)).await {
+                Ok(Some(record)) => return decide(record, proposal.token, proposal.operation_id),
                 Ok(None) => {}
                 Err(e) if D::classify(&e) == ErrorClass::RetryTransaction => last = Some(e),
                 Err(e) => return Err(store_error(e)),
@@ -404,16 +393,14 @@ impl<D: RecordDialect> SqlStore<D> {
         lease: i64,
         retention: i64,
     ) -> Result<Option<Claim>, StoreError> {
-        let token = FencingToken::generate();
-        let operation_id = OperationId::generate();
-        let id = operation_id.0.to_string();
+        let proposal = Proposal::new();
         let locked_until = clock.0.saturating_add(lease);
         let args = [
             Arg::Text(&req.scope),
             Arg::Text(&req.key),
             Arg::Bytes(req.fingerprint.as_bytes()),
-            Arg::Text(&id),
-            Arg::Int(token.0),
+            Arg::Text(&proposal.id),
+            Arg::Int(proposal.token.0),
             Arg::Int(locked_until),
             Arg::Int(clock.0),
             Arg::Int(clock.0.saturating_add(retention)),
@@ -421,14 +408,11 @@ impl<D: RecordDialect> SqlStore<D> {
         match D::execute(conn, insert, &args).await {
             Ok(_) => Ok(Some(inserted_claim(
                 req,
-                token,
-                operation_id,
+                proposal.token,
+                proposal.operation_id,
                 UnixMillis(locked_until),
             ))),
-            Err(e) => match D::classify(&e) {
-                ErrorClass::UniqueViolation | ErrorClass::RetryTransaction => Ok(None),
-                _ => Err(store_error(e)),
-            },
+            Err(e) => lost_insert::<D>(e),
         }
     }
 
@@ -444,18 +428,8 @@ impl<D: RecordDialect> SqlStore<D> {
         lease: i64,
         retention: i64,
     ) -> Result<Option<Claim>, StoreError> {
-        let token = FencingToken::generate();
-        let operation_id = OperationId::generate();
-        let id = operation_id.0.to_string();
-        let args = [
-            Arg::Text(&req.scope),
-            Arg::Text(&req.key),
-            Arg::Bytes(req.fingerprint.as_bytes()),
-            Arg::Text(&id),
-            Arg::Int(token.0),
-            Arg::Int(lease),
-            Arg::Int(retention),
-        ];
+        let proposal = Proposal::new();
+        let args = proposal.args(req, lease, retention);
         let mut conn = self.writers.acquire().await.map_err(store_error)?;
         // Every row read, not the first alone: the statement then runs to
         // its end and commits there, so a failed commit is its error. Read
@@ -464,12 +438,7 @@ impl<D: RecordDialect> SqlStore<D> {
         // a claim that never committed would be reported acquired.
         let rows = match D::fetch_all(&mut conn, insert, &args).await {
             Ok(rows) => rows,
-            Err(e) => {
-                return match D::classify(&e) {
-                    ErrorClass::UniqueViolation | ErrorClass::RetryTransaction => Ok(None),
-                    _ => Err(store_error(e)),
-                }
-            }
+            Err(e) => return lost_insert::<D>(e),
         };
         drop(conn);
         let [row] = rows.as_slice() else {
@@ -483,8 +452,8 @@ impl<D: RecordDialect> SqlStore<D> {
             .map_err(|e| StoreError::Corrupt(format!("the inserted claim's lease: {e}")))?;
         Ok(Some(inserted_claim(
             req,
-            token,
-            operation_id,
+            proposal.token,
+            proposal.operation_id,
             UnixMillis(locked_until),
         )))
     }
@@ -501,6 +470,50 @@ impl<D: RecordDialect> SqlStore<D> {
         row.map(|r| D::decode_record(&r))
             .transpose()
             .map_err(|e| sqlx::Error::Decode(Box::new(e)))
+    }
+}
+
+/// A claim's fresh token and operation id, proposed to the database.
+struct Proposal {
+    token: FencingToken,
+    operation_id: OperationId,
+    /// The operation id as the statements bind it.
+    id: String,
+}
+
+impl Proposal {
+    fn new() -> Self {
+        let operation_id = OperationId::generate();
+        Self {
+            token: FencingToken::generate(),
+            id: operation_id.0.to_string(),
+            operation_id,
+        }
+    }
+
+    /// The arguments of `claim.sql` and of SQLite's `insert.sql`: `$1`
+    /// scope, `$2` key, `$3` fingerprint, `$4` operation id, `$5` token,
+    /// `$6` lease and `$7` retention (ms).
+    fn args<'a>(&'a self, req: &'a ClaimRequest, lease: i64, retention: i64) -> [Arg<'a>; 7] {
+        [
+            Arg::Text(&req.scope),
+            Arg::Text(&req.key),
+            Arg::Bytes(req.fingerprint.as_bytes()),
+            Arg::Text(&self.id),
+            Arg::Int(self.token.0),
+            Arg::Int(lease),
+            Arg::Int(retention),
+        ]
+    }
+}
+
+/// What a new key's failed insert means: a row holds the key, or the
+/// database asked for a retry (`None`: the claim's transaction decides),
+/// or the error itself.
+fn lost_insert<D: Dialect>(e: sqlx::Error) -> Result<Option<Claim>, StoreError> {
+    match D::classify(&e) {
+        ErrorClass::UniqueViolation | ErrorClass::RetryTransaction => Ok(None),
+        _ => Err(store_error(e)),
     }
 }
 
