@@ -95,6 +95,25 @@ mod tests {
         assert_eq!(mode, "wal");
     }
 
+    /// Every statement is a round trip to its connection's thread: neither
+    /// the readers' pool nor the writers' adds one more (a ping) before
+    /// handing a connection out. On the readers' pool that ping was a
+    /// third of a replay's round trips.
+    #[tokio::test]
+    async fn connections_are_handed_out_without_a_ping_first() {
+        let (store, _dir) = fresh().await;
+        assert!(!store.pool().options().get_test_before_acquire());
+        assert!(!store.writers().options().get_test_before_acquire());
+        // and the pool still answers after many checkouts
+        for _ in 0..50 {
+            let one: i64 = sqlx::query_scalar("SELECT 1")
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            assert_eq!(one, 1);
+        }
+    }
+
     #[tokio::test]
     async fn a_bad_url_is_an_error_not_a_panic() {
         assert!(SqliteStore::connect("sqlite:/nonexistent-dir/x/y.db")

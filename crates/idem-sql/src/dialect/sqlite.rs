@@ -155,10 +155,21 @@ pub fn connect_options(url: &str) -> Result<sqlx::sqlite::SqliteConnectOptions, 
 /// Opens a pool on `url` with [`connect_options`]. An in-memory database gets
 /// a single connection, since each SQLite connection to `:memory:` would
 /// otherwise see a database of its own.
+///
+/// A connection is not checked before it is handed out (sqlx's
+/// `test_before_acquire`): a SQLite connection is a thread of this process
+/// with the file open, which no server restart or network can break while
+/// it idles, and sqlx already checks each connection as it goes back to the
+/// pool. The check would be one more round trip to that thread (two context
+/// switches) on every checkout: a third of a replay's. A connection that
+/// fails anyway fails its statement, and sqlx discards it when it comes
+/// back.
 pub async fn open_pool(url: &str) -> Result<sqlx::SqlitePool, sqlx::Error> {
     let options = connect_options(url)?;
     let in_memory = url.contains(":memory:") || url.contains("mode=memory");
-    let mut pool = sqlx::sqlite::SqlitePoolOptions::new().acquire_timeout(DEFAULT_BUSY_TIMEOUT);
+    let mut pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .acquire_timeout(DEFAULT_BUSY_TIMEOUT)
+        .test_before_acquire(false);
     if in_memory {
         pool = pool
             .max_connections(1)
