@@ -1,6 +1,7 @@
 """Prints the CPU time (ms) used so far by every database server process
-(PostgreSQL's, MariaDB's or MySQL's) and by the process `pid`: `bench/run.sh` reads it before and after each scenario to
-show where the time of a request goes."""
+(PostgreSQL's, MariaDB's or MySQL's) and by the process `pid`, then the
+context switches of `pid`'s threads so far: `bench/run.sh` reads it before
+and after each scenario to show where the time of a request goes."""
 import os
 import sys
 
@@ -32,4 +33,24 @@ def postgres():
     return total
 
 
-print(f"{postgres() * TICK_MS:.0f} {ticks(sys.argv[1]) * TICK_MS:.0f}")
+def switches(pid):
+    """Voluntary and involuntary context switches of every live thread of
+    `pid`: on SQLite, every statement is a round trip to a thread of its
+    connection, and each wakes one thread and then another."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                for line in f:
+                    if "ctxt_switches:" in line:
+                        total += int(line.split()[-1])
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+print(f"{postgres() * TICK_MS:.0f} {ticks(sys.argv[1]) * TICK_MS:.0f} {switches(sys.argv[1])}")

@@ -76,7 +76,7 @@ for r in raw:
 rows = []
 for (c, s_), runs in grouped.items():
     row = dict(runs[0])
-    for k in ["rps", "p50_ms", "p99_ms", "p999_ms", "cpu_db_us", "cpu_app_us"]:
+    for k in ["rps", "p50_ms", "p99_ms", "p999_ms", "cpu_db_us", "cpu_app_us", "switches_app"]:
         if all(k in x for x in runs):
             row[k] = median([x[k] for x in runs])
     row["errors"] = sum(x["errors"] for x in runs)
@@ -110,9 +110,13 @@ out.append("Where the time goes: **db µs** is the CPU time the database servers
            "request (both the shop's and the outbox's work), **shop µs** the CPU time of the "
            "shop process per request (in the kernel too: every round trip to the database "
            "is a write, a wake-up and a read). On a 2-core machine shared with the load "
-           "generator, throughput follows their sum.\n")
-out.append("| config | scenario | req/s | p50 ms | p99 ms | p99.9 ms | errors | vs bare (req/s) | vs bare (p50) | db µs | shop µs |")
-out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+           "generator, throughput follows their sum. **shop switches** counts the context "
+           "switches of the shop process's threads per request: on SQLite, whose work runs "
+           "inside shop, each statement is a round trip to the thread of its connection "
+           "(sqlx's design), which wakes that thread and then the request's, and these "
+           "switches, more than SQLite's own work, are what a request costs there.\n")
+out.append("| config | scenario | req/s | p50 ms | p99 ms | p99.9 ms | errors | vs bare (req/s) | vs bare (p50) | db µs | shop µs | shop switches |")
+out.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for c in configs:
     bare = by.get((c, "bare"))
     for s in ["bare", "new", "replay", "inflight"]:
@@ -123,8 +127,9 @@ for c in configs:
         p50 = f"{r['p50_ms'] / bare['p50_ms']:.2f}" if bare and bare["p50_ms"] else "-"
         db = f"{r['cpu_db_us']:.0f}" if "cpu_db_us" in r else "-"
         app = f"{r['cpu_app_us']:.0f}" if "cpu_app_us" in r else "-"
+        sw = f"{r['switches_app']:.0f}" if "switches_app" in r else "-"
         out.append(f"| {c} | {s} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                   f"{r['p999_ms']:.2f} | {r['errors']} | {ratio} | {p50} | {db} | {app} |")
+                   f"{r['p999_ms']:.2f} | {r['errors']} | {ratio} | {p50} | {db} | {app} | {sw} |")
 out.append("")
 
 out.append("## Against the machine's limit\n")
@@ -211,14 +216,28 @@ if bare_c and held_c:
     db_limit["postgres (claim in tx)"] = (held_c / bare_c, f"{held_c:.0f} against {bare_c:.0f}/s")
 if my_bare_c and my_new_c:
     db_limit["mysql"] = (my_new_c / my_bare_c, f"{my_new_c:.0f} against {my_bare_c:.0f}/s")
+for mode, prefix in [("sqlite", "sqlite"), ("sqlite (synchronous normal)", "sqlite_normal")]:
+    sq_bare_c = ceilings.get(f"{prefix}_bare_statements_tps")
+    sq_new_c = ceilings.get(f"{prefix}_new_key_statements_tps")
+    sq_intx_c = ceilings.get(f"{prefix}_claim_without_commit_statements_tps")
+    if sq_bare_c and sq_new_c:
+        db_limit[mode] = (sq_new_c / sq_bare_c, f"{sq_new_c:.0f} against {sq_bare_c:.0f}/s")
+        counterfactual[mode] = (
+            f"{sq_intx_c / sq_bare_c:.2f} ({sq_intx_c:.0f}/s)" if sq_intx_c else "-",
+            "-",
+        )
 if db_limit:
     out.append("### A new key's price in the database alone\n")
     out.append("What a new key adds can be measured without HTTP or shop: the same clients "
-               "(pgbench on PostgreSQL, prepared; mysqlslap on MariaDB, as text) run bare's "
+               "(pgbench on PostgreSQL, prepared; mysqlslap on MariaDB, as text; on SQLite "
+               "Python's `sqlite3`, SQLite's C library called directly, one request after "
+               "another, since SQLite writes one transaction at a time: "
+               "`bench/pgbench/sqlite_ceiling.py`) run bare's "
                "statements, then a new key's: idem's own claim statements "
                "(`bench/pgbench/claims.py` makes the scripts from `crates/idem-sql/sql`), "
                "committed on their own, then bare's statements with the completion in their "
-               "transaction (neither with the outbox's `pg_notify`). Alternated in "
+               "transaction (none with the outbox's `pg_notify`, nor the relay's and the "
+               "inbox's work, which shop also runs). Alternated in "
                f"{ceilings.get('rounds', 1)} rounds, medians. The ratio is what the database "
                "alone allows a new key against bare on this machine; over HTTP shop's own "
                "work is added to both.\n")
@@ -230,7 +249,9 @@ if db_limit:
                "charge under a new one). *No flush*: bare's and a new key's statements with "
                "`synchronous_commit = off`, no commit waiting for the disk. Where both stay "
                "near the first figure, the price is the two statements' CPU, not the commit "
-               "or the disk.\n")
+               "or the disk. On SQLite the first is the claim's insert run inside the "
+               "payment's transaction, and the second is the row with `synchronous = NORMAL` "
+               "(commits written to the log, synced at checkpoints).\n")
     out.append("| config | new keys / bare over HTTP | the database's statements alone: new / bare "
                "| without the claim's commit / bare | no flush: new / bare |")
     out.append("|---|---:|---:|---:|---:|")

@@ -88,13 +88,15 @@ load() { # config, scenario, path, mix (LOAD_ARGS: more idem-load arguments)
   "$BIN/idem-load" --url "$URL$3" --requests "$REQUESTS" --concurrency "$CONCURRENCY" \
     --mix "$4" --label "$1 / $2" ${LOAD_ARGS:-} 2>>"$out/raw.jsonl" | tee -a "$out/table.txt"
   after=$(python3 bench/cpu.py "$PID")
-  # CPU per request, in µs: the database servers, and the server under test
+  # CPU per request, in µs: the database servers, and the server under test;
+  # the server's context switches per request
   tail -n 1 "$out/raw.jsonl" | python3 -c "
 import json, sys
 d = json.load(sys.stdin)
 b, a = [list(map(float, x.split())) for x in sys.argv[1:3]]
 d.update(config='$1', scenario='$2',
-         cpu_db_us=(a[0] - b[0]) * 1000 / d['requests'], cpu_app_us=(a[1] - b[1]) * 1000 / d['requests'])
+         cpu_db_us=(a[0] - b[0]) * 1000 / d['requests'], cpu_app_us=(a[1] - b[1]) * 1000 / d['requests'],
+         switches_app=(a[2] - b[2]) / d['requests'])
 print(json.dumps(d))" "$before" "$after" >> "$results"
 }
 
@@ -210,7 +212,7 @@ done
 # too; it then prints the rendered tables instead of writing BENCHMARKS.md.
 if [ -n "$ONLY" ] && [ -z "${CEILINGS:-}" ]; then exit 0; fi
 
-echo "== ceilings: the same statements with pgbench and mysqlslap, no HTTP in between"
+echo "== ceilings: the same statements with pgbench, mysqlslap and sqlite3, no HTTP in between"
 # The shop creates its tables in a schema of its own; pgbench then runs, at
 # the same concurrency, prepared once per connection: bare's statements;
 # those of a new key (the claim committed first, the completion in bare's
@@ -284,12 +286,37 @@ done
 my_bare_tps=$(median < "$out/my-bare.tps")
 my_new_tps=$(median < "$out/my-new.tps")
 mysql -h127.0.0.1 -uroot -e "DROP DATABASE $MYDB"
+# SQLite: Python's sqlite3 (SQLite's C library, called directly: no HTTP,
+# no sqlx) runs the same statements, one request after another, as SQLite
+# writes one transaction at a time; on a file shop made, with idem's
+# default durability (synchronous full) and with normal. bare, new and the
+# claim without a commit of its own (a counterfactual) alternate in
+# CEILING_ROUNDS rounds inside each.
+start_shop --database-url "sqlite:$out/ceiling.db"
+kill "$PID"; wait "$PID" 2>/dev/null || true
+sqlite_ceiling() { # synchronous: one JSON line
+  python3 bench/pgbench/sqlite_ceiling.py "$out/ceiling.db" "$1" "${CEILING_SECONDS:-10}" "$CEILING_ROUNDS" \
+    2>>"$out/ceilings.err" || echo "sqlite_ceiling.py failed ($1)" >&2
+}
+json_field() { python3 -c "import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])" "$1" "$2" 2>/dev/null || true; }
+sq_full=$(sqlite_ceiling full)
+sq_normal=$(sqlite_ceiling normal)
+sq_bare_tps=$(json_field "$sq_full" bare_tps)
+sq_new_tps=$(json_field "$sq_full" new_tps)
+sq_normal_bare_tps=$(json_field "$sq_normal" bare_tps)
+sq_normal_new_tps=$(json_field "$sq_normal" new_tps)
+sq_intx_tps=$(json_field "$sq_full" intx_tps)
+sq_normal_intx_tps=$(json_field "$sq_normal" intx_tps)
 [ -s "$out/ceilings.err" ] && { echo "ceilings that failed:"; cat "$out/ceilings.err"; }
 echo "mysqlslap: bare statements $my_bare_tps/s, a new key's $my_new_tps/s"
+echo "sqlite3: bare statements $sq_bare_tps/s, a new key's $sq_new_tps/s (without the claim's commit $sq_intx_tps/s); with synchronous normal $sq_normal_bare_tps/s, $sq_normal_new_tps/s ($sq_normal_intx_tps/s)"
 cat > "$out/ceilings.json" <<JSON
 {"bare_statements_tps": ${bare_tps:-null}, "new_key_statements_tps": ${new_tps:-null}, "held_claim_statements_tps": ${held_tps:-null},
  "claim_without_commit_statements_tps": ${intx_tps:-null}, "bare_statements_no_flush_tps": ${bare_noflush_tps:-null}, "new_key_statements_no_flush_tps": ${new_noflush_tps:-null},
  "primary_key_read_tps": ${read_tps:-null}, "first_look_tps": ${look_tps:-null}, "mysql_bare_statements_tps": ${my_bare_tps:-null}, "mysql_new_key_statements_tps": ${my_new_tps:-null},
+ "sqlite_bare_statements_tps": ${sq_bare_tps:-null}, "sqlite_new_key_statements_tps": ${sq_new_tps:-null},
+ "sqlite_normal_bare_statements_tps": ${sq_normal_bare_tps:-null}, "sqlite_normal_new_key_statements_tps": ${sq_normal_new_tps:-null},
+ "sqlite_claim_without_commit_statements_tps": ${sq_intx_tps:-null}, "sqlite_normal_claim_without_commit_statements_tps": ${sq_normal_intx_tps:-null},
  "rounds": $CEILING_ROUNDS}
 JSON
 
