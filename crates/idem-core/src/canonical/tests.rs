@@ -668,3 +668,31 @@ fn a_refused_body_leaves_nothing_for_the_next() {
     assert!(canon(&big).is_ok());
     assert_spellings(&[(r#"{"d":1,"c":2}"#, r#"{"c":2,"d":1}"#)]);
 }
+
+#[test]
+fn pieces_of_every_length_copied_whole_near_the_end_and_not() {
+    // Members and runs are copied as blocks of 16 or 32 bytes where the
+    // input has that many left, else byte for byte: every length around
+    // those sizes, with the piece far from the input's end, or its last.
+    for len in 0..=40 {
+        let text = "abcdefghijklmnopqrstuvwxyz0123456789ABCD"
+            .get(..len)
+            .unwrap_or_default();
+        let tail = " ".repeat(40);
+        for doc in [
+            // Members reordered, written from the input.
+            format!(r#"{{"b":"{text}","a":"{text}"}}"#),
+            format!(r#"[{{"b":"{text}","a":"{text}"}},"{tail}"]"#),
+            // Members reordered, written from the output (a respelled
+            // number breaks the run first).
+            format!(r#"{{"b":"{text}","a":1.0,"c":"{text}","a0":2}}"#),
+            format!(r#"[{{"b":"{text}","a":1.0,"c":"{text}","a0":2}},"{tail}"]"#),
+            // A run broken by whitespace, and the last one at the end.
+            format!(r#"["{text}", "{text}" ]"#),
+            format!(r#"["{text}", "{text}","{tail}"]"#),
+        ] {
+            let want = reference(doc.as_bytes()).map(String::from_utf8);
+            assert_eq!(canon(&doc).ok(), want.and_then(Result::ok), "{doc}");
+        }
+    }
+}
