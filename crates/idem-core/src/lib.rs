@@ -45,7 +45,7 @@ pub use key::{
 pub use ops::{Inspection, StoreStats};
 pub use policy::{Policy, PolicyBuilder, PolicyError, DEFAULT_STORE_TIMEOUT};
 pub use record::{
-    Claim, CorruptRecord, FencingToken, OperationId, Record, RecordRow, RecordState,
+    Claim, CorruptRecord, FencingToken, OperationId, Record, RecordParts, RecordRow, RecordState,
     StoredResponse, UnixMillis,
 };
 pub use store::{

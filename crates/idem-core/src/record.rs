@@ -226,13 +226,71 @@ pub struct CorruptRecord(pub String);
 impl RecordRow {
     /// Validates the fields and builds the record.
     pub fn into_record(self) -> Result<Record, CorruptRecord> {
+        RecordParts {
+            scope: self.scope,
+            key: self.key,
+            fingerprint: &self.fingerprint,
+            operation_id: &self.operation_id,
+            state: &self.state,
+            token: self.token,
+            locked_until: self.locked_until,
+            created_at: self.created_at,
+            expires_at: self.expires_at,
+            completed_at: self.completed_at,
+            status: self.status,
+            headers: self.headers.as_deref(),
+            body: self.body.map(Bytes::from),
+        }
+        .into_record()
+    }
+}
+
+/// A record's fields as a store read them, borrowed where the [`Record`]
+/// keeps no copy of them: the same checks as [`RecordRow::into_record`]
+/// (which is built on this), without an allocation for the fingerprint,
+/// the operation id or the state, and with the body handed over as it is
+/// (a store that read the record into [`Bytes`] slices the body out of
+/// them rather than copying it).
+#[derive(Debug, Clone)]
+pub struct RecordParts<'a> {
+    /// The scope.
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// The fingerprint's bytes (must be 32).
+    pub fingerprint: &'a [u8],
+    /// The operation id, as a UUID string.
+    pub operation_id: &'a str,
+    /// `"in_progress"` or `"completed"`.
+    pub state: &'a str,
+    /// The holder's token (in progress).
+    pub token: Option<i64>,
+    /// The lease's end, ms (in progress).
+    pub locked_until: Option<i64>,
+    /// Creation, ms.
+    pub created_at: i64,
+    /// End of retention, ms.
+    pub expires_at: i64,
+    /// Completion, ms (completed).
+    pub completed_at: Option<i64>,
+    /// The stored status (completed).
+    pub status: Option<i64>,
+    /// The stored headers, as [`StoredResponse::encode_headers`] wrote them.
+    pub headers: Option<&'a [u8]>,
+    /// The stored body.
+    pub body: Option<Bytes>,
+}
+
+impl RecordParts<'_> {
+    /// Validates the fields and builds the record.
+    pub fn into_record(self) -> Result<Record, CorruptRecord> {
         let missing = |what: &str| CorruptRecord(format!("{what} is missing"));
-        let fingerprint = Fingerprint::from_slice(&self.fingerprint)
+        let fingerprint = Fingerprint::from_slice(self.fingerprint)
             .ok_or_else(|| CorruptRecord("the fingerprint is not 32 bytes".into()))?;
-        let operation_id = Uuid::parse_str(&self.operation_id)
+        let operation_id = Uuid::parse_str(self.operation_id)
             .map(OperationId)
             .map_err(|e| CorruptRecord(format!("operation id {:?}: {e}", self.operation_id)))?;
-        let state = match self.state.as_str() {
+        let state = match self.state {
             "in_progress" => RecordState::InProgress {
                 token: FencingToken(self.token.ok_or_else(|| missing("token"))?),
                 locked_until: UnixMillis(self.locked_until.ok_or_else(|| missing("locked_until"))?),
@@ -247,10 +305,10 @@ impl RecordRow {
                             .filter(|s| (100..=999).contains(s))
                             .ok_or_else(|| CorruptRecord(format!("status {status}")))?,
                         headers: StoredResponse::decode_headers(
-                            self.headers.as_deref().ok_or_else(|| missing("headers"))?,
+                            self.headers.ok_or_else(|| missing("headers"))?,
                         )
                         .map_err(|e| CorruptRecord(e.to_string()))?,
-                        body: Bytes::from(self.body.ok_or_else(|| missing("body"))?),
+                        body: self.body.ok_or_else(|| missing("body"))?,
                     },
                     completed_at: UnixMillis(
                         self.completed_at.ok_or_else(|| missing("completed_at"))?,

@@ -589,7 +589,7 @@ fn read_reply(value: Value, clock: KeyClock) -> Result<Option<Option<Record>>, S
     match value {
         Value::Nil => Ok(Some(None)),
         Value::BulkString(_) if clock.expires == -2 => Ok(Some(None)),
-        Value::BulkString(b) => Ok(Some(Some(value::decode(&b, Some(clock))?))),
+        Value::BulkString(b) => Ok(Some(Some(value::decode_owned(b, Some(clock))?))),
         Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(None),
         Value::ServerError(e) => Err(store_error(e.into())),
         _ => Err(StoreError::Corrupt("unexpected reply to a read".into())),

@@ -37,7 +37,8 @@
 //! (a Lua array cannot hold one). Any other layout version is refused (by
 //! the scripts too), so a newer idem's records are never misread.
 
-use idem_core::{Record, RecordRow, RecordState, StoreError};
+use bytes::Bytes;
+use idem_core::{Record, RecordParts, RecordState, StoreError};
 
 /// The layout this module and the scripts write.
 pub(crate) const LAYOUT: i64 = 1;
@@ -317,15 +318,34 @@ fn bytes<'a>(item: Item<'a>, what: &str) -> Result<&'a [u8], StoreError> {
     }
 }
 
+fn str_of<'a>(item: Item<'a>, what: &str) -> Result<&'a str, StoreError> {
+    std::str::from_utf8(bytes(item, what)?).map_err(|_| corrupt(what))
+}
+
 fn text(item: Item<'_>, what: &str) -> Result<String, StoreError> {
-    std::str::from_utf8(bytes(item, what)?)
-        .map(str::to_owned)
-        .map_err(|_| corrupt(what))
+    str_of(item, what).map(str::to_owned)
 }
 
 /// Decodes the one value of a record. A claim of layout [`NEW_CLAIM`] is
 /// read by `clock` (its key's, read with it); without one it is an error.
+/// A completed record's body is copied out of `value`.
 pub(crate) fn decode(value: &[u8], clock: Option<KeyClock>) -> Result<Record, StoreError> {
+    decode_with(value, clock, Bytes::copy_from_slice)
+}
+
+/// [`decode`] for a value the reader owns: a completed record's body is
+/// sliced out of it, not copied.
+pub(crate) fn decode_owned(value: Vec<u8>, clock: Option<KeyClock>) -> Result<Record, StoreError> {
+    let value = Bytes::from(value);
+    decode_with(&value, clock, |body| value.slice_ref(body))
+}
+
+/// [`decode`], the body made by `body` from its bytes in `value`.
+fn decode_with(
+    value: &[u8],
+    clock: Option<KeyClock>,
+    body: impl FnOnce(&[u8]) -> Bytes,
+) -> Result<Record, StoreError> {
     let mut r = Reader { bytes: value };
     let n = r.array()?;
     if n == 0 {
@@ -340,8 +360,8 @@ pub(crate) fn decode(value: &[u8], clock: Option<KeyClock>) -> Result<Record, St
     }
     let scope = text(r.item()?, "the scope")?;
     let key = text(r.item()?, "the key")?;
-    let fingerprint = bytes(r.item()?, "the fingerprint")?.to_vec();
-    let operation_id = text(r.item()?, "the operation id")?;
+    let fingerprint = bytes(r.item()?, "the fingerprint")?;
+    let operation_id = str_of(r.item()?, "the operation id")?;
     let token = match r.item()? {
         Item::Bytes(b) => std::str::from_utf8(b)
             .ok()
@@ -378,8 +398,8 @@ pub(crate) fn decode(value: &[u8], clock: Option<KeyClock>) -> Result<Record, St
     let completed_at = int(r.item()?, "completed_at")?;
     let status = int(r.item()?, "the status")?;
     let headers = bytes(r.item()?, "the headers")?;
-    let body = bytes(r.item()?, "the body")?;
-    let row = RecordRow {
+    let stored_body = bytes(r.item()?, "the body")?;
+    let parts = RecordParts {
         scope,
         key,
         fingerprint,
@@ -388,18 +408,17 @@ pub(crate) fn decode(value: &[u8], clock: Option<KeyClock>) -> Result<Record, St
             "completed"
         } else {
             "in_progress"
-        }
-        .to_owned(),
+        },
         token: Some(token),
         locked_until: (!completed).then_some(locked_until),
         created_at,
         expires_at,
         completed_at: completed.then_some(completed_at),
         status: completed.then_some(status),
-        headers: completed.then(|| headers.to_vec()),
-        body: completed.then(|| body.to_vec()),
+        headers: completed.then_some(headers),
+        body: completed.then(|| body(stored_body)),
     };
-    Ok(row.into_record()?)
+    Ok(parts.into_record()?)
 }
 
 #[cfg(test)]
@@ -435,6 +454,20 @@ mod tests {
             let record = completed(len);
             let value = encode_record(&record).unwrap();
             assert_eq!(decode(&value, None).unwrap(), record, "body of {len} bytes");
+            // Read from a value it owns, the reader slices the body out of
+            // it rather than copying it.
+            let span = value.as_ptr_range();
+            let owned = decode_owned(value, None).unwrap();
+            assert_eq!(owned, record, "body of {len} bytes, owned");
+            let RecordState::Completed { response, .. } = &owned.state else {
+                panic!("completed");
+            };
+            if len > 0 {
+                assert!(
+                    span.contains(&response.body.as_ptr()),
+                    "body of {len} bytes, copied"
+                );
+            }
         }
         let p = Parts {
             scope: "s",

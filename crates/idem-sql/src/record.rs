@@ -1,7 +1,8 @@
 //! Reading a stored idempotency record back from a SQL row, the same way
 //! for every SQL store.
 
-use idem_core::{Record, RecordRow, StoreError, StoreStats, UnixMillis};
+use bytes::Bytes;
+use idem_core::{Record, RecordParts, StoreError, StoreStats, UnixMillis};
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 /// Decodes the record in `row`, selected with the columns `scope, key,
@@ -16,11 +17,16 @@ where
     R: Row,
     &'r str: ColumnIndex<R>,
     String: Decode<'r, R::Database> + Type<R::Database>,
+    &'r str: Decode<'r, R::Database> + Type<R::Database>,
     Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    &'r [u8]: Decode<'r, R::Database> + Type<R::Database>,
     i64: Decode<'r, R::Database> + Type<R::Database>,
 {
-    let fields = || -> Result<RecordRow, sqlx::Error> {
-        Ok(RecordRow {
+    // The fingerprint, operation id, state and headers are read in place
+    // (the record keeps none of them as they are); the body is taken as
+    // the row decoded it.
+    let fields = || -> Result<RecordParts<'r>, sqlx::Error> {
+        Ok(RecordParts {
             scope: row.try_get("scope")?,
             key: row.try_get("key")?,
             fingerprint: row.try_get("fingerprint")?,
@@ -33,7 +39,7 @@ where
             completed_at: row.try_get("completed_at")?,
             status: row.try_get("status")?,
             headers: row.try_get("headers")?,
-            body: row.try_get("body")?,
+            body: row.try_get::<Option<Vec<u8>>, _>("body")?.map(Bytes::from),
         })
     };
     let fields = fields().map_err(|e| StoreError::Corrupt(e.to_string()))?;
