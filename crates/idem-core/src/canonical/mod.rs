@@ -80,6 +80,7 @@ impl Spare {
             members: self.members,
             scratch: self.scratch,
             order: self.order,
+            shape: Shape::NONE,
             refusal: Fault { what: "", at: 0 },
         };
         let read = p.document(out).and_then(|()| {
@@ -162,24 +163,49 @@ struct Member {
 }
 
 impl Member {
-    /// Moves the member's positions from a buffer where its bytes stand
-    /// from `from` on to one where they stand from `to` on.
-    fn shift(&mut self, from: usize, to: usize) {
-        self.key = self.key - from + to;
-        self.colon = self.colon - from + to;
-        self.end = self.end - from + to;
+    /// Whether the two keys are the same; `held` holds the members.
+    fn same_key(&self, other: &Self, held: Held<'_>) -> bool {
+        self.prefix == other.prefix
+            && held.bytes(self.key, self.colon) == held.bytes(other.key, other.colon)
     }
 
-    /// Whether the two keys are the same; `buf` holds the members.
-    fn same_key(&self, other: &Self, buf: &[u8]) -> bool {
-        self.prefix == other.prefix && buf[self.key..self.colon] == buf[other.key..other.colon]
+    /// Orders by key; `held` holds the members.
+    fn cmp(&self, other: &Self, held: Held<'_>) -> Ordering {
+        self.prefix.cmp(&other.prefix).then_with(|| {
+            held.bytes(self.key, self.colon)
+                .cmp(held.bytes(other.key, other.colon))
+        })
+    }
+}
+
+/// Where members' bytes are held: the bytes at output positions `from..to`
+/// stand at `buf[from + base..to + base]` (`base` a difference, added with
+/// wrapping arithmetic). The positions are read through it rather than
+/// every member's being rewritten (which, just after the parser wrote them,
+/// would wait on those stores).
+#[derive(Clone, Copy)]
+struct Held<'b> {
+    buf: &'b [u8],
+    base: usize,
+}
+
+impl<'b> Held<'b> {
+    /// `buf`, whose byte at `to` is the one at output position `from`.
+    fn new(buf: &'b [u8], from: usize, to: usize) -> Self {
+        Self {
+            buf,
+            base: to.wrapping_sub(from),
+        }
     }
 
-    /// Orders by key; `buf` holds the member.
-    fn cmp(&self, other: &Self, buf: &[u8]) -> Ordering {
-        self.prefix
-            .cmp(&other.prefix)
-            .then_with(|| buf[self.key..self.colon].cmp(&buf[other.key..other.colon]))
+    /// Where output position `at` stands in `buf`.
+    fn at(self, at: usize) -> usize {
+        at.wrapping_add(self.base)
+    }
+
+    /// The bytes at output positions `from..to`.
+    fn bytes(self, from: usize, to: usize) -> &'b [u8] {
+        &self.buf[self.at(from)..self.at(to)]
     }
 }
 
@@ -227,6 +253,33 @@ fn key_prefix(buf: &[u8], at: usize, len: usize) -> u64 {
     }
 }
 
+/// A small object's keys, told apart by their prefixes alone, and their
+/// order. The objects of an array often share their keys in the same order:
+/// the next object whose prefixes are these, in this order, has this order
+/// too (keys whose prefixes differ are ordered by them, and are unique),
+/// without the sort.
+struct Shape {
+    /// How many members (0: none yet).
+    len: usize,
+    prefixes: [u64; 16],
+    order: [usize; 16],
+}
+
+impl Shape {
+    const NONE: Self = Self {
+        len: 0,
+        prefixes: [0; 16],
+        order: [0; 16],
+    };
+
+    /// The order of `members` if their prefixes are this shape's.
+    fn order_of(&self, members: &[Member]) -> Option<&[usize]> {
+        let prefixes = self.prefixes.get(..members.len())?;
+        (self.len == members.len() && members.iter().zip(prefixes).all(|(m, &p)| m.prefix == p))
+            .then(|| &self.order[..members.len()])
+    }
+}
+
 struct Parser<'a> {
     s: &'a [u8],
     i: usize,
@@ -241,6 +294,8 @@ struct Parser<'a> {
     scratch: Vec<u8>,
     /// An unsorted object's members' indices, in key order.
     order: Vec<usize>,
+    /// The last small object sorted whose keys' prefixes all differ.
+    shape: Shape,
     /// Why the input was refused, once it is.
     refusal: Fault,
 }
@@ -451,30 +506,28 @@ impl Parser<'_> {
         // Either every member is still in the pending run, or the run is
         // written and every member is in the output.
         let in_run = start >= out.len();
-        let buf: &[u8] = if in_run {
-            let (from, to) = (out.len(), self.run);
-            for m in &mut self.members[first..] {
-                m.shift(from, to);
-            }
-            self.s
+        let held = if in_run {
+            Held::new(self.s, out.len(), self.run)
         } else {
             self.flush(out);
-            out
+            Held::new(out, 0, 0)
         };
         let members = &self.members[first..];
-        if !inverted && members.windows(2).all(|w| w[0].cmp(&w[1], buf).is_lt()) {
+        if !inverted && members.windows(2).all(|w| w[0].cmp(&w[1], held).is_lt()) {
             return;
         }
         // The members' indices in key order. Stable: equal keys stay in the
         // order they came, so the last of a run is the one kept.
         let mut few = [0; 16];
-        let (order, unique) = match few.get_mut(..members.len()) {
-            Some(order) => {
+        let known = self.shape.order_of(members);
+        let (order, unique) = match (known, few.get_mut(..members.len())) {
+            (Some(known), _) => (known, true),
+            (None, Some(order)) => {
                 let mut unique = true;
                 for n in 0..order.len() {
                     let mut at = n;
                     while let Some(&before) = at.checked_sub(1).and_then(|b| order.get(b)) {
-                        match members[n].cmp(&members[before], buf) {
+                        match members[n].cmp(&members[before], held) {
                             Ordering::Less => {
                                 order[at] = before;
                                 at -= 1;
@@ -488,16 +541,26 @@ impl Parser<'_> {
                     }
                     order[at] = n;
                 }
+                if order
+                    .windows(2)
+                    .all(|w| members[w[0]].prefix < members[w[1]].prefix)
+                {
+                    self.shape.len = order.len();
+                    for (n, &m) in order.iter().enumerate() {
+                        self.shape.prefixes[n] = members[n].prefix;
+                        self.shape.order[n] = m;
+                    }
+                }
                 (&*order, unique)
             }
-            None => {
+            (None, None) => {
                 let order = &mut self.order;
                 order.clear();
                 order.extend(0..members.len());
-                order.sort_by(|&a, &b| members[a].cmp(&members[b], buf));
+                order.sort_by(|&a, &b| members[a].cmp(&members[b], held));
                 let unique = !order
                     .windows(2)
-                    .any(|w| members[w[0]].same_key(&members[w[1]], buf));
+                    .any(|w| members[w[0]].same_key(&members[w[1]], held));
                 (&order[..], unique)
             }
         };
@@ -513,8 +576,9 @@ impl Parser<'_> {
                 .map_or(0, |n| n + 1)
         };
         if in_run {
-            append(out, self.s, self.run, members[0].key);
-            write_members(members, order, unique, self.s, out);
+            let input = Held::new(self.s, out.len(), self.run);
+            append(out, self.s, self.run, input.at(members[0].key));
+            write_members(members, order, unique, input, out);
         } else if let Some(stay) = members.get(keep) {
             // Same members, same commas: the bytes before `stay` are
             // rewritten in place.
@@ -532,33 +596,66 @@ impl Parser<'_> {
             self.scratch.clear();
             self.scratch.extend_from_slice(&out[start..]);
             out.truncate(start);
-            for m in &mut self.members[first..] {
-                m.shift(start, 0);
-            }
-            write_members(&self.members[first..], order, unique, &self.scratch, out);
+            let scratch = Held::new(&self.scratch, start, 0);
+            write_members(members, order, unique, scratch, out);
         }
         self.run = self.i;
     }
 }
 
-/// Writes the members held in `buf` in key `order`, comma-separated, the
-/// last of equal keys only (unless the keys are known to be `unique`).
-fn write_members(members: &[Member], order: &[usize], unique: bool, buf: &[u8], out: &mut Vec<u8>) {
+/// Writes the members `held` in key `order`, comma-separated, the last of
+/// equal keys only (unless the keys are known to be `unique`).
+fn write_members(
+    members: &[Member],
+    order: &[usize],
+    unique: bool,
+    held: Held<'_>,
+    out: &mut Vec<u8>,
+) {
+    if unique {
+        // Each member with the comma before it (none before the first).
+        let mut comma = false;
+        for m in order.iter().map(|&m| &members[m]) {
+            append_after(out, comma, held.buf, held.at(m.key), held.at(m.end));
+            comma = true;
+        }
+        return;
+    }
     let mut written = false;
     for (n, m) in order.iter().map(|&m| &members[m]).enumerate() {
-        let superseded = || {
-            order
-                .get(n + 1)
-                .is_some_and(|&next| m.same_key(&members[next], buf))
-        };
-        if !unique && superseded() {
+        let superseded = order
+            .get(n + 1)
+            .is_some_and(|&next| m.same_key(&members[next], held));
+        if superseded {
             continue;
         }
-        if written {
-            out.push(b',');
-        }
-        append(out, buf, m.key, m.end);
+        append_after(out, written, held.buf, held.at(m.key), held.at(m.end));
         written = true;
+    }
+}
+
+/// Appends `src[from..to]` to `out`, after a comma if `comma`. A short
+/// piece is written as one block of fixed size, then cut to its length
+/// (see [`append`]); its comma, over the block's first byte, the one before
+/// the piece in `src`.
+#[inline(always)]
+fn append_after(out: &mut Vec<u8>, comma: bool, src: &[u8], from: usize, to: usize) {
+    let start = out.len();
+    let lead = from.checked_sub(usize::from(comma));
+    match lead.and_then(|at| src.get(at..)?.first_chunk::<32>()) {
+        Some(block) if to - from < 32 => {
+            out.extend_from_slice(block);
+            if comma {
+                out[start] = b',';
+            }
+            out.truncate(start + usize::from(comma) + (to - from));
+        }
+        _ => {
+            if comma {
+                out.push(b',');
+            }
+            out.extend_from_slice(&src[from..to]);
+        }
     }
 }
 

@@ -696,3 +696,28 @@ fn pieces_of_every_length_copied_whole_near_the_end_and_not() {
         }
     }
 }
+
+#[test]
+fn objects_of_one_shape_in_a_row_each_sorted() {
+    // The order of a small object whose keys' prefixes all differ is kept
+    // for the next object with the same prefixes: it must never be applied
+    // to one whose keys differ where the prefixes cannot see, nor whose
+    // prefixes are fewer, more, tied or in another order.
+    for doc in [
+        r#"[{"b":1,"a":2},{"b":3,"a":4},{"b":5,"a":6}]"#,
+        r#"[{"b":1,"a":2},{"a":3,"b":4},{"b":5,"a":6}]"#,
+        r#"[{"b":1,"a":2},{"b":3,"a":4,"c":5},{"c":6,"b":7,"a":8}]"#,
+        r#"[{"c":1,"b":2,"a":3},{"c":1,"b":2},{"b":2,"c":1,"a":0}]"#,
+        r#"[{"bbbbbbbbX":1,"aaaaaaaaX":2},{"bbbbbbbbY":3,"aaaaaaaaZ":4}]"#,
+        r#"[{"key_b_1":1,"key_a_1":2},{"key_b_2":3,"key_a_2":4}]"#,
+        r#"[{"key_bbbb2":1,"key_bbbb1":2},{"key_bbbb1":3,"key_bbbb2":4}]"#,
+        r#"[{"b":1,"a":2},{"b":3,"a":4,"a":5},{"b":6,"b":7}]"#,
+        r#"[{"b":1,"a":2,"a":3},{"b":4,"a":5,"a":6}]"#,
+        r#"[{"key_bbbb1":1,"key_bbbb2":2,"a":0},{"key_bbbb2":3,"key_bbbb1":4,"a":0}]"#,
+        r#"[{"b":{"d":1,"c":2},"a":{"d":3,"c":4}},{"b":{"d":5,"c":6},"a":[]}]"#,
+        r#"[{"b":1,"a":2.0},{"b":3,"a":4.0}, {"b" : 5, "a" : 6}]"#,
+    ] {
+        let want = reference(doc.as_bytes()).map(String::from_utf8);
+        assert_eq!(canon(doc).ok(), want.and_then(Result::ok), "{doc}");
+    }
+}
