@@ -67,6 +67,7 @@
 use std::sync::OnceLock;
 
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use http::{header, HeaderValue, StatusCode};
 use serde::Serialize;
 
@@ -125,7 +126,16 @@ pub fn set_problem_type_base(base: impl Into<String>) -> Result<(), ProblemBaseE
 /// The prefix of every problem `type`: what [`set_problem_type_base`] set,
 /// or [`DEFAULT_PROBLEM_TYPE_BASE`].
 pub fn problem_type_base() -> &'static str {
-    BASE.get().map_or(DEFAULT_PROBLEM_TYPE_BASE, String::as_str)
+    current_base().0
+}
+
+/// The base, and whether it is one [`set_problem_type_base`] set (read
+/// once, so the two agree).
+pub(crate) fn current_base() -> (&'static str, bool) {
+    match BASE.get() {
+        Some(set) => (set, true),
+        None => (DEFAULT_PROBLEM_TYPE_BASE, false),
+    }
 }
 
 /// The media type of problem answers.
@@ -160,8 +170,18 @@ impl Problem {
     /// A problem whose `type` is the [base](problem_type_base) followed by
     /// `slug`.
     pub fn new(status: StatusCode, slug: &str, title: impl Into<String>) -> Self {
+        Self::with_base(problem_type_base(), status, slug, title)
+    }
+
+    /// [`Problem::new`] with the `type` prefixed by `base`.
+    pub(crate) fn with_base(
+        base: &str,
+        status: StatusCode,
+        slug: &str,
+        title: impl Into<String>,
+    ) -> Self {
         Self {
-            kind: format!("{}{slug}", problem_type_base()),
+            kind: format!("{base}{slug}"),
             title: title.into(),
             status: status.as_u16(),
             detail: None,
@@ -187,16 +207,28 @@ impl Problem {
     }
 }
 
+impl Problem {
+    /// The JSON body.
+    pub(crate) fn body(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
+    }
+}
+
+/// The answer with a problem `body` already rendered: `status`, the
+/// problem media type and, if given, `Retry-After`.
+pub(crate) fn response(status: StatusCode, body: Bytes, retry_after: Option<u64>) -> Response {
+    let mut response = (status, body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    if let Some(secs) = retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}
+
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let body = serde_json::to_vec(&self).unwrap_or_else(|_| b"{}".to_vec());
-        let mut response = (status, body).into_response();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(secs) = self.retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        response
+        response(status, Bytes::from(self.body()), self.retry_after)
     }
 }

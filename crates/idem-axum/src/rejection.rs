@@ -2,13 +2,15 @@
 //! conditional-request helpers make instead of the handler, with its status,
 //! problem type and title defined here once.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use http::{header, HeaderValue, StatusCode};
 use idem_core::KeyError;
 
-use crate::problem::Problem;
+use crate::problem::{self, Problem};
 
 /// The header on every answer idem makes instead of the handler, naming its
 /// problem type (`idempotency-rejection: idempotency-key-reused`): a client
@@ -179,6 +181,29 @@ impl IdempotencyRejection {
         })
     }
 
+    /// For a rejection whose body never varies (its detail names nothing
+    /// of the request), its place in [`FIXED_BODIES`].
+    fn fixed_body(&self) -> Option<usize> {
+        Some(match self {
+            Self::MissingKey => 0,
+            Self::KeyInUse { .. } => 1,
+            Self::TakenOver => 2,
+            Self::KeyReused => 3,
+            Self::StoreUnavailable => 4,
+            Self::HandlerFailed => 5,
+            Self::ResponseUnreadable => 6,
+            Self::ClaimedTwice => 7,
+            Self::LayerMissing => 8,
+            Self::PreconditionRequired => 9,
+            Self::PreconditionFailed { current: Some(_) } => 10,
+            Self::PreconditionFailed { current: None } => 11,
+            Self::InvalidKey(_)
+            | Self::PayloadTooLarge { .. }
+            | Self::BodyUnreadable(_)
+            | Self::PreconditionInvalid(_) => return None,
+        })
+    }
+
     /// The `Retry-After`, in seconds, where retrying helps.
     fn retry_after(&self) -> Option<u64> {
         match self {
@@ -189,19 +214,42 @@ impl IdempotencyRejection {
     }
 }
 
+/// How many rejections have a body that never varies
+/// ([`IdempotencyRejection::fixed_body`]).
+const FIXED: usize = 12;
+
+/// The bodies of the rejections that never vary, rendered the first time
+/// each is answered: with the default problem type base, and with the one
+/// [`set_problem_type_base`](crate::problem::set_problem_type_base) set
+/// (at most once, so neither goes stale).
+static FIXED_BODIES: [[OnceLock<Box<[u8]>>; FIXED]; 2] =
+    [const { [const { OnceLock::new() }; FIXED] }; 2];
+
 impl IntoResponse for IdempotencyRejection {
     fn into_response(self) -> Response {
         if matches!(self, Self::LayerMissing) {
             tracing::error!("an idempotency extractor on a route without IdempotencyLayer, a method it does not guard, or the wrong one for its claim mode (Idempotency with the layer's claim, DeferredClaim with claim_in_transaction)");
         }
-        let mut problem = Problem::new(self.status(), self.problem_type(), self.title());
-        if let Some(detail) = self.detail() {
-            problem = problem.detail(detail);
-        }
-        if let Some(secs) = self.retry_after() {
-            problem = problem.retry_after(secs);
-        }
-        let mut response = problem.into_response();
+        let (base, set) = problem::current_base();
+        let render = || {
+            let problem =
+                Problem::with_base(base, self.status(), self.problem_type(), self.title());
+            match self.detail() {
+                Some(detail) => problem.detail(detail),
+                None => problem,
+            }
+            .body()
+        };
+        let body = match self.fixed_body() {
+            // Rendered once per process (and base): a duplicate of a request
+            // in flight, the commonest rejection, costs no serialising.
+            Some(slot) => {
+                let by_base = &FIXED_BODIES[usize::from(set)];
+                Bytes::from_static(by_base[slot].get_or_init(|| render().into_boxed_slice()))
+            }
+            None => Bytes::from(render()),
+        };
+        let mut response = problem::response(self.status(), body, self.retry_after());
         response.headers_mut().insert(
             IDEMPOTENCY_REJECTION,
             HeaderValue::from_static(self.problem_type()),
@@ -216,6 +264,7 @@ impl IntoResponse for IdempotencyRejection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::problem::{problem_type_base, PROBLEM_JSON};
 
     fn every() -> Vec<IdempotencyRejection> {
         vec![
@@ -237,6 +286,43 @@ mod tests {
             IdempotencyRejection::PreconditionRequired,
             IdempotencyRejection::PreconditionFailed { current: None },
         ]
+    }
+
+    /// The body a rejection must answer with, spelled out field by field.
+    fn expected_body(rejection: &IdempotencyRejection) -> serde_json::Value {
+        let mut body = serde_json::json!({
+            "type": format!("{}{}", problem_type_base(), rejection.problem_type()),
+            "title": rejection.title(),
+            "status": rejection.status().as_u16(),
+        });
+        if let Some(detail) = rejection.detail() {
+            body["detail"] = detail.into();
+        }
+        body
+    }
+
+    #[tokio::test]
+    async fn every_body_is_its_own_the_first_time_and_after() {
+        use http_body_util::BodyExt;
+        let mut every = every();
+        every.push(IdempotencyRejection::PreconditionFailed {
+            current: Some(HeaderValue::from_static("\"v3\"")),
+        });
+        // Twice over: the second answer of a fixed body is the one kept
+        // from the first.
+        for rejection in every.iter().chain(&every) {
+            let expected = expected_body(rejection);
+            let response = rejection.clone().into_response();
+            assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(body, expected, "{rejection:?}");
+        }
+        // Each fixed body has a place of its own.
+        let slots: Vec<usize> = every.iter().filter_map(|r| r.fixed_body()).collect();
+        let distinct: std::collections::BTreeSet<_> = slots.iter().collect();
+        assert_eq!(distinct.len(), slots.len());
+        assert!(slots.iter().all(|&slot| slot < FIXED));
     }
 
     #[test]

@@ -27,7 +27,33 @@ async fn a_base_set_at_start_up_is_every_problems_prefix() {
         problem::set_problem_type_base("https://bad.example/\"x"),
         Err(ProblemBaseError::NotAUri(_))
     ));
+    // A rejection answered before the base is set carries the default (and
+    // the body idem keeps for it must not outlive the change).
+    let layer = IdempotencyLayer::new(
+        Arc::new(MemoryStore::new()),
+        Policy::default(),
+        SingleScope("t".into()),
+    );
+    let app = Router::new().route("/orders", post(|| async { "created" }).layer(layer));
+    let missing_key = |app: Router| async move {
+        let response = app
+            .oneshot(Request::post("/orders").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        problem["type"].as_str().unwrap().to_owned()
+    };
+    assert_eq!(
+        missing_key(app.clone()).await,
+        format!("{DEFAULT_PROBLEM_TYPE_BASE}idempotency-key-missing")
+    );
     problem::set_problem_type_base("https://api.example.com/problems/").unwrap();
+    assert_eq!(
+        missing_key(app).await,
+        "https://api.example.com/problems/idempotency-key-missing"
+    );
     problem::set_problem_type_base("https://api.example.com/problems/").unwrap();
     assert_eq!(
         problem::set_problem_type_base("https://other.example/"),
