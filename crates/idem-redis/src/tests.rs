@@ -179,3 +179,20 @@ fn redis_time_is_milliseconds() {
     );
     assert!(crate::decode::redis_time(&Value::Nil).is_err());
 }
+
+#[tokio::test]
+async fn a_records_key_is_spelled_as_before() {
+    // Records written by earlier versions must be found again: the key is
+    // the prefix, then the hex SHA-256 of the scope's length (8 bytes,
+    // big-endian), the scope and the key, in one hash tag.
+    let store = store().await;
+    let prefix = store.prefix().to_owned();
+    assert_eq!(
+        store.record_key("s", "k"),
+        format!("{prefix}:{{7f50ccf79ef391b6b0e7c23546b3292f08a5afd3dde9d881fa23188a91b08ddd}}")
+    );
+    assert_eq!(
+        store.record_key("tenant-ü", "order-42"),
+        format!("{prefix}:{{efb16b3e64f3fe0ebb9b03cba9fcaab7e92a5ab33d2df6c1a1f0a2de86242c98}}")
+    );
+}
