@@ -11,7 +11,8 @@
 #
 #        bash bench/callgrind.sh --redis [out.json]
 #   idem's Redis store beside aklanti's `idempotent` (its Valkey store) in
-#   front of the same trivial endpoint, new keys and replays, needing Redis
+#   front of the same trivial endpoint, new keys, replays and in-flight
+#   duplicates (answered `409`), needing Redis
 #   (REDIS_URL, default redis://127.0.0.1:6379) and the peers built
 #   (bench/rust-peers; bench/run.sh builds them). Each row also gives the
 #   instructions SHA-256's block function took: valgrind does not pass the
@@ -123,7 +124,11 @@ else
       idempotent) start "idempotent (redis)" "$PEERS_BIN/idempotent-peer" --listen 127.0.0.1:0 \
               --store redis --redis-url "$REDIS" --redis-prefix "$prefix-peer" ;;
     esac
-    { measure new /payments new=100; measure replay /payments replay=100; } >> "$work/result.jsonl"
+    {
+      measure new /payments new=100
+      measure replay /payments replay=100
+      measure inflight /payments inflight=100
+    } >> "$work/result.jsonl"
     stop
   done
   # The records the runs left (they would expire by themselves).
