@@ -205,9 +205,7 @@ impl Problem {
     pub fn kind(&self) -> &str {
         &self.kind
     }
-}
 
-impl Problem {
     /// The JSON body.
     pub(crate) fn body(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
