@@ -142,14 +142,25 @@ impl fmt::Display for Fingerprint {
 /// Whether a `Content-Type` value names JSON: `application/json` or any
 /// `+json` structured syntax suffix, parameters ignored, case-insensitive.
 pub fn is_json_media_type(content_type: &str) -> bool {
+    // Compared in place, case-insensitively: no lowercased copy per request.
     let essence = content_type
         .split(';')
         .next()
         .unwrap_or("")
         .trim()
-        .to_ascii_lowercase();
-    essence == "application/json"
-        || (essence.starts_with("application/") && essence.ends_with("+json"))
+        .as_bytes();
+    let Some(subtype) = essence
+        .get(..b"application/".len())
+        .filter(|ty| ty.eq_ignore_ascii_case(b"application/"))
+        .map(|ty| &essence[ty.len()..])
+    else {
+        return false;
+    };
+    subtype.eq_ignore_ascii_case(b"json")
+        || subtype
+            .len()
+            .checked_sub(b"+json".len())
+            .is_some_and(|at| subtype[at..].eq_ignore_ascii_case(b"+json"))
 }
 
 /// Canonicalises a JSON document after RFC 8785 (see the [module
@@ -245,6 +256,56 @@ mod tests {
         assert!(is_json_media_type("application/merge-patch+json"));
         assert!(!is_json_media_type("text/plain"));
         assert!(!is_json_media_type("application/jsonx"));
+    }
+
+    /// The comparison in place answers as the lowercased copy it replaced.
+    #[test]
+    fn json_media_types_as_the_lowercased_copy_said() {
+        fn lowercased(content_type: &str) -> bool {
+            let essence = content_type
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase();
+            essence == "application/json"
+                || (essence.starts_with("application/") && essence.ends_with("+json"))
+        }
+        let cases = [
+            "",
+            " ",
+            ";",
+            "application",
+            "application/",
+            "APPLICATION/",
+            "application/j",
+            "application/json",
+            " Application/Json ",
+            "application/json;",
+            "application/JSON ; q=1",
+            "application/jsonx",
+            "application/json+",
+            "application/+json",
+            "application/+JSON",
+            "application/vnd.api+json",
+            "APPLICATION/VND.API+JSON; charset=utf-8",
+            "application/json+xml",
+            "application+json",
+            "text/json",
+            "text/x+json",
+            "applicatioN/merge-patch+Json",
+            "application/ json",
+            "application /json",
+            "application/\u{e9}+json",
+            "\u{e9}pplication/json",
+            "application/json\u{e9}",
+            "application/\u{2028}json",
+            "\u{a0}application/json",
+            "application/json\u{2028}",
+        ];
+        for ct in cases {
+            assert_eq!(is_json_media_type(ct), lowercased(ct), "{ct:?}");
+        }
     }
 
     #[test]

@@ -177,14 +177,17 @@ impl Policy {
 
     /// Whether a response header is kept for replay (case-insensitive).
     pub fn replays_header(&self, name: &str) -> bool {
-        let name = name.to_ascii_lowercase();
-        if self.not_replayed.contains(&name) {
+        // Every list holds lowercase names (the builder lowercases them):
+        // `name` is compared with each case-insensitively, not copied.
+        let named = |n: &str| n.eq_ignore_ascii_case(name);
+        if self.not_replayed.iter().any(|n| named(n)) {
             return false;
         }
         if self.replay_all {
-            !NOT_REPLAYED_WITH_ALL.contains(&name.as_str())
+            !NOT_REPLAYED_WITH_ALL.iter().any(|n| named(n))
         } else {
-            !NEVER_REPLAYED.contains(&name.as_str()) && self.replayed_headers.contains(&name)
+            !NEVER_REPLAYED.iter().any(|n| named(n))
+                && self.replayed_headers.iter().any(|n| named(n))
         }
     }
 
@@ -452,6 +455,55 @@ mod tests {
         assert!(!p.replays_header("set-cookie"));
         assert!(!p.replays_header("x-other"));
         assert_eq!(Policy::builder().build().unwrap(), p);
+    }
+
+    /// A header's name is matched in any case against every list: the
+    /// allow-list, the names never replayed, and those never replayed with
+    /// every other header.
+    #[test]
+    fn header_names_match_in_any_case() {
+        let listed = Policy::builder()
+            .replay_header("X-Trace")
+            .replay_header("x-cost")
+            .never_replay_header("X-COST")
+            .build()
+            .unwrap();
+        for h in [
+            "x-trace",
+            "X-TRACE",
+            "x-Trace",
+            "CONTENT-TYPE",
+            "Retry-After",
+        ] {
+            assert!(listed.replays_header(h), "{h}");
+        }
+        for h in [
+            "x-cost",
+            "X-Cost",
+            "SET-COOKIE",
+            "Content-Length",
+            "x-trac",
+            "x-tracee",
+            "",
+        ] {
+            assert!(!listed.replays_header(h), "{h}");
+        }
+        let all = Policy::builder()
+            .replay_all_headers()
+            .never_replay_header("x-request-id")
+            .build()
+            .unwrap();
+        for h in ["X-Anything", "WWW-Authenticate", "Location"] {
+            assert!(all.replays_header(h), "{h}");
+        }
+        for h in [
+            "X-Request-ID",
+            "DATE",
+            "Transfer-Encoding",
+            "Idempotent-Replayed",
+        ] {
+            assert!(!all.replays_header(h), "{h}");
+        }
     }
 
     #[test]
