@@ -22,9 +22,13 @@ pub(crate) fn text(v: Option<&Value>) -> Result<String, StoreError> {
 pub(crate) fn number(v: Option<&Value>) -> Result<i64, StoreError> {
     match v {
         Some(Value::Int(n)) => Ok(*n),
-        other => text(other)?
-            .parse()
-            .map_err(|_| StoreError::Corrupt("expected a number in a script reply".into())),
+        // Read where it stands (TIME's two numbers come as strings, on
+        // every first look): no `String` made for it.
+        other => other
+            .and_then(bytes_of)
+            .and_then(|b| std::str::from_utf8(b).ok())
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| StoreError::Corrupt("expected a number in a script reply".into())),
     }
 }
 
@@ -119,6 +123,26 @@ pub(crate) fn decode(fields: &[Value]) -> Result<Record, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_as_integers_or_their_digits() {
+        let bulk = |s: &str| Value::BulkString(s.as_bytes().to_vec());
+        for (v, want) in [
+            (Value::Int(-7), Some(-7)),
+            (bulk("1700000000"), Some(1_700_000_000)),
+            (bulk("-42"), Some(-42)),
+            (Value::SimpleString("999999".into()), Some(999_999)),
+            (bulk(""), None),
+            (bulk("12a"), None),
+            (bulk(" 1"), None),
+            (bulk("99999999999999999999"), None),
+            (Value::BulkString(vec![0xff, b'1']), None),
+            (Value::Nil, None),
+        ] {
+            assert_eq!(number(Some(&v)).ok(), want, "{v:?}");
+        }
+        assert!(number(None).is_err());
+    }
 
     fn field(k: &str, v: &str) -> [Value; 2] {
         [

@@ -444,8 +444,12 @@ impl RedisStore {
             lease,
             retention,
         );
-        let mut set = redis::cmd("SET");
-        set.arg(key)
+        // Made with room for its arguments (a TTL is at most 20 digits),
+        // as are the pipeline's other commands: nothing grows as it is
+        // written, on the path every request takes.
+        let mut set = redis::Cmd::with_capacity(7, key.len() + claim.value.len() + 32);
+        set.arg("SET")
+            .arg(key)
             .arg(&claim.value)
             .arg("NX")
             .arg("GET")
@@ -499,11 +503,14 @@ impl RedisStore {
         read: redis::Cmd,
         key: &str,
     ) -> Result<(Value, KeyClock), StoreError> {
-        let mut pipe = redis::pipe();
+        let mut time = redis::Cmd::with_capacity(1, 4);
+        time.arg("TIME");
+        let mut expires = redis::Cmd::with_capacity(2, 11 + key.len());
+        expires.arg("PEXPIRETIME").arg(key);
+        let mut pipe = redis::Pipeline::with_capacity(3);
         pipe.add_command(read)
-            .cmd("TIME")
-            .cmd("PEXPIRETIME")
-            .arg(key)
+            .add_command(time)
+            .add_command(expires)
             .ignore_errors();
         let mut conn = self.conn.clone();
         let reply: Value = pipe.query_async(&mut conn).await.map_err(store_error)?;
@@ -530,8 +537,8 @@ impl RedisStore {
         &self,
         key: &str,
     ) -> Result<Option<(Option<Record>, UnixMillis)>, StoreError> {
-        let mut get = redis::cmd("GET");
-        get.arg(key);
+        let mut get = redis::Cmd::with_capacity(2, 3 + key.len());
+        get.arg("GET").arg(key);
         let (value, clock) = self.read_with_clock(get, key).await?;
         Ok(read_reply(value, clock)?.map(|record| (record, UnixMillis(clock.now))))
     }

@@ -170,21 +170,53 @@ fn put_str(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
+/// Puts `v` as a string of its decimal digits (`-` first if negative), as
+/// `v.to_string()` spells it, without a `String` made for it.
+fn put_decimal(out: &mut Vec<u8>, v: i64) {
+    // i64::MIN: a sign and 19 digits.
+    let mut buf = [0u8; 20];
+    let mut at = buf.len();
+    let mut n = v.unsigned_abs();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    if v < 0 {
+        at -= 1;
+        buf[at] = b'-';
+    }
+    put_str(out, &buf[at..]);
+}
+
 /// Encodes `parts` as the one value of [`LAYOUT`].
 pub(crate) fn encode(p: &Parts<'_>) -> Vec<u8> {
     encode_layout(LAYOUT, p)
 }
 
 fn encode_layout(layout: i64, p: &Parts<'_>) -> Vec<u8> {
-    let mut out =
-        Vec::with_capacity(96 + p.scope.len() + p.key.len() + p.headers.len() + p.body.len());
+    // Beside the strings' own bytes, at most: the array's head and the
+    // layout (1 + 9), eight strings' heads (8 × 5), the token's digits (20),
+    // the state (1), five integers (5 × 9): 116 bytes. The value is then
+    // written without growing.
+    let mut out = Vec::with_capacity(
+        116 + p.scope.len()
+            + p.key.len()
+            + p.fingerprint.len()
+            + p.operation_id.len()
+            + p.headers.len()
+            + p.body.len(),
+    );
     out.push(0x90 | FIELDS as u8);
     put_int(&mut out, layout);
     put_str(&mut out, p.scope.as_bytes());
     put_str(&mut out, p.key.as_bytes());
     put_str(&mut out, p.fingerprint);
     put_str(&mut out, p.operation_id.as_bytes());
-    put_str(&mut out, p.token.to_string().as_bytes());
+    put_decimal(&mut out, p.token);
     put_str(&mut out, if p.completed { b"c" } else { b"p" });
     put_int(&mut out, p.locked_until);
     put_int(&mut out, p.created_at);
@@ -443,6 +475,55 @@ mod tests {
                 },
                 completed_at: UnixMillis(1_700_000_000_250),
             },
+        }
+    }
+
+    /// A token is spelled as `to_string` spells it, at every width and
+    /// sign; and a value is written into the room made for it at first.
+    #[test]
+    fn tokens_spelled_in_decimal_and_values_written_without_growing() {
+        for token in [
+            0,
+            1,
+            -1,
+            9,
+            10,
+            -10,
+            99,
+            100,
+            1_234_567_890,
+            -987_654_321_012,
+            i64::MAX,
+            i64::MIN,
+            i64::MIN + 1,
+        ] {
+            let mut spelled = Vec::new();
+            put_decimal(&mut spelled, token);
+            let mut want = Vec::new();
+            put_str(&mut want, token.to_string().as_bytes());
+            assert_eq!(spelled, want, "{token}");
+            for long in [0, 31, 32, 256, 65_536] {
+                let text = "s".repeat(long);
+                let p = Parts {
+                    scope: &text,
+                    key: &text,
+                    fingerprint: &[7; 32],
+                    operation_id: &text,
+                    token,
+                    completed: true,
+                    locked_until: i64::MIN,
+                    created_at: i64::MAX,
+                    expires_at: -1,
+                    completed_at: 128,
+                    status: 599,
+                    headers: text.as_bytes(),
+                    body: text.as_bytes(),
+                };
+                let value = encode(&p);
+                // The room `encode` makes: no more is ever written.
+                let room = 116 + 5 * long + 32;
+                assert!(value.len() <= room, "{token}, strings of {long}");
+            }
         }
     }
 
