@@ -295,7 +295,10 @@ impl RedisStore {
         token: FencingToken,
         proposed: OperationId,
     ) -> Result<ClaimOutcome, StoreError> {
-        let op = proposed.0.to_string();
+        // Spelled on the stack (hyphenated, lowercase, as `to_string`
+        // spells it): every request proposes one, replays included.
+        let mut op = [0u8; uuid::fmt::Hyphenated::LENGTH];
+        let op: &str = proposed.0.hyphenated().encode_lower(&mut op);
         let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         let (lease, retention) = (millis(req.lease), millis(req.retention));
         let key = self.record_key(&req.scope, &req.key);
@@ -303,7 +306,7 @@ impl RedisStore {
         // nothing is claimed by it; a replay, or a duplicate of a live
         // claim, is answered by it; the claim script runs only for what it
         // alone can decide (a takeover, a record past its retention).
-        let look = self.first_look(&key, req, &op, token, lease, retention);
+        let look = self.first_look(&key, req, op, token, lease, retention);
         let (record, now) = match look.await? {
             FirstLook::Claimed(claim) => return Ok(ClaimOutcome::Acquired(claim)),
             FirstLook::Read(record, now) => (record, now),
