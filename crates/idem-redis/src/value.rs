@@ -173,23 +173,7 @@ fn put_str(out: &mut Vec<u8>, b: &[u8]) {
 /// Puts `v` as a string of its decimal digits (`-` first if negative), as
 /// `v.to_string()` spells it, without a `String` made for it.
 fn put_decimal(out: &mut Vec<u8>, v: i64) {
-    // i64::MIN: a sign and 19 digits.
-    let mut buf = [0u8; 20];
-    let mut at = buf.len();
-    let mut n = v.unsigned_abs();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    if v < 0 {
-        at -= 1;
-        buf[at] = b'-';
-    }
-    put_str(out, &buf[at..]);
+    put_str(out, itoa::Buffer::new().format(v).as_bytes());
 }
 
 /// Encodes `parts` as the one value of [`LAYOUT`].
