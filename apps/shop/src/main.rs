@@ -148,7 +148,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         )
         .await?,
     );
-    let state = http::AppState {
+    let state = http::AppState::new(http::Shared {
         db: database,
         bank,
         messaging: messaging.clone(),
@@ -165,7 +165,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             .as_ref()
             .map(|s| Arc::from(s.as_bytes())),
         metrics,
-    };
+    });
     let grpc_listener = match &config.grpc_listen {
         Some(at) => Some(
             tokio::net::TcpListener::bind(at)
