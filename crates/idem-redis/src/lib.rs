@@ -260,12 +260,10 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<(Value, Result<(), StoreError>), StoreError> {
         let Some(Waiting { wait, conn }) = &self.waiting else {
-            let mut inv = script.key(key);
-            for a in args {
-                inv.arg(*a);
-            }
             let mut conn = self.conn.clone();
-            let reply: Value = inv.invoke_async(&mut conn).await.map_err(store_error)?;
+            let reply = eval_sha(&mut conn, script, key, args)
+                .await
+                .map_err(store_error)?;
             return Ok((reply, Ok(())));
         };
         let mut eval = redis::cmd("EVAL");
@@ -591,6 +589,39 @@ impl RedisStore {
     }
 }
 
+/// Runs `script` on `key` with `args` by its hash (`EVALSHA`), in a command
+/// made with room for them all; a server that does not know the script
+/// (`NOSCRIPT`: restarted, failed over, or told `SCRIPT FLUSH`) gets it
+/// loaded and run by redis-rs's invocation. That invocation, the usual
+/// way, first copies every argument into a buffer of its own (an
+/// allocation each, the response's body included), then into the command.
+async fn eval_sha(
+    conn: &mut impl redis::aio::ConnectionLike,
+    script: &Script,
+    key: &str,
+    args: &[&[u8]],
+) -> redis::RedisResult<Value> {
+    let hash = script.get_hash();
+    // Each argument's bytes; its length and CRLFs are counted elsewhere.
+    let bytes = "EVALSHA".len() + hash.len() + 1 + key.len();
+    let bytes = bytes + args.iter().map(|a| a.len()).sum::<usize>();
+    let mut eval = redis::Cmd::with_capacity(4 + args.len(), bytes);
+    eval.arg("EVALSHA").arg(hash).arg(1).arg(key);
+    for a in args {
+        eval.arg(*a);
+    }
+    match eval.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            let mut inv = script.key(key);
+            for a in args {
+                inv.arg(*a);
+            }
+            inv.invoke_async(conn).await
+        }
+        answered => answered,
+    }
+}
+
 /// A record read as one value, by the clock read with it: `Some(None)` if
 /// the key holds nothing (or was gone by the time its expiry was read: it
 /// expired, or was deleted, in between); `None` if it holds a hash (the
@@ -652,11 +683,11 @@ impl Store for RedisStore {
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
-            let (tok, status) = (claim.token.0.to_string(), response.status.to_string());
+            let (mut tok, mut status) = (itoa::Buffer::new(), itoa::Buffer::new());
             let headers = response.encode_headers();
             let args: [&[u8]; 4] = [
-                tok.as_bytes(),
-                status.as_bytes(),
+                tok.format(claim.token.0).as_bytes(),
+                status.format(response.status).as_bytes(),
                 &headers,
                 response.body.as_ref(),
             ];
@@ -677,17 +708,18 @@ impl Store for RedisStore {
     fn release<'a>(&'a self, claim: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             let mut conn = self.conn.clone();
-            let done: i64 = self
-                .release
-                .key(self.record_key(&claim.scope, &claim.key))
-                .arg(claim.token.0)
-                .invoke_async(&mut conn)
+            let mut tok = itoa::Buffer::new();
+            let key = self.record_key(&claim.scope, &claim.key);
+            let args: [&[u8]; 1] = [tok.format(claim.token.0).as_bytes()];
+            let done = eval_sha(&mut conn, &self.release, &key, &args)
                 .await
                 .map_err(store_error)?;
-            if done == 1 {
-                Ok(())
-            } else {
-                Err(StoreError::ClaimLost)
+            match done {
+                Value::Int(1) => Ok(()),
+                Value::Int(_) => Err(StoreError::ClaimLost),
+                _ => Err(StoreError::Corrupt(
+                    "unexpected reply from the release script".into(),
+                )),
             }
         })
     }

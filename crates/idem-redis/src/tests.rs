@@ -196,3 +196,109 @@ async fn a_records_key_is_spelled_as_before() {
         format!("{prefix}:{{efb16b3e64f3fe0ebb9b03cba9fcaab7e92a5ab33d2df6c1a1f0a2de86242c98}}")
     );
 }
+
+/// A script the server has never seen runs all the same: `EVALSHA` is
+/// refused (`NOSCRIPT`), the script is loaded, and it runs once with the
+/// same key and arguments.
+#[tokio::test]
+async fn a_script_the_server_does_not_know_is_loaded_and_run_once() {
+    let store = store().await;
+    let key = store.record_key("s", "script-once");
+    // Unknown to the server: its source names this run.
+    let source = format!(
+        "-- {}\nreturn {{redis.call('INCR', KEYS[1]), ARGV[1], ARGV[2]}}",
+        uuid::Uuid::new_v4()
+    );
+    let script = Script::new(&source);
+    let mut conn = store.conn.clone();
+    let known = |conn: &mut Conn| {
+        let mut conn = conn.clone();
+        let hash = script.get_hash().to_owned();
+        async move {
+            redis::cmd("SCRIPT")
+                .arg("EXISTS")
+                .arg(hash)
+                .query_async::<Vec<i64>>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(known(&mut conn).await, [0]);
+    let args: [&[u8]; 2] = [b"a", b"\x00\xffb"];
+    let first = eval_sha(&mut conn, &script, &key, &args).await.unwrap();
+    assert_eq!(known(&mut conn).await, [1], "loaded by the fallback");
+    let second = eval_sha(&mut conn, &script, &key, &args).await.unwrap();
+    let expect = |n| {
+        Value::Array(vec![
+            Value::Int(n),
+            Value::BulkString(b"a".to_vec()),
+            Value::BulkString(b"\x00\xffb".to_vec()),
+        ])
+    };
+    // Once each: the refused `EVALSHA` ran nothing.
+    assert_eq!(first, expect(1));
+    assert_eq!(second, expect(2));
+    store.clear().await.unwrap();
+}
+
+/// The store's own scripts, flushed from the server (as a restart or a
+/// failover to a replica without them would), are loaded again: a
+/// completion and a release after a flush both land.
+#[tokio::test]
+async fn completion_and_release_survive_a_script_flush() {
+    let store = store().await;
+    let claim_of = |key: &str| ClaimRequest {
+        scope: "s".into(),
+        key: key.into(),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(600),
+    };
+    let flush = || {
+        let mut conn = store.conn.clone();
+        async move {
+            redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query_async::<()>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    let ClaimOutcome::Acquired(done) = store.claim(&claim_of("done")).await.unwrap() else {
+        panic!("a new key is claimed");
+    };
+    let ClaimOutcome::Acquired(freed) = store.claim(&claim_of("freed")).await.unwrap() else {
+        panic!("a new key is claimed");
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: bytes::Bytes::from_static(b"{\"id\":1}"),
+    };
+    flush().await;
+    store.complete(&done, &response).await.unwrap();
+    flush().await;
+    store.release(&freed).await.unwrap();
+
+    let record = store.get("s", "done").await.unwrap().expect("the record");
+    match record.state {
+        RecordState::Completed { response: got, .. } => assert_eq!(got, response),
+        other => panic!("completed, not {other:?}"),
+    }
+    // Released: the key is claimed again at once, under the same
+    // operation id.
+    match store.claim(&claim_of("freed")).await.unwrap() {
+        ClaimOutcome::Acquired(again) => assert_eq!(again.operation_id, freed.operation_id),
+        other => panic!("claimed again, not {other:?}"),
+    }
+    // A completion or release under a stale token is still refused.
+    assert!(matches!(
+        store.complete(&freed, &response).await,
+        Err(StoreError::ClaimLost)
+    ));
+    assert!(matches!(
+        store.release(&done).await,
+        Err(StoreError::ClaimLost)
+    ));
+    store.clear().await.unwrap();
+}
