@@ -261,7 +261,7 @@ impl RedisStore {
     ) -> Result<(Value, Result<(), StoreError>), StoreError> {
         let Some(Waiting { wait, conn }) = &self.waiting else {
             let mut conn = self.conn.clone();
-            let reply = eval_sha(&mut conn, script, key, args)
+            let reply = eval_sha(&mut conn, script, source, key, args)
                 .await
                 .map_err(store_error)?;
             return Ok((reply, Ok(())));
@@ -577,46 +577,54 @@ impl RedisStore {
             return Ok(());
         };
         let mut conn = self.conn.clone();
-        let _: i64 = self
-            .cache_put
-            .key(self.record_key(&record.scope, &record.key))
-            .arg(value)
-            .arg(record.expires_at.0)
-            .invoke_async(&mut conn)
+        let key = self.record_key(&record.scope, &record.key);
+        let mut expires = itoa::Buffer::new();
+        let args: [&[u8]; 2] = [&value, expires.format(record.expires_at.0).as_bytes()];
+        match eval_sha(&mut conn, &self.cache_put, scripts::CACHE_PUT, &key, &args)
             .await
-            .map_err(store_error)?;
-        Ok(())
+            .map_err(store_error)?
+        {
+            Value::Int(_) => Ok(()),
+            _ => Err(StoreError::Corrupt(
+                "unexpected reply from the cache script".into(),
+            )),
+        }
     }
 }
 
-/// Runs `script` on `key` with `args` by its hash (`EVALSHA`), in a command
-/// made with room for them all; a server that does not know the script
-/// (`NOSCRIPT`: restarted, failed over, or told `SCRIPT FLUSH`) gets it
-/// loaded and run by redis-rs's invocation. That invocation, the usual
-/// way, first copies every argument into a buffer of its own (an
-/// allocation each, the response's body included), then into the command.
+/// Runs `script` (whose source is `source`) on `key` with `args` by its
+/// hash (`EVALSHA`), in a command made with room for them all. A server
+/// that does not know the script (`NOSCRIPT`: restarted, failed over, or
+/// told `SCRIPT FLUSH`) gets its source (`EVAL`), which runs it and keeps it
+/// for the next `EVALSHA`: one command, so no flush can come between the
+/// script's loading and its run. (redis-rs's invocation loads, then runs,
+/// and first copies every argument into a buffer of its own: an allocation
+/// each, the response's body included.)
 async fn eval_sha(
     conn: &mut impl redis::aio::ConnectionLike,
     script: &Script,
+    source: &str,
     key: &str,
     args: &[&[u8]],
 ) -> redis::RedisResult<Value> {
-    let hash = script.get_hash();
-    // Each argument's bytes; its length and CRLFs are counted elsewhere.
-    let bytes = "EVALSHA".len() + hash.len() + 1 + key.len();
-    let bytes = bytes + args.iter().map(|a| a.len()).sum::<usize>();
-    let mut eval = redis::Cmd::with_capacity(4 + args.len(), bytes);
-    eval.arg("EVALSHA").arg(hash).arg(1).arg(key);
-    for a in args {
-        eval.arg(*a);
-    }
-    match eval.query_async(conn).await {
+    let command = |name: &str, body: &str| {
+        // Each argument's bytes; their lengths and CRLFs are counted by
+        // the command as it is written.
+        let bytes = name.len() + body.len() + 1 + key.len();
+        let bytes = bytes + args.iter().map(|a| a.len()).sum::<usize>();
+        let mut cmd = redis::Cmd::with_capacity(4 + args.len(), bytes);
+        cmd.arg(name).arg(body).arg(1).arg(key);
+        for a in args {
+            cmd.arg(*a);
+        }
+        cmd
+    };
+    match command("EVALSHA", script.get_hash())
+        .query_async(conn)
+        .await
+    {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-            let mut inv = script.key(key);
-            for a in args {
-                inv.arg(*a);
-            }
-            inv.invoke_async(conn).await
+            command("EVAL", source).query_async(conn).await
         }
         answered => answered,
     }
@@ -711,7 +719,7 @@ impl Store for RedisStore {
             let mut tok = itoa::Buffer::new();
             let key = self.record_key(&claim.scope, &claim.key);
             let args: [&[u8]; 1] = [tok.format(claim.token.0).as_bytes()];
-            let done = eval_sha(&mut conn, &self.release, &key, &args)
+            let done = eval_sha(&mut conn, &self.release, scripts::RELEASE, &key, &args)
                 .await
                 .map_err(store_error)?;
             match done {

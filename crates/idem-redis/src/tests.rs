@@ -29,15 +29,27 @@ async fn a_claim_sent_twice_is_won_twice_not_a_conflict_with_itself() {
     let token = FencingToken::generate();
     let claim_once = || {
         let mut conn = store.conn.clone();
-        let mut inv = store.claim.key(&key);
-        inv.arg("s")
-            .arg("k")
-            .arg(b"fp".as_slice())
-            .arg(OperationId::generate().0.to_string())
-            .arg(token.0)
-            .arg(30_000)
-            .arg(600_000);
-        async move { inv.invoke_async::<Vec<Value>>(&mut conn).await.unwrap() }
+        let (op, tok) = (OperationId::generate().0.to_string(), token.0.to_string());
+        let key = key.clone();
+        let store = &store;
+        async move {
+            let args: [&[u8]; 7] = [
+                b"s",
+                b"k",
+                b"fp",
+                op.as_bytes(),
+                tok.as_bytes(),
+                b"30000",
+                b"600000",
+            ];
+            let reply = eval_sha(&mut conn, &store.claim, scripts::CLAIM, &key, &args)
+                .await
+                .unwrap();
+            let Value::Array(reply) = reply else {
+                panic!("an array, not {reply:?}")
+            };
+            reply
+        }
     };
     let first = claim_once().await;
     let again = claim_once().await;
@@ -198,11 +210,17 @@ async fn a_records_key_is_spelled_as_before() {
 }
 
 /// A script the server has never seen runs all the same: `EVALSHA` is
-/// refused (`NOSCRIPT`), the script is loaded, and it runs once with the
-/// same key and arguments.
+/// refused (`NOSCRIPT`), the source is sent (`EVAL`), the script runs once
+/// with the same key and arguments and is kept for the next `EVALSHA`.
+/// Then the store's own scripts, flushed from the server (as a restart, or
+/// a failover to a replica without them, would): a completion and a
+/// release after a flush both land. One test, so that no other test of
+/// this binary flushes the scripts while the first part counts them.
 #[tokio::test]
-async fn a_script_the_server_does_not_know_is_loaded_and_run_once() {
+async fn scripts_the_server_does_not_know_run_once() {
     let store = store().await;
+    let mut conn = store.conn.clone();
+
     let key = store.record_key("s", "script-once");
     // Unknown to the server: its source names this run.
     let source = format!(
@@ -210,7 +228,6 @@ async fn a_script_the_server_does_not_know_is_loaded_and_run_once() {
         uuid::Uuid::new_v4()
     );
     let script = Script::new(&source);
-    let mut conn = store.conn.clone();
     let known = |conn: &mut Conn| {
         let mut conn = conn.clone();
         let hash = script.get_hash().to_owned();
@@ -225,9 +242,13 @@ async fn a_script_the_server_does_not_know_is_loaded_and_run_once() {
     };
     assert_eq!(known(&mut conn).await, [0]);
     let args: [&[u8]; 2] = [b"a", b"\x00\xffb"];
-    let first = eval_sha(&mut conn, &script, &key, &args).await.unwrap();
-    assert_eq!(known(&mut conn).await, [1], "loaded by the fallback");
-    let second = eval_sha(&mut conn, &script, &key, &args).await.unwrap();
+    let first = eval_sha(&mut conn, &script, &source, &key, &args)
+        .await
+        .unwrap();
+    assert_eq!(known(&mut conn).await, [1], "kept by EVAL");
+    let second = eval_sha(&mut conn, &script, &source, &key, &args)
+        .await
+        .unwrap();
     let expect = |n| {
         Value::Array(vec![
             Value::Int(n),
@@ -238,15 +259,7 @@ async fn a_script_the_server_does_not_know_is_loaded_and_run_once() {
     // Once each: the refused `EVALSHA` ran nothing.
     assert_eq!(first, expect(1));
     assert_eq!(second, expect(2));
-    store.clear().await.unwrap();
-}
 
-/// The store's own scripts, flushed from the server (as a restart or a
-/// failover to a replica without them would), are loaded again: a
-/// completion and a release after a flush both land.
-#[tokio::test]
-async fn completion_and_release_survive_a_script_flush() {
-    let store = store().await;
     let claim_of = |key: &str| ClaimRequest {
         scope: "s".into(),
         key: key.into(),
