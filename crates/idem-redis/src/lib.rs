@@ -266,13 +266,9 @@ impl RedisStore {
                 .map_err(store_error)?;
             return Ok((reply, Ok(())));
         };
-        let mut eval = redis::cmd("EVAL");
-        eval.arg(source).arg(1).arg(key);
-        for a in args {
-            eval.arg(*a);
-        }
         let mut pipe = redis::pipe();
-        pipe.add_command(eval).add_command(wait_cmd(*wait));
+        pipe.add_command(script_command("EVAL", source, key, args))
+            .add_command(wait_cmd(*wait));
         let mut conn = conn.clone();
         let (reply, acked): (Value, i64) =
             pipe.query_async(&mut conn).await.map_err(store_error)?;
@@ -607,27 +603,29 @@ async fn eval_sha(
     key: &str,
     args: &[&[u8]],
 ) -> redis::RedisResult<Value> {
-    let command = |name: &str, body: &str| {
-        // Each argument's bytes; their lengths and CRLFs are counted by
-        // the command as it is written.
-        let bytes = name.len() + body.len() + 1 + key.len();
-        let bytes = bytes + args.iter().map(|a| a.len()).sum::<usize>();
-        let mut cmd = redis::Cmd::with_capacity(4 + args.len(), bytes);
-        cmd.arg(name).arg(body).arg(1).arg(key);
-        for a in args {
-            cmd.arg(*a);
-        }
-        cmd
-    };
-    match command("EVALSHA", script.get_hash())
-        .query_async(conn)
-        .await
-    {
+    let by_hash = script_command("EVALSHA", script.get_hash(), key, args);
+    match by_hash.query_async(conn).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-            command("EVAL", source).query_async(conn).await
+            script_command("EVAL", source, key, args)
+                .query_async(conn)
+                .await
         }
         answered => answered,
     }
+}
+
+/// `EVAL` or `EVALSHA` (`name`) of `script` (its source or hash) on `key`
+/// with `args`, made with room for every argument's bytes (their lengths
+/// and CRLFs are counted as the command is written).
+fn script_command(name: &str, script: &str, key: &str, args: &[&[u8]]) -> redis::Cmd {
+    let bytes = name.len() + script.len() + 1 + key.len();
+    let bytes = bytes + args.iter().map(|a| a.len()).sum::<usize>();
+    let mut cmd = redis::Cmd::with_capacity(4 + args.len(), bytes);
+    cmd.arg(name).arg(script).arg(1).arg(key);
+    for a in args {
+        cmd.arg(*a);
+    }
+    cmd
 }
 
 /// A record read as one value, by the clock read with it: `Some(None)` if
