@@ -1105,9 +1105,11 @@ async fn run_with(mode: Mode, chaos: Chaos) {
         );
         return;
     }
+    // The summary last: a report that keeps only the end of the output
+    // (a CI log's tail) still shows what ran and how many went wrong.
     assert!(
         violations.is_empty(),
-        "{summary}\nthe faults: {faults_seen}\n{}",
+        "{}\nthe faults: {faults_seen}\n{summary}",
         violations
             .iter()
             .take(30)

@@ -1,18 +1,63 @@
 //! A Redis key prefix of one test's own, its keys deleted after it.
 
+use std::time::Duration;
+
 /// The Redis the tests use (`IDEM_TEST_REDIS_URL`, by default the local one).
 pub fn redis_url() -> String {
     std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
 }
 
-/// Deletes every key under `prefix:` on the Redis at `url`, one key at a
-/// time (a cluster node refuses a `DEL` across slots), with `redis-cli`.
+/// Deletes every key under `prefix:` on the Redis at `url` (best effort:
+/// a server that cannot be reached is left as it is). The keys are found
+/// by `SCAN`, a thousand slots at a time, so the server answers other
+/// clients in between: `KEYS` would hold the shared server for as long as
+/// reading its whole keyspace takes (a fifth of a second per million keys
+/// here), while the tests running beside this one wait. One `DEL` per key:
+/// a cluster node refuses a `DEL` across slots.
 pub fn clear_prefix(url: &str, prefix: &str) {
-    let _ = std::process::Command::new("redis-cli")
-        .args(["-u", url, "EVAL"])
-        .arg("for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end")
-        .args(["0", &format!("{prefix}:*")])
-        .output();
+    let Ok(client) = redis::Client::open(url) else {
+        return;
+    };
+    let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(5)) else {
+        return;
+    };
+    let pattern = format!("{}:*", glob_escaped(prefix));
+    let mut cursor: u64 = 0;
+    loop {
+        let found: redis::RedisResult<(u64, Vec<Vec<u8>>)> = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query(&mut conn);
+        let Ok((next, keys)) = found else {
+            return;
+        };
+        if !keys.is_empty() {
+            let mut pipe = redis::pipe();
+            for key in &keys {
+                pipe.cmd("DEL").arg(key).ignore();
+            }
+            let _: redis::RedisResult<()> = pipe.query(&mut conn);
+        }
+        if next == 0 {
+            return;
+        }
+        cursor = next;
+    }
+}
+
+/// `s` with the characters `SCAN`'s pattern gives a meaning escaped.
+fn glob_escaped(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// A key prefix of one test's own on [`redis_url`]; its keys are deleted
@@ -35,5 +80,72 @@ impl TestPrefix {
 impl Drop for TestPrefix {
     fn drop(&mut self) {
         clear_prefix(&redis_url(), &self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn() -> redis::Connection {
+        redis::Client::open(redis_url())
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(5)))
+            .expect("the tests' Redis (bash scripts/test starts it)")
+    }
+
+    fn count(conn: &mut redis::Connection, pattern: &str) -> usize {
+        let mut cursor: u64 = 0;
+        let mut n = 0;
+        loop {
+            let (next, keys): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(1000)
+                .query(conn)
+                .unwrap();
+            n += keys.len();
+            if next == 0 {
+                return n;
+            }
+            cursor = next;
+        }
+    }
+
+    /// Every key under the prefix goes, over several `SCAN` pages; keys of
+    /// a prefix that merely starts the same way, or holds a glob character
+    /// the pattern must not read as one, stay.
+    #[test]
+    fn clears_its_prefix_and_nothing_else() {
+        let base = format!("clear-{}", uuid::Uuid::new_v4().simple());
+        let mine = format!("{base}[x]");
+        let mut conn = conn();
+        let mut pipe = redis::pipe();
+        for i in 0..2_500 {
+            pipe.cmd("SET").arg(format!("{mine}:{i}")).arg(i).ignore();
+        }
+        // `[x]` read as a class would match `x`: this key must stay.
+        pipe.cmd("SET").arg(format!("{base}x:1")).arg(1).ignore();
+        pipe.cmd("SET")
+            .arg(format!("{mine}-other:1"))
+            .arg(1)
+            .ignore();
+        let () = pipe.query(&mut conn).unwrap();
+
+        clear_prefix(&redis_url(), &mine);
+
+        assert_eq!(count(&mut conn, &format!("{}:*", glob_escaped(&mine))), 0);
+        let kept: Vec<Option<i64>> = redis::cmd("MGET")
+            .arg(format!("{base}x:1"))
+            .arg(format!("{mine}-other:1"))
+            .query(&mut conn)
+            .unwrap();
+        assert_eq!(kept, [Some(1), Some(1)]);
+        let () = redis::cmd("DEL")
+            .arg(format!("{base}x:1"))
+            .arg(format!("{mine}-other:1"))
+            .query(&mut conn)
+            .unwrap();
     }
 }
