@@ -35,7 +35,8 @@ cleanup() {
   kill $(jobs -p) 2>/dev/null || true
   wait 2>/dev/null || true
   psql "$PG" -qc "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" >/dev/null 2>&1 || true
-  redis-cli -u "$REDIS" EVAL "for _, k in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', k) end" 0 "$PREFIX:*" >/dev/null 2>&1 || true
+  # SCAN, not KEYS: KEYS holds a shared server while it reads every key.
+  redis-cli -u "$REDIS" --scan --pattern "$PREFIX:*" | xargs -r -n 1000 redis-cli -u "$REDIS" DEL >/dev/null 2>&1 || true
   rm -rf "$out"
 }
 trap cleanup EXIT
