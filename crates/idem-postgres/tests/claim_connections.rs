@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use idem_core::{ClaimOutcome, ClaimRequest, Store, StoreError};
-use idem_postgres::{PostgresStore, TableName, IDLE_CHECK_AFTER};
+use idem_postgres::{PostgresStore, SqlRecords, TableName, IDLE_CHECK_AFTER};
 use idem_test_support::postgres::{database_url, TestSchema};
 
 fn request(key: &str) -> ClaimRequest {
@@ -68,4 +68,104 @@ async fn a_claim_connection_that_died_is_replaced_not_kept() {
         .await
         .expect("checked, then replaced");
     assert!(matches!(outcome, ClaimOutcome::Acquired(_)), "{outcome:?}");
+}
+
+/// A store on `pool`, its table migrated in a schema of its own.
+async fn store_on(pool: sqlx::PgPool, schema: &TestSchema) -> PostgresStore {
+    let table = TableName::new(Some(schema.name()), "idem_records").unwrap();
+    let store = PostgresStore::new(pool, table).expect("store");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// A pool of `n` connections that waits at most a second for one.
+async fn small_pool(n: u32) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(n)
+        .acquire_timeout(Duration::from_secs(1))
+        .connect(&database_url())
+        .await
+        .expect("pool")
+}
+
+/// On a pool of one connection no claim keeps it: the application's
+/// transaction after a claim gets the connection at once.
+#[tokio::test]
+async fn a_pool_of_one_keeps_no_claim_connection() {
+    let schema = TestSchema::create("idem_claim_pool1").await;
+    let store = store_on(small_pool(1).await, &schema).await;
+    for key in ["a", "b"] {
+        assert!(matches!(
+            store.claim(&request(key)).await.unwrap(),
+            ClaimOutcome::Acquired(_)
+        ));
+        let conn = store.pool().acquire().await;
+        assert!(conn.is_ok(), "after claiming {key}: {conn:?}");
+    }
+}
+
+/// On a pool of two, two claims running at once (one held up by a row
+/// another session inserted and has not committed) leave one connection
+/// kept and the other to the application.
+#[tokio::test]
+async fn a_small_pool_keeps_a_connection_for_the_application() {
+    use sqlx::Connection;
+
+    let schema = TestSchema::create("idem_claim_pool2").await;
+    let store = store_on(small_pool(2).await, &schema).await;
+    let table = store.table().qualified();
+    let mut blocker = sqlx::PgConnection::connect(&database_url()).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {table} (scope, key, fingerprint, operation_id, token, state,
+                              locked_until, created_at, expires_at)
+         VALUES ('s', 'held', sha256('x'::bytea), gen_random_uuid(), 1, 'in_progress',
+                 now(), now(), now() + interval '1 hour')"
+    ))
+    .execute(&mut blocker)
+    .await
+    .unwrap();
+
+    let store = std::sync::Arc::new(store);
+    let held = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&request("held")).await }
+    });
+    // The held claim waits on the uncommitted row, on a connection of its own.
+    let waiting = async {
+        loop {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%WITH seen AS%' AND query LIKE $1",
+            )
+            .bind(format!("%{table}%"))
+            .fetch_one(&mut blocker)
+            .await
+            .unwrap();
+            if n > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the claim of `held` waits on the uncommitted row");
+    // The other claim runs on the pool's second connection.
+    assert!(matches!(
+        store.claim(&request("free")).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+    blocker.close().await.unwrap();
+    assert!(matches!(
+        held.await.unwrap().unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+
+    let conn = store.pool().acquire().await;
+    assert!(
+        conn.is_ok(),
+        "both claim connections kept, none for the application: {conn:?}"
+    );
 }

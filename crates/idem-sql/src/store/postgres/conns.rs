@@ -10,6 +10,10 @@
 //! `max_connections`; never detached, so the server sees no more
 //! connections than the pool allows). A connection whose statement failed
 //! goes back to the pool, which checks it and closes it if it is broken.
+//! At least one of the pool's connections is never kept: a pool of four or
+//! fewer keeps one less than it has (a pool of one keeps none), so the
+//! application's own transactions always have a connection to take, where
+//! claims kept checked out would otherwise hold the whole pool idle.
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -24,7 +28,8 @@ use super::IDLE_CHECK_AFTER;
 
 /// At most this many claims run at once on one store, each one statement;
 /// more wait for a connection (within the pool's acquire time-out). They
-/// are the pool's, so the rest of it stays for the business transactions.
+/// are the pool's, so the rest of it stays for the business transactions;
+/// a pool of this many or fewer keeps one less than it has for claims.
 pub const CLAIM_CONNECTIONS: usize = 4;
 
 #[derive(Debug)]
@@ -39,6 +44,9 @@ pub(crate) struct ClaimConnections {
 pub(crate) struct Checkout<'a> {
     conn: PoolConnection<Postgres>,
     home: &'a ClaimConnections,
+    /// How many connections may be kept for claims: [`CLAIM_CONNECTIONS`],
+    /// fewer in a pool too small to spare them.
+    keep_at_most: usize,
     _permit: SemaphorePermit<'a>,
 }
 
@@ -47,10 +55,13 @@ impl Checkout<'_> {
         &mut self.conn
     }
 
-    /// Gives the connection back for the next claim.
+    /// Keeps the connection for the next claim, or, if as many as the pool
+    /// can spare are kept already, gives it back to the pool.
     pub(crate) fn keep(self) {
         if let Ok(mut idle) = self.home.idle.lock() {
-            idle.push((self.conn, Instant::now()));
+            if idle.len() < self.keep_at_most {
+                idle.push((self.conn, Instant::now()));
+            }
         }
     }
 }
@@ -67,6 +78,8 @@ impl ClaimConnections {
     /// a new one from the pool.
     pub(crate) async fn checkout(&self, pool: &PgPool) -> Result<Checkout<'_>, sqlx::Error> {
         let timeout = pool.options().get_acquire_timeout();
+        let spare = pool.options().get_max_connections().saturating_sub(1);
+        let keep_at_most = CLAIM_CONNECTIONS.min(usize::try_from(spare).unwrap_or(usize::MAX));
         let permit = tokio::time::timeout(timeout, self.permits.acquire())
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)?
@@ -79,6 +92,7 @@ impl ClaimConnections {
                 return Ok(Checkout {
                     conn,
                     home: self,
+                    keep_at_most,
                     _permit: permit,
                 });
             };
@@ -86,6 +100,7 @@ impl ClaimConnections {
                 return Ok(Checkout {
                     conn,
                     home: self,
+                    keep_at_most,
                     _permit: permit,
                 });
             }
