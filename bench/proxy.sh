@@ -36,7 +36,7 @@ cleanup() {
   wait 2>/dev/null || true
   psql "$PG" -qc "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" >/dev/null 2>&1 || true
   # SCAN, not KEYS: KEYS holds a shared server while it reads every key.
-  redis-cli -u "$REDIS" --scan --pattern "$PREFIX:*" | xargs -r -n 1000 redis-cli -u "$REDIS" DEL >/dev/null 2>&1 || true
+  redis-cli -u "$REDIS" --scan --pattern "$PREFIX:*" | xargs -r -d '\n' -n 1000 redis-cli -u "$REDIS" DEL >/dev/null 2>&1 || true
   rm -rf "$out"
 }
 trap cleanup EXIT

@@ -78,11 +78,11 @@ async fn store_on(pool: sqlx::PgPool, schema: &TestSchema) -> PostgresStore {
     store
 }
 
-/// A pool of `n` connections that waits at most a second for one.
+/// A pool of `n` connections that waits at most five seconds for one.
 async fn small_pool(n: u32) -> sqlx::PgPool {
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(n)
-        .acquire_timeout(Duration::from_secs(1))
+        .acquire_timeout(Duration::from_secs(5))
         .connect(&database_url())
         .await
         .expect("pool")
@@ -131,7 +131,11 @@ async fn a_small_pool_keeps_a_connection_for_the_application() {
         let store = store.clone();
         async move { store.claim(&request("held")).await }
     });
-    // The held claim waits on the uncommitted row, on a connection of its own.
+    // The held claim waits on the uncommitted row, on a connection of its
+    // own. Watched from a session outside any transaction: inside one,
+    // PostgreSQL shows the sessions' statements as they were at its first
+    // look, for the rest of it.
+    let mut watcher = sqlx::PgConnection::connect(&database_url()).await.unwrap();
     let waiting = async {
         loop {
             let n: i64 = sqlx::query_scalar(
@@ -139,7 +143,7 @@ async fn a_small_pool_keeps_a_connection_for_the_application() {
                  WHERE wait_event_type = 'Lock' AND query LIKE '%WITH seen AS%' AND query LIKE $1",
             )
             .bind(format!("%{table}%"))
-            .fetch_one(&mut blocker)
+            .fetch_one(&mut watcher)
             .await
             .unwrap();
             if n > 0 {
@@ -158,6 +162,7 @@ async fn a_small_pool_keeps_a_connection_for_the_application() {
     ));
     sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
     blocker.close().await.unwrap();
+    watcher.close().await.unwrap();
     assert!(matches!(
         held.await.unwrap().unwrap(),
         ClaimOutcome::Acquired(_)

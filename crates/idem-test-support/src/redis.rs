@@ -21,6 +21,14 @@ pub fn clear_prefix(url: &str, prefix: &str) {
     let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(5)) else {
         return;
     };
+    // A server that stops answering is left as it is, not waited on.
+    if conn.set_read_timeout(Some(Duration::from_secs(5))).is_err()
+        || conn
+            .set_write_timeout(Some(Duration::from_secs(5)))
+            .is_err()
+    {
+        return;
+    }
     // The pattern is the prefix up to its first character `SCAN` would
     // read as a wildcard; the keys it finds are then kept only if they
     // are under the prefix itself.
@@ -100,13 +108,25 @@ mod tests {
         let mut conn = conn();
         let mut pipe = redis::pipe();
         for i in 0..2_500 {
-            pipe.cmd("SET").arg(format!("{mine}:{i}")).arg(i).ignore();
+            pipe.cmd("SET")
+                .arg(format!("{mine}:{i}"))
+                .arg(i)
+                .arg("EX")
+                .arg(600)
+                .ignore();
         }
         // `[x]` read as a class would match `x`: this key must stay.
-        pipe.cmd("SET").arg(format!("{base}x:1")).arg(1).ignore();
+        pipe.cmd("SET")
+            .arg(format!("{base}x:1"))
+            .arg(1)
+            .arg("EX")
+            .arg(600)
+            .ignore();
         pipe.cmd("SET")
             .arg(format!("{mine}-other:1"))
             .arg(1)
+            .arg("EX")
+            .arg(600)
             .ignore();
         let () = pipe.query(&mut conn).unwrap();
 

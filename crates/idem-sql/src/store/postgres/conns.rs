@@ -13,7 +13,9 @@
 //! At least one of the pool's connections is never kept: a pool of four or
 //! fewer keeps one less than it has (a pool of one keeps none), so the
 //! application's own transactions always have a connection to take, where
-//! claims kept checked out would otherwise hold the whole pool idle.
+//! claims kept checked out would otherwise hold the whole pool idle. (The
+//! bound is each store's: two stores on one small pool keep up to that many
+//! each.)
 
 use std::sync::Mutex;
 use std::time::Instant;
