@@ -444,7 +444,8 @@ async fn oversized_bodies_are_answered_413_not_cut_off() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_alone_settles_racing_duplicates_too() {
     let db = Db::sqlite();
-    let prefix = format!("shop-alone-{}", uuid::Uuid::new_v4().simple());
+    // Its keys deleted when the test ends, after the shop's.
+    let prefix = common::RedisPrefix::new("alone");
     let shop = Shop::start(
         &db,
         &[
@@ -453,7 +454,7 @@ async fn redis_alone_settles_racing_duplicates_too() {
             "--redis-url",
             "redis://127.0.0.1:6379",
             "--redis-prefix",
-            &prefix,
+            &prefix.0,
         ],
     )
     .await;

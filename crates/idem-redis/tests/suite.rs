@@ -277,6 +277,9 @@ async fn clearing_a_prefix_with_pattern_characters_clears_only_it() {
         1,
         "another prefix's key stays"
     );
+    // Cleared here, on this runtime (the guard's clear, from a runtime of
+    // its own, can find the connection's driver stopped with this one).
+    assert_eq!(other.clear().await.unwrap(), 1);
 }
 
 /// `wait_replicas` on a cluster: the script and its `WAIT` go to the
