@@ -277,8 +277,8 @@ async fn clearing_a_prefix_with_pattern_characters_clears_only_it() {
         1,
         "another prefix's key stays"
     );
-    // Cleared here, on this runtime (the guard's clear, from a runtime of
-    // its own, can find the connection's driver stopped with this one).
+    // Cleared here, on this runtime: the guard's clear (from a runtime of
+    // its own, in `Drop`) was seen to leave this key behind.
     assert_eq!(other.clear().await.unwrap(), 1);
 }
 
