@@ -366,16 +366,26 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         };
         let started = self.decide_step(name, index).await;
         if matches!(started, Ok(_) | Err(StepError::OutOfOrder { .. })) {
-            let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
-            if names.len() != index {
+            let taken = {
+                let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+                let taken = names.len() != index;
+                if !taken {
+                    names.push(name.to_owned());
+                }
+                taken
+            };
+            if taken {
                 // Another step took the position meanwhile: steps run one
-                // after another, never at once.
+                // after another, never at once. A claim this call made is
+                // let go now, not left to the operation's lease.
+                if let Ok(StepStart::Run(step)) = &started {
+                    self.release_step(step).await;
+                }
                 return Err(StepError::OutOfOrder {
                     index,
                     name: name.to_owned(),
                 });
             }
-            names.push(name.to_owned());
         }
         started
     }

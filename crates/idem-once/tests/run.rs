@@ -597,3 +597,98 @@ mod redis {
         run_suite!(super::make());
     }
 }
+
+/// Two steps started at once on one run: the one refused lets go of any
+/// step claim it made, so a retry of the run starts that step at once
+/// rather than waiting for it as if it were still running.
+mod steps_at_once {
+    use idem_core::{
+        BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, Store, StoreError, StoredResponse,
+    };
+    use idem_memory::MemoryStore;
+
+    use crate::*;
+
+    /// The memory store, but the first step claim (a key other than the
+    /// run's) answers only after a while: made at once, heard of late, so
+    /// that the step started beside it is decided first.
+    #[derive(Debug)]
+    struct FirstStepAnswersLate {
+        inner: MemoryStore,
+        step_claims: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Store for FirstStepAnswersLate {
+        fn claim<'a>(
+            &'a self,
+            r: &'a ClaimRequest,
+        ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
+            Box::pin(async move {
+                let outcome = self.inner.claim(r).await;
+                if r.key != "k" && self.step_claims.fetch_add(1, Ordering::SeqCst) == 0 {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                outcome
+            })
+        }
+        fn complete<'a>(
+            &'a self,
+            c: &'a Claim,
+            r: &'a StoredResponse,
+        ) -> BoxFuture<'a, Result<(), StoreError>> {
+            self.inner.complete(c, r)
+        }
+        fn release<'a>(&'a self, c: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
+            self.inner.release(c)
+        }
+        fn get<'a>(
+            &'a self,
+            s: &'a str,
+            k: &'a str,
+        ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
+            self.inner.get(s, k)
+        }
+        fn sweep(&self, b: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+            self.inner.sweep(b)
+        }
+    }
+
+    #[tokio::test]
+    async fn the_step_refused_lets_its_claim_go() {
+        let store = FirstStepAnswersLate {
+            inner: MemoryStore::new(),
+            step_claims: Default::default(),
+        };
+        let runner = Runner::new(store, Policy::default());
+        let first = runner
+            .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                let (a, b) = tokio::join!(
+                    op.start_step::<u8, String>("a"),
+                    op.start_step::<u8, String>("b")
+                );
+                assert!(
+                    matches!(a, Err(StepError::OutOfOrder { index: 0, .. })),
+                    "{a:?}"
+                );
+                assert!(
+                    matches!(b, Err(StepError::OutOfOrder { index: 0, .. })),
+                    "{b:?}"
+                );
+                Err("steps at once".to_owned())?
+            })
+            .await;
+        assert!(matches!(first, Err(RunError::Failed(_))), "{first:?}");
+        // The retry runs "a" (the claim the first attempt made and let go),
+        // where it would wait for it and then be told it is in flight.
+        let second = runner
+            .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                let v = op
+                    .step("a", async |_| -> Result<u8, String> { Ok(7) })
+                    .await
+                    .map_err(|e| format!("{e:?}"))?;
+                Ok(v)
+            })
+            .await;
+        assert_eq!(second.unwrap(), Outcome::Fresh(7));
+    }
+}
