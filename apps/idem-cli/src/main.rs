@@ -327,9 +327,33 @@ impl Target {
 /// The store `target` names, its table made if missing: SQLite, PostgreSQL
 /// or MySQL, with Redis in front of it when `--redis-url` is set (tiered:
 /// the database decides), or Redis alone (`--database-url redis://…`).
+/// What is wrong with `target` before any connection is tried: an unknown
+/// kind of URL, or flags that do not apply to it.
+fn target_problem(target: &Target) -> Option<String> {
+    let url = &target.database_url;
+    if url.starts_with("redis://") || url.starts_with("rediss://") {
+        return target.redis_url.is_some().then(|| {
+            "--redis-url puts Redis in front of a SQL database; with a redis:// --database-url, Redis alone holds the records: drop --redis-url".to_owned()
+        });
+    }
+    match DialectKind::of_url(url) {
+        None => Some(format!(
+            "unsupported database URL {:?}: use sqlite:FILE, postgres://…, mysql://… or redis://…",
+            redact(url)
+        )),
+        Some(DialectKind::Sqlite) if target.schema.is_some() || target.table != "idem_records" => {
+            Some("--schema and --table apply to PostgreSQL and MySQL only".to_owned())
+        }
+        Some(_) => None,
+    }
+}
+
 async fn open_store(target: &Target) -> Result<Arc<dyn Store>, Failure> {
     use idem_sql::SqlRecords;
     let url = &target.database_url;
+    if let Some(problem) = target_problem(target) {
+        return Err(problem.into());
+    }
     if url.starts_with("redis://") || url.starts_with("rediss://") {
         let mut config = target.redis_config(url);
         if let Some(w) = target.wait_replicas {

@@ -22,6 +22,10 @@ use tokio::io::AsyncReadExt;
 /// The most stdout a run keeps for its replays.
 pub(crate) const MAX_STDOUT: usize = 1 << 20;
 
+/// How long stdout is still read once the command exited (a process it
+/// left in the background may hold the pipe open for ever).
+const STDOUT_AFTER_EXIT: Duration = Duration::from_secs(1);
+
 /// Exit statuses of `idem once` itself (sysexits.h), besides the command's.
 pub(crate) mod exit {
     /// `--key` or `--scope` is malformed (EX_USAGE).
@@ -146,16 +150,46 @@ enum Failed {
 
 /// Runs `idem once`.
 pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
-    let store = open(&args).await?;
+    let say = |message: String| eprintln!("idem once: {message}");
+    // What is wrong with the command line is said before any connection,
+    // whether or not the store answers.
+    if let Err(why) = idem_once::check_run_key(&args.scope, &args.key) {
+        say(format!("invalid --key or --scope: {why}"));
+        return Ok(ExitCode::from(exit::USAGE));
+    }
+    if let Some(problem) = crate::target_problem(&target(&args)) {
+        say(problem);
+        return Ok(ExitCode::from(exit::USAGE));
+    }
+    let lease = Duration::from_millis(args.lease_ms);
+    let retention = Duration::from_secs(args.ttl_secs);
+    if retention <= lease {
+        say(format!(
+            "--ttl-secs ({}) is not longer than --lease-ms ({} ms): a result is kept {} ms, so that no record ends while its run may still hold it",
+            args.ttl_secs,
+            args.lease_ms,
+            args.lease_ms + 1
+        ));
+    }
     let mut policy = Policy::builder()
-        .lease(Duration::from_millis(args.lease_ms))
-        .retention(
-            Duration::from_secs(args.ttl_secs).max(Duration::from_millis(args.lease_ms + 1)),
-        );
+        .lease(lease)
+        .retention(retention.max(lease + Duration::from_millis(1)));
     if args.wait_ms > 0 {
         policy = policy.wait_for_in_flight(Duration::from_millis(args.wait_ms));
     }
-    let runner = Runner::new(store, policy.build()?);
+    let policy = policy.build()?;
+    let store = match open(&args).await {
+        Ok(store) => store,
+        Err(e) => {
+            say(format!("the store is unavailable; nothing ran: {e}"));
+            return Ok(ExitCode::from(exit::UNAVAILABLE));
+        }
+    };
+    // A store that stops answering (a partition) fails each call within
+    // the policy's time limit, rather than hanging the run.
+    let store: Arc<dyn Store> =
+        Arc::new(idem_once::BoundedStore::new(store, policy.store_timeout()));
+    let runner = Runner::new(store, policy);
     let input: Vec<Arg> = args
         .command
         .iter()
@@ -171,7 +205,6 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
             execute(op, command, store_failures).await
         })
         .await;
-    let say = |message: String| eprintln!("idem once: {message}");
     Ok(ExitCode::from(match result {
         Ok(Outcome::Fresh(ran)) => ran.status,
         Ok(Outcome::Replayed(ran)) => replay(&args, &ran, "succeeded"),
@@ -325,10 +358,19 @@ async fn execute(
             .map_err(|e| not_run(NotRun::NotStarted(format!("cannot watch signals: {e}"))))?;
         signals.push((stream, number));
     }
+    // The command runs in a process group of its own, which is not the
+    // terminal's foreground group: reading a terminal would stop it (until
+    // its lease ran out). A terminal is not passed on: reading stdin, it
+    // finds the end at once.
+    let stdin = if std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+        Stdio::null()
+    } else {
+        Stdio::inherit()
+    };
     let mut child = tokio::process::Command::new(program)
         .args(rest)
         .env("IDEM_OPERATION_ID", op.id().to_string())
-        .stdin(Stdio::inherit())
+        .stdin(stdin)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .process_group(0)
@@ -364,8 +406,23 @@ async fn execute(
         }
     };
     let ran = async {
-        copy.await;
-        child.wait().await
+        // The command's exit ends the run, not the end of its stdout: a
+        // process it left running in the background may hold the pipe open
+        // long after. Once it exited, what is already in the pipe is read
+        // for a moment more, then the pipe is let go.
+        let mut copy = std::pin::pin!(copy);
+        let mut copied = false;
+        let status = tokio::select! {
+            status = child.wait() => status,
+            () = &mut copy => {
+                copied = true;
+                child.wait().await
+            }
+        };
+        if !copied {
+            let _ = tokio::time::timeout(STDOUT_AFTER_EXIT, &mut copy).await;
+        }
+        status
     };
     let stopped = async {
         let waits = signals.iter_mut().map(|(stream, number)| {
@@ -380,11 +437,11 @@ async fn execute(
     let status = tokio::select! {
         status = ran => status,
         () = tokio::time::sleep(lease) => {
-            kill_group(group);
+            kill_group(group, exit::LEASE_RAN_OUT);
             return Err(not_run(NotRun::LeaseRanOut));
         }
         number = stopped => {
-            kill_group(group);
+            kill_group(group, u8::try_from(128 + number).unwrap_or(1));
             return Err(not_run(NotRun::Stopped(number)));
         }
     };
@@ -427,23 +484,32 @@ where
 }
 
 /// Kills the command's process group (the command and whatever it
-/// started), with `kill(1)`: no unsafe code here.
-fn kill_group(group: Option<u32>) {
-    let Some(group) = group else {
+/// started). If that fails, `idem once` exits with `status` at once,
+/// without letting the key go: the key is left to its lease, as after a
+/// crash, so that no other host starts the command beside what may still
+/// run here.
+fn kill_group(group: Option<u32>, status: u8) {
+    let Some(pid) = group
+        .and_then(|g| i32::try_from(g).ok())
+        .and_then(rustix::process::Pid::from_raw)
+    else {
         return;
     };
-    let killed = std::process::Command::new("kill")
-        .args(["-KILL", "--", &format!("-{group}")])
-        .stderr(Stdio::null())
-        .status();
-    if !killed.is_ok_and(|s| s.success()) {
-        eprintln!("idem once: could not kill process group {group}; kill it by hand");
+    match rustix::process::kill_process_group(pid, rustix::process::Signal::KILL) {
+        // ESRCH: no process is left in the group; nothing runs.
+        Ok(()) | Err(rustix::io::Errno::SRCH) => {}
+        Err(e) => {
+            eprintln!(
+                "idem once: could not kill process group {pid} ({e}); the key is left held until its lease ends. Kill the group by hand"
+            );
+            std::process::exit(i32::from(status));
+        }
     }
 }
 
-/// The store `args` name, its table made if missing.
-async fn open(args: &OnceArgs) -> Result<Arc<dyn Store>, crate::Failure> {
-    crate::open_store(&crate::Target {
+/// The store `args` name.
+fn target(args: &OnceArgs) -> crate::Target {
+    crate::Target {
         database_url: args.database_url.clone(),
         schema: args.schema.clone(),
         table: args.table.clone(),
@@ -453,6 +519,10 @@ async fn open(args: &OnceArgs) -> Result<Arc<dyn Store>, crate::Failure> {
         connections: 2,
         wait_replicas: None,
         sqlite_synchronous_normal: false,
-    })
-    .await
+    }
+}
+
+/// The store `args` name, its table made if missing.
+async fn open(args: &OnceArgs) -> Result<Arc<dyn Store>, crate::Failure> {
+    crate::open_store(&target(args)).await
 }

@@ -64,6 +64,7 @@ fn text(b: &[u8]) -> String {
 
 /// The whole of `idem once`'s contract on the store `url` names.
 fn exercise(url: &str) {
+    a_background_process_does_not_hold_the_run(url);
     let dir = tempfile::tempdir().unwrap();
     let cmd = counting(dir.path(), "report done");
     let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
@@ -385,6 +386,93 @@ fn the_command_never_outlives_the_claim(url: &str) {
     }
     let out = rerun.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(124), "{}", text(&out.stderr));
+}
+
+/// A command that leaves a process running in the background, which
+/// keeps its stdout open: `idem once` ends with the command (its status and
+/// stdout stored), not with the background process.
+fn a_background_process_does_not_hold_the_run(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("background.pid");
+    // Its stderr is let go (the test reads `idem once`'s to its end); its
+    // stdout is the pipe `idem once` reads.
+    let script = format!(
+        "sleep 60 2>/dev/null & echo $! > '{}'; echo started",
+        pid_file.display()
+    );
+    let started = Instant::now();
+    let out = once(url, "with-a-daemon", &[], &["sh", "-c", &script]);
+    let took = started.elapsed();
+    if let Ok(pid) = std::fs::read_to_string(&pid_file) {
+        let _ = Command::new("kill").arg(pid.trim()).status();
+    }
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "started\n");
+    // The background `sleep` holds the pipe for a minute; the run ended
+    // with the command.
+    assert!(took < Duration::from_secs(30), "idem once waited {took:?}");
+    let again = once(url, "with-a-daemon", &[], &["sh", "-c", &script]);
+    assert_eq!(again.status.code(), Some(0), "{}", text(&again.stderr));
+    assert_eq!(text(&again.stdout), "started\n");
+    assert!(
+        text(&again.stderr).contains("replayed"),
+        "{}",
+        text(&again.stderr)
+    );
+}
+
+/// A store that cannot be reached exits 69 with nothing run; a malformed
+/// key or URL exits 64 whether or not the store answers.
+#[test]
+fn an_unreachable_store_exits_69_and_a_bad_command_line_64() {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran");
+    let touch = format!("touch '{}'", marker.display());
+    for url in [
+        format!("postgres://postgres@127.0.0.1:{port}/test"),
+        format!("mysql://root@127.0.0.1:{port}/test"),
+        format!("redis://127.0.0.1:{port}"),
+    ] {
+        let out = once(&url, "nightly", &[], &["sh", "-c", &touch]);
+        assert_eq!(out.status.code(), Some(69), "{url}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains("unavailable"),
+            "{}",
+            text(&out.stderr)
+        );
+        assert!(!marker.exists(), "{url}: the command ran");
+        let out = once(&url, "two words", &[], &["sh", "-c", &touch]);
+        assert_eq!(out.status.code(), Some(64), "{url}: {}", text(&out.stderr));
+    }
+    let out = once("ftp://example.com/x", "nightly", &[], &["true"]);
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
+    let redis_twice = idem(
+        "redis://127.0.0.1:6379",
+        &[
+            "once",
+            "--scope",
+            "cron",
+            "--key",
+            "k",
+            "--redis-url",
+            "redis://127.0.0.1:6379",
+            "--",
+            "true",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(
+        redis_twice.status.code(),
+        Some(64),
+        "{}",
+        text(&redis_twice.stderr)
+    );
+    assert!(!marker.exists());
 }
 
 mod sqlite {

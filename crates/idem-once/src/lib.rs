@@ -63,4 +63,4 @@ pub use operation::{
     step_key, step_record_key, Operation, Step, StepError, StepStart, MAX_STEP_NAME,
     STEP_NAME_HEADER,
 };
-pub use run::{fingerprint, Failure, Outcome, RunError, Runner};
+pub use run::{check_run_key, fingerprint, Failure, Outcome, RunError, Runner};

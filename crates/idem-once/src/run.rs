@@ -486,22 +486,31 @@ pub fn fingerprint<I: Serialize + ?Sized>(input: &I) -> Result<Fingerprint, serd
     ))
 }
 
+/// Checks a run's scope and key as [`Runner::run`] does, without a store:
+/// why they would be refused ([`RunError::InvalidKey`]), if they would.
+///
 /// Run keys follow the `Idempotency-Key` header's rules: 1 to 255 visible
 /// ASCII characters (so no key a run makes for its steps, which hold
-/// spaces, can collide with one).
-fn check_key<E>(scope: &str, key: &str) -> Result<(), RunError<E>> {
+/// spaces, can collide with one); the scope is not empty.
+///
+/// ```
+/// assert!(idem_once::check_run_key("jobs", "nightly-2026-12-01").is_ok());
+/// assert!(idem_once::check_run_key("jobs", "two words").is_err());
+/// assert!(idem_once::check_run_key("", "k").is_err());
+/// ```
+pub fn check_run_key(scope: &str, key: &str) -> Result<(), &'static str> {
     if scope.is_empty() {
-        return Err(RunError::InvalidKey("the scope is empty"));
+        return Err("the scope is empty");
     }
-    if key.is_empty() || key.len() > idem_core::MAX_KEY_LEN {
-        return Err(RunError::InvalidKey(
-            "a key is 1 to 255 visible ASCII characters",
-        ));
-    }
-    if !key.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(RunError::InvalidKey(
-            "a key is 1 to 255 visible ASCII characters",
-        ));
+    if key.is_empty()
+        || key.len() > idem_core::MAX_KEY_LEN
+        || !key.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err("a key is 1 to 255 visible ASCII characters");
     }
     Ok(())
+}
+
+fn check_key<E>(scope: &str, key: &str) -> Result<(), RunError<E>> {
+    check_run_key(scope, key).map_err(RunError::InvalidKey)
 }
