@@ -332,9 +332,7 @@ impl Target {
 fn target_problem(target: &Target) -> Option<String> {
     let url = &target.database_url;
     if url.starts_with("redis://") || url.starts_with("rediss://") {
-        return target.redis_url.is_some().then(|| {
-            "--redis-url puts Redis in front of a SQL database; with a redis:// --database-url, Redis alone holds the records: drop --redis-url".to_owned()
-        });
+        return None;
     }
     match DialectKind::of_url(url) {
         None => Some(format!(
@@ -355,6 +353,13 @@ async fn open_store(target: &Target) -> Result<Arc<dyn Store>, Failure> {
         return Err(problem.into());
     }
     if url.starts_with("redis://") || url.starts_with("rediss://") {
+        if target.redis_url.is_some() {
+            // Not refused: REDIS_URL is often set for every process of a
+            // host. Said, so that nobody believes in a tier that is not.
+            eprintln!(
+                "idem: --redis-url (or REDIS_URL) is not used: with a redis:// --database-url, Redis alone holds the records"
+            );
+        }
         let mut config = target.redis_config(url);
         if let Some(w) = target.wait_replicas {
             config = config.wait_replicas(w.replicas, w.timeout);

@@ -450,28 +450,6 @@ fn an_unreachable_store_exits_69_and_a_bad_command_line_64() {
     }
     let out = once("ftp://example.com/x", "nightly", &[], &["true"]);
     assert_eq!(out.status.code(), Some(64), "{}", text(&out.stderr));
-    let redis_twice = idem(
-        "redis://127.0.0.1:6379",
-        &[
-            "once",
-            "--scope",
-            "cron",
-            "--key",
-            "k",
-            "--redis-url",
-            "redis://127.0.0.1:6379",
-            "--",
-            "true",
-        ],
-    )
-    .output()
-    .unwrap();
-    assert_eq!(
-        redis_twice.status.code(),
-        Some(64),
-        "{}",
-        text(&redis_twice.stderr)
-    );
     assert!(!marker.exists());
 }
 
