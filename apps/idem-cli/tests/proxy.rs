@@ -856,17 +856,6 @@ fn bad_flags_are_refused_at_start() {
             vec![
                 "--upstream",
                 "http://svc",
-                "--lease-ms",
-                "1200",
-                "--upstream-timeout-ms",
-                "1001",
-            ],
-            "5/6 of --lease-ms",
-        ),
-        (
-            vec![
-                "--upstream",
-                "http://svc",
                 "--database-url",
                 "sqlite::memory:",
             ],
@@ -916,4 +905,85 @@ fn bad_flags_are_refused_at_start() {
         assert_eq!(out.status.code(), Some(2), "{flags:?}: {stderr}");
         assert!(stderr.contains(says), "{flags:?}: {stderr}");
     }
+}
+
+/// Flags that can work but not as asked are said at start, and the proxy
+/// runs: an upstream time-out beyond 5/6 of the lease is brought down to
+/// it, a TTL at or below the lease raised just above it.
+#[tokio::test]
+async fn flags_brought_within_the_lease_are_said_and_work() {
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("proxy")
+        .args(["--listen", "127.0.0.1:0", "--upstream", &upstream.url])
+        .args(&records.args)
+        .args([
+            "--lease-ms",
+            "1200",
+            "--upstream-timeout-ms",
+            "60000",
+            "--ttl-secs",
+            "1",
+        ])
+        .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let url = listening(&mut child, "idem proxy");
+    let mut proxy = Running(child);
+    // The upstream answers after 5 s; the proxy gives it 1 s (5/6 of the
+    // lease), not the minute asked for.
+    let slow = post(&url, "/slow", "alice", "slow-1", "{}")
+        .header("x-test-delay-ms", "5000")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(&slow, 504);
+    let _ = proxy.0.kill();
+    let _ = proxy.0.wait();
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut proxy.0.stderr.take().unwrap(), &mut said).unwrap();
+    assert!(said.contains("--upstream-timeout-ms (60000)"), "{said}");
+    assert!(said.contains("--ttl-secs (1)"), "{said}");
+}
+
+/// An answer over `--max-response-body` whose status frees the key anyway
+/// (a 5xx, a 429) passes its status on and frees the key: the retry
+/// reaches the upstream again at once, where a 2xx that large holds it.
+#[tokio::test]
+async fn a_large_answer_that_frees_the_key_frees_it() {
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(&records, &upstream.url, &["--max-response-body", "1000"]);
+    let p = proxy.url.as_str();
+    for (status, key) in [("503", "big-503"), ("429", "big-429")] {
+        for attempt in 1..=2 {
+            let answer = post(p, &format!("/{key}"), "alice", key, "{}")
+                .header("x-test-status", status)
+                .header("x-test-body-bytes", "5000")
+                .send()
+                .await
+                .unwrap();
+            assert_problem(&answer, status.parse().unwrap());
+            assert_eq!(upstream.deliveries(&format!("/{key}")).await.len(), attempt);
+        }
+    }
+    // A 2xx that large: the upstream acted, its answer cannot be kept, so
+    // the key stays held (until its lease) rather than be delivered again.
+    let held = post(p, "/big-201", "alice", "big-201", "{}")
+        .header("x-test-body-bytes", "5000")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(&held, 502);
+    let again = post(p, "/big-201", "alice", "big-201", "{}")
+        .header("x-test-body-bytes", "5000")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(&again, 409);
+    assert_eq!(upstream.deliveries("/big-201").await.len(), 1);
 }

@@ -109,6 +109,9 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         n = json.loads(out)["n"]
+        if self.headers.get("x-test-body-bytes"):
+            # An answer of this many bytes.
+            out = b"x" * int(self.headers.get("x-test-body-bytes"))
         extra = [
             ("Location", "/things/%d" % n),
             ("ETag", '"%d"' % n),

@@ -263,6 +263,21 @@ impl Upstream {
                 let too_large = e
                     .downcast_ref::<http_body_util::LengthLimitError>()
                     .is_some();
+                if too_large
+                    && (parts.status.is_server_error() || RELEASED.contains(&parts.status.as_u16()))
+                {
+                    // An answer that frees the key anyway: its status is
+                    // known, and passed on without its body.
+                    return Ended::Answered(problem(
+                        parts.status,
+                        "upstream-answer-too-large",
+                        "The upstream's answer is larger than the proxy passes on",
+                        format!(
+                            "it answered {} with more than --max-response-body ({} bytes); the key is free again",
+                            parts.status, self.max_answer
+                        ),
+                    ));
+                }
                 return Ended::Unknown(if too_large {
                     format!(
                         "its answer is larger than --max-response-body ({} bytes)",

@@ -108,8 +108,9 @@ pub(crate) struct ProxyArgs {
     #[arg(long, env = "IDEM_MAX_BODY", default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     pub(crate) max_body: u64,
     /// The longest wait for the upstream's answer (default: 5/6 of the
-    /// lease, at most 25 s). At most 5/6 of `--lease-ms`: a delivery is
-    /// over, with time to spare, before a retry may take its key over.
+    /// lease, at most 25 s). More than 5/6 of `--lease-ms` is brought down
+    /// to it (and said at start): a delivery is over, with time to spare,
+    /// before a retry may take its key over.
     #[arg(long, env = "IDEM_UPSTREAM_TIMEOUT_MS", value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
     pub(crate) upstream_timeout_ms: Option<u64>,
     /// How long an idle connection to the upstream is kept for reuse; keep
@@ -201,6 +202,14 @@ impl ProxyArgs {
     /// The claims' policy.
     fn policy(&self) -> Result<Policy, crate::Failure> {
         let lease = Duration::from_millis(self.lease_ms);
+        if Duration::from_secs(self.ttl_secs) <= lease {
+            eprintln!(
+                "idem proxy: --ttl-secs ({}) is not longer than --lease-ms ({} ms): answers are kept {} ms, so that no record ends while its request may still hold it",
+                self.ttl_secs,
+                self.lease_ms,
+                self.lease_ms + 1
+            );
+        }
         let mut policy = Policy::builder()
             .lease(lease)
             .retention(Duration::from_secs(self.ttl_secs).max(lease + Duration::from_millis(1)))
@@ -219,17 +228,22 @@ impl ProxyArgs {
             .map_err(|e| format!("--no-replay-header: {e}").into())
     }
 
-    /// How long to wait for the upstream: below the lease, always.
-    fn upstream_timeout(&self) -> Result<Duration, crate::Failure> {
+    /// How long to wait for the upstream: below the lease, always. A
+    /// longer `--upstream-timeout-ms` is brought down to 5/6 of the lease
+    /// (and said): a retry may take a key over when its lease ends, and the
+    /// first delivery must be over by then.
+    fn upstream_timeout(&self) -> Duration {
         let most = self.lease_ms * 5 / 6;
         match self.upstream_timeout_ms {
-            Some(ms) if ms > most => Err(format!(
-                "--upstream-timeout-ms ({ms}) must be at most 5/6 of --lease-ms ({most} of {}): a retry may take a key over when its lease ends, and the first delivery must be over by then",
-                self.lease_ms
-            )
-            .into()),
-            Some(ms) => Ok(Duration::from_millis(ms)),
-            None => Ok(Duration::from_millis(most.min(25_000))),
+            Some(ms) if ms > most => {
+                eprintln!(
+                    "idem proxy: --upstream-timeout-ms ({ms}) is more than 5/6 of --lease-ms ({most} of {}): the upstream is given {most} ms, so that a delivery is over before a retry may take its key over; raise --lease-ms for more",
+                    self.lease_ms
+                );
+                Duration::from_millis(most)
+            }
+            Some(ms) => Duration::from_millis(ms),
+            None => Duration::from_millis(most.min(25_000)),
         }
     }
 
@@ -264,7 +278,7 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
         .try_init();
     let policy = args.policy()?;
     let methods = args.methods()?;
-    let timeout = args.upstream_timeout()?;
+    let timeout = args.upstream_timeout();
     let url = &args.database_url;
     if url.starts_with("sqlite:") && (url.contains(":memory:") || url.contains("mode=memory")) {
         return Err("--database-url: an in-memory SQLite database loses every record when the proxy stops (and is not shared by its connections); give a file, sqlite:FILE".into());
