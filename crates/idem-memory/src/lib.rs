@@ -81,6 +81,10 @@ impl MemoryStore {
                     token,
                     locked_until,
                 };
+                // Kept for at least another retention: an answer the
+                // takeover completes late is kept, not lost with a record
+                // already due to expire.
+                record.expires_at = record.expires_at.max(now.plus(req.retention));
                 return ClaimOutcome::Acquired(Claim {
                     scope: req.scope.clone(),
                     key: req.key.clone(),

@@ -85,8 +85,11 @@ if r[10] <= now and (r[7] == 'c' or r[8] <= now) then
   return fresh()
 end
 if r[7] == 'p' and r[8] <= now and r[4] == ARGV[3] then
+  -- A takeover keeps the record for at least another retention: an answer
+  -- it completes late is kept, not lost with a key already due to expire.
   r[6] = ARGV[5]
   r[8] = lease_until
+  r[10] = math.max(r[10], now + tonumber(ARGV[7]))
   redis.call('SET', KEYS[1], cmsgpack.pack(r), 'PXAT', math.max(r[10], lease_until))
   return {'won', r[5], tostring(lease_until), '1'}
 end

@@ -145,6 +145,40 @@ pub async fn retention_makes_key_new_again<S: Store>(store: S) {
     assert!(matches!(rec.state, RecordState::InProgress { .. }));
 }
 
+/// A takeover near the end of a record's retention keeps the record for
+/// another retention from the takeover: the answer it completes is
+/// replayed after the first retention would have ended, where otherwise the
+/// key would be new again and the work run once more under a new
+/// operation id.
+pub async fn a_takeover_keeps_the_record_another_retention<S: Store>(store: S) {
+    let retention = Duration::from_secs(3);
+    let lease = Duration::from_secs(1);
+    let start = tokio::time::Instant::now();
+    let r = request("scope-a", "k-late", r#"{"amount":1}"#, lease, retention);
+    let first = acquired(store.claim(&r).await.unwrap());
+    // The holder dies; a retry takes over late in the retention.
+    tokio::time::sleep_until(start + Duration::from_millis(2500)).await;
+    let second = acquired(store.claim(&r).await.unwrap());
+    let taken_over = tokio::time::Instant::now();
+    assert!(second.takeover);
+    assert_eq!(second.operation_id, first.operation_id);
+    store
+        .complete(&second, &response("{\"late\":1}"))
+        .await
+        .unwrap();
+    // Past the first retention, well within one from the takeover.
+    tokio::time::sleep_until(start + retention + Duration::from_millis(300)).await;
+    assert!(
+        taken_over.elapsed() < retention - Duration::from_millis(500),
+        "the machine stalled past the case's margin"
+    );
+    let rec = store.get("scope-a", "k-late").await.unwrap();
+    let rec = rec.expect("the completed record outlives the first retention");
+    assert!(matches!(rec.state, RecordState::Completed { .. }));
+    let replay = existing(store.claim(&r).await.unwrap());
+    assert_eq!(replay.operation_id, first.operation_id);
+}
+
 /// Sweep deletes expired records in bounded batches and nothing else.
 pub async fn sweep_removes_only_expired_in_batches<S: Store>(store: S) {
     let short = Duration::from_millis(400);

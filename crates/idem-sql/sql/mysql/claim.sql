@@ -5,8 +5,9 @@
 -- `SELECT … FOR UPDATE` of a missing row, which would take a gap lock.
 -- Assignments run left to right, each seeing the ones before: the first
 -- decides (into `token`), the rest follow from it. Past its retention the
--- record is replaced whole; a takeover keeps its fingerprint, operation id
--- and retention.
+-- record is replaced whole; a takeover keeps its fingerprint and operation
+-- id, and the record for at least another retention (an answer the
+-- takeover completes late is kept).
 -- $1 scope, $2 key, $3 fingerprint, $4 proposed operation id, $5 new
 -- token, $6 lease (ms), $7 retention (ms).
 INSERT INTO {table}
@@ -20,7 +21,7 @@ ON DUPLICATE KEY UPDATE
     fingerprint  = IF(token = VALUES(token) AND expires_at <= {now}, VALUES(fingerprint),  fingerprint),
     operation_id = IF(token = VALUES(token) AND expires_at <= {now}, VALUES(operation_id), operation_id),
     created_at   = IF(token = VALUES(token) AND expires_at <= {now}, VALUES(created_at),   created_at),
-    expires_at   = IF(token = VALUES(token) AND expires_at <= {now}, VALUES(expires_at),   expires_at),
+    expires_at   = IF(token = VALUES(token), GREATEST(expires_at, VALUES(expires_at)), expires_at),
     state        = IF(token = VALUES(token), 'in_progress',        state),
     locked_until = IF(token = VALUES(token), VALUES(locked_until), locked_until),
     completed_at = IF(token = VALUES(token), NULL, completed_at),

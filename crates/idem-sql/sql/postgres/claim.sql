@@ -10,11 +10,14 @@ WITH claimed AS (
         token        = excluded.token,
         locked_until = excluded.locked_until,
         state        = 'in_progress',
-        -- past its retention the record is replaced whole; a takeover keeps it
+        -- past its retention the record is replaced whole; a takeover keeps
+        -- it, for at least another retention (so that an answer the
+        -- takeover completes late is still kept: a retry after it must not
+        -- find the key new, and run again under a new operation id)
         fingerprint  = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint  ELSE r.fingerprint  END,
         operation_id = CASE WHEN r.expires_at <= now() THEN excluded.operation_id ELSE r.operation_id END,
         created_at   = CASE WHEN r.expires_at <= now() THEN excluded.created_at   ELSE r.created_at   END,
-        expires_at   = CASE WHEN r.expires_at <= now() THEN excluded.expires_at   ELSE r.expires_at   END,
+        expires_at   = greatest(r.expires_at, excluded.expires_at),
         completed_at = NULL,
         status       = NULL,
         headers      = NULL,

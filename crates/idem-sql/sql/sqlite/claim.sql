@@ -12,11 +12,12 @@ ON CONFLICT (scope, key) DO UPDATE SET
     token        = excluded.token,
     locked_until = excluded.locked_until,
     state        = 'in_progress',
-    -- past its retention the record is replaced whole; a takeover keeps it
+    -- past its retention the record is replaced whole; a takeover keeps it,
+    -- for at least another retention (an answer it completes late is kept)
     fingerprint  = iif({table}.expires_at <= {now}, excluded.fingerprint,  {table}.fingerprint),
     operation_id = iif({table}.expires_at <= {now}, excluded.operation_id, {table}.operation_id),
     created_at   = iif({table}.expires_at <= {now}, excluded.created_at,   {table}.created_at),
-    expires_at   = iif({table}.expires_at <= {now}, excluded.expires_at,   {table}.expires_at),
+    expires_at   = max({table}.expires_at, excluded.expires_at),
     completed_at = NULL,
     status       = NULL,
     headers      = NULL,
