@@ -11,7 +11,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tonic::{body::Body, Code, Status};
 
 /// The request metadata naming the message's compression.
-const GRPC_ENCODING: &str = "grpc-encoding";
+pub(crate) const GRPC_ENCODING: &str = "grpc-encoding";
 
 /// The encodings whose messages the layer can read.
 pub(crate) const READABLE_ENCODINGS: &str = "identity,gzip,deflate";
@@ -133,8 +133,8 @@ fn inflate(decoder: impl Read, max: usize) -> Result<Bytes, FrameError> {
     Ok(Bytes::from(out))
 }
 
-/// `bytes` as one uncompressed gRPC message frame.
-#[cfg(test)]
+/// `bytes` as one uncompressed gRPC message frame (a message within the
+/// layer's body limit, so its length fits the prefix).
 pub(crate) fn framed(bytes: &[u8]) -> Bytes {
     let mut out = Vec::with_capacity(bytes.len() + 5);
     out.push(0);

@@ -156,17 +156,29 @@ where
             Ok(bytes) => bytes,
             Err(e) => return Ok(answer::refuse(e.into_status())),
         };
-        let canonical = frame::message(&parts.headers, &bytes, max)
+        let read = frame::message(&parts.headers, &bytes, max)
             .map_err(frame::FrameError::into_status)
-            .and_then(|message| (guarded.read)(&parts, &message));
-        let canonical = match canonical {
-            Ok(canonical) => canonical,
+            .and_then(|message| Ok(((guarded.read)(&parts, &message)?, message)));
+        let (canonical, message) = match read {
+            Ok(read) => read,
             Err(status) => {
                 count(Outcome::Invalid);
                 debug!(code = ?status.code(), "refused before the claim; nothing stored");
                 return Ok(answer::refuse(status));
             }
         };
+        // The service gets the message as the layer read it: uncompressed,
+        // with no `grpc-encoding`. An encoding the layer reads but the
+        // service was not built to accept (or a header naming one on an
+        // uncompressed frame) would otherwise be refused by the service
+        // after the claim, and that refusal stored and replayed.
+        let mut parts = parts;
+        let bytes =
+            if parts.headers.remove(frame::GRPC_ENCODING).is_some() && bytes.first() == Some(&1) {
+                frame::framed(&message)
+            } else {
+                bytes
+            };
         let fingerprint = Fingerprint::of_request(
             "GRPC",
             parts.uri.path(),

@@ -122,9 +122,13 @@ pub(crate) struct Config {
 }
 
 impl Config {
-    /// Whether the metadata entry `name` is stored and replayed.
+    /// Whether the metadata entry `name` is stored and replayed: named by
+    /// [`IdempotencyLayer::replay_metadata`], and not one that is never
+    /// replayed whatever is asked ([`idem_core::policy::NEVER_REPLAYED`]: a cookie,
+    /// a credential, what belongs to one connection), as over HTTP.
     pub(crate) fn replays(&self, name: &str) -> bool {
         self.replayed_metadata.iter().any(|n| n == name)
+            && !idem_core::policy::NEVER_REPLAYED.contains(&name)
     }
 }
 
@@ -165,6 +169,12 @@ impl IdempotencyLayer {
     /// message (fields in another order, a default value sent or left
     /// out, fields `M` does not know) are the same request. A message that
     /// does not decode as `M` is `INVALID_ARGUMENT`, and nothing is stored.
+    ///
+    /// `map` fields: prost decodes them into a `HashMap` by default, whose
+    /// order (and so the encoding, and the fingerprint) differs from one
+    /// decoding to the next. Generate such messages with
+    /// `prost_build::Config::btree_map(["."])` (ordered by key), or a
+    /// retry of the same call may be refused as another request.
     pub fn unary<M>(self, path: impl Into<String>) -> Self
     where
         M: prost::Message + Default + 'static,
@@ -221,7 +231,9 @@ impl IdempotencyLayer {
     /// headers or trailers). By default a replay carries only what a
     /// client needs to read it: the content type and the status
     /// (`grpc-status`, `grpc-message`, `grpc-status-details-bin`). Never
-    /// name what is meant for one caller (a session, a cookie).
+    /// name what is meant for one caller (a session, a cookie): those that
+    /// HTTP never replays ([`idem_core::policy::NEVER_REPLAYED`], `set-cookie` and
+    /// `authorization` among them) are not replayed even if named.
     pub fn replay_metadata(mut self, name: impl Into<String>) -> Self {
         Arc::make_mut(&mut self.config)
             .replayed_metadata
@@ -278,6 +290,24 @@ mod tests {
     fn read(layer: &IdempotencyLayer, bytes: &[u8]) -> Result<Vec<u8>, Status> {
         let (parts, _) = http::Request::post("/").body(()).unwrap().into_parts();
         (layer.config.methods["/b.Bank/Charge"].read)(&parts, bytes)
+    }
+
+    /// Metadata named for replay is replayed, but never a cookie or a
+    /// credential, whatever is named.
+    #[test]
+    fn what_is_never_replayed_stays_so_when_named() {
+        let layer = IdempotencyLayer::new(
+            Arc::new(idem_memory::MemoryStore::new()),
+            Policy::default(),
+            SingleScope("s".into()),
+        )
+        .replay_metadata("X-Cost")
+        .replay_metadata("set-cookie")
+        .replay_metadata("authorization");
+        assert!(layer.config.replays("x-cost"));
+        assert!(!layer.config.replays("set-cookie"));
+        assert!(!layer.config.replays("authorization"));
+        assert!(!layer.config.replays("x-other"));
     }
 
     /// Two encodings of one message are one request; another message is not.

@@ -524,6 +524,91 @@ async fn a_compressed_message_is_the_same_call_as_a_plain_one() {
     assert_eq!(ledger.runs("gz").len() + ledger.runs("gz2").len(), 2);
 }
 
+/// One raw call on `ch`: a message frame as given (`flag` its compression
+/// flag) with `grpc-encoding: encoding`; the answer's `grpc-status` and
+/// whether it was replayed.
+async fn raw_call(
+    ch: &Channel,
+    key: &str,
+    encoding: &str,
+    flag: u8,
+    message: Vec<u8>,
+) -> (String, bool) {
+    use http_body_util::BodyExt;
+    let mut frame = vec![flag];
+    frame.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&message);
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://idem.test{CHARGE}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("grpc-encoding", encoding)
+        .header("x-client-id", "c1")
+        .header("idempotency-key", key)
+        .body(Body::new(http_body_util::Full::new(bytes::Bytes::from(
+            frame,
+        ))))
+        .unwrap();
+    let answer = tower::ServiceExt::oneshot(ch.clone(), request)
+        .await
+        .unwrap();
+    let replayed = answer.headers().get("idempotent-replayed").is_some();
+    let head_status = answer.headers().get("grpc-status").cloned();
+    let collected = answer.into_body().collect().await.unwrap();
+    let status = head_status
+        .or_else(|| {
+            collected
+                .trailers()
+                .and_then(|t| t.get("grpc-status").cloned())
+        })
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (status, replayed)
+}
+
+/// An encoding the layer reads but the service does not accept (the bank
+/// takes gzip alone): the service gets the message uncompressed, so the
+/// call runs, and its answer is what a retry in any encoding replays. A
+/// `grpc-encoding` on an uncompressed frame (as gRPC's C core sends when
+/// compressing would not shrink a message) likewise. Neither refusal is
+/// stored.
+#[tokio::test]
+async fn an_encoding_the_service_does_not_accept_still_runs_once() {
+    use std::io::Write;
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let ch = channel(addr).await;
+    let message = prost::Message::encode_to_vec(&charge("deflated", 5));
+    let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+    zlib.write_all(&message).unwrap();
+    let deflated = zlib.finish().unwrap();
+    assert_eq!(
+        raw_call(&ch, "df-1", "deflate", 1, deflated.clone()).await,
+        ("0".to_owned(), false)
+    );
+    assert_eq!(
+        raw_call(&ch, "df-1", "deflate", 1, deflated).await,
+        ("0".to_owned(), true)
+    );
+    let plain = call(
+        ch.clone(),
+        CHARGE,
+        "c1",
+        Some("df-1"),
+        charge("deflated", 5),
+    )
+    .await
+    .unwrap();
+    assert!(replayed(&plain));
+    assert_eq!(ledger.runs("deflated").len(), 1);
+    let message = prost::Message::encode_to_vec(&charge("flagless", 5));
+    assert_eq!(
+        raw_call(&ch, "df-2", "zstd", 0, message).await,
+        ("0".to_owned(), false)
+    );
+    assert_eq!(ledger.runs("flagless").len(), 1);
+}
+
 /// Racing duplicates on PostgreSQL: one run, every answer the same.
 #[tokio::test]
 async fn racing_duplicates_run_once_on_postgres() {
