@@ -179,6 +179,12 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         // An error means the sender is gone: stop as well.
         let _ = stopping.wait_for(|stop| *stop).await;
     };
+    let limits = idem_axum::serve::Limits {
+        header_timeout: Duration::from_secs(config.header_timeout_secs),
+        body_timeout: Duration::from_secs(config.body_timeout_secs),
+        max_connections: usize::try_from(config.max_connections).unwrap_or(usize::MAX),
+        grace: Duration::from_secs(config.shutdown_grace_secs),
+    };
     let grpc = match grpc_listener {
         Some(listener) => {
             let addr = listener.local_addr()?;
@@ -187,6 +193,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
                 state.clone(),
                 store.clone(),
                 policy.clone(),
+                limits,
                 stopped(stopping.clone()),
             );
             // Tests and scripts read this line to learn the port.
@@ -214,22 +221,22 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     // Tests and scripts read this line to learn the port (with --listen …:0).
     println!("shop listening on http://{addr}");
 
-    let limits = idem_axum::serve::Limits {
-        header_timeout: Duration::from_secs(config.header_timeout_secs),
-        body_timeout: Duration::from_secs(config.body_timeout_secs),
-        max_connections: usize::try_from(config.max_connections).unwrap_or(usize::MAX),
-        grace: Duration::from_secs(config.shutdown_grace_secs),
-    };
     tokio::spawn(async move {
         shutdown_signal().await;
         let _ = stop.send(true);
     });
     idem_axum::serve::serve(listener, app, limits, stopped(stopping)).await;
-    if let Some(grpc) = grpc {
-        match grpc.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(error = %e, "the gRPC server failed"),
-            Err(e) => warn!(error = %e, "the gRPC server's task failed"),
+    if let Some(mut grpc) = grpc {
+        // It drains beside the HTTP server, within the same grace; calls
+        // still open after it (a stalled client) are cut, as over HTTP.
+        match tokio::time::timeout(limits.grace, &mut grpc).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => warn!(error = %e, "the gRPC server failed"),
+            Ok(Err(e)) => warn!(error = %e, "the gRPC server's task failed"),
+            Err(_) => {
+                warn!("gRPC calls still open after the shutdown grace: cut");
+                grpc.abort();
+            }
         }
     }
     sweeper.abort();

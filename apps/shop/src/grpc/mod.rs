@@ -22,6 +22,7 @@ use crate::http::auth::client_id;
 use crate::http::payments::{self, NewPayment, Simulate, SimulateOn};
 use crate::http::{input, AppState};
 
+mod limits;
 #[allow(
     missing_docs,
     unreachable_pub,
@@ -138,18 +139,36 @@ fn layer(state: &AppState, store: Arc<dyn Store>, policy: Policy) -> Idempotency
     )
 }
 
-/// Serves `shop.v1.Payments` on `listener` until `shutdown` completes.
+/// Serves `shop.v1.Payments` on `listener` until `shutdown` completes,
+/// within the HTTP server's `limits` (see [`limits`]; `main` bounds the
+/// drain by their grace).
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     store: Arc<dyn Store>,
     policy: Policy,
+    limits: idem_axum::serve::Limits,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     info!(?addr, "gRPC ready");
     let layer = layer(&state, store, policy);
+    // A body that stalls between two chunks fails its call (as over HTTP),
+    // before the idempotency layer has claimed anything.
+    let stalls = tower::ServiceBuilder::new()
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            limits.body_timeout,
+        ))
+        .map_request(
+            |r: http::Request<tower_http::timeout::TimeoutBody<tonic::body::Body>>| {
+                r.map(tonic::body::Body::new)
+            },
+        );
     tonic::transport::Server::builder()
+        // A peer that stops answering is found out and dropped.
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+        .layer(stalls)
         .layer(layer)
         // gzip, which the idempotency layer reads too: a compressed call is
         // the same call as a plain one.
@@ -157,9 +176,6 @@ pub(crate) async fn serve(
             PaymentsServer::new(PaymentsApi { state })
                 .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
         )
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(limits::capped(listener, limits.max_connections), shutdown)
         .await
 }
