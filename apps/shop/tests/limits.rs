@@ -320,3 +320,205 @@ async fn db_connections_bounds_the_pool() {
     assert!(!too_few.status.success());
     assert!(String::from_utf8_lossy(&too_few.stderr).contains("at least 5"));
 }
+
+/// The gRPC listener's address (`host:port`).
+fn grpc_addr(shop: &Shop) -> String {
+    shop.grpc
+        .as_deref()
+        .expect("started with --grpc-listen")
+        .trim_start_matches("http://")
+        .to_owned()
+}
+
+/// One HTTP/2 frame.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+    let mut f = vec![len[1], len[2], len[3], kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Header fields as HPACK literals (not indexed, names and values short).
+fn hpack(fields: &[(&str, &str)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, value) in fields {
+        out.push(0);
+        out.push(u8::try_from(name.len()).unwrap());
+        out.extend_from_slice(name.as_bytes());
+        out.push(u8::try_from(value.len()).unwrap());
+        out.extend_from_slice(value.as_bytes());
+    }
+    out
+}
+
+/// Opens an HTTP/2 connection to `addr` and starts a `CreatePayment` call
+/// whose message never finishes: its frame says 100 bytes, one is sent.
+async fn stalled_grpc_call(addr: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    s.write_all(&h2_frame(4, 0, 0, &[])).await.unwrap();
+    // The server's SETTINGS, acknowledged.
+    loop {
+        let mut head = [0u8; 9];
+        s.read_exact(&mut head).await.unwrap();
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0u8; len];
+        s.read_exact(&mut payload).await.unwrap();
+        if head[3] == 4 && head[4] & 1 == 0 {
+            break;
+        }
+    }
+    s.write_all(&h2_frame(4, 1, 0, &[])).await.unwrap();
+    let headers = hpack(&[
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/shop.v1.Payments/CreatePayment"),
+        (":authority", "shop"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        ("authorization", "Bearer a"),
+        ("idempotency-key", "k-grpc-stalled"),
+    ]);
+    s.write_all(&h2_frame(1, 4, 1, &headers)).await.unwrap();
+    s.write_all(&h2_frame(0, 0, 1, &[0, 0, 0, 0, 100, 0x0a]))
+        .await
+        .unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_grpc_call_never_keeps_the_process_alive_past_the_grace_period() {
+    let db = Db::sqlite();
+    let mut shop = Shop::start(
+        &db,
+        &[
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--shutdown-grace-secs",
+            "1",
+            "--body-timeout-secs",
+            "600",
+        ],
+    )
+    .await;
+    let _stalled = stalled_grpc_call(&grpc_addr(&shop)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sent = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(shop.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    // Grace 1 s; the rest is margin for a loaded machine.
+    let status = shop.wait_exit(Duration::from_secs(20));
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_grpc_body_fails_its_call_within_the_body_timeout() {
+    let db = Db::sqlite();
+    let shop = Shop::start(
+        &db,
+        &["--grpc-listen", "127.0.0.1:0", "--body-timeout-secs", "1"],
+    )
+    .await;
+    let mut stalled = stalled_grpc_call(&grpc_addr(&shop)).await;
+    // The call ends (an error status in a HEADERS frame, or a reset of the
+    // stream, or the connection closed) rather than waiting for the rest
+    // of its message; 1 s, with the rest as margin.
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let mut head = [0u8; 9];
+            if stalled.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            let mut payload = vec![0u8; len];
+            if stalled.read_exact(&mut payload).await.is_err() {
+                return;
+            }
+            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+            // HEADERS (the status) or RST_STREAM on the call's stream, or GOAWAY.
+            if (stream == 1 && matches!(head[3], 1 | 3)) || head[3] == 7 {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the stalled call was still open after 20 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_the_connection_limit_new_grpc_connections_are_closed() {
+    let db = Db::sqlite();
+    let shop = Shop::start(
+        &db,
+        &["--grpc-listen", "127.0.0.1:0", "--max-connections", "5"],
+    )
+    .await;
+    // Six silent connections: one over the limit of five is closed at
+    // once, whatever order they are accepted in; five stay open.
+    let mut sockets = Vec::new();
+    for _ in 0..6 {
+        sockets.push(TcpStream::connect(grpc_addr(&shop)).await.unwrap());
+    }
+    let closed = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            for (i, s) in sockets.iter_mut().enumerate() {
+                if closed_within(s, Duration::from_millis(50)).await {
+                    return i;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "a gRPC connection over the limit is closed");
+    let mut open = 0;
+    for (i, s) in sockets.iter_mut().enumerate() {
+        if Ok(i) != closed && !closed_within(s, Duration::from_millis(50)).await {
+            open += 1;
+        }
+    }
+    assert_eq!(open, 5, "five gRPC connections within the limit stay open");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_answers_the_newest_thousand_oldest_first() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    let paid = read(common::pay(&client, &shop, Some("k-list"), common::BODY)).await;
+    assert_eq!(paid.status, 201);
+    let id = paid.json()["id"].as_str().unwrap().to_owned();
+    // 1,005 events processed for it (written straight into the table: the
+    // webhook's own path is tested elsewhere).
+    let pool = sqlx::SqlitePool::connect(&db.url()).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for n in 1..=1005_i64 {
+        sqlx::query(
+            "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at) VALUES ($1, 'charge.settled', $2, $3)",
+        )
+        .bind(format!("evt_{n:05}"))
+        .bind(&id)
+        .bind(n)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    pool.close().await;
+    let events = read(
+        client
+            .get(shop.url(&format!("/payments/{id}/events")))
+            .header("authorization", "Bearer client-1"),
+    )
+    .await;
+    assert_eq!(events.status, 200);
+    let events = events.json()["events"].as_array().unwrap().clone();
+    assert_eq!(events.len(), 1000);
+    assert_eq!(events[0]["event_id"], "evt_00006");
+    assert_eq!(events[999]["event_id"], "evt_01005");
+}

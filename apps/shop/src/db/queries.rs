@@ -28,16 +28,19 @@ pub(crate) async fn account(
 }
 
 /// The confirmation emails sent for the calling client's payments on an
-/// account, oldest first.
+/// account: the newest 1,000, oldest first (the list grows with every
+/// payment; an answer must not).
 pub(crate) async fn emails(
     db: &dyn ShopDb,
     client_id: &str,
     account_id: &str,
 ) -> Result<Vec<Email>, sqlx::Error> {
-    const SQL: &str = "SELECT e.payment_id, e.account_id, e.subject FROM shop_emails e
-                       JOIN shop_payments p ON p.id = e.payment_id
-                       WHERE e.account_id = $1 AND p.client_id = $2
-                       ORDER BY e.created_at, e.id";
+    const SQL: &str = "SELECT payment_id, account_id, subject FROM (
+                           SELECT e.payment_id, e.account_id, e.subject, e.created_at, e.id
+                           FROM shop_emails e JOIN shop_payments p ON p.id = e.payment_id
+                           WHERE e.account_id = $1 AND p.client_id = $2
+                           ORDER BY e.created_at DESC, e.id DESC LIMIT 1000) newest
+                       ORDER BY created_at, id";
     query(db, SQL, &[account_id.into(), client_id.into()])
         .await?
         .iter()
@@ -51,12 +54,16 @@ pub(crate) async fn emails(
         .collect()
 }
 
-/// The bank events processed for a payment, oldest first.
+/// The bank events processed for a payment: the newest 1,000, oldest
+/// first.
 pub(crate) async fn bank_events(
     db: &dyn ShopDb,
     payment_id: &str,
 ) -> Result<Vec<BankEvent>, sqlx::Error> {
-    const SQL: &str = "SELECT event_id, type FROM shop_bank_events WHERE payment_id = $1
+    const SQL: &str = "SELECT event_id, type FROM (
+                           SELECT event_id, type, received_at FROM shop_bank_events
+                           WHERE payment_id = $1
+                           ORDER BY received_at DESC, event_id DESC LIMIT 1000) newest
                        ORDER BY received_at, event_id";
     query(db, SQL, &[payment_id.into()])
         .await?

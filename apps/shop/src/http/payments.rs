@@ -646,7 +646,7 @@ struct EmailsQuery {
 /// The confirmation emails sent for an account.
 #[derive(Debug, Serialize, ToSchema)]
 struct Emails {
-    /// One per payment, oldest first.
+    /// One per payment, oldest first: the newest 1,000.
     emails: Vec<Email>,
 }
 

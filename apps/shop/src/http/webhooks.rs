@@ -216,7 +216,7 @@ async fn bank_event(
 struct PaymentEvents {
     /// The payment.
     payment_id: String,
-    /// Oldest first.
+    /// Oldest first: the newest 1,000.
     events: Vec<BankEvent>,
 }
 
