@@ -456,7 +456,14 @@ async fn beyond_the_connection_limit_new_grpc_connections_are_closed() {
     let db = Db::sqlite();
     let shop = Shop::start(
         &db,
-        &["--grpc-listen", "127.0.0.1:0", "--max-connections", "5"],
+        &[
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--max-connections",
+            "5",
+            "--header-timeout-secs",
+            "30",
+        ],
     )
     .await;
     // Six silent connections: one over the limit of five is closed at
@@ -521,4 +528,22 @@ async fn a_list_answers_the_newest_thousand_oldest_first() {
     assert_eq!(events.len(), 1000);
     assert_eq!(events[0]["event_id"], "evt_00006");
     assert_eq!(events[999]["event_id"], "evt_01005");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_connection_that_says_nothing_is_closed_after_the_header_timeout() {
+    let db = Db::sqlite();
+    let shop = Shop::start(
+        &db,
+        &["--grpc-listen", "127.0.0.1:0", "--header-timeout-secs", "1"],
+    )
+    .await;
+    let mut silent = TcpStream::connect(grpc_addr(&shop)).await.unwrap();
+    // 1 s, with the rest as margin for a loaded machine.
+    assert!(
+        closed_within(&mut silent, Duration::from_secs(20)).await,
+        "a silent gRPC connection was kept open"
+    );
+    // One that speaks is served.
+    let _stalled = stalled_grpc_call(&grpc_addr(&shop)).await;
 }

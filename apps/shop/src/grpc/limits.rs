@@ -1,13 +1,16 @@
 //! The gRPC listener's limits, the HTTP server's own (`idem_axum::serve`):
 //! at most `max_connections` connections at once (more are closed at once,
-//! not queued), a request body that stalls longer than `body_timeout`
-//! between two chunks fails its call, and a shutdown waits at most `grace`
-//! (in `main`).
+//! not queued), a connection that sends nothing within `header_timeout` is
+//! closed, a request body that stalls longer than `body_timeout` between
+//! two chunks fails its call, and a shutdown waits at most `grace` (in
+//! `main`).
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -21,6 +24,8 @@ use tonic::transport::server::Connected;
 pub(crate) struct Slot {
     stream: TcpStream,
     _slot: OwnedSemaphorePermit,
+    /// Until the peer's first bytes arrive: when it must have sent them.
+    first_bytes: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 /// The connections `listener` accepts, at most `max` open at once: one
@@ -29,6 +34,7 @@ pub(crate) struct Slot {
 pub(crate) fn capped(
     listener: TcpListener,
     max: usize,
+    first_bytes_within: Duration,
 ) -> impl Stream<Item = io::Result<Slot>> + Send + 'static {
     let slots = Arc::new(Semaphore::new(max.clamp(1, Semaphore::MAX_PERMITS)));
     tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |accepted| {
@@ -37,6 +43,7 @@ pub(crate) fn capped(
                 Ok(slot) => Some(Ok(Slot {
                     stream,
                     _slot: slot,
+                    first_bytes: Some(Box::pin(tokio::time::sleep(first_bytes_within))),
                 })),
                 Err(_) => {
                     tracing::debug!("gRPC connection over the limit: closed");
@@ -67,7 +74,24 @@ impl AsyncRead for Slot {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if let Some(deadline) = this.first_bytes.as_mut() {
+            match &read {
+                Poll::Ready(Ok(())) if buf.filled().len() > before => this.first_bytes = None,
+                Poll::Pending if deadline.as_mut().poll(cx).is_ready() => {
+                    // A connection that never speaks holds a slot for
+                    // nothing: closed, as HTTP's header timeout does.
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the peer sent nothing within the header timeout",
+                    )));
+                }
+                _ => {}
+            }
+        }
+        read
     }
 }
 

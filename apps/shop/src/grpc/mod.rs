@@ -176,6 +176,9 @@ pub(crate) async fn serve(
             PaymentsServer::new(PaymentsApi { state })
                 .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
         )
-        .serve_with_incoming_shutdown(limits::capped(listener, limits.max_connections), shutdown)
+        .serve_with_incoming_shutdown(
+            limits::capped(listener, limits.max_connections, limits.header_timeout),
+            shutdown,
+        )
         .await
 }
