@@ -218,7 +218,7 @@ impl Messaging {
                         .concurrency(concurrency);
                     consumers.push((Box::new(consumer), suffix));
                 }
-                info!(url, "messaging over RabbitMQ");
+                info!(url = %without_credentials(url), "messaging over RabbitMQ");
                 Arc::new(publisher)
             }
             Some(url) if url.starts_with("nats://") => {
@@ -252,7 +252,7 @@ impl Messaging {
                         .concurrency(concurrency);
                     consumers.push((Box::new(consumer), suffix));
                 }
-                info!(url, "messaging over NATS JetStream");
+                info!(url = %without_credentials(url), "messaging over NATS JetStream");
                 Arc::new(publisher)
             }
             Some(other) => {
@@ -480,4 +480,38 @@ pub(crate) fn order_paid(
 
 fn json(s: &str) -> String {
     serde_json::Value::String(s.to_owned()).to_string()
+}
+
+/// `url` as logs may show it: a password (or any user information) before
+/// the host is masked (it is taken to end at the last `@`, so a raw `/` or
+/// `@` in it is masked too).
+fn without_credentials(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.rfind('@') {
+            Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod credentials_tests {
+    use super::without_credentials;
+
+    #[test]
+    fn logged_urls_carry_no_credentials() {
+        assert_eq!(
+            without_credentials("amqp://guest:s3cret@127.0.0.1:5672/%2f"),
+            "amqp://***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(
+            without_credentials("nats://user:pa/ss@word@nats:4222"),
+            "nats://***@nats:4222"
+        );
+        assert_eq!(
+            without_credentials("nats://127.0.0.1:4222"),
+            "nats://127.0.0.1:4222"
+        );
+    }
 }
