@@ -28,6 +28,43 @@ async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
     }
 }
 
+/// Waits until one of `sockets` is closed (the one over a connection
+/// limit, closed at once), then says how many of the others are open.
+async fn open_once_one_closed(sockets: &mut [TcpStream]) -> usize {
+    let closed = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            for (i, s) in sockets.iter_mut().enumerate() {
+                if closed_within(s, Duration::from_millis(50)).await {
+                    return i;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "a connection over the limit is closed");
+    let mut open = 0;
+    for (i, s) in sockets.iter_mut().enumerate() {
+        if Ok(i) != closed && !closed_within(s, Duration::from_millis(50)).await {
+            open += 1;
+        }
+    }
+    open
+}
+
+/// SIGTERM, then the process must exit by itself, successfully (started
+/// with a grace of 1 s; the rest of the wait is margin for a loaded
+/// machine).
+fn terminated_within_grace(shop: &mut Shop) {
+    let sent = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(shop.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = shop.wait_exit(Duration::from_secs(20));
+    assert!(status.success(), "{status:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stalls_in_its_headers_is_disconnected() {
     let db = Db::sqlite();
@@ -114,23 +151,7 @@ async fn beyond_the_connection_limit_new_connections_are_closed_not_queued() {
         let _ = s.write_all(b"GET /healthz HTTP/1.1\r\nHo").await;
         stalled.push(s);
     }
-    let closed = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            for (i, s) in stalled.iter_mut().enumerate() {
-                if closed_within(s, Duration::from_millis(50)).await {
-                    return i;
-                }
-            }
-        }
-    })
-    .await;
-    assert!(closed.is_ok(), "a connection over the limit is closed");
-    let mut open = 0;
-    for (i, s) in stalled.iter_mut().enumerate() {
-        if Ok(i) != closed && !closed_within(s, Duration::from_millis(50)).await {
-            open += 1;
-        }
-    }
+    let open = open_once_one_closed(&mut stalled).await;
     assert!(open <= 5, "{open} connections served beyond the limit of 5");
     // Once the stalled ones go, the service is whole again.
     drop(stalled);
@@ -165,15 +186,7 @@ async fn a_stalled_upload_never_keeps_the_process_alive_past_the_grace_period() 
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let sent = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(shop.pid().to_string())
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    // Grace 1 s; the rest is margin for a loaded machine.
-    let status = shop.wait_exit(Duration::from_secs(20));
-    assert!(status.success(), "{status:?}");
+    terminated_within_grace(&mut shop);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -406,15 +419,7 @@ async fn a_stalled_grpc_call_never_keeps_the_process_alive_past_the_grace_period
     .await;
     let _stalled = stalled_grpc_call(&grpc_addr(&shop)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let sent = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(shop.pid().to_string())
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    // Grace 1 s; the rest is margin for a loaded machine.
-    let status = shop.wait_exit(Duration::from_secs(20));
-    assert!(status.success(), "{status:?}");
+    terminated_within_grace(&mut shop);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -472,23 +477,7 @@ async fn beyond_the_connection_limit_new_grpc_connections_are_closed() {
     for _ in 0..6 {
         sockets.push(TcpStream::connect(grpc_addr(&shop)).await.unwrap());
     }
-    let closed = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            for (i, s) in sockets.iter_mut().enumerate() {
-                if closed_within(s, Duration::from_millis(50)).await {
-                    return i;
-                }
-            }
-        }
-    })
-    .await;
-    assert!(closed.is_ok(), "a gRPC connection over the limit is closed");
-    let mut open = 0;
-    for (i, s) in sockets.iter_mut().enumerate() {
-        if Ok(i) != closed && !closed_within(s, Duration::from_millis(50)).await {
-            open += 1;
-        }
-    }
+    let open = open_once_one_closed(&mut sockets).await;
     assert_eq!(open, 5, "five gRPC connections within the limit stay open");
 }
 
