@@ -211,7 +211,10 @@ impl<S> fmt::Debug for IdempotentRetry<S> {
     }
 }
 
-/// Whether a call that ended with `code` is sent again.
+/// Whether a call that ended with `code` is sent again
+/// (`RESOURCE_EXHAUSTED` only when the answer names a pushback,
+/// `grpc-retry-pushback-ms`: without one it is a limit the same message
+/// meets again, such as its size).
 pub fn is_retryable_code(code: Code) -> bool {
     matches!(
         code,
@@ -296,8 +299,14 @@ where
                             replayed,
                         });
                         // A replay is the first answer, and will stay so:
-                        // sending it again cannot change it.
-                        if replayed || !is_retryable_code(code) {
+                        // sending it again cannot change it. Nor can a
+                        // `RESOURCE_EXHAUSTED` that names no time to come
+                        // back (a message over the server's limit, as
+                        // servers say it): only one with a pushback (a
+                        // rate limit) is worth sending again.
+                        let exhausted_for_good =
+                            code == Code::ResourceExhausted && pushback.is_none();
+                        if replayed || !is_retryable_code(code) || exhausted_for_good {
                             return Ok(response);
                         }
                         debug!(?code, attempts, "retrying under the same key");

@@ -742,6 +742,37 @@ async fn the_client_layer_keeps_one_key_across_retries() {
 }
 
 #[tokio::test]
+async fn the_client_layer_does_not_resend_a_message_over_the_limit() {
+    let policy = Policy::builder().max_body(16).build().unwrap();
+    let (addr, ledger) = serve(memory(), policy).await;
+    let sent = Arc::new(AtomicUsize::new(0));
+    let counted = {
+        let sent = sent.clone();
+        tower::ServiceBuilder::new()
+            .map_request(move |r: http::Request<Body>| {
+                sent.fetch_add(1, Ordering::SeqCst);
+                r
+            })
+            .service(channel(addr).await)
+    };
+    let retrying = tower::ServiceBuilder::new()
+        .layer(
+            IdempotentRetryLayer::builder()
+                .method(CHARGE)
+                .base_delay(Duration::from_millis(10))
+                .build(),
+        )
+        .service(counted);
+    let too_large = call(retrying, CHARGE, "c1", None, charge(&"x".repeat(64), 1))
+        .await
+        .unwrap_err();
+    assert_eq!(too_large.code(), Code::ResourceExhausted, "{too_large:?}");
+    // Sent once: the same message meets the same limit every time.
+    assert_eq!(sent.load(Ordering::SeqCst), 1);
+    assert!(ledger.runs(&"x".repeat(64)).is_empty());
+}
+
+#[tokio::test]
 async fn the_client_layer_gives_up_with_the_key_it_used() {
     let addr = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
