@@ -324,9 +324,6 @@ impl Target {
     }
 }
 
-/// The store `target` names, its table made if missing: SQLite, PostgreSQL
-/// or MySQL, with Redis in front of it when `--redis-url` is set (tiered:
-/// the database decides), or Redis alone (`--database-url redis://…`).
 /// What is wrong with `target` before any connection is tried: an unknown
 /// kind of URL, or flags that do not apply to it.
 fn target_problem(target: &Target) -> Option<String> {
@@ -335,15 +332,37 @@ fn target_problem(target: &Target) -> Option<String> {
         return None;
     }
     match DialectKind::of_url(url) {
-        None => Some(format!(
-            "unsupported database URL {:?}: use sqlite:FILE, postgres://…, mysql://… or redis://…",
-            redact(url)
-        )),
+        None => Some(unsupported_url(url)),
         Some(DialectKind::Sqlite) if target.schema.is_some() || target.table != "idem_records" => {
             Some("--schema and --table apply to PostgreSQL and MySQL only".to_owned())
         }
         Some(_) => None,
     }
+}
+
+/// The store `target` names, its table made if missing: SQLite, PostgreSQL
+/// or MySQL, with Redis in front of it when `--redis-url` is set (tiered:
+/// the database decides), or Redis alone (`--database-url redis://…`).
+fn unsupported_url(url: &str) -> String {
+    format!(
+        "unsupported database URL {:?}: use sqlite:FILE, postgres://…, mysql://… or redis://…",
+        redact(url)
+    )
+}
+
+/// The retention to keep records for: `--ttl-secs`, raised just above the
+/// lease if it is not longer (said on stderr, by `who`), so that no record
+/// ends while a request or run may still hold its key.
+fn retention_above_lease(who: &str, ttl_secs: u64, lease_ms: u64) -> Duration {
+    let lease = Duration::from_millis(lease_ms);
+    let asked = Duration::from_secs(ttl_secs);
+    if asked <= lease {
+        eprintln!(
+            "{who}: --ttl-secs ({ttl_secs}) is not longer than --lease-ms ({lease_ms} ms): records are kept {} ms, so that none ends while its key may still be held",
+            lease_ms + 1
+        );
+    }
+    asked.max(lease + Duration::from_millis(1))
 }
 
 async fn open_store(target: &Target) -> Result<Arc<dyn Store>, Failure> {
@@ -385,13 +404,7 @@ async fn open_store(target: &Target) -> Result<Arc<dyn Store>, Failure> {
             store.migrate().await.map_err(explain)?;
             Arc::new(store)
         }
-        _ => {
-            return Err(format!(
-            "unsupported database URL {:?}: use sqlite:FILE, postgres://…, mysql://… or redis://…",
-            redact(url)
-        )
-            .into())
-        }
+        _ => return Err(unsupported_url(url).into()),
     };
     Ok(match target.redis().await? {
         Some(redis) => Arc::new(idem_redis::TieredStore::new(sql, redis)),

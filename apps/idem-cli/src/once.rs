@@ -161,19 +161,13 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
         say(problem);
         return Ok(ExitCode::from(exit::USAGE));
     }
-    let lease = Duration::from_millis(args.lease_ms);
-    let retention = Duration::from_secs(args.ttl_secs);
-    if retention <= lease {
-        say(format!(
-            "--ttl-secs ({}) is not longer than --lease-ms ({} ms): a result is kept {} ms, so that no record ends while its run may still hold it",
+    let mut policy = Policy::builder()
+        .lease(Duration::from_millis(args.lease_ms))
+        .retention(crate::retention_above_lease(
+            "idem once",
             args.ttl_secs,
             args.lease_ms,
-            args.lease_ms + 1
         ));
-    }
-    let mut policy = Policy::builder()
-        .lease(lease)
-        .retention(retention.max(lease + Duration::from_millis(1)));
     if args.wait_ms > 0 {
         policy = policy.wait_for_in_flight(Duration::from_millis(args.wait_ms));
     }

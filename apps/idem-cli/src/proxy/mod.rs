@@ -201,18 +201,13 @@ impl ProxyArgs {
 
     /// The claims' policy.
     fn policy(&self) -> Result<Policy, crate::Failure> {
-        let lease = Duration::from_millis(self.lease_ms);
-        if Duration::from_secs(self.ttl_secs) <= lease {
-            eprintln!(
-                "idem proxy: --ttl-secs ({}) is not longer than --lease-ms ({} ms): answers are kept {} ms, so that no record ends while its request may still hold it",
+        let mut policy = Policy::builder()
+            .lease(Duration::from_millis(self.lease_ms))
+            .retention(crate::retention_above_lease(
+                "idem proxy",
                 self.ttl_secs,
                 self.lease_ms,
-                self.lease_ms + 1
-            );
-        }
-        let mut policy = Policy::builder()
-            .lease(lease)
-            .retention(Duration::from_secs(self.ttl_secs).max(lease + Duration::from_millis(1)))
+            ))
             .max_body(usize::try_from(self.max_body)?)
             .require_key(self.require_key)
             .store_timeout(Duration::from_millis(self.store_timeout_ms))
