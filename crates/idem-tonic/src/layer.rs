@@ -122,13 +122,9 @@ pub(crate) struct Config {
 }
 
 impl Config {
-    /// Whether the metadata entry `name` is stored and replayed: named by
-    /// [`IdempotencyLayer::replay_metadata`], and not one that is never
-    /// replayed whatever is asked ([`idem_core::policy::NEVER_REPLAYED`]: a cookie,
-    /// a credential, what belongs to one connection), as over HTTP.
+    /// Whether the metadata entry `name` is stored and replayed.
     pub(crate) fn replays(&self, name: &str) -> bool {
         self.replayed_metadata.iter().any(|n| n == name)
-            && !idem_core::policy::NEVER_REPLAYED.contains(&name)
     }
 }
 
@@ -235,9 +231,10 @@ impl IdempotencyLayer {
     /// HTTP never replays ([`idem_core::policy::NEVER_REPLAYED`], `set-cookie` and
     /// `authorization` among them) are not replayed even if named.
     pub fn replay_metadata(mut self, name: impl Into<String>) -> Self {
-        Arc::make_mut(&mut self.config)
-            .replayed_metadata
-            .push(name.into().to_ascii_lowercase());
+        let name = name.into().to_ascii_lowercase();
+        if !idem_core::policy::NEVER_REPLAYED.contains(&name.as_str()) {
+            Arc::make_mut(&mut self.config).replayed_metadata.push(name);
+        }
         self
     }
 
