@@ -987,3 +987,64 @@ async fn a_large_answer_that_frees_the_key_frees_it() {
     assert_problem(&again, 409);
     assert_eq!(upstream.deliveries("/big-201").await.len(), 1);
 }
+
+/// A body trickled in a byte every 300 ms never stalls for the 2 s body
+/// timeout, but falls below `--body-min-rate` (100 bytes a second): the
+/// proxy cuts it off, sends nothing upstream and leaves the key free.
+#[tokio::test]
+async fn a_body_trickled_below_the_minimum_rate_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(
+        &records,
+        &upstream.url,
+        &["--body-timeout-secs", "2", "--body-min-rate", "100"],
+    );
+    let addr = proxy.url.trim_start_matches("http://").to_owned();
+    let stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (mut read_half, mut write_half) = stream.into_split();
+    write_half
+        .write_all(
+            b"POST /trickle HTTP/1.1\r\nHost: svc\r\nAuthorization: Bearer alice\r\n\
+              Idempotency-Key: trickle-1\r\nContent-Type: application/json\r\n\
+              Content-Length: 1000\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    let trickle = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            if write_half.write_all(b" ").await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    let mut answer = Vec::new();
+    let ended = async {
+        let mut buf = [0u8; 1024];
+        while let Ok(n @ 1..) = read_half.read(&mut buf).await {
+            answer.extend_from_slice(&buf[..n]);
+        }
+    };
+    // About 2 s; 1,000 bytes at 3 a second would take over five minutes.
+    let cut = tokio::time::timeout(Duration::from_secs(20), async {
+        tokio::select! {
+            () = ended => {}
+            () = trickle => {}
+        }
+    })
+    .await;
+    assert!(cut.is_ok(), "the trickled body was still open after 20 s");
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 4"),
+        "a client error or a closed connection: {text}"
+    );
+    assert!(upstream.deliveries("/trickle").await.is_empty());
+    let whole = post(&proxy.url, "/trickle", "alice", "trickle-1", "{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(whole.status(), 201, "the key was left free");
+}

@@ -162,6 +162,10 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_BODY_TIMEOUT_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) body_timeout_secs: u64,
 
+    /// The average a request body must keep up once its first --body-timeout-secs are over, in bytes a second (0: no minimum): a client trickling a byte every few seconds is cut off.
+    #[arg(long, env = "SHOP_BODY_MIN_RATE", default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=1 << 30))]
+    pub(crate) body_min_rate: u64,
+
     /// How many connections are served at once; more are closed at once.
     #[arg(long, env = "SHOP_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub(crate) max_connections: u64,

@@ -182,6 +182,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     let limits = idem_axum::serve::Limits {
         header_timeout: Duration::from_secs(config.header_timeout_secs),
         body_timeout: Duration::from_secs(config.body_timeout_secs),
+        body_min_rate: config.body_min_rate,
         max_connections: usize::try_from(config.max_connections).unwrap_or(usize::MAX),
         grace: Duration::from_secs(config.shutdown_grace_secs),
     };

@@ -402,6 +402,27 @@ async fn stalled_grpc_call(addr: &str) -> TcpStream {
     s
 }
 
+/// Reads until the call on stream 1 ends: an error status in a HEADERS
+/// frame, a reset of the stream, a GOAWAY, or the connection closed
+/// (rather than waiting for the rest of its message).
+async fn grpc_call_ended(from: &mut (impl AsyncReadExt + Unpin)) {
+    loop {
+        let mut head = [0u8; 9];
+        if from.read_exact(&mut head).await.is_err() {
+            return;
+        }
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0u8; len];
+        if from.read_exact(&mut payload).await.is_err() {
+            return;
+        }
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        if (stream == 1 && matches!(head[3], 1 | 3)) || head[3] == 7 {
+            return;
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_grpc_call_never_keeps_the_process_alive_past_the_grace_period() {
     let db = Db::sqlite();
@@ -431,28 +452,8 @@ async fn a_stalled_grpc_body_fails_its_call_within_the_body_timeout() {
     )
     .await;
     let mut stalled = stalled_grpc_call(&grpc_addr(&shop)).await;
-    // The call ends (an error status in a HEADERS frame, or a reset of the
-    // stream, or the connection closed) rather than waiting for the rest
-    // of its message; 1 s, with the rest as margin.
-    let ended = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            let mut head = [0u8; 9];
-            if stalled.read_exact(&mut head).await.is_err() {
-                return;
-            }
-            let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-            let mut payload = vec![0u8; len];
-            if stalled.read_exact(&mut payload).await.is_err() {
-                return;
-            }
-            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
-            // HEADERS (the status) or RST_STREAM on the call's stream, or GOAWAY.
-            if (stream == 1 && matches!(head[3], 1 | 3)) || head[3] == 7 {
-                return;
-            }
-        }
-    })
-    .await;
+    // 1 s, with the rest as margin.
+    let ended = tokio::time::timeout(Duration::from_secs(20), grpc_call_ended(&mut stalled)).await;
     assert!(ended.is_ok(), "the stalled call was still open after 20 s");
 }
 
@@ -535,4 +536,122 @@ async fn a_grpc_connection_that_says_nothing_is_closed_after_the_header_timeout(
     );
     // One that speaks is served.
     let _stalled = stalled_grpc_call(&grpc_addr(&shop)).await;
+}
+
+/// Writes one byte every 300 ms (never idle for the 2 s body timeout, but
+/// 3 bytes a second against a minimum of 100) until the server ends the
+/// request; says whether it did within 20 s (`--body-timeout-secs 2`, so
+/// about 2 s, the rest margin for a loaded machine).
+async fn trickle_until_cut(
+    write: &mut (impl AsyncWriteExt + Unpin),
+    byte: impl Fn() -> Vec<u8>,
+    ended: impl std::future::Future<Output = ()>,
+) -> bool {
+    let trickle = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            if write.write_all(&byte()).await.is_err() {
+                // The server closed the connection.
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), async {
+        tokio::select! {
+            () = ended => {}
+            () = trickle => {}
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_trickled_below_the_minimum_rate_is_cut_off_and_its_key_left_free() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &["--body-timeout-secs", "2", "--body-min-rate", "100"]).await;
+    let stream = TcpStream::connect(addr(&shop)).await.unwrap();
+    let (mut read_half, mut write_half) = stream.into_split();
+    write_half
+        .write_all(
+            b"POST /payments HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer a\r\n\
+              Content-Type: application/json\r\nIdempotency-Key: k-trickle\r\n\
+              Content-Length: 1000\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    let answer = std::sync::Mutex::new(Vec::new());
+    let ended = async {
+        let mut buf = [0u8; 1024];
+        while let Ok(n @ 1..) = read_half.read(&mut buf).await {
+            answer.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    };
+    let cut = trickle_until_cut(&mut write_half, || b" ".to_vec(), ended).await;
+    // 1,000 bytes at 3 a second would take over five minutes.
+    assert!(cut, "the trickled upload was still open after 20 s");
+    let answer = answer.into_inner().unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 4"),
+        "a client error or a closed connection, never a 5xx: {text}"
+    );
+    let client = reqwest::Client::new();
+    let retry = common::read(common::pay(&client, &shop, Some("k-trickle"), common::BODY)).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_upload_within_its_grace_is_served() {
+    let db = Db::sqlite();
+    // Any real rate fails a body that takes 1 s; the grace (the body
+    // timeout, 10 s) comes first.
+    let shop = Shop::start(&db, &["--body-min-rate", "1000000000"]).await;
+    let mut stream = TcpStream::connect(addr(&shop)).await.unwrap();
+    let body = common::BODY.as_bytes();
+    let (first, rest) = body.split_at(body.len() / 2);
+    let head = format!(
+        "POST /payments HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer a\r\n\
+         Content-Type: application/json\r\nIdempotency-Key: k-slow\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(first).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stream.write_all(rest).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut answer))
+        .await
+        .expect("an answer")
+        .unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 201"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_message_trickled_below_the_minimum_rate_fails_its_call() {
+    let db = Db::sqlite();
+    let shop = Shop::start(
+        &db,
+        &[
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--body-timeout-secs",
+            "2",
+            "--body-min-rate",
+            "100",
+        ],
+    )
+    .await;
+    let stream = stalled_grpc_call(&grpc_addr(&shop)).await;
+    let (mut read_half, mut write_half) = stream.into_split();
+    // One more byte of the 100-byte message in each DATA frame.
+    let cut = trickle_until_cut(
+        &mut write_half,
+        || h2_frame(0, 0, 1, b" "),
+        grpc_call_ended(&mut read_half),
+    )
+    .await;
+    assert!(cut, "the trickled call was still open after 20 s");
 }

@@ -7,6 +7,10 @@
 //! - a request body that stalls longer than `body_timeout` between two
 //!   chunks fails the request (tower-http's body timeout), so one stalled
 //!   upload cannot hold a handler;
+//! - a request body must keep up an average of `body_min_rate` bytes a
+//!   second once its first `body_timeout` is over ([`MinRateLayer`]), so a
+//!   client that trickles a byte every few seconds (never stalling long
+//!   enough for the idle timeout) cannot hold a connection for hours;
 //! - at most `max_connections` connections are served; beyond that, a new
 //!   connection is closed at once, so stalled sockets cannot starve the
 //!   rest for long (each is cut after its own timeouts);
@@ -21,7 +25,10 @@
 //! # Ok(()) }
 //! ```
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -39,6 +46,10 @@ pub struct Limits {
     pub header_timeout: Duration,
     /// A request body may stall this long between two chunks (default 30 s).
     pub body_timeout: Duration,
+    /// The average a request body must keep up, in bytes a second, once
+    /// its first `body_timeout` is over (default 500, as Apache's
+    /// `mod_reqtimeout`; 0: no minimum). See [`MinRateLayer`].
+    pub body_min_rate: u64,
     /// Connections served at once (default 1024); more are closed at once.
     pub max_connections: usize,
     /// How long in-flight requests may finish after shutdown (default 30 s).
@@ -50,6 +61,7 @@ impl Default for Limits {
         Self {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
+            body_min_rate: 500,
             max_connections: 1024,
             grace: Duration::from_secs(30),
         }
@@ -63,9 +75,11 @@ pub async fn serve(
     limits: Limits,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let app = app.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
-        limits.body_timeout,
-    ));
+    let app = app
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            limits.body_timeout,
+        ))
+        .layer(MinRateLayer::new(limits.body_timeout, limits.body_min_rate));
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
@@ -109,5 +123,265 @@ pub async fn serve(
     tokio::select! {
         () = graceful.shutdown() => info!("every connection closed"),
         () = tokio::time::sleep(limits.grace) => warn!("grace period over; exiting with connections still open"),
+    }
+}
+
+/// A tower layer that holds each request body to a minimum average rate:
+/// the body must have arrived whole by
+/// `head + grace + received / min_rate`, a deadline that moves on with
+/// every chunk received ([`MinRateBody`]). A body that falls behind fails
+/// with [`BodyTooSlow`] (the request is then answered as one whose body
+/// could not be read, before anything is claimed).
+///
+/// The idle timeout between two chunks (tower-http's) does not catch a
+/// client that sends one byte every few seconds; this does, while a slow
+/// but honest upload (a phone on a poor link) keeps going as long as it
+/// averages `min_rate`.
+#[derive(Debug, Clone, Copy)]
+pub struct MinRateLayer {
+    grace: Duration,
+    min_rate: u64,
+}
+
+impl MinRateLayer {
+    /// Bodies get `grace` for free, then must average `min_rate` bytes a
+    /// second; a `min_rate` of 0 sets no minimum.
+    #[must_use]
+    pub fn new(grace: Duration, min_rate: u64) -> Self {
+        Self { grace, min_rate }
+    }
+}
+
+impl<S> tower::Layer<S> for MinRateLayer {
+    type Service = MinRate<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        MinRate {
+            inner,
+            grace: self.grace,
+            min_rate: self.min_rate,
+        }
+    }
+}
+
+/// The service of [`MinRateLayer`].
+#[derive(Debug, Clone)]
+pub struct MinRate<S> {
+    inner: S,
+    grace: Duration,
+    min_rate: u64,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for MinRate<S>
+where
+    S: tower::Service<http::Request<MinRateBody<B>>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let (grace, min_rate) = (self.grace, self.min_rate);
+        self.inner
+            .call(request.map(|body| MinRateBody::new(body, grace, min_rate)))
+    }
+}
+
+/// A request body held to a minimum average rate (see [`MinRateLayer`]).
+#[derive(Debug)]
+pub struct MinRateBody<B> {
+    inner: B,
+    /// When the body may no longer be waited for, with nothing received.
+    start: tokio::time::Instant,
+    min_rate: u64,
+    received: u64,
+    /// Made on the first wait only: most bodies arrive with their head.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    failed: bool,
+}
+
+impl<B> MinRateBody<B> {
+    /// `inner`, given `grace` from now and then held to `min_rate` bytes a
+    /// second (0: not held).
+    pub fn new(inner: B, grace: Duration, min_rate: u64) -> Self {
+        Self {
+            inner,
+            start: tokio::time::Instant::now() + grace,
+            min_rate,
+            received: 0,
+            timer: None,
+            failed: false,
+        }
+    }
+
+    /// The moment the body is too slow if nothing more arrives.
+    fn deadline(&self) -> tokio::time::Instant {
+        let earned = Duration::from_millis(self.received.saturating_mul(1000) / self.min_rate);
+        self.start + earned
+    }
+}
+
+/// A request body fell behind [`MinRateLayer`]'s minimum rate.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body arrived slower than {min_rate} bytes a second ({received} bytes)")]
+pub struct BodyTooSlow {
+    /// The minimum, in bytes a second.
+    pub min_rate: u64,
+    /// What had arrived.
+    pub received: u64,
+}
+
+impl<B> http_body::Body for MinRateBody<B>
+where
+    B: http_body::Body + Unpin,
+    B::Error: Into<axum::BoxError>,
+{
+    type Data = B::Data;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        use bytes::Buf;
+        let this = self.get_mut();
+        if this.failed {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    let n = u64::try_from(data.remaining()).unwrap_or(u64::MAX);
+                    this.received = this.received.saturating_add(n);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending if this.min_rate == 0 => Poll::Pending,
+            Poll::Pending => {
+                let deadline = this.deadline();
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if timer.deadline() != deadline {
+                    timer.as_mut().reset(deadline);
+                }
+                match timer.as_mut().poll(cx) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(()) => {
+                        this.failed = true;
+                        Poll::Ready(Some(Err(Box::new(BodyTooSlow {
+                            min_rate: this.min_rate,
+                            received: this.received,
+                        }))))
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.failed || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        if self.failed {
+            http_body::SizeHint::with_exact(0)
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use bytes::Bytes;
+    use http_body::{Body, Frame};
+    use http_body_util::BodyExt;
+    use tokio::sync::mpsc;
+
+    /// A body fed chunk by chunk by the test.
+    struct Fed(mpsc::UnboundedReceiver<Bytes>);
+
+    impl Body for Fed {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0.poll_recv(cx).map(|c| c.map(|c| Ok(Frame::data(c))))
+        }
+    }
+
+    fn fed(grace: Duration, min_rate: u64) -> (mpsc::UnboundedSender<Bytes>, MinRateBody<Fed>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (tx, MinRateBody::new(Fed(rx), grace, min_rate))
+    }
+
+    /// Sends `n` one-byte chunks, `every` apart, then ends the body.
+    fn trickle(tx: mpsc::UnboundedSender<Bytes>, n: usize, every: Duration) {
+        tokio::spawn(async move {
+            for _ in 0..n {
+                tokio::time::sleep(every).await;
+                if tx.send(Bytes::from_static(b"x")).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_trickle_below_the_rate_fails_once_its_grace_and_earned_time_are_over() {
+        // 1 byte a second against 10 a second: after the 5 s grace, each
+        // byte earns 100 ms, so it fails a little after 5.5 s.
+        let (tx, body) = fed(Duration::from_secs(5), 10);
+        trickle(tx, 1000, Duration::from_secs(1));
+        let began = tokio::time::Instant::now();
+        let err = body.collect().await.expect_err("too slow");
+        let took = began.elapsed();
+        let slow = err.downcast_ref::<BodyTooSlow>().expect("BodyTooSlow");
+        assert_eq!(slow.min_rate, 10);
+        assert_eq!(slow.received, 5);
+        assert!(
+            (Duration::from_millis(5500)..Duration::from_secs(6)).contains(&took),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_at_the_rate_arrives_whole_however_long_it_takes() {
+        // 1 byte every 80 ms against 10 a second (100 ms each): 300 bytes,
+        // 24 s, far past the grace.
+        let (tx, body) = fed(Duration::from_secs(1), 10);
+        trickle(tx, 300, Duration::from_millis(80));
+        let whole = body.collect().await.expect("whole").to_bytes();
+        assert_eq!(whole.len(), 300);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_minimum_waits_as_long_as_the_body_takes() {
+        let (tx, body) = fed(Duration::from_secs(1), 0);
+        trickle(tx, 20, Duration::from_secs(10));
+        let whole = body.collect().await.expect("whole").to_bytes();
+        assert_eq!(whole.len(), 20);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_failing_the_body_ends() {
+        let (tx, mut body) = fed(Duration::from_millis(100), 1000);
+        let err = body.frame().await.expect("a frame").expect_err("too slow");
+        assert!(err.is::<BodyTooSlow>(), "{err}");
+        assert!(body.is_end_stream());
+        assert!(body.frame().await.is_none());
+        drop(tx);
     }
 }

@@ -148,6 +148,10 @@ pub(crate) struct ProxyArgs {
     /// A request body may stall this long between two chunks.
     #[arg(long, env = "IDEM_BODY_TIMEOUT_SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) body_timeout_secs: u64,
+    /// The average a request body must keep up once its first
+    /// `--body-timeout-secs` are over, in bytes a second (0: no minimum).
+    #[arg(long, env = "IDEM_BODY_MIN_RATE", default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=1 << 30))]
+    pub(crate) body_min_rate: u64,
     /// Client connections served at once; more are closed at once.
     #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub(crate) max_connections: u64,
@@ -358,6 +362,7 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
     let limits = idem_axum::serve::Limits {
         header_timeout: Duration::from_secs(args.header_timeout_secs),
         body_timeout: Duration::from_secs(args.body_timeout_secs),
+        body_min_rate: args.body_min_rate,
         max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
         grace: Duration::from_secs(args.shutdown_grace_secs),
     };

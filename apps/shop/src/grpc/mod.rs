@@ -153,16 +153,21 @@ pub(crate) async fn serve(
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     info!(?addr, "gRPC ready");
     let layer = layer(&state, store, policy);
-    // A body that stalls between two chunks fails its call (as over HTTP),
-    // before the idempotency layer has claimed anything.
+    // A body that stalls between two chunks, or trickles in below the
+    // minimum rate, fails its call (as over HTTP), before the idempotency
+    // layer has claimed anything.
     let stalls = tower::ServiceBuilder::new()
+        .layer(idem_axum::serve::MinRateLayer::new(
+            limits.body_timeout,
+            limits.body_min_rate,
+        ))
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
             limits.body_timeout,
         ))
         .map_request(
-            |r: http::Request<tower_http::timeout::TimeoutBody<tonic::body::Body>>| {
-                r.map(tonic::body::Body::new)
-            },
+            |r: http::Request<
+                tower_http::timeout::TimeoutBody<idem_axum::serve::MinRateBody<tonic::body::Body>>,
+            >| r.map(tonic::body::Body::new),
         );
     tonic::transport::Server::builder()
         // A peer that stops answering is found out and dropped.
