@@ -104,6 +104,10 @@ pub enum LastFailure {
     /// The key could not be made a header value.
     #[error(transparent)]
     InvalidKey(http::header::InvalidHeaderValue),
+    /// The key is not 1 to 255 visible ASCII characters (which the server
+    /// would refuse with `400`): nothing was sent.
+    #[error("an Idempotency-Key is 1 to 255 visible ASCII characters")]
+    KeyNotVisibleAscii,
 }
 
 struct KeyLabel<'a>(Option<&'a str>);

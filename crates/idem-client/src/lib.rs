@@ -55,7 +55,9 @@
 //!
 //! Connection errors (refused, reset, closed before the answer) and
 //! time-outs; `5xx` except `501 Not Implemented`; `409 Conflict` (the
-//! original is still in flight); `429 Too Many Requests`. Never `400`,
+//! original is still in flight; not a `409` the server replayed with
+//! `Idempotent-Replayed: true`, which is the handler's own stored answer
+//! and comes back the same every time); `429 Too Many Requests`. Never `400`,
 //! `401`, `403`, `404`, `422` or any other `4xx`: the request itself is
 //! wrong, and sending it again cannot help.
 //!
@@ -337,6 +339,10 @@ enum Verdict {
 
 fn judge(result: reqwest_middleware::Result<Response>) -> Verdict {
     match result {
+        // A stored answer replayed (`Idempotent-Replayed: true`): the same
+        // key gets it again on every attempt. A `409` replayed is the
+        // handler's own (a state conflict), not "still in flight".
+        Ok(r) if r.status() == StatusCode::CONFLICT && is_replayed(&r) => Verdict::Done(r),
         Ok(r) if is_retryable_status(r.status()) => {
             let after = if honours_retry_after(r.status()) {
                 r.headers()
@@ -353,11 +359,15 @@ fn judge(result: reqwest_middleware::Result<Response>) -> Verdict {
     }
 }
 
-fn attach_outcome(r: &mut Response, attempts: u32, key: &Option<String>) {
-    let replayed = r
-        .headers()
+/// Whether the server says `r` is a stored answer replayed.
+fn is_replayed(r: &Response) -> bool {
+    r.headers()
         .get("idempotent-replayed")
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"))
+}
+
+fn attach_outcome(r: &mut Response, attempts: u32, key: &Option<String>) {
+    let replayed = is_replayed(r);
     r.extensions_mut().insert(RetryOutcome {
         attempts,
         replayed,

@@ -19,11 +19,13 @@ impl IdempotentRetry {
         if !self.keyed_methods.contains(req.method()) {
             return Ok(None);
         }
+        // The caller's own key, as it is: one that is not visible ASCII is
+        // refused below (nothing sent), never replaced by a generated one,
+        // which the caller's next retry of the intent would not share.
         let existing = req
             .headers()
             .get(IDEMPOTENCY_KEY)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         let key = match (existing, extensions.get::<IntentKey>()) {
             (Some(k), _) => k,
             (None, Some(k)) => k.0.clone(),
@@ -32,18 +34,24 @@ impl IdempotentRetry {
                 KeyKind::V7 => IntentKey::time_ordered().0,
             },
         };
+        let refused = |failure| {
+            Err(RetryError::new(
+                0,
+                Some(key.clone()),
+                Duration::ZERO,
+                StopReason::InvalidKey,
+                failure,
+            ))
+        };
+        if !(1..=255).contains(&key.len()) || !key.bytes().all(|b| b.is_ascii_graphic()) {
+            return refused(LastFailure::KeyNotVisibleAscii);
+        }
         match HeaderValue::from_str(&key) {
             Ok(value) => {
                 req.headers_mut().insert(IDEMPOTENCY_KEY, value);
                 Ok(Some(key))
             }
-            Err(e) => Err(RetryError::new(
-                0,
-                Some(key),
-                Duration::ZERO,
-                StopReason::InvalidKey,
-                LastFailure::InvalidKey(e),
-            )),
+            Err(e) => refused(LastFailure::InvalidKey(e)),
         }
     }
 }

@@ -716,3 +716,50 @@ async fn get_requests_are_retried_without_a_key() {
     assert_eq!(r.retry_outcome().unwrap().attempts, 2);
     assert_eq!(r.retry_outcome().unwrap().idempotency_key, None);
 }
+
+/// A `409` the server replayed (`Idempotent-Replayed: true`) is the
+/// handler's stored answer, not "still in flight": every attempt with the
+/// key gets it again, so it is returned at once.
+#[tokio::test]
+async fn a_replayed_conflict_is_returned_at_once() {
+    let s = script(vec![(409, vec![("idempotent-replayed", "true".to_owned())])]);
+    let url = serve(s.clone()).await;
+    let r = client(fast()).post(&url).send().await.unwrap();
+    assert_eq!(r.status(), 409);
+    assert_eq!(r.retry_outcome().unwrap().attempts, 1);
+    assert!(r.retry_outcome().unwrap().replayed);
+    assert_eq!(s.seen.len(), 1);
+}
+
+/// The caller's own key that is not visible ASCII is refused with nothing
+/// sent; it is never swapped for a generated one (which the caller's next
+/// retry of the intent would not share).
+#[tokio::test]
+async fn a_caller_key_that_is_not_ascii_is_refused_not_replaced() {
+    let s = script(vec![]);
+    let url = serve(s.clone()).await;
+    let err = client(fast())
+        .post(&url)
+        .header(
+            "idempotency-key",
+            http::HeaderValue::from_bytes("zahlung-ä".as_bytes()).unwrap(),
+        )
+        .send()
+        .await
+        .unwrap_err();
+    let e = err.retry_error().expect("a RetryError");
+    assert_eq!(e.reason(), StopReason::InvalidKey);
+    assert_eq!(e.attempts(), 0);
+    assert_eq!(e.idempotency_key(), Some("zahlung-ä"));
+    // Nor one the server would refuse for its length.
+    let err = client(fast())
+        .post(&url)
+        .with_extension(IntentKey::new("k".repeat(256)))
+        .send()
+        .await
+        .unwrap_err();
+    let e = err.retry_error().expect("a RetryError");
+    assert_eq!(e.reason(), StopReason::InvalidKey);
+    assert!(matches!(e.last(), LastFailure::KeyNotVisibleAscii), "{e}");
+    assert_eq!(s.seen.len(), 0);
+}
