@@ -722,7 +722,10 @@ async fn get_requests_are_retried_without_a_key() {
 /// key gets it again, so it is returned at once.
 #[tokio::test]
 async fn a_replayed_conflict_is_returned_at_once() {
-    let s = script(vec![(409, vec![("idempotent-replayed", "true".to_owned())])]);
+    let s = script(vec![(
+        409,
+        vec![("idempotent-replayed", "true".to_owned())],
+    )]);
     let url = serve(s.clone()).await;
     let r = client(fast()).post(&url).send().await.unwrap();
     assert_eq!(r.status(), 409);

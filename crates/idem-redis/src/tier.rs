@@ -1,5 +1,6 @@
 //! [`TieredStore`]: Redis in front of a SQL store.
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -29,6 +30,12 @@ pub struct TieredStore<S> {
     sql: S,
     redis: RedisStore,
     bypass_until: Mutex<Option<Instant>>,
+    /// Until when (the claims' clock, Unix ms) an in-flight marker in Redis
+    /// may be one left behind: its claim ended (completed, released) while
+    /// Redis was bypassed or failed, so it was not deleted, and it lasts
+    /// until its lease ends. Until then Redis's in-flight answers are not
+    /// trusted: the SQL store decides.
+    stale_markers_until: AtomicI64,
 }
 
 impl<S> TieredStore<S> {
@@ -38,6 +45,7 @@ impl<S> TieredStore<S> {
             sql,
             redis,
             bypass_until: Mutex::new(None),
+            stale_markers_until: AtomicI64::new(0),
         }
     }
 
@@ -69,20 +77,32 @@ impl<S> TieredStore<S> {
             Some(Instant::now() + BACKOFF);
     }
 
+    /// Deletes the claim's in-flight marker; if that cannot be done, Redis's
+    /// in-flight answers are not trusted until the marker's lease ends.
     async fn forget(&self, claim: &Claim) {
-        if self.redis_usable() {
-            if let Err(e) = self.redis.forget(&claim.scope, &claim.key).await {
-                self.redis_failed("forget", &e);
-            }
+        let forgotten = self.redis_usable()
+            && match self.redis.forget(&claim.scope, &claim.key).await {
+                Ok(()) => true,
+                Err(e) => {
+                    self.redis_failed("forget", &e);
+                    false
+                }
+            };
+        if !forgotten {
+            self.stale_markers_until
+                .fetch_max(claim.locked_until.0, Ordering::SeqCst);
         }
     }
-}
 
-/// Whether Redis's copy of a record can answer on its own.
-fn answers(record: &Record, now: idem_core::UnixMillis) -> bool {
-    match &record.state {
-        RecordState::Completed { .. } => !record.is_expired(now),
-        RecordState::InProgress { locked_until, .. } => *locked_until > now,
+    /// Whether Redis's copy of a record can answer on its own: a completed
+    /// record SQL committed, or an in-flight marker while none may be stale.
+    fn answers(&self, record: &Record, now: idem_core::UnixMillis) -> bool {
+        match &record.state {
+            RecordState::Completed { .. } => !record.is_expired(now),
+            RecordState::InProgress { locked_until, .. } => {
+                *locked_until > now && now.0 >= self.stale_markers_until.load(Ordering::SeqCst)
+            }
+        }
     }
 }
 
@@ -90,7 +110,7 @@ impl<S: Store> TieredStore<S> {
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         if self.redis_usable() {
             match self.redis.fetch(&req.scope, &req.key).await {
-                Ok((Some(record), now)) if answers(&record, now) => {
+                Ok((Some(record), now)) if self.answers(&record, now) => {
                     debug!("answered from Redis");
                     return Ok(ClaimOutcome::Existing(record));
                 }

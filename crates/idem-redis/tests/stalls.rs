@@ -70,3 +70,52 @@ async fn after_a_command_times_out_the_next_goes_on_a_fresh_connection() {
     );
     store.clear().await.unwrap();
 }
+
+/// Tiered: a request that completes while Redis is bypassed (another
+/// request's Redis call failed a moment before) cannot delete its in-flight
+/// marker, which lasts until its lease ends. Once Redis is used again, that
+/// marker must not answer "in flight": the retry gets the completed record
+/// from the SQL store, not 409s for the rest of the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_marker_left_while_redis_was_bypassed_does_not_answer_in_flight() {
+    use idem_core::{RecordState, StoredResponse};
+    use idem_redis::TieredStore;
+    use idem_test_support::faults::Fault;
+
+    let proxy = FaultProxy::start(&host_port(&redis_url())).await;
+    let prefix = format!("idem-test-{}", uuid::Uuid::new_v4().simple());
+    let redis = RedisStore::connect(
+        RedisConfig::new(format!("redis://{}", proxy.addr()))
+            .prefix(prefix)
+            .timeout(Duration::from_millis(300)),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("cannot reach Redis (`bash scripts/test` starts it): {e}"));
+    let store = TieredStore::new(idem_memory::MemoryStore::new(), redis);
+    // The claim's marker goes to Redis (its lease: 60 s).
+    let ClaimOutcome::Acquired(claim) = store.claim(&req("k")).await.unwrap() else {
+        panic!("a new key is acquired");
+    };
+    // Another request's Redis read times out: Redis is bypassed for 1 s.
+    proxy.set(Fault::Partition);
+    let other = store.claim(&req("other")).await.unwrap();
+    assert!(matches!(other, ClaimOutcome::Acquired(_)), "{other:?}");
+    // Meanwhile the first completes: SQL has it, the marker stays.
+    let done = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: "{}".into(),
+    };
+    store.complete(&claim, &done).await.unwrap();
+    proxy.set(Fault::None);
+    // Past the bypass, Redis is read again.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    match store.claim(&req("k")).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert!(
+            matches!(r.state, RecordState::Completed { .. }),
+            "the completed record, not the marker left in Redis: {r:?}"
+        ),
+        other => panic!("the completed record: {other:?}"),
+    }
+    store.redis().clear().await.unwrap();
+}
