@@ -115,7 +115,7 @@ mod millis {
                 WHERE state = 'pending' ORDER BY seq LIMIT 1";
     pub(super) const MARK_FAILED: &str =
         "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
-                          next_attempt_at = {now} + $4, state = $5
+                          next_attempt_at = {now} + $4, state = $5, attempts = attempts - $6
                       WHERE seq = $1 AND claim_token = $2";
     pub(super) const MARK_SENT: &str =
         "UPDATE {table} SET state = 'sent', sent_at = {now}, claimed_until = NULL
@@ -151,7 +151,8 @@ impl OutboxDialect for idem_sql::Postgres {
         lag: "SELECT (extract(epoch FROM now() - created_at) * 1000)::int8 AS lag
               FROM {table} WHERE state = 'pending' ORDER BY seq LIMIT 1",
         mark_failed: "UPDATE {table} SET claimed_until = NULL, claim_token = NULL, last_error = $3,
-                          next_attempt_at = now() + $4 * interval '1 millisecond', state = $5
+                          next_attempt_at = now() + $4 * interval '1 millisecond', state = $5,
+                          attempts = attempts - $6
                       WHERE seq = $1 AND claim_token = $2",
         mark_sent: "UPDATE {table} SET state = 'sent', sent_at = now(), claimed_until = NULL
                     WHERE seq IN ({seqs}) AND claim_token = $1 AND state = 'pending'",

@@ -623,3 +623,57 @@ async fn a_header_too_long_to_keep_is_refused_and_nothing_is_enqueued() {
     tx.rollback().await.unwrap();
     assert_eq!(outbox::stats(&lite).await.unwrap().pending, 0);
 }
+
+/// A broker that cannot be reached (here: nobody subscribed to the
+/// in-process destination yet) uses up none of a row's attempts: however
+/// many rounds fail, the row waits, and goes out once the broker is back.
+/// Only refusals dead-letter a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_broker_never_dead_letters_a_row() {
+    use idem_outbox::transport::InProcess;
+    let (pool, _s) = pg().await;
+    let mut tx = pool.begin().await.unwrap();
+    outbox::enqueue(&mut tx, &message("m1", "later", None))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let transport = Arc::new(InProcess::new());
+    let relay = Relay::new(
+        &pool,
+        transport.clone(),
+        RelayConfig {
+            max_attempts: 2,
+            backoff: Duration::from_millis(5),
+            ..RelayConfig::default()
+        },
+    );
+    let mut failed = 0;
+    for _ in 0..40 {
+        failed += relay.round().await.unwrap().failed;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(failed > 2, "tried more often than its attempts: {failed}");
+    let s = outbox::stats(&pool).await.unwrap();
+    assert_eq!((s.sent, s.pending, s.dead), (0, 1, 0));
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM idem_outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        attempts, 0,
+        "each attempt the broker never judged is given back"
+    );
+    // The broker is back: the row goes out.
+    let mut deliveries = transport.subscribe("later");
+    let acks = tokio::spawn(async move {
+        let d = deliveries.recv().await.unwrap();
+        d.ack();
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while outbox::stats(&pool).await.unwrap().sent == 0 {
+        relay.round().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(std::time::Instant::now() < deadline, "never sent");
+    }
+    acks.await.unwrap();
+}

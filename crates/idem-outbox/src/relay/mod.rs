@@ -3,6 +3,7 @@
 //! [`OutboxDialect`]: what differs between databases is their statements
 //! (`crate::db`) and [`idem_sql::Dialect`].
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,7 +19,7 @@ pub(crate) use sql::listen;
 use sql::{OutboxBackend, SqlOutbox};
 
 use crate::db::OutboxDialect;
-use crate::outbox::{OutboxTable, OutgoingMessage, PublishError, Publisher};
+use crate::outbox::{OutboxTable, OutgoingMessage, PublishError, PublishErrorKind, Publisher};
 
 /// The channel `enqueue` notifies on commit, and relays listen to.
 pub const NOTIFY_CHANNEL: &str = "idem_outbox";
@@ -35,9 +36,13 @@ pub struct RelayConfig {
     pub lease: Duration,
     /// How often to look for rows when no notification came.
     pub poll: Duration,
-    /// Attempts before a row goes to the dead-letter state.
+    /// Refusals (the broker nacked or returned the message, or the
+    /// publisher failed it otherwise) before a row goes to the dead-letter
+    /// state. A broker that cannot be reached or does not confirm uses up
+    /// no attempt: the row waits for it, however long.
     pub max_attempts: i32,
-    /// The first retry delay; it doubles with each attempt, up to a minute.
+    /// The first retry delay; it doubles with each attempt (with each round
+    /// in a row that could not reach the broker), up to a minute.
     pub backoff: Duration,
 }
 
@@ -182,6 +187,8 @@ pub struct Relay {
     config: RelayConfig,
     wake: Arc<tokio::sync::Notify>,
     looked: Arc<std::sync::Mutex<Looked>>,
+    /// Rounds in a row whose failures were all the broker's absence.
+    outage: Arc<AtomicU32>,
 }
 
 /// What the relay last saw of its table: when it looked, and how long the
@@ -233,6 +240,7 @@ impl Relay {
             publisher,
             config,
             wake: Arc::new(tokio::sync::Notify::new()),
+            outage: Arc::default(),
             looked: Arc::new(std::sync::Mutex::new(Looked {
                 at: Instant::now(),
                 oldest: None,
@@ -300,6 +308,7 @@ impl Relay {
         let published = self.publisher.publish(&batch).await;
         let mut sent = Vec::new();
         let mut round = Round::default();
+        let mut transport_failures = 0usize;
         for c in &claimed {
             let outcome = published
                 .get(&c.message.message_id)
@@ -314,11 +323,26 @@ impl Relay {
                 continue;
             };
             round.failed += 1;
-            let dead = c.attempts >= i64::from(self.config.max_attempts);
+            // Only the broker's own refusals use up attempts. A broker that
+            // cannot be reached, or does not confirm, is waited for however
+            // long it takes (backing off as the outage goes on): otherwise
+            // a restart of a few minutes would turn every row into a dead
+            // letter.
+            let counted = matches!(
+                e.kind(),
+                PublishErrorKind::Rejected | PublishErrorKind::Other
+            );
+            let dead = counted && c.attempts >= i64::from(self.config.max_attempts);
+            let streak = if counted {
+                c.attempts
+            } else {
+                transport_failures += 1;
+                i64::from(self.outage.load(Ordering::Relaxed)) + 1
+            };
             let backoff = self
                 .config
                 .backoff
-                .saturating_mul(1u32 << (c.attempts.clamp(1, 16) - 1) as u32)
+                .saturating_mul(1u32 << (streak.clamp(1, 16) - 1) as u32)
                 .min(Duration::from_secs(60));
             if dead {
                 metrics::counter!("idem_outbox_dead_lettered_total").increment(1);
@@ -332,8 +356,15 @@ impl Relay {
                 RowState::Pending
             };
             self.db
-                .mark_failed(c.seq, token, &e.to_string(), backoff, state)
+                .mark_failed(c.seq, token, &e.to_string(), backoff, state, counted)
                 .await?;
+        }
+        // Rounds in a row that could not reach the broker: the backoff of
+        // the rows it did not take grows with the outage.
+        if !sent.is_empty() {
+            self.outage.store(0, Ordering::Relaxed);
+        } else if transport_failures > 0 {
+            self.outage.fetch_add(1, Ordering::Relaxed);
         }
         if !sent.is_empty() {
             // The rows whose publish failed were let go above: what is

@@ -37,7 +37,8 @@ pub(crate) trait OutboxBackend: Send + Sync + 'static {
     /// pending.
     fn lag(&self) -> BoxFuture<'_, Result<Option<Duration>, sqlx::Error>>;
     /// Lets a row whose publish failed go: back after `backoff`, or dead;
-    /// fenced by `token`.
+    /// fenced by `token`. A failure not `counted` does not use up one of
+    /// the row's attempts.
     fn mark_failed<'a>(
         &'a self,
         seq: i64,
@@ -45,6 +46,7 @@ pub(crate) trait OutboxBackend: Send + Sync + 'static {
         error: &'a str,
         backoff: Duration,
         state: RowState,
+        counted: bool,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
     /// Marks the rows `seqs` still leased under `token` as sent.
     fn mark_sent<'a>(
@@ -235,6 +237,7 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
         error: &'a str,
         backoff: Duration,
         state: RowState,
+        counted: bool,
     ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
         Box::pin(async move {
             let args = [
@@ -243,6 +246,9 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
                 Arg::Text(error),
                 Arg::Int(millis(backoff)),
                 Arg::Text(state.as_str()),
+                // The claim counted an attempt; one the broker never
+                // judged (unreachable, unconfirmed) is given back.
+                Arg::Int(i64::from(!counted)),
             ];
             self.write(&self.sql()?.mark_failed, &args).await
         })
