@@ -170,29 +170,62 @@ impl NatsPublisher {
     }
 }
 
+/// Why `m` cannot go over NATS: a header name must be visible ASCII
+/// without `:`, a header value (the message id is one, `Nats-Msg-Id`) must
+/// hold no line break.
+fn unsendable(m: &OutgoingMessage) -> Option<String> {
+    let broken = |s: &str| s.contains(['\r', '\n']);
+    if broken(&m.message_id) {
+        return Some("the message id holds a line break, which NATS headers cannot".to_owned());
+    }
+    m.headers.iter().find_map(|(k, v)| {
+        if k.is_empty() || !k.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
+            Some(format!(
+                "header name {k:?} is not visible ASCII without `:`, as NATS requires"
+            ))
+        } else if broken(v) {
+            Some(format!(
+                "header {k:?} holds a line break, which NATS headers cannot"
+            ))
+        } else {
+            None
+        }
+    })
+}
+
 impl Publisher for NatsPublisher {
     /// Sends the whole batch, then waits for every ack.
     fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         Box::pin(async move {
             let mut pending = Vec::with_capacity(batch.len());
             for m in batch {
+                // Refused here rather than panicking in the NATS client:
+                // one such row must not stop the relay.
+                if let Some(why) = unsendable(m) {
+                    pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
+                    continue;
+                }
                 let mut message = jetstream::message::PublishMessage::build()
                     .message_id(&m.message_id)
                     .payload(m.payload.clone());
                 for (k, v) in &m.headers {
                     message = message.header(k.as_str(), v.as_str());
                 }
-                pending.push(self.js.send_publish(m.destination.clone(), message).await);
+                pending.push(Ok(self
+                    .js
+                    .send_publish(m.destination.clone(), message)
+                    .await));
             }
             let mut published = Published::default();
             for (m, sent) in batch.iter().zip(pending) {
                 published.record(
                     &m.message_id,
                     match sent {
-                        Ok(ack) => ack.await.map(drop).map_err(|e| {
+                        Err(refused) => Err(refused),
+                        Ok(Ok(ack)) => ack.await.map(drop).map_err(|e| {
                             PublishError::new(PublishErrorKind::Unconfirmed, e.to_string())
                         }),
-                        Err(e) => Err(PublishError::new(
+                        Ok(Err(e)) => Err(PublishError::new(
                             PublishErrorKind::Unreachable,
                             e.to_string(),
                         )),

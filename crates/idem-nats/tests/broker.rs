@@ -193,3 +193,35 @@ async fn an_unreachable_server_is_a_typed_connect_error() {
         "{err:?}"
     );
 }
+
+/// A message NATS headers cannot carry (a line break in the message id or a
+/// header value, a header name with a space or `:`) is refused for itself,
+/// and the rest of the batch goes out: the NATS client would panic on it,
+/// and with it the relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_nats_cannot_carry_is_refused_not_a_panic() {
+    use idem_outbox::outbox::{OutgoingMessage, PublishErrorKind};
+    let n = jetstream(3).await;
+    let to = n.spec.subject().to_owned();
+    let batch = [
+        OutgoingMessage::new("m\nid", to.clone(), "a line break in the id"),
+        OutgoingMessage::new("m-name", to.clone(), "a bad header name").header("a b", "v"),
+        OutgoingMessage::new("m-colon", to.clone(), "a bad header name").header("a:b", "v"),
+        OutgoingMessage::new("m-value", to.clone(), "a bad header value").header("h", "x\r\ny"),
+        OutgoingMessage::new("m-ok", to, "fine").header("h", "v"),
+    ];
+    let published = n.publisher.publish(&batch).await;
+    assert!(
+        published.confirmed("m-ok"),
+        "the rest of the batch goes out"
+    );
+    for id in ["m\nid", "m-name", "m-colon", "m-value"] {
+        let error = published
+            .get(id)
+            .expect("the publisher says what became of it")
+            .as_ref()
+            .expect_err("refused");
+        assert_eq!(error.kind(), PublishErrorKind::Rejected, "{id:?}");
+        assert!(error.message().contains("NATS"), "{}", error.message());
+    }
+}

@@ -147,6 +147,25 @@ impl RabbitPublisher {
     }
 }
 
+/// Why `m` cannot go over AMQP, whose message id, routing key and header
+/// names are short strings (at most 255 bytes).
+fn unsendable(m: &OutgoingMessage) -> Option<String> {
+    let long = |what: &str, s: &str| {
+        (s.len() > MAX_SHORT_STRING).then(|| {
+            format!(
+                "{what} is {} bytes; AMQP allows {MAX_SHORT_STRING}",
+                s.len()
+            )
+        })
+    };
+    long("the message id", &m.message_id)
+        .or_else(|| long("the destination", &m.destination))
+        .or_else(|| m.headers.iter().find_map(|(k, _)| long("a header name", k)))
+}
+
+/// The longest AMQP short string, in bytes.
+const MAX_SHORT_STRING: usize = 255;
+
 fn properties(m: &OutgoingMessage) -> BasicProperties {
     let mut headers = FieldTable::default();
     for (k, v) in &m.headers {
@@ -169,6 +188,12 @@ impl Publisher for RabbitPublisher {
             let _one_batch_at_a_time = self.lock.lock().await;
             let mut pending = Vec::with_capacity(batch.len());
             for m in batch {
+                // Refused here rather than panicking in the AMQP library:
+                // one such row must not stop the relay.
+                if let Some(why) = unsendable(m) {
+                    pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
+                    continue;
+                }
                 let sent = self
                     .channel
                     .basic_publish(
@@ -184,14 +209,15 @@ impl Publisher for RabbitPublisher {
                         properties(m),
                     )
                     .await;
-                pending.push(sent);
+                pending.push(Ok(sent));
             }
             let mut published = Published::default();
             for (m, sent) in batch.iter().zip(pending) {
                 published.record(
                     &m.message_id,
                     match sent {
-                        Ok(confirm) => match confirm.await {
+                        Err(refused) => Err(refused),
+                        Ok(Ok(confirm)) => match confirm.await {
                             Ok(Confirmation::Ack(None)) => Ok(()),
                             // Acked, but returned first: no queue is bound to
                             // the destination, so nobody will ever read it.
@@ -213,7 +239,7 @@ impl Publisher for RabbitPublisher {
                                 e.to_string(),
                             )),
                         },
-                        Err(e) => Err(PublishError::new(
+                        Ok(Err(e)) => Err(PublishError::new(
                             PublishErrorKind::Unreachable,
                             e.to_string(),
                         )),

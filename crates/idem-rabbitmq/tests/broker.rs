@@ -153,3 +153,33 @@ async fn an_unroutable_message_is_a_publish_error_not_a_confirm() {
     );
     assert!(error.message().contains(&nowhere), "{}", error.message());
 }
+
+/// A message AMQP cannot carry (a message id, or a header name, over 255
+/// bytes) is refused for itself, and the rest of the batch goes out: the
+/// AMQP library would panic on it, and with it the relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_amqp_cannot_carry_is_refused_not_a_panic() {
+    use idem_outbox::outbox::{OutgoingMessage, PublishErrorKind};
+    let r = rabbit(3).await;
+    let to = r.spec.name().to_owned();
+    let batch = [
+        OutgoingMessage::new("i".repeat(256), to.clone(), "long id"),
+        OutgoingMessage::new("m-header", to.clone(), "long header name")
+            .header("h".repeat(256), "v"),
+        OutgoingMessage::new("m-ok", to, "fine"),
+    ];
+    let published = r.publisher.publish(&batch).await;
+    assert!(
+        published.confirmed("m-ok"),
+        "the rest of the batch goes out"
+    );
+    for id in ["i".repeat(256), "m-header".to_owned()] {
+        let error = published
+            .get(&id)
+            .expect("the publisher says what became of it")
+            .as_ref()
+            .expect_err("refused");
+        assert_eq!(error.kind(), PublishErrorKind::Rejected);
+        assert!(error.message().contains("255"), "{}", error.message());
+    }
+}
