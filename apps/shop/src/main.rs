@@ -248,9 +248,9 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Removes records past their retention, in bounded batches, forever.
-/// Removes idempotency records past their retention, and processed
-/// message ids past the inbox's (7 days), in bounded batches, forever.
+/// Removes idempotency records past their retention, processed message
+/// ids past the inbox's (7 days) and sent outbox rows past a day, in
+/// bounded batches, forever.
 async fn sweep_forever(store: Arc<dyn Store>, retention: Duration, db: db::Database) {
     let every = (retention / 2).clamp(Duration::from_secs(1), Duration::from_secs(60));
     let mut tick = tokio::time::interval(every);
@@ -264,38 +264,50 @@ async fn sweep_forever(store: Arc<dyn Store>, retention: Duration, db: db::Datab
             }
             Err(e) => warn!(error = %e, "sweep failed; will try again"),
         }
+        // Processed message ids past the inbox's retention, and sent events
+        // kept a day (for `idem outbox` and for looking into a consumer's
+        // complaint): a few batches a tick each, so a backlog drains
+        // without holding the writer long, and the sweep keeps up with a
+        // consumer's rate rather than one batch a minute.
         let inbox = idem_outbox::inbox::DEFAULT_RETENTION;
-        let swept = db.sweep_inbox(inbox).await;
-        match swept {
-            Ok(0) => {}
-            Ok(n) => info!(swept = n, "removed old processed message ids"),
-            Err(e) => warn!(error = %e, "inbox sweep failed; will try again"),
+        let swept = sweep_batches("inbox", || db.sweep_inbox(inbox)).await;
+        if swept > 0 {
+            info!(swept, "removed old processed message ids");
         }
-        // Sent events are kept a day (for `idem outbox` and for looking
-        // into a consumer's complaint), then deleted: a few batches a tick,
-        // so a backlog drains without holding the writer long.
-        for _ in 0..OUTBOX_SWEEP_BATCHES {
-            match db.sweep_outbox(OUTBOX_KEEP_SENT).await {
-                Ok(0) => break,
-                Ok(n) => {
-                    metrics::counter!("shop_outbox_swept_total").increment(n);
-                    if n < db::SWEEP_BATCH.unsigned_abs() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    warn!(error = %e, "outbox sweep failed; will try again");
+        let swept = sweep_batches("outbox", || db.sweep_outbox(OUTBOX_KEEP_SENT)).await;
+        metrics::counter!("shop_outbox_swept_total").increment(swept);
+    }
+}
+
+/// Runs `sweep` (one batch of at most `db::SWEEP_BATCH` rows) until a batch
+/// comes back short, at most `SWEEP_BATCHES` times; how many rows went.
+async fn sweep_batches<'a>(
+    what: &str,
+    mut sweep: impl FnMut() -> idem_core::BoxFuture<'a, Result<u64, sqlx::Error>>,
+) -> u64 {
+    let mut swept = 0;
+    for _ in 0..SWEEP_BATCHES {
+        match sweep().await {
+            Ok(n) => {
+                swept += n;
+                if n < db::SWEEP_BATCH.unsigned_abs() {
                     break;
                 }
             }
+            Err(e) => {
+                warn!(error = %e, what, "sweep failed; will try again");
+                break;
+            }
         }
     }
+    swept
 }
 
 /// How long sent outbox rows are kept before the sweep deletes them.
 const OUTBOX_KEEP_SENT: Duration = Duration::from_secs(24 * 3600);
-/// At most this many batches of sent outbox rows deleted per sweep tick.
-const OUTBOX_SWEEP_BATCHES: usize = 20;
+/// At most this many batches of rows (processed message ids, sent outbox
+/// rows) deleted per sweep tick.
+const SWEEP_BATCHES: usize = 20;
 
 async fn shutdown_signal() {
     let ctrl_c = async {
@@ -379,4 +391,38 @@ async fn check_replication(
     }
     warn!("{why}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// Batches go on while they come back full, up to the cap a tick.
+    #[tokio::test]
+    async fn a_sweep_goes_on_while_its_batches_are_full() {
+        let full = db::SWEEP_BATCH.unsigned_abs();
+        let mut answers = vec![full, full, 7].into_iter();
+        let mut calls = 0;
+        let swept = sweep_batches("test", || {
+            calls += 1;
+            let n = answers.next().unwrap();
+            Box::pin(async move { Ok(n) })
+        })
+        .await;
+        assert_eq!((swept, calls), (2 * full + 7, 3));
+        let mut calls = 0;
+        let swept = sweep_batches("test", || {
+            calls += 1;
+            Box::pin(async move { Ok(full) })
+        })
+        .await;
+        assert_eq!((swept, calls), (full * SWEEP_BATCHES as u64, SWEEP_BATCHES));
+        let swept = sweep_batches("test", || {
+            Box::pin(async { Err(sqlx::Error::PoolTimedOut) })
+        })
+        .await;
+        assert_eq!(swept, 0);
+    }
 }
