@@ -677,3 +677,42 @@ async fn an_unreachable_broker_never_dead_letters_a_row() {
     }
     acks.await.unwrap();
 }
+
+/// A broker that takes a message and never confirms it (here: a consumer
+/// that never acknowledges, with an hour to do so) holds a round no longer
+/// than half the lease: the row is let go, unconfirmed, its attempt given
+/// back, to be sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_never_confirms_holds_a_round_half_a_lease() {
+    use idem_outbox::transport::InProcess;
+    let (pool, _s) = pg().await;
+    let mut tx = pool.begin().await.unwrap();
+    outbox::enqueue(&mut tx, &message("m1", "slow", None))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let transport = Arc::new(InProcess::new().ack_timeout(Duration::from_secs(3600)));
+    let mut deliveries = transport.subscribe("slow");
+    let relay = Relay::new(
+        &pool,
+        transport.clone(),
+        RelayConfig {
+            lease: Duration::from_secs(2),
+            ..RelayConfig::default()
+        },
+    );
+    let round = tokio::time::timeout(Duration::from_secs(20), relay.round())
+        .await
+        .expect("the round ends within half its lease, not the hour")
+        .unwrap();
+    assert_eq!((round.sent, round.failed), (0, 1));
+    let held = deliveries.recv().await.unwrap();
+    let s = outbox::stats(&pool).await.unwrap();
+    assert_eq!((s.sent, s.pending, s.dead), (0, 1, 0));
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM idem_outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 0);
+    drop(held);
+}

@@ -19,7 +19,9 @@ pub(crate) use sql::listen;
 use sql::{OutboxBackend, SqlOutbox};
 
 use crate::db::OutboxDialect;
-use crate::outbox::{OutboxTable, OutgoingMessage, PublishError, PublishErrorKind, Publisher};
+use crate::outbox::{
+    OutboxTable, OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher,
+};
 
 /// The channel `enqueue` notifies on commit, and relays listen to.
 pub const NOTIFY_CHANNEL: &str = "idem_outbox";
@@ -305,7 +307,27 @@ impl Relay {
             return Ok(Round::default());
         }
         let batch: Vec<OutgoingMessage> = claimed.iter().map(|c| c.message.clone()).collect();
-        let published = self.publisher.publish(&batch).await;
+        // A broker that takes the messages but never confirms (a memory or
+        // disk alarm blocks its connection) must not hold the round past
+        // its lease, nor a shutdown: what is unconfirmed by half the lease
+        // is let go, to be sent again (the inboxes absorb a copy).
+        let wait = self.config.lease / 2;
+        let published = match tokio::time::timeout(wait, self.publisher.publish(&batch)).await {
+            Ok(published) => published,
+            Err(_) => {
+                let mut none = Published::default();
+                for m in &batch {
+                    none.record(
+                        &m.message_id,
+                        Err(PublishError::new(
+                            PublishErrorKind::Unconfirmed,
+                            format!("no confirmation within {} ms", wait.as_millis()),
+                        )),
+                    );
+                }
+                none
+            }
+        };
         let mut sent = Vec::new();
         let mut round = Round::default();
         let mut transport_failures = 0usize;
