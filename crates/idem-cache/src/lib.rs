@@ -86,15 +86,14 @@ impl<S> ReplayCache<S> {
     }
 
     fn lookup(&self, scope: &str, key: &str, now: UnixMillis) -> Option<Record> {
-        let mut e = self.lock();
+        let e = self.lock();
         let id = (scope.to_owned(), key.to_owned());
         let record = e.records.get(&id)?.clone();
-        if record.is_expired(now) {
-            e.records.remove(&id);
-            e.bytes = e.bytes.saturating_sub(size(&record));
-            return None;
-        }
-        Some((*record).clone())
+        drop(e);
+        // An expired record stays where it is (its place in the eviction
+        // order with it) until it is evicted or replaced by `insert`: the
+        // records and the order never disagree.
+        (!record.is_expired(now)).then(|| (*record).clone())
     }
 
     fn insert(&self, record: &Record) {
@@ -104,7 +103,13 @@ impl<S> ReplayCache<S> {
         }
         let mut e = self.lock();
         let id = (record.scope.clone(), record.key.clone());
-        if e.records.contains_key(&id) {
+        if let Some(cached) = e.records.get(&id).cloned() {
+            // The key was used again after its record expired: the new
+            // record takes the old one's place (and its place in the order).
+            if cached.is_expired(UnixMillis::now()) {
+                e.bytes = e.bytes.saturating_sub(size(&cached)) + n;
+                e.records.insert(id, Arc::new(record.clone()));
+            }
             return;
         }
         while e.records.len() >= self.max_entries || e.bytes + n > self.max_bytes {
@@ -262,6 +267,30 @@ mod tests {
             cache.claim(&req("a")).await.unwrap(),
             ClaimOutcome::Acquired(_)
         ));
+    }
+
+    /// A key used again after its record expired: the new record takes the
+    /// old one's place, and the eviction order holds each key once (it
+    /// grew by one orphan per reuse, which later evicted fresh records).
+    #[tokio::test]
+    async fn a_key_reused_after_expiry_is_cached_once() {
+        let cache = ReplayCache::new(MemoryStore::new(), 10, 1 << 20);
+        let ok = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: "x".into(),
+        };
+        for _ in 0..4 {
+            let ClaimOutcome::Acquired(c) = cache.claim(&req("k")).await.unwrap() else {
+                panic!("expired: the key is new again")
+            };
+            cache.complete(&c, &ok).await.unwrap();
+            let again = cache.claim(&req("k")).await.unwrap();
+            assert!(matches!(again, ClaimOutcome::Existing(_)), "{again:?}");
+            assert_eq!(cache.len(), 1);
+            assert_eq!(cache.lock().order.len(), 1, "the key once in the order");
+            tokio::time::sleep(Duration::from_millis(450)).await;
+        }
     }
 
     #[tokio::test]
