@@ -252,6 +252,20 @@ impl Consumer for NatsConsumer {
     }
 }
 
+/// How long a consumer waits after a failed pull before it pulls again.
+const PULL_AGAIN_AFTER: Duration = Duration::from_millis(250);
+
+/// Whether a consumer's messages ended for good: the consumer was deleted,
+/// or is not one that can be pulled from as configured.
+fn is_fatal(kind: pull::MessagesErrorKind) -> bool {
+    matches!(
+        kind,
+        pull::MessagesErrorKind::ConsumerDeleted
+            | pull::MessagesErrorKind::PushBasedConsumer
+            | pull::MessagesErrorKind::RequestLimitExceeded
+    )
+}
+
 /// A durable pull consumer; see the crate-level docs.
 #[derive(Debug)]
 pub struct NatsConsumer {
@@ -261,6 +275,7 @@ pub struct NatsConsumer {
     max_deliveries: i64,
     retry_delay: Duration,
     concurrency: NonZeroUsize,
+    idle_heartbeat: Duration,
 }
 
 impl NatsConsumer {
@@ -318,6 +333,7 @@ impl NatsConsumer {
             max_deliveries,
             retry_delay: Duration::from_millis(200),
             concurrency: NonZeroUsize::MIN,
+            idle_heartbeat: Duration::from_secs(5),
         })
     }
 
@@ -326,6 +342,15 @@ impl NatsConsumer {
     /// the ack wait is delivered again, so keep `n` handlers' time under it.
     pub fn concurrency(mut self, n: NonZeroUsize) -> Self {
         self.concurrency = n;
+        self
+    }
+
+    /// How often the server says it is there while no message comes
+    /// (default 5 s, at most 15 s): two missed in a row and the consumer
+    /// pulls again, so one that lost its server (a restart, a partition)
+    /// resumes by itself once it is back.
+    pub fn idle_heartbeat(mut self, every: Duration) -> Self {
+        self.idle_heartbeat = every.clamp(Duration::from_millis(100), Duration::from_secs(15));
         self
     }
 
@@ -345,8 +370,14 @@ impl NatsConsumer {
             subject: self.spec.subject.clone(),
             source: e,
         };
+        // Few messages buffered ahead of the handlers: one waiting in the
+        // client's buffer past the ack wait would be delivered again (and
+        // its delivery count, read from the buffered copy, be stale).
         let mut messages = self
             .consumer
+            .stream()
+            .max_messages_per_batch(self.concurrency.get().saturating_mul(4).max(8))
+            .heartbeat(self.idle_heartbeat)
             .messages()
             .await
             .map_err(|e| messages_failed(e.into()))?;
@@ -372,8 +403,19 @@ impl NatsConsumer {
             };
             let message = match message {
                 Ok(message) => message,
-                // the transport failed: what is in progress settles first
-                Err(e) => return in_flight.fail(messages_failed(e.into())).await,
+                // The consumer is gone or cannot be pulled from as it is:
+                // what is in progress settles first, then the error.
+                Err(e) if is_fatal(e.kind()) => {
+                    return in_flight.fail(messages_failed(e.into())).await
+                }
+                // A missed heartbeat, a pull that failed, no responders
+                // (the server restarting): the client pulls again by
+                // itself, and the messages come as soon as it can.
+                Err(e) => {
+                    warn!(subject = %self.spec.subject, error = %e, "pulling messages failed; pulling again");
+                    tokio::time::sleep(PULL_AGAIN_AFTER).await;
+                    continue;
+                }
             };
             let delivered = message.info().map(|i| i.delivered).unwrap_or(1);
             let incoming = Delivery {

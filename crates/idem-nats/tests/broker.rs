@@ -225,3 +225,104 @@ async fn a_message_nats_cannot_carry_is_refused_not_a_panic() {
         assert!(error.message().contains("NATS"), "{}", error.message());
     }
 }
+
+/// A `nats-server` with JetStream of the test's own, on a free port, its
+/// store in `dir`; killed when dropped.
+struct OwnServer(std::process::Child);
+
+impl OwnServer {
+    fn start(port: u16, dir: &std::path::Path) -> Self {
+        let child = std::process::Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("nats-server (`bash scripts/test` installs it)");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self(child)
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The server restarts while a consumer waits: its heartbeats stop, the
+/// client reconnects, and the consumer pulls again rather than ending, so
+/// a message published after the restart is handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_rides_out_a_server_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("nats://127.0.0.1:{port}");
+    let server = OwnServer::start(port, dir.path());
+    let spec = StreamSpec::new("RESTART", "restart.events");
+    let publisher = NatsPublisher::connect(&url, &spec).await.unwrap();
+    let consumer = NatsConsumer::connect(&url, &spec, "restart", 5)
+        .await
+        .unwrap()
+        .idle_heartbeat(Duration::from_millis(300));
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let on_message = handler(move |d: Delivery| {
+        let seen_tx = seen_tx.clone();
+        async move {
+            let _ = seen_tx.send(d.message_id);
+            Ok(())
+        }
+    });
+    let (stop, stopped) = watch::channel(false);
+    let consuming = tokio::spawn(Box::new(consumer).consume(on_message, stopped));
+    let publish = async |id: &str| {
+        let m = idem_outbox::outbox::OutgoingMessage::new(id, "restart.events", "x");
+        // The client may still be reconnecting: a few tries.
+        for _ in 0..50 {
+            if publisher
+                .publish(std::slice::from_ref(&m))
+                .await
+                .confirmed(id)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        panic!("{id} was never confirmed");
+    };
+    publish("before").await;
+    let first = tokio::time::timeout(Duration::from_secs(20), seen.recv()).await;
+    assert_eq!(first.unwrap().flatten().as_deref(), Some("before"));
+
+    drop(server);
+    // Long enough for the heartbeats (300 ms) to be missed.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !consuming.is_finished(),
+        "the consumer ended when its server went away"
+    );
+    let _server = OwnServer::start(port, dir.path());
+    publish("after").await;
+    let next = tokio::time::timeout(Duration::from_secs(30), seen.recv()).await;
+    assert_eq!(
+        next.expect("the message after the restart is handled")
+            .flatten()
+            .as_deref(),
+        Some("after")
+    );
+    stop.send(true).unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), consuming).await;
+    assert!(matches!(ended, Ok(Ok(Ok(())))), "{ended:?}");
+}
