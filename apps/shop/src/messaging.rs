@@ -195,15 +195,17 @@ impl Messaging {
         let destinations = EVENTS.map(|(suffix, _, _)| format!("{prefix}.{suffix}"));
         // Each event's consumer, on whatever carries the events; the
         // handler and its wiring are the same for all.
-        let mut consumers: Vec<(Box<dyn Consumer>, &'static str)> = Vec::new();
+        let mut consumers: Vec<(OpenConsumer, &'static str)> = Vec::new();
         let publisher: Arc<dyn Publisher> = match broker_url {
             None => {
                 let transport = Arc::new(InProcess::new());
                 for (dest, (suffix, _, _)) in destinations.iter().zip(EVENTS) {
-                    consumers.push((
-                        Box::new(transport.consumer(dest).concurrency(concurrency)),
-                        suffix,
-                    ));
+                    let (transport, dest) = (transport.clone(), dest.clone());
+                    let open: OpenConsumer = Arc::new(move || {
+                        let consumer = transport.consumer(&dest).concurrency(concurrency);
+                        Box::pin(async move { Ok(Box::new(consumer) as Box<dyn Consumer>) })
+                    });
+                    consumers.push((open, suffix));
                 }
                 info!("messaging in process (no --broker-url)");
                 transport
@@ -213,10 +215,17 @@ impl Messaging {
                 for (dest, (suffix, _, _)) in destinations.iter().zip(EVENTS) {
                     let spec = idem_rabbitmq::QueueSpec::new(dest.clone()).max_deliveries(5);
                     spec.declare(publisher.channel()).await?;
-                    let consumer = idem_rabbitmq::RabbitConsumer::connect(url, spec, 32)
-                        .await?
-                        .concurrency(concurrency);
-                    consumers.push((Box::new(consumer), suffix));
+                    let url = url.to_owned();
+                    let open: OpenConsumer = Arc::new(move || {
+                        let (url, spec) = (url.clone(), spec.clone());
+                        Box::pin(async move {
+                            let consumer = idem_rabbitmq::RabbitConsumer::connect(&url, spec, 32)
+                                .await?
+                                .concurrency(concurrency);
+                            Ok(Box::new(consumer) as Box<dyn Consumer>)
+                        })
+                    });
+                    consumers.push((open, suffix));
                 }
                 info!(url = %without_credentials(url), "messaging over RabbitMQ");
                 Arc::new(publisher)
@@ -247,10 +256,18 @@ impl Messaging {
                     spec.declare(publisher.context()).await?;
                 }
                 for (spec, (suffix, durable, _)) in specs.iter().zip(EVENTS) {
-                    let consumer = idem_nats::NatsConsumer::connect(url, spec, durable, 5)
-                        .await?
-                        .concurrency(concurrency);
-                    consumers.push((Box::new(consumer), suffix));
+                    let (url, spec) = (url.to_owned(), spec.clone());
+                    let open: OpenConsumer = Arc::new(move || {
+                        let (url, spec) = (url.clone(), spec.clone());
+                        Box::pin(async move {
+                            let consumer =
+                                idem_nats::NatsConsumer::connect(&url, &spec, durable, 5)
+                                    .await?
+                                    .concurrency(concurrency);
+                            Ok(Box::new(consumer) as Box<dyn Consumer>)
+                        })
+                    });
+                    consumers.push((open, suffix));
                 }
                 info!(url = %without_credentials(url), "messaging over NATS JetStream");
                 Arc::new(publisher)
@@ -262,7 +279,11 @@ impl Messaging {
             }
         };
         let mut tasks = Vec::new();
-        for (consumer, suffix) in consumers {
+        for (open, suffix) in consumers {
+            // The first connection's failure fails the start, as before.
+            let consumer = open()
+                .await
+                .map_err(|e| -> Box<dyn std::error::Error> { e })?;
             let db = db.clone();
             let on_message = handler(move |d: Delivery| {
                 let db = db.clone();
@@ -272,12 +293,13 @@ impl Messaging {
                     Ok(())
                 }
             });
-            let stop = stop_rx.clone();
-            tasks.push(tokio::spawn(async move {
-                if let Err(e) = consumer.consume(on_message, stop).await {
-                    warn!(event = suffix, error = %e, "consumer ended");
-                }
-            }));
+            tasks.push(tokio::spawn(keep_consuming(
+                consumer,
+                open,
+                on_message,
+                stop_rx.clone(),
+                suffix,
+            )));
         }
         let config = RelayConfig {
             poll: Duration::from_millis(500),
@@ -359,6 +381,73 @@ fn with_causes(e: &dyn std::error::Error) -> String {
 /// counted in `shop_outbox_relay_restarts_total`, and tried again after a
 /// delay that doubles (1 s up to 30 s) while the error lasts. Nothing is
 /// lost meanwhile: the events wait in the outbox table.
+/// Opens an event's consumer (again): a connection, a channel, its queue or
+/// durable declared.
+type OpenConsumer = Arc<
+    dyn Fn() -> idem_core::BoxFuture<
+            'static,
+            Result<Box<dyn Consumer>, idem_outbox::consumer::ConsumeError>,
+        > + Send
+        + Sync,
+>;
+
+/// Runs `consumer` until `stop`; if it ends before (its connection lost,
+/// its queue deleted, its server gone), opens another with `open` after a
+/// delay that doubles while opening fails (as the relay's restarts do), and
+/// runs that: a broker restart never leaves an event without a consumer.
+async fn keep_consuming(
+    mut consumer: Box<dyn Consumer>,
+    open: OpenConsumer,
+    on_message: idem_outbox::consumer::Handler,
+    mut stop: watch::Receiver<bool>,
+    event: &'static str,
+) {
+    let running = |yes: bool| {
+        metrics::gauge!("shop_consumer_running", "event" => event).set(if yes { 1.0 } else { 0.0 });
+    };
+    running(true);
+    loop {
+        let started = Instant::now();
+        let ended = consumer.consume(on_message.clone(), stop.clone()).await;
+        if *stop.borrow() {
+            return;
+        }
+        running(false);
+        match ended {
+            Ok(()) => warn!(event, "consumer ended; opening another"),
+            Err(e) => warn!(event, error = %e, "consumer failed; opening another"),
+        }
+        let mut delay = if started.elapsed() >= RELAY_RESTART_MAX {
+            Duration::ZERO
+        } else {
+            RELAY_RESTART_FIRST
+        };
+        consumer = loop {
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                // A dropped sender is a stop too.
+                changed = stop.changed() => if changed.is_err() { return },
+            }
+            if *stop.borrow() {
+                return;
+            }
+            match open().await {
+                Ok(consumer) => break consumer,
+                Err(e) => {
+                    delay = delay
+                        .max(RELAY_RESTART_FIRST)
+                        .saturating_mul(2)
+                        .min(RELAY_RESTART_MAX);
+                    warn!(event, error = %e, retry_in = ?delay, "cannot open the consumer yet");
+                }
+            }
+        };
+        metrics::counter!("shop_consumer_restarts_total", "event" => event).increment(1);
+        info!(event, "consumer running again");
+        running(true);
+    }
+}
+
 async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayStatus) {
     let set = |now: Option<RelayStopped>| {
         metrics::gauge!("shop_outbox_relay_running").set(if now.is_none() { 1.0 } else { 0.0 });

@@ -208,6 +208,53 @@ async fn delete_queues(url: &str, prefix: &str) {
     }
 }
 
+/// A consumer that ends while shop runs (here its queue is deleted under
+/// it, and RabbitMQ cancels it) is opened again, its queue declared again,
+/// and the next event is handled: an event is never left without a
+/// consumer until a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_that_ends_is_opened_again() {
+    let prefix = format!("shop-test-{}", uuid::Uuid::new_v4().simple());
+    let url = "amqp://guest:guest@127.0.0.1:5672/%2f";
+    let db = Db::postgres().await;
+    let shop = Shop::start(&db, &["--broker-url", url, "--broker-prefix", &prefix]).await;
+    let client = common::signed_in();
+    let emails = async || emails_sent(&client, &shop).await;
+    assert_eq!(
+        read(pay(&client, &shop, Some("reopen-1"), BODY)).await.status,
+        201
+    );
+    eventually("the first email", async || emails().await == 1).await;
+
+    let admin = idem_rabbitmq::RabbitPublisher::connect(url).await.unwrap();
+    admin
+        .channel()
+        .queue_delete(
+            format!("{prefix}.payments.authorized").into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+    let metrics = async || {
+        let m = read(client.get(shop.url("/metrics"))).await;
+        String::from_utf8_lossy(&m.body).into_owned()
+    };
+    eventually("the consumer opened again", async || {
+        metrics()
+            .await
+            .lines()
+            .any(|l| l.starts_with("shop_consumer_restarts_total{event=\"payments.authorized\"}"))
+    })
+    .await;
+    assert_eq!(
+        read(pay(&client, &shop, Some("reopen-2"), BODY)).await.status,
+        201
+    );
+    eventually("the second email", async || emails().await == 2).await;
+    drop(shop);
+    delete_queues(url, &prefix).await;
+}
+
 /// A relay that falls behind (here the broker stops confirming: the link
 /// to it partitioned) is reported by `/healthz` once the oldest waiting
 /// event is older than `--outbox-max-lag-secs`, and the gauge says how far
