@@ -221,7 +221,9 @@ async fn a_consumer_that_ends_is_opened_again() {
     let client = common::signed_in();
     let emails = async || emails_sent(&client, &shop).await;
     assert_eq!(
-        read(pay(&client, &shop, Some("reopen-1"), BODY)).await.status,
+        read(pay(&client, &shop, Some("reopen-1"), BODY))
+            .await
+            .status,
         201
     );
     eventually("the first email", async || emails().await == 1).await;
@@ -247,7 +249,9 @@ async fn a_consumer_that_ends_is_opened_again() {
     })
     .await;
     assert_eq!(
-        read(pay(&client, &shop, Some("reopen-2"), BODY)).await.status,
+        read(pay(&client, &shop, Some("reopen-2"), BODY))
+            .await
+            .status,
         201
     );
     eventually("the second email", async || emails().await == 2).await;

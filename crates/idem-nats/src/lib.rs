@@ -331,7 +331,7 @@ impl NatsConsumer {
             consumer,
             spec: spec.clone(),
             max_deliveries,
-            retry_delay: Duration::from_millis(200),
+            retry_delay: Duration::from_secs(1),
             concurrency: NonZeroUsize::MIN,
             idle_heartbeat: Duration::from_secs(5),
         })
@@ -354,7 +354,9 @@ impl NatsConsumer {
         self
     }
 
-    /// The delay before a failed message is delivered again (default 200 ms).
+    /// The delay before a failed message is delivered again (default 1 s),
+    /// doubling with each delivery before it, at most 30 s: with 5
+    /// deliveries, a database away for 15 s dead-letters nothing.
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self
@@ -475,9 +477,14 @@ impl NatsConsumer {
                             .map_err(NatsError::Ack)?;
                     }
                     Err(e) => {
-                        warn!(error = %e, delivered, "handler failed; retrying later");
+                        // Later each time: a database restarting for a few
+                        // seconds does not use up the deliveries at once.
+                        let wait = retry_delay
+                            .saturating_mul(1 << (delivered - 1).clamp(0, 16))
+                            .min(Duration::from_secs(30));
+                        warn!(error = %e, delivered, ?wait, "handler failed; retrying later");
                         message
-                            .ack_with(AckKind::Nak(Some(retry_delay)))
+                            .ack_with(AckKind::Nak(Some(wait)))
                             .await
                             .map_err(NatsError::Ack)?;
                     }

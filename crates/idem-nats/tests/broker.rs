@@ -326,3 +326,48 @@ async fn a_consumer_rides_out_a_server_restart() {
     let ended = tokio::time::timeout(Duration::from_secs(20), consuming).await;
     assert!(matches!(ended, Ok(Ok(Ok(())))), "{ended:?}");
 }
+
+/// A message whose handler failed comes back later each time (the delay
+/// doubles with its deliveries): a database away for a few seconds does
+/// not use up its deliveries at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_message_comes_back_later_each_time() {
+    use std::time::Instant;
+    let s = jetstream(5).await;
+    let m = idem_outbox::outbox::OutgoingMessage::new("m-retry", s.spec.subject(), "x");
+    assert!(s
+        .publisher
+        .publish(std::slice::from_ref(&m))
+        .await
+        .confirmed("m-retry"));
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
+    let seen = arrivals.clone();
+    let on_message = handler(move |_: Delivery| {
+        let seen = seen.clone();
+        async move {
+            let mut seen = seen.lock().unwrap();
+            seen.push(Instant::now());
+            if seen.len() < 3 {
+                return Err("the database is away".into());
+            }
+            Ok(())
+        }
+    });
+    let consumer = s
+        .durable(Duration::from_secs(5))
+        .await
+        .retry_delay(Duration::from_millis(300));
+    let (stop, stopped) = watch::channel(false);
+    let consuming = tokio::spawn(Box::new(consumer).consume(on_message, stopped));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while arrivals.lock().unwrap().len() < 3 {
+        assert!(Instant::now() < deadline, "never handled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    consuming.await.unwrap().unwrap();
+    let at = arrivals.lock().unwrap().clone();
+    let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(gaps[0] >= Duration::from_millis(300), "{gaps:?}");
+    assert!(gaps[1] >= Duration::from_millis(600), "doubled: {gaps:?}");
+}

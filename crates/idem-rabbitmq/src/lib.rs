@@ -28,6 +28,7 @@
 use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::task::Poll;
+use std::time::Duration;
 
 use futures_core::Stream;
 use idem_core::BoxFuture;
@@ -291,6 +292,38 @@ pub struct RabbitConsumer {
     channel: Channel,
     spec: QueueSpec,
     concurrency: NonZeroUsize,
+    retry_delay: Duration,
+}
+
+/// How long a delivery whose handler failed is held before it goes back:
+/// `first`, doubling with each failure before it (the quorum queue's
+/// `x-delivery-count`), at most 30 s.
+fn backoff(first: Duration, failed_before: u32) -> Duration {
+    first
+        .saturating_mul(1 << failed_before.min(16))
+        .min(Duration::from_secs(30))
+}
+
+/// How often a quorum queue's message was returned before
+/// (`x-delivery-count`; absent on its first delivery).
+fn delivery_count(headers: Option<&FieldTable>) -> u32 {
+    let value = headers.and_then(|h| {
+        h.inner()
+            .iter()
+            .find(|(k, _)| k.as_str() == "x-delivery-count")
+            .map(|(_, v)| v)
+    });
+    let n: i128 = match value {
+        Some(AMQPValue::LongLongInt(n)) => (*n).into(),
+        Some(AMQPValue::LongInt(n)) => (*n).into(),
+        Some(AMQPValue::LongUInt(n)) => (*n).into(),
+        Some(AMQPValue::ShortInt(n)) => (*n).into(),
+        Some(AMQPValue::ShortUInt(n)) => (*n).into(),
+        Some(AMQPValue::ShortShortInt(n)) => (*n).into(),
+        Some(AMQPValue::ShortShortUInt(n)) => (*n).into(),
+        _ => 0,
+    };
+    u32::try_from(n.max(0)).unwrap_or(u32::MAX)
 }
 
 impl RabbitConsumer {
@@ -307,7 +340,18 @@ impl RabbitConsumer {
             channel,
             spec,
             concurrency: NonZeroUsize::MIN,
+            retry_delay: Duration::from_secs(1),
         })
+    }
+
+    /// How long a delivery whose handler failed is held before it is
+    /// returned to the queue (default 1 s), doubling with each failure
+    /// before it, at most 30 s: with the queue's 5 deliveries, a database
+    /// away for 15 s dead-letters nothing. The wait holds one of the
+    /// consumer's handlers.
+    pub fn retry_delay(mut self, first: Duration) -> Self {
+        self.retry_delay = first;
+        self
     }
 
     /// Handles up to `n` deliveries at once (default 1: one at a time, in
@@ -368,13 +412,25 @@ impl RabbitConsumer {
                 headers: text_headers(delivery.properties.headers().as_ref()),
             };
             let (handler, queue) = (handler.clone(), self.spec.name.clone());
+            let failed_before = delivery_count(delivery.properties.headers().as_ref());
+            let (retry_delay, mut stopping) = (self.retry_delay, stop.clone());
             in_flight.spawn(async move {
                 match handler(incoming).await {
                     Ok(()) => {
                         delivery.acker.ack(BasicAckOptions::default()).await?;
                     }
                     Err(e) => {
-                        warn!(%queue, error = %e, "handler failed; requeueing");
+                        // Held a while before it goes back, longer each time
+                        // (the broker would hand it over again at once): a
+                        // database restarting for a few seconds does not use
+                        // up its deliveries in milliseconds. A stop cuts the
+                        // wait short.
+                        let wait = backoff(retry_delay, failed_before);
+                        warn!(%queue, error = %e, ?wait, "handler failed; requeueing after a wait");
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => {}
+                            _ = stopping.wait_for(|stop| *stop) => {}
+                        }
                         delivery
                             .acker
                             .nack(BasicNackOptions {

@@ -183,3 +183,51 @@ async fn a_message_amqp_cannot_carry_is_refused_not_a_panic() {
         assert!(error.message().contains("255"), "{}", error.message());
     }
 }
+
+/// A delivery whose handler failed is held before it goes back, longer
+/// after each failure (the quorum queue counts them): a database away for a
+/// few seconds does not use up a message's deliveries in milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_delivery_goes_back_later_each_time() {
+    use std::time::{Duration, Instant};
+
+    use idem_outbox::consumer::{handler, Delivery};
+    use idem_outbox::outbox::OutgoingMessage;
+    let r = rabbit(5).await;
+    let batch = [OutgoingMessage::new(
+        "m-retry",
+        r.spec.name().to_owned(),
+        "x",
+    )];
+    assert!(r.publisher.publish(&batch).await.confirmed("m-retry"));
+    let arrivals = Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
+    let seen = arrivals.clone();
+    let on_message = handler(move |_: Delivery| {
+        let seen = seen.clone();
+        async move {
+            let mut seen = seen.lock().unwrap();
+            seen.push(Instant::now());
+            if seen.len() < 3 {
+                return Err("the database is away".into());
+            }
+            Ok(())
+        }
+    });
+    let consumer = RabbitConsumer::connect(&amqp(), r.spec.clone(), 10)
+        .await
+        .unwrap()
+        .retry_delay(Duration::from_millis(300));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let consuming = tokio::spawn(Box::new(consumer).consume(on_message, stopped));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while arrivals.lock().unwrap().len() < 3 {
+        assert!(Instant::now() < deadline, "never handled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    consuming.await.unwrap().unwrap();
+    let at = arrivals.lock().unwrap().clone();
+    let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(gaps[0] >= Duration::from_millis(300), "{gaps:?}");
+    assert!(gaps[1] >= Duration::from_millis(600), "doubled: {gaps:?}");
+}
