@@ -716,3 +716,24 @@ async fn a_broker_that_never_confirms_holds_a_round_half_a_lease() {
     assert_eq!(attempts, 0);
     drop(held);
 }
+
+/// A relay whose stop sender is dropped stops (rather than running rounds
+/// back to back, `changed` answering at once for ever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_stop_sender_is_dropped_stops() {
+    let (pool, _s) = pg().await;
+    let relay = Relay::new(
+        &pool,
+        Arc::new(Recording::default()),
+        RelayConfig {
+            poll: Duration::from_secs(3600),
+            ..RelayConfig::default()
+        },
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(relay.run(stopped));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(stop);
+    let ended = tokio::time::timeout(Duration::from_secs(20), running).await;
+    assert!(matches!(ended, Ok(Ok(Ok(())))), "{ended:?}");
+}

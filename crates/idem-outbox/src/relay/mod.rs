@@ -454,7 +454,13 @@ impl Relay {
             tokio::select! {
                 () = wait => {}
                 () = self.wake.notified() => {}
-                _ = stop.changed() => {}
+                changed = stop.changed() => if changed.is_err() {
+                    // The sender is gone: nobody can ask for a stop any
+                    // more, and `changed` would answer at once from now on
+                    // (rounds back to back). A dropped sender is a stop.
+                    info!("outbox relay stopped: its stop signal was dropped");
+                    return Ok(());
+                }
             }
         }
     }
