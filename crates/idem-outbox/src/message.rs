@@ -56,6 +56,50 @@ impl OutgoingMessage {
 /// The headers as the outbox row keeps them. A name over 65,535 bytes or a
 /// value over 4 GiB does not fit the encoding: refused (nothing enqueued)
 /// rather than cut, so a message never loses its headers on the way.
+/// The longest message id, destination or header name every transport
+/// carries (an AMQP short string).
+pub(crate) const MAX_NAME: usize = 255;
+
+/// Refuses, at enqueue, a message some transport could never carry (and
+/// that would otherwise wait in the outbox for its attempts to run out):
+/// a message id or destination that is empty, over [`MAX_NAME`] bytes, or
+/// (the id) holds a line break; a header name that is not 1 to
+/// [`MAX_NAME`] visible ASCII characters without `:`; a header value with
+/// a line break (NATS headers are lines).
+pub(crate) fn check_sendable(m: &OutgoingMessage) -> Result<(), sqlx::Error> {
+    let refuse = |why: String| Err(sqlx::Error::Encode(why.into()));
+    let shown = |s: &str| s.chars().take(40).collect::<String>();
+    let line_break = |s: &str| s.contains(['\r', '\n']);
+    if m.message_id.is_empty() || m.message_id.len() > MAX_NAME || line_break(&m.message_id) {
+        return refuse(format!(
+            "outbox message id {:?}…: 1 to {MAX_NAME} bytes, no line break",
+            shown(&m.message_id)
+        ));
+    }
+    if m.destination.is_empty() || m.destination.len() > MAX_NAME {
+        return refuse(format!(
+            "outbox destination {:?}…: 1 to {MAX_NAME} bytes",
+            shown(&m.destination)
+        ));
+    }
+    for (name, value) in &m.headers {
+        let name_ok = (1..=MAX_NAME).contains(&name.len())
+            && name.bytes().all(|b| b.is_ascii_graphic() && b != b':');
+        if !name_ok {
+            return refuse(format!(
+                "outbox header name {:?}…: 1 to {MAX_NAME} visible ASCII characters, no `:`",
+                shown(name)
+            ));
+        }
+        if line_break(value) {
+            return refuse(format!(
+                "outbox header {name:?}: its value holds a line break"
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn encode_headers(headers: &[(String, String)]) -> Result<Vec<u8>, sqlx::Error> {
     if let Some((name, _)) = headers
         .iter()

@@ -138,6 +138,12 @@ impl OutboxTable {
     /// [`message_id_key`](Self::message_id_key). On PostgreSQL the commit
     /// wakes listening relays; elsewhere call [`Relay::wake`] after the
     /// commit for prompt delivery (the relay polls otherwise).
+    ///
+    /// A message no transport could carry is refused here, with
+    /// `sqlx::Error::Encode` and nothing written: a message id or
+    /// destination empty or over 255 bytes, a line break in the id or in a
+    /// header value, a header name that is not 1 to 255 visible ASCII
+    /// characters without `:`.
     pub async fn enqueue<C>(
         &self,
         conn: &mut C,
@@ -147,6 +153,7 @@ impl OutboxTable {
         C: DialectConnection + ?Sized,
         C::Dialect: OutboxDialect,
     {
+        crate::message::check_sendable(message)?;
         let sql = <C::Dialect as OutboxDialect>::OUTBOX;
         let insert = self.statement::<C::Dialect>(sql.enqueue)?;
         let headers = crate::message::encode_headers(&message.headers)?;

@@ -737,3 +737,40 @@ async fn a_relay_whose_stop_sender_is_dropped_stops() {
     let ended = tokio::time::timeout(Duration::from_secs(20), running).await;
     assert!(matches!(ended, Ok(Ok(Ok(())))), "{ended:?}");
 }
+
+/// A message no transport could carry is refused at enqueue, in the
+/// business transaction, with nothing written; the rest of it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_no_transport_carries_is_refused_at_enqueue() {
+    let (pool, _s) = pg().await;
+    let bad = [
+        OutgoingMessage::new("", "orders", "x"),
+        OutgoingMessage::new("i".repeat(256), "orders", "x"),
+        OutgoingMessage::new("a\nb", "orders", "x"),
+        OutgoingMessage::new("m", "", "x"),
+        OutgoingMessage::new("m", "d".repeat(256), "x"),
+        OutgoingMessage::new("m", "orders", "x").header("a b", "v"),
+        OutgoingMessage::new("m", "orders", "x").header("a:b", "v"),
+        OutgoingMessage::new("m", "orders", "x").header("", "v"),
+        OutgoingMessage::new("m", "orders", "x").header("h".repeat(256), "v"),
+        OutgoingMessage::new("m", "orders", "x").header("h", "v\r\nInjected: yes"),
+    ];
+    let mut tx = pool.begin().await.unwrap();
+    for m in &bad {
+        let refused = outbox::enqueue(&mut tx, m).await;
+        assert!(
+            matches!(refused, Err(sqlx::Error::Encode(_))),
+            "{m:?}: {refused:?}"
+        );
+    }
+    let fine = OutgoingMessage::new("i".repeat(255), "d".repeat(255), "x")
+        .header("h".repeat(255), "any value: ünïcode too");
+    outbox::enqueue(&mut tx, &fine).await.unwrap();
+    tx.commit().await.unwrap();
+    let s = outbox::stats(&pool).await.unwrap();
+    assert_eq!(
+        (s.pending, s.sent, s.dead),
+        (1, 0, 0),
+        "only the one that can go"
+    );
+}
