@@ -128,7 +128,7 @@ pub async fn serve(
 
 /// A tower layer that holds each request body to a minimum average rate:
 /// the body must have arrived whole by
-/// `head + grace + received / min_rate`, a deadline that moves on with
+/// `first read + grace + received / min_rate`, a deadline that moves on with
 /// every chunk received ([`MinRateBody`]). A body that falls behind fails
 /// with [`BodyTooSlow`] (the request is then answered as one whose body
 /// could not be read, before anything is claimed).
@@ -195,8 +195,10 @@ where
 #[derive(Debug)]
 pub struct MinRateBody<B> {
     inner: B,
-    /// When the body may no longer be waited for, with nothing received.
-    start: tokio::time::Instant,
+    /// When the body was first read (the handler asked for it; with
+    /// `Expect: 100-continue`, when the client was told to send it).
+    start: Option<tokio::time::Instant>,
+    grace: Duration,
     min_rate: u64,
     received: u64,
     /// Made on the first wait only: most bodies arrive with their head.
@@ -205,12 +207,13 @@ pub struct MinRateBody<B> {
 }
 
 impl<B> MinRateBody<B> {
-    /// `inner`, given `grace` from now and then held to `min_rate` bytes a
-    /// second (0: not held).
+    /// `inner`, given `grace` from when it is first read and then held to
+    /// `min_rate` bytes a second (0: not held).
     pub fn new(inner: B, grace: Duration, min_rate: u64) -> Self {
         Self {
             inner,
-            start: tokio::time::Instant::now() + grace,
+            start: None,
+            grace,
             min_rate,
             received: 0,
             timer: None,
@@ -218,10 +221,12 @@ impl<B> MinRateBody<B> {
         }
     }
 
-    /// The moment the body is too slow if nothing more arrives.
-    fn deadline(&self) -> tokio::time::Instant {
+    /// The moment the body is too slow if nothing more arrives, read from
+    /// `start`; `None` if that lies beyond what the clock can say (a grace
+    /// of `Duration::MAX`: no deadline).
+    fn deadline(&self, start: tokio::time::Instant) -> Option<tokio::time::Instant> {
         let earned = Duration::from_millis(self.received.saturating_mul(1000) / self.min_rate);
-        self.start + earned
+        start.checked_add(self.grace.saturating_add(earned))
     }
 }
 
@@ -252,6 +257,7 @@ where
         if this.failed {
             return Poll::Ready(None);
         }
+        let start = *this.start.get_or_insert_with(tokio::time::Instant::now);
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
@@ -264,7 +270,9 @@ where
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending if this.min_rate == 0 => Poll::Pending,
             Poll::Pending => {
-                let deadline = this.deadline();
+                let Some(deadline) = this.deadline(start) else {
+                    return Poll::Pending;
+                };
                 let timer = this
                     .timer
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
@@ -373,6 +381,19 @@ mod tests {
         trickle(tx, 20, Duration::from_secs(10));
         let whole = body.collect().await.expect("whole").to_bytes();
         assert_eq!(whole.len(), 20);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_grace_counts_from_the_first_read_and_may_be_endless() {
+        // Read 10 s after it was made: its 1 s grace starts then.
+        let (tx, body) = fed(Duration::from_secs(1), 1000);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        trickle(tx, 1, Duration::from_millis(500));
+        assert_eq!(body.collect().await.expect("whole").to_bytes().len(), 1);
+        // A grace of Duration::MAX (no timeout) is no deadline, not a panic.
+        let (tx, body) = fed(Duration::MAX, 1000);
+        trickle(tx, 3, Duration::from_secs(3600));
+        assert_eq!(body.collect().await.expect("whole").to_bytes().len(), 3);
     }
 
     #[tokio::test(start_paused = true)]
