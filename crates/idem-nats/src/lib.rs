@@ -170,6 +170,30 @@ impl NatsPublisher {
     }
 }
 
+/// What a failed send means to the relay: a message the server will never
+/// take (over its `max_payload`, an invalid subject) is the broker's
+/// refusal, which uses up an attempt; a full ack window or a time-out is
+/// the broker's absence, waited out.
+fn send_failure(kind: jetstream::context::PublishErrorKind) -> PublishErrorKind {
+    use jetstream::context::PublishErrorKind as Nats;
+    match kind {
+        Nats::TimedOut | Nats::BrokenPipe | Nats::MaxAckPending => PublishErrorKind::Unreachable,
+        _ => PublishErrorKind::Rejected,
+    }
+}
+
+/// What a failed acknowledgement means: none in time, or the connection
+/// lost, is unconfirmed (it may have been stored; sent again, the duplicate
+/// window drops it); an error JetStream answered (no stream captures the
+/// subject, a stream limit) is a refusal.
+fn ack_failure(kind: jetstream::context::PublishErrorKind) -> PublishErrorKind {
+    use jetstream::context::PublishErrorKind as Nats;
+    match kind {
+        Nats::TimedOut | Nats::BrokenPipe => PublishErrorKind::Unconfirmed,
+        _ => PublishErrorKind::Rejected,
+    }
+}
+
 /// Why `m` cannot go over NATS: a header name must be visible ASCII
 /// without `:`, a header value (the message id is one, `Nats-Msg-Id`) must
 /// hold no line break.
@@ -222,13 +246,11 @@ impl Publisher for NatsPublisher {
                     &m.message_id,
                     match sent {
                         Err(refused) => Err(refused),
-                        Ok(Ok(ack)) => ack.await.map(drop).map_err(|e| {
-                            PublishError::new(PublishErrorKind::Unconfirmed, e.to_string())
-                        }),
-                        Ok(Err(e)) => Err(PublishError::new(
-                            PublishErrorKind::Unreachable,
-                            e.to_string(),
-                        )),
+                        Ok(Ok(ack)) => ack
+                            .await
+                            .map(drop)
+                            .map_err(|e| PublishError::new(ack_failure(e.kind()), e.to_string())),
+                        Ok(Err(e)) => Err(PublishError::new(send_failure(e.kind()), e.to_string())),
                     },
                 );
             }

@@ -371,3 +371,25 @@ async fn a_failed_message_comes_back_later_each_time() {
     assert!(gaps[0] >= Duration::from_millis(300), "{gaps:?}");
     assert!(gaps[1] >= Duration::from_millis(600), "doubled: {gaps:?}");
 }
+
+/// What the server will never take is the broker's refusal (it uses up an
+/// attempt, and is dead-lettered in the end), not its absence (which the
+/// relay waits out for ever): a payload over `max_payload`, a subject no
+/// stream captures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_server_never_takes_is_a_refusal() {
+    use idem_outbox::outbox::{OutgoingMessage, PublishErrorKind};
+    let n = jetstream(3).await;
+    let nowhere = format!("idem-test-nowhere.{}", uuid::Uuid::new_v4().simple());
+    let batch = [
+        OutgoingMessage::new("m-huge", n.spec.subject(), vec![b'x'; 2 << 20]),
+        OutgoingMessage::new("m-nowhere", nowhere, "x"),
+        OutgoingMessage::new("m-ok", n.spec.subject(), "fine"),
+    ];
+    let published = n.publisher.publish(&batch).await;
+    assert!(published.confirmed("m-ok"));
+    for id in ["m-huge", "m-nowhere"] {
+        let error = published.get(id).unwrap().as_ref().expect_err("refused");
+        assert_eq!(error.kind(), PublishErrorKind::Rejected, "{id}: {error}");
+    }
+}
