@@ -214,7 +214,7 @@ impl Messaging {
                 let publisher = idem_rabbitmq::RabbitPublisher::connect(url).await?;
                 for (dest, (suffix, _, _)) in destinations.iter().zip(EVENTS) {
                     let spec = idem_rabbitmq::QueueSpec::new(dest.clone()).max_deliveries(5);
-                    spec.declare(publisher.channel()).await?;
+                    spec.declare(&publisher.channel()).await?;
                     let url = url.to_owned();
                     let open: OpenConsumer = Arc::new(move || {
                         let (url, spec) = (url.clone(), spec.clone());

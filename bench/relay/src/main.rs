@@ -41,7 +41,7 @@ async fn publisher(
     if broker.starts_with("amqp") {
         let p = idem_rabbitmq::RabbitPublisher::connect(broker).await?;
         let spec = idem_rabbitmq::QueueSpec::new(destination);
-        spec.declare(p.channel()).await?;
+        spec.declare(&p.channel()).await?;
         let channel = p.channel().clone();
         let names = [spec.name().to_owned(), spec.dead_letter_queue()];
         let cleanup: Box<dyn FnOnce() + Send> = Box::new(move || {

@@ -20,7 +20,7 @@
 //! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
 //! let publisher = RabbitPublisher::connect("amqp://guest:guest@127.0.0.1:5672/%2f").await?;
 //! let spec = QueueSpec::new("orders").max_deliveries(5);
-//! spec.declare(publisher.channel()).await?;
+//! spec.declare(&publisher.channel()).await?;
 //! let consumer = RabbitConsumer::connect("amqp://guest:guest@127.0.0.1:5672/%2f", spec, 32).await?;
 //! # let _ = (Arc::new(publisher), consumer); Ok(()) }
 //! ```
@@ -120,31 +120,87 @@ impl QueueSpec {
 }
 
 /// Publishes outbox messages with publisher confirms; see the crate-level docs.
+///
+/// A channel the broker closed (a message over its `max_message_size`, a
+/// broker restart) or a lost connection is opened again before the next
+/// batch: the relay's next round publishes again by itself.
 #[derive(Debug)]
 pub struct RabbitPublisher {
-    _connection: Connection,
+    uri: String,
+    /// The connection and channel publishing now; held for a whole batch
+    /// (one batch at a time, its confirms in order).
+    link: Mutex<Link>,
+    /// The channel publishing now, for [`RabbitPublisher::channel`].
+    current: std::sync::Mutex<Channel>,
+}
+
+/// A connection and its publishing channel, confirms on.
+#[derive(Debug)]
+struct Link {
+    connection: Connection,
     channel: Channel,
-    lock: Mutex<()>,
+}
+
+impl Link {
+    /// A new connection to `uri`, and its channel.
+    async fn open(uri: &str) -> Result<Self, RabbitError> {
+        let connection = Connection::connect(uri, ConnectionProperties::default()).await?;
+        let channel = confirming(&connection).await?;
+        Ok(Self {
+            connection,
+            channel,
+        })
+    }
+
+    /// A new channel, on this connection if it still works, else on a new
+    /// connection to `uri`.
+    async fn reopen(&mut self, uri: &str) -> Result<(), RabbitError> {
+        if self.connection.status().connected() {
+            self.channel = confirming(&self.connection).await?;
+        } else {
+            *self = Self::open(uri).await?;
+        }
+        Ok(())
+    }
+}
+
+/// A channel on `connection` with publisher confirms on.
+async fn confirming(connection: &Connection) -> Result<Channel, RabbitError> {
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
 }
 
 impl RabbitPublisher {
     /// Connects and turns publisher confirms on.
     pub async fn connect(uri: &str) -> Result<Self, RabbitError> {
-        let connection = Connection::connect(uri, ConnectionProperties::default()).await?;
-        let channel = connection.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let link = Link::open(uri).await?;
         Ok(Self {
-            _connection: connection,
-            channel,
-            lock: Mutex::new(()),
+            uri: uri.to_owned(),
+            current: std::sync::Mutex::new(link.channel.clone()),
+            link: Mutex::new(link),
         })
     }
 
-    /// The publishing channel (to declare queues, say).
-    pub fn channel(&self) -> &Channel {
-        &self.channel
+    /// The publishing channel now (to declare queues, say).
+    pub fn channel(&self) -> Channel {
+        self.current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The link, opened again first if its channel was closed.
+    async fn usable(&self) -> Result<tokio::sync::MutexGuard<'_, Link>, RabbitError> {
+        let mut link = self.link.lock().await;
+        if !link.channel.status().connected() {
+            link.reopen(&self.uri).await?;
+            *self.current.lock().unwrap_or_else(|e| e.into_inner()) = link.channel.clone();
+            info!("publishing channel opened again");
+        }
+        Ok(link)
     }
 }
 
@@ -159,10 +215,39 @@ fn unsendable(m: &OutgoingMessage) -> Option<String> {
             )
         })
     };
+    let payload = (m.payload.len() > MAX_PAYLOAD).then(|| {
+        format!(
+            "the payload is {} bytes; RabbitMQ takes {MAX_PAYLOAD} by default (max_message_size)",
+            m.payload.len()
+        )
+    });
     long("the message id", &m.message_id)
         .or_else(|| long("the destination", &m.destination))
         .or_else(|| m.headers.iter().find_map(|(k, _)| long("a header name", k)))
+        .or(payload)
 }
+
+/// What a failed confirm means to the relay: the broker closing the channel
+/// over the message itself (a precondition failed, the content too large:
+/// over its `max_message_size`) is a refusal, which uses up an attempt and
+/// ends in the dead-letter state; anything else (the connection lost) is
+/// unconfirmed, and waited out.
+fn confirm_failure(e: &lapin::Error) -> PublishErrorKind {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => match amqp.kind() {
+            AMQPErrorKind::Soft(
+                AMQPSoftError::PRECONDITIONFAILED | AMQPSoftError::CONTENTTOOLARGE,
+            ) => PublishErrorKind::Rejected,
+            _ => PublishErrorKind::Unconfirmed,
+        },
+        _ => PublishErrorKind::Unconfirmed,
+    }
+}
+
+/// The largest payload sent: RabbitMQ's default `max_message_size`
+/// (16 MiB); a larger one would close the channel.
+const MAX_PAYLOAD: usize = 16 << 20;
 
 /// The longest AMQP short string, in bytes.
 const MAX_SHORT_STRING: usize = 255;
@@ -186,7 +271,23 @@ impl Publisher for RabbitPublisher {
     /// confirms per batch, not per message.
     fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         Box::pin(async move {
-            let _one_batch_at_a_time = self.lock.lock().await;
+            // One batch at a time, on a channel that works.
+            let link = match self.usable().await {
+                Ok(link) => link,
+                Err(e) => {
+                    let mut published = Published::default();
+                    for m in batch {
+                        published.record(
+                            &m.message_id,
+                            Err(PublishError::new(
+                                PublishErrorKind::Unreachable,
+                                format!("cannot open a channel: {e}"),
+                            )),
+                        );
+                    }
+                    return published;
+                }
+            };
             let mut pending = Vec::with_capacity(batch.len());
             for m in batch {
                 // Refused here rather than panicking in the AMQP library:
@@ -195,7 +296,7 @@ impl Publisher for RabbitPublisher {
                     pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
                     continue;
                 }
-                let sent = self
+                let sent = link
                     .channel
                     .basic_publish(
                         "".into(),
@@ -235,10 +336,7 @@ impl Publisher for RabbitPublisher {
                                 PublishErrorKind::Rejected,
                                 format!("the broker did not ack: {other:?}"),
                             )),
-                            Err(e) => Err(PublishError::new(
-                                PublishErrorKind::Unconfirmed,
-                                e.to_string(),
-                            )),
+                            Err(e) => Err(PublishError::new(confirm_failure(&e), e.to_string())),
                         },
                         Ok(Err(e)) => Err(PublishError::new(
                             PublishErrorKind::Unreachable,

@@ -59,7 +59,7 @@ async fn rabbit(max_deliveries: u32) -> Rabbit {
     });
     let spec = QueueSpec::new(format!("idem-test-{}", uuid::Uuid::new_v4().simple()))
         .max_deliveries(i32::try_from(max_deliveries).unwrap());
-    spec.declare(publisher.channel()).await.unwrap();
+    spec.declare(&publisher.channel()).await.unwrap();
     Rabbit {
         pool,
         _schema: schema,
@@ -166,12 +166,24 @@ async fn a_message_amqp_cannot_carry_is_refused_not_a_panic() {
         OutgoingMessage::new("i".repeat(256), to.clone(), "long id"),
         OutgoingMessage::new("m-header", to.clone(), "long header name")
             .header("h".repeat(256), "v"),
+        OutgoingMessage::new("m-big", to.clone(), vec![b'x'; (16 << 20) + 1]),
         OutgoingMessage::new("m-ok", to, "fine"),
     ];
     let published = r.publisher.publish(&batch).await;
     assert!(
         published.confirmed("m-ok"),
         "the rest of the batch goes out"
+    );
+    let big = published
+        .get("m-big")
+        .unwrap()
+        .as_ref()
+        .expect_err("refused");
+    assert_eq!(big.kind(), PublishErrorKind::Rejected);
+    assert!(
+        big.message().contains("max_message_size"),
+        "{}",
+        big.message()
     );
     for id in ["i".repeat(256), "m-header".to_owned()] {
         let error = published
@@ -230,4 +242,28 @@ async fn a_failed_delivery_goes_back_later_each_time() {
     let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
     assert!(gaps[0] >= Duration::from_millis(300), "{gaps:?}");
     assert!(gaps[1] >= Duration::from_millis(600), "doubled: {gaps:?}");
+}
+
+/// The broker closes the publishing channel (as it does for a message over
+/// its `max_message_size`): the next batch goes out on a channel opened
+/// again, rather than every later publish failing for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_publishing_channel_is_opened_again() {
+    use idem_outbox::outbox::OutgoingMessage;
+    let r = rabbit(3).await;
+    let to = r.spec.name().to_owned();
+    let first = [OutgoingMessage::new("m-1", to.clone(), "x")];
+    assert!(r.publisher.publish(&first).await.confirmed("m-1"));
+    r.publisher
+        .channel()
+        .close(200, "closed by the test".into())
+        .await
+        .unwrap();
+    assert!(!r.publisher.channel().status().connected());
+    let second = [OutgoingMessage::new("m-2", to, "x")];
+    assert!(
+        r.publisher.publish(&second).await.confirmed("m-2"),
+        "published on a channel opened again"
+    );
+    assert!(r.publisher.channel().status().connected());
 }
