@@ -375,12 +375,6 @@ fn with_causes(e: &dyn std::error::Error) -> String {
     line
 }
 
-/// Runs the relay until `stop`, as a service's supervisor would. A relay
-/// stops by itself only on an error that waiting cannot mend (a missing
-/// table or column, permission denied); then it is recorded for `/healthz`,
-/// counted in `shop_outbox_relay_restarts_total`, and tried again after a
-/// delay that doubles (1 s up to 30 s) while the error lasts. Nothing is
-/// lost meanwhile: the events wait in the outbox table.
 /// Opens an event's consumer (again): a connection, a channel, its queue or
 /// durable declared.
 type OpenConsumer = Arc<
@@ -392,9 +386,11 @@ type OpenConsumer = Arc<
 >;
 
 /// Runs `consumer` until `stop`; if it ends before (its connection lost,
-/// its queue deleted, its server gone), opens another with `open` after a
-/// delay that doubles while opening fails (as the relay's restarts do), and
-/// runs that: a broker restart never leaves an event without a consumer.
+/// its queue deleted, its server gone), opens another with `open` and runs
+/// that. The wait before opening starts at 1 s and doubles (up to 30 s)
+/// while opening fails or the consumer ends again soon after it started,
+/// as the relay's restarts do; a consumer that ran 30 s or more is opened
+/// again after 1 s. A stop ends the wait, or an open in progress, at once.
 async fn keep_consuming(
     mut consumer: Box<dyn Consumer>,
     open: OpenConsumer,
@@ -406,6 +402,7 @@ async fn keep_consuming(
         metrics::gauge!("shop_consumer_running", "event" => event).set(if yes { 1.0 } else { 0.0 });
     };
     running(true);
+    let mut delay = RELAY_RESTART_FIRST;
     loop {
         let started = Instant::now();
         let ended = consumer.consume(on_message.clone(), stop.clone()).await;
@@ -417,28 +414,25 @@ async fn keep_consuming(
             Ok(()) => warn!(event, "consumer ended; opening another"),
             Err(e) => warn!(event, error = %e, "consumer failed; opening another"),
         }
-        let mut delay = if started.elapsed() >= RELAY_RESTART_MAX {
-            Duration::ZERO
-        } else {
-            RELAY_RESTART_FIRST
-        };
+        if started.elapsed() >= RELAY_RESTART_MAX {
+            delay = RELAY_RESTART_FIRST;
+        }
         consumer = loop {
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
                 // A dropped sender is a stop too.
-                changed = stop.changed() => if changed.is_err() { return },
+                _ = stop.wait_for(|stop| *stop) => return,
             }
-            if *stop.borrow() {
-                return;
-            }
-            match open().await {
+            let opened = tokio::select! {
+                opened = open() => opened,
+                // Opening may hang on a broker that does not answer.
+                _ = stop.wait_for(|stop| *stop) => return,
+            };
+            delay = delay.saturating_mul(2).min(RELAY_RESTART_MAX);
+            match opened {
                 Ok(consumer) => break consumer,
                 Err(e) => {
-                    delay = delay
-                        .max(RELAY_RESTART_FIRST)
-                        .saturating_mul(2)
-                        .min(RELAY_RESTART_MAX);
-                    warn!(event, error = %e, retry_in = ?delay, "cannot open the consumer yet");
+                    warn!(event, error = %e, retry_in = ?delay, "cannot open the consumer yet")
                 }
             }
         };
@@ -448,6 +442,12 @@ async fn keep_consuming(
     }
 }
 
+/// Runs the relay until `stop`, as a service's supervisor would. A relay
+/// stops by itself only on an error that waiting cannot mend (a missing
+/// table or column, permission denied); then it is recorded for `/healthz`,
+/// counted in `shop_outbox_relay_restarts_total`, and tried again after a
+/// delay that doubles (1 s up to 30 s) while the error lasts. Nothing is
+/// lost meanwhile: the events wait in the outbox table.
 async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayStatus) {
     let set = |now: Option<RelayStopped>| {
         metrics::gauge!("shop_outbox_relay_running").set(if now.is_none() { 1.0 } else { 0.0 });

@@ -53,9 +53,6 @@ impl OutgoingMessage {
     }
 }
 
-/// The headers as the outbox row keeps them. A name over 65,535 bytes or a
-/// value over 4 GiB does not fit the encoding: refused (nothing enqueued)
-/// rather than cut, so a message never loses its headers on the way.
 /// The longest message id, destination or header name every transport
 /// carries (an AMQP short string).
 pub(crate) const MAX_NAME: usize = 255;
@@ -100,6 +97,9 @@ pub(crate) fn check_sendable(m: &OutgoingMessage) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
+/// The headers as the outbox row keeps them. A name over 65,535 bytes or a
+/// value over 4 GiB does not fit the encoding: refused (nothing enqueued)
+/// rather than cut, so a message never loses its headers on the way.
 pub(crate) fn encode_headers(headers: &[(String, String)]) -> Result<Vec<u8>, sqlx::Error> {
     if let Some((name, _)) = headers
         .iter()
