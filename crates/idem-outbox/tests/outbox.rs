@@ -774,3 +774,40 @@ async fn a_message_no_transport_carries_is_refused_at_enqueue() {
         "only the one that can go"
     );
 }
+
+/// Batch after batch failing in one moment of the broker's absence is one
+/// step of its outage, not one per batch: the rows of the fourth batch do
+/// not wait eight times as long as the first's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_grows_its_backoff_with_time_not_with_batches() {
+    use idem_outbox::transport::InProcess;
+    let (pool, _s) = pg().await;
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..20 {
+        outbox::enqueue(&mut tx, &message(&format!("m{i}"), "nobody", None))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Relay::new(
+        &pool,
+        Arc::new(InProcess::new()),
+        RelayConfig {
+            batch: 5,
+            // A step of the outage is 10 s: the four rounds take far less.
+            backoff: Duration::from_secs(5),
+            ..RelayConfig::default()
+        },
+    );
+    for _ in 0..4 {
+        assert_eq!(relay.round().await.unwrap().failed, 5);
+    }
+    let longest: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM max(next_attempt_at) - now())::float8 FROM idem_outbox",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    // One step: 10 s at most (40 s if each batch had been a step).
+    assert!(longest <= 10.0, "{longest}");
+}

@@ -512,6 +512,7 @@ impl RabbitConsumer {
             let (handler, queue) = (handler.clone(), self.spec.name.clone());
             let failed_before = delivery_count(delivery.properties.headers().as_ref());
             let (retry_delay, mut stopping) = (self.retry_delay, stop.clone());
+            let channel = self.channel.clone();
             in_flight.spawn(async move {
                 match handler(incoming).await {
                     Ok(()) => {
@@ -525,9 +526,18 @@ impl RabbitConsumer {
                         // wait short.
                         let wait = backoff(retry_delay, failed_before);
                         warn!(%queue, error = %e, ?wait, "handler failed; requeueing after a wait");
+                        // A channel that closed meanwhile has returned the
+                        // delivery already: the consumer can end (and be
+                        // opened again) without waiting for the hold.
+                        let closed = async {
+                            while channel.status().connected() {
+                                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                            }
+                        };
                         tokio::select! {
                             () = tokio::time::sleep(wait) => {}
                             _ = stopping.wait_for(|stop| *stop) => {}
+                            () = closed => {}
                         }
                         delivery
                             .acker

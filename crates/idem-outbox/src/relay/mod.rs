@@ -3,7 +3,6 @@
 //! [`OutboxDialect`]: what differs between databases is their statements
 //! (`crate::db`) and [`idem_sql::Dialect`].
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -189,8 +188,19 @@ pub struct Relay {
     config: RelayConfig,
     wake: Arc<tokio::sync::Notify>,
     looked: Arc<std::sync::Mutex<Looked>>,
-    /// Rounds in a row whose failures were all the broker's absence.
-    outage: Arc<AtomicU32>,
+    /// How long the broker has been away, in backoff steps: the step grows
+    /// at most once per its own backoff of wall time, so a batch after
+    /// batch of failures in one blip does not jump to the longest wait.
+    outage: Arc<std::sync::Mutex<Outage>>,
+}
+
+/// How long the broker has been away (see [`Relay`]'s `outage`).
+#[derive(Debug, Clone, Copy, Default)]
+struct Outage {
+    /// Backoff steps so far.
+    steps: u32,
+    /// When the last step was taken.
+    since: Option<Instant>,
 }
 
 /// What the relay last saw of its table: when it looked, and how long the
@@ -261,6 +271,11 @@ impl Relay {
     pub fn lag(&self) -> Duration {
         let looked = *self.looked.lock().unwrap_or_else(|e| e.into_inner());
         looked.oldest.unwrap_or_default() + looked.at.elapsed()
+    }
+
+    /// The broker's absence so far.
+    fn outage(&self) -> Outage {
+        *self.outage.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Wakes the running relay at once (after a commit that enqueued
@@ -359,7 +374,7 @@ impl Relay {
                 c.attempts
             } else {
                 transport_failures += 1;
-                i64::from(self.outage.load(Ordering::Relaxed)) + 1
+                i64::from(self.outage().steps) + 1
             };
             let backoff = self
                 .config
@@ -381,12 +396,22 @@ impl Relay {
                 .mark_failed(c.seq, token, &e.to_string(), backoff, state, counted)
                 .await?;
         }
-        // Rounds in a row that could not reach the broker: the backoff of
-        // the rows it did not take grows with the outage.
+        // A round that could not reach the broker: the backoff of the rows
+        // it did not take grows with the outage's length in time (one step
+        // per step's own wait), not with the number of batches that failed.
         if !sent.is_empty() {
-            self.outage.store(0, Ordering::Relaxed);
+            *self.outage.lock().unwrap_or_else(|e| e.into_inner()) = Outage::default();
         } else if transport_failures > 0 {
-            self.outage.fetch_add(1, Ordering::Relaxed);
+            let mut outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
+            let step = self
+                .config
+                .backoff
+                .saturating_mul(1u32 << outage.steps.min(16))
+                .min(Duration::from_secs(60));
+            if outage.since.is_none_or(|at| at.elapsed() >= step) {
+                outage.steps = outage.steps.saturating_add(1);
+                outage.since = Some(Instant::now());
+            }
         }
         if !sent.is_empty() {
             // The rows whose publish failed were let go above: what is
