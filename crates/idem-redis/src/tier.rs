@@ -36,7 +36,15 @@ pub struct TieredStore<S> {
     /// until its lease ends. Until then Redis's in-flight answers are not
     /// trusted: the SQL store decides.
     stale_markers_until: AtomicI64,
+    /// The keys whose markers could not be deleted, deleted once Redis
+    /// answers again (so other instances, which trust Redis, stop
+    /// answering 409 from them); at most [`UNFORGOTTEN_MAX`].
+    unforgotten: Mutex<Vec<(String, String)>>,
 }
+
+/// The most keys kept to delete later; past that, their markers expire
+/// with their leases.
+const UNFORGOTTEN_MAX: usize = 10_000;
 
 impl<S> TieredStore<S> {
     /// `redis` in front of `sql`.
@@ -46,6 +54,7 @@ impl<S> TieredStore<S> {
             redis,
             bypass_until: Mutex::new(None),
             stale_markers_until: AtomicI64::new(0),
+            unforgotten: Mutex::new(Vec::new()),
         }
     }
 
@@ -91,6 +100,25 @@ impl<S> TieredStore<S> {
         if !forgotten {
             self.stale_markers_until
                 .fetch_max(claim.locked_until.0, Ordering::SeqCst);
+            let mut later = self.unforgotten.lock().unwrap_or_else(|e| e.into_inner());
+            if later.len() < UNFORGOTTEN_MAX {
+                later.push((claim.scope.clone(), claim.key.clone()));
+            }
+        }
+    }
+
+    /// Deletes the markers that could not be deleted when their claims
+    /// ended; those it still cannot are kept for the next time.
+    async fn forget_later(&self) {
+        let keys = std::mem::take(&mut *self.unforgotten.lock().unwrap_or_else(|e| e.into_inner()));
+        for (i, (scope, key)) in keys.iter().enumerate() {
+            if let Err(e) = self.redis.forget(scope, key).await {
+                self.redis_failed("forget", &e);
+                let mut later = self.unforgotten.lock().unwrap_or_else(|e| e.into_inner());
+                later.extend(keys[i..].iter().cloned());
+                later.truncate(UNFORGOTTEN_MAX);
+                return;
+            }
         }
     }
 
@@ -108,6 +136,16 @@ impl<S> TieredStore<S> {
 
 impl<S: Store> TieredStore<S> {
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if self.redis_usable() {
+            if !self
+                .unforgotten
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+            {
+                self.forget_later().await;
+            }
+        }
         if self.redis_usable() {
             match self.redis.fetch(&req.scope, &req.key).await {
                 Ok((Some(record), now)) if self.answers(&record, now) => {

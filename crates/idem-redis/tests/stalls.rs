@@ -91,7 +91,17 @@ async fn a_marker_left_while_redis_was_bypassed_does_not_answer_in_flight() {
     )
     .await
     .unwrap_or_else(|e| panic!("cannot reach Redis (`bash scripts/test` starts it): {e}"));
-    let store = TieredStore::new(idem_memory::MemoryStore::new(), redis);
+    let sql = std::sync::Arc::new(idem_memory::MemoryStore::new());
+    let store = TieredStore::new(sql.clone(), redis);
+    // Another instance on the same SQL store and Redis, whose link is fine.
+    let other_redis = RedisStore::connect(
+        RedisConfig::new(redis_url())
+            .prefix(store.redis().prefix())
+            .timeout(Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
+    let other_instance = TieredStore::new(sql.clone(), other_redis);
     // The claim's marker goes to Redis (its lease: 60 s).
     let ClaimOutcome::Acquired(claim) = store.claim(&req("k")).await.unwrap() else {
         panic!("a new key is acquired");
@@ -108,8 +118,19 @@ async fn a_marker_left_while_redis_was_bypassed_does_not_answer_in_flight() {
     };
     store.complete(&claim, &done).await.unwrap();
     proxy.set(Fault::None);
-    // Past the bypass, Redis is read again.
+    // Past the bypass, Redis is used again: the next request (for any key)
+    // deletes the marker left behind, so another instance, which trusts
+    // Redis, sees no request in flight either.
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    let next = store.claim(&req("next")).await.unwrap();
+    assert!(matches!(next, ClaimOutcome::Acquired(_)), "{next:?}");
+    match other_instance.claim(&req("k")).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert!(
+            matches!(r.state, RecordState::Completed { .. }),
+            "the other instance got the marker left in Redis: {r:?}"
+        ),
+        other => panic!("the completed record: {other:?}"),
+    }
     match store.claim(&req("k")).await.unwrap() {
         ClaimOutcome::Existing(r) => assert!(
             matches!(r.state, RecordState::Completed { .. }),
