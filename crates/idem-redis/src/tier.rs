@@ -136,15 +136,13 @@ impl<S> TieredStore<S> {
 
 impl<S: Store> TieredStore<S> {
     async fn claim_inner(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        if self.redis_usable() {
-            if !self
-                .unforgotten
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_empty()
-            {
-                self.forget_later().await;
-            }
+        let left_behind = !self
+            .unforgotten
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+        if left_behind && self.redis_usable() {
+            self.forget_later().await;
         }
         if self.redis_usable() {
             match self.redis.fetch(&req.scope, &req.key).await {
