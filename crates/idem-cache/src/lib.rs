@@ -104,13 +104,15 @@ impl<S> ReplayCache<S> {
         let mut e = self.lock();
         let id = (record.scope.clone(), record.key.clone());
         if let Some(cached) = e.records.get(&id).cloned() {
-            // The key was used again after its record expired: the new
-            // record takes the old one's place (and its place in the order).
-            if cached.is_expired(UnixMillis::now()) {
-                e.bytes = e.bytes.saturating_sub(size(&cached)) + n;
-                e.records.insert(id, Arc::new(record.clone()));
+            if !cached.is_expired(UnixMillis::now()) {
+                return;
             }
-            return;
+            // The key was used again after its record expired: the old
+            // record goes (from the order too), and the new one comes in
+            // as any other, newest, within the bounds.
+            e.records.remove(&id);
+            e.order.retain(|old| old != &id);
+            e.bytes = e.bytes.saturating_sub(size(&cached));
         }
         while e.records.len() >= self.max_entries || e.bytes + n > self.max_bytes {
             let Some(old) = e.order.pop_front() else {
@@ -289,6 +291,8 @@ mod tests {
             assert!(matches!(again, ClaimOutcome::Existing(_)), "{again:?}");
             assert_eq!(cache.len(), 1);
             assert_eq!(cache.lock().order.len(), 1, "the key once in the order");
+            let bytes = cache.lock().bytes;
+            assert_eq!(bytes, size(&cache.lock().records.values().next().unwrap()));
             tokio::time::sleep(Duration::from_millis(450)).await;
         }
     }
