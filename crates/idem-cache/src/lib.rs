@@ -292,7 +292,7 @@ mod tests {
             assert_eq!(cache.len(), 1);
             assert_eq!(cache.lock().order.len(), 1, "the key once in the order");
             let bytes = cache.lock().bytes;
-            assert_eq!(bytes, size(&cache.lock().records.values().next().unwrap()));
+            assert_eq!(bytes, size(cache.lock().records.values().next().unwrap()));
             tokio::time::sleep(Duration::from_millis(450)).await;
         }
     }
