@@ -110,10 +110,17 @@ pub(crate) async fn read_guarded(
             return Err(IdempotencyRejection::BodyUnreadable(e).into_response())
         }
     };
-    let target = parts
-        .uri
+    // The path the client sent: inside a router nested under a prefix,
+    // axum has stripped the prefix from `parts.uri`, and two nested
+    // endpoints would share a fingerprint (one's answer replayed for the
+    // other under a reused key, where the contract says 422).
+    let uri = parts
+        .extensions
+        .get::<axum::extract::OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0);
+    let target = uri
         .path_and_query()
-        .map_or_else(|| parts.uri.path(), |p| p.as_str());
+        .map_or_else(|| uri.path(), |p| p.as_str());
     let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)
