@@ -70,6 +70,12 @@ pub enum CompleteError {
     /// The handler's response body could not be read.
     #[error("the response body could not be read")]
     Body(#[source] axum::Error),
+    /// The answer is one the policy does not store (a `5xx`, or a `4xx`
+    /// under `store_client_errors(false)`): the layer releases the claim
+    /// and a retry runs again, so the transaction must not commit either.
+    /// Roll it back and send the answer (this error's response is it).
+    #[error("an answer that is not stored ({}): roll the transaction back", .0.status())]
+    NotStored(Response),
 }
 
 impl IntoResponse for CompleteError {
@@ -78,6 +84,7 @@ impl IntoResponse for CompleteError {
             CompleteError::ClaimLost => IdempotencyRejection::TakenOver,
             CompleteError::Store(_) => IdempotencyRejection::StoreUnavailable,
             CompleteError::Body(_) => IdempotencyRejection::ResponseUnreadable,
+            CompleteError::NotStored(response) => return response,
         }
         .into_response()
     }
@@ -279,8 +286,10 @@ impl Idempotency {
     /// itself fails afterwards, answer `5xx` and the layer releases the claim.
     ///
     /// An answer the policy does not store (a `5xx`, or a `4xx` under
-    /// `store_client_errors(false)`) is not written: the layer releases the
-    /// claim after the handler answers, as it would without `complete_in`.
+    /// `store_client_errors(false)`) is not written, and comes back as
+    /// [`CompleteError::NotStored`]: the layer releases the claim, the
+    /// retry runs again, so the transaction's effect must roll back with
+    /// it (the error's response is the answer, unchanged).
     pub async fn complete_in<S, C>(
         &self,
         store: &S,
@@ -292,7 +301,7 @@ impl Idempotency {
         C: ?Sized,
     {
         if self.releases(response.status()) {
-            return Ok(response);
+            return Err(CompleteError::NotStored(response));
         }
         let (stored, response) = self.stage(response).await?;
         let result = store.complete_in_tx(conn, &self.inner.claim, &stored).await;

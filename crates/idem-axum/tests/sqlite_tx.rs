@@ -36,7 +36,14 @@ async fn create(
         .execute(&mut *tx)
         .await
         .unwrap();
-    let response = (StatusCode::CREATED, format!("token {}", idem.token())).into_response();
+    // `x-status`: the answer's status (201 unless told).
+    let status = headers
+        .get("x-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .and_then(|v| StatusCode::from_u16(v).ok())
+        .unwrap_or(StatusCode::CREATED);
+    let response = (status, format!("token {}", idem.token())).into_response();
     match idem.complete_in(&store, &mut *tx, response).await {
         Ok(response) => {
             tx.commit().await.unwrap();
@@ -208,4 +215,26 @@ async fn a_record_completed_in_the_transaction_is_not_completed_again_by_the_lay
     );
     let replay = app.oneshot(req("once", 0)).await.unwrap();
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
+}
+
+/// The documented pattern (`Ok` commits, `Err` rolls back) with an answer
+/// the layer does not store (a 5xx): `complete_in` says so with an error,
+/// the effect rolls back with the released claim, and the retry runs once.
+#[tokio::test]
+async fn an_answer_that_is_not_stored_rolls_its_effect_back() {
+    let (app, store, _dir) = setup(Duration::from_secs(30)).await;
+    let mut failing = req("k-502", 0);
+    failing
+        .headers_mut()
+        .insert("x-status", http::HeaderValue::from_static("502"));
+    let resp = app.clone().oneshot(failing).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    assert!(
+        effects(&store).await.is_empty(),
+        "the 502's effect rolled back"
+    );
+    // Released: the retry runs, once.
+    let retry = app.clone().oneshot(req("k-502", 0)).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(effects(&store).await.len(), 1);
 }
