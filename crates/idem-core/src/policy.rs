@@ -6,18 +6,24 @@ use std::time::Duration;
 pub const DEFAULT_REPLAYED_HEADERS: &[&str] = &["location", "content-type", "etag", "retry-after"];
 
 /// Headers that are never stored or replayed, whatever the allow-list says:
-/// they belong to a session or to one connection.
+/// they belong to a session or to one connection, or each answer gets them
+/// afresh (`Date`). Every name of [`NOT_REPLAYED_WITH_ALL`] is here too.
 pub const NEVER_REPLAYED: &[&str] = &[
     "set-cookie",
     "set-cookie2",
     "authorization",
     "proxy-authenticate",
+    "proxy-authorization",
     "www-authenticate",
     "connection",
+    "proxy-connection",
     "transfer-encoding",
+    "te",
+    "trailer",
     "content-length",
     "keep-alive",
     "upgrade",
+    "date",
     "idempotent-replayed",
 ];
 
@@ -527,6 +533,14 @@ mod tests {
             Policy::builder().replay_header("Set-Cookie").build(),
             Err(PolicyError::ForbiddenHeader("set-cookie".into()))
         );
+        // Nothing the replay-all mode leaves out can be allow-listed either.
+        for name in NOT_REPLAYED_WITH_ALL {
+            assert_eq!(
+                Policy::builder().replay_header(*name).build(),
+                Err(PolicyError::ForbiddenHeader((*name).into())),
+                "{name}"
+            );
+        }
         assert_eq!(
             Policy::builder().replay_header("bad header").build(),
             Err(PolicyError::InvalidHeaderName("bad header".into()))
