@@ -96,12 +96,16 @@ enum Command {
         force: bool,
     },
     /// The outbox: messages pending, sent, and dead-lettered (with why).
+    /// `--schema` names its schema (MySQL: database), as for the records.
     Outbox {
         #[command(flatten)]
         target: Target,
-        /// Dead-lettered messages to list.
-        #[arg(long, default_value_t = 20)]
+        /// Dead-lettered messages to list (1 to 10,000).
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(i64).range(1..=10_000))]
         limit: i64,
+        /// The outbox table.
+        #[arg(long, default_value = idem_outbox::outbox::DEFAULT_TABLE)]
+        outbox_table: String,
     },
     /// Run a command once per key, across hosts: a repeat prints the first
     /// run's stdout and exits with its status without running it (cron on
@@ -704,10 +708,16 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 Err(e) => return Err(explain(e)),
             }
         }
-        Command::Outbox { limit, .. } => {
-            let (stats, dead) = store.outbox(limit).await.map_err(|e| -> Failure {
+        Command::Outbox {
+            target,
+            limit,
+            outbox_table,
+        } => {
+            let table = idem_outbox::OutboxTable::new(target.schema.as_deref(), &outbox_table)
+                .map_err(|e| -> Failure { format!("--outbox-table/--schema: {e}").into() })?;
+            let (stats, dead) = store.outbox(&table, limit).await.map_err(|e| -> Failure {
                 if idem_sql::classify(&e) == idem_sql::ErrorClass::MissingTable {
-                    "there is no outbox table here (idem_outbox)".into()
+                    format!("there is no outbox table here ({})", table.name()).into()
                 } else {
                     e.to_string().into()
                 }
@@ -721,7 +731,8 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                     d.message_id,
                     d.destination,
                     d.attempts,
-                    d.last_error.unwrap_or_default()
+                    // One line per message, whatever the broker said.
+                    d.last_error.unwrap_or_default().replace(['\r', '\n'], " ")
                 );
             }
         }

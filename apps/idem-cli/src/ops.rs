@@ -19,8 +19,12 @@ pub(crate) trait Ops: SqlRecords {
     /// Whether an open transaction holds the record (PostgreSQL's claim
     /// held by the transaction).
     async fn row_held(&self, scope: &str, key: &str) -> Result<bool, StoreError>;
-    /// The default outbox's counts and at most `limit` dead letters.
-    async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error>;
+    /// The outbox `table`'s counts and at most `limit` dead letters.
+    async fn outbox(
+        &self,
+        table: &idem_outbox::OutboxTable,
+        limit: i64,
+    ) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error>;
 }
 
 /// Every SQL store, whichever its database, once.
@@ -45,11 +49,15 @@ where
     async fn row_held(&self, scope: &str, key: &str) -> Result<bool, StoreError> {
         SqlRecords::held_by_transaction(self, scope, key).await
     }
-    async fn outbox(&self, limit: i64) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error> {
+    async fn outbox(
+        &self,
+        table: &idem_outbox::OutboxTable,
+        limit: i64,
+    ) -> Result<(OutboxStats, Vec<DeadLetter>), sqlx::Error> {
         let pool = self.records_pool();
         Ok((
-            idem_outbox::outbox::stats(pool).await?,
-            idem_outbox::outbox::dead_letters(pool, limit).await?,
+            table.stats(pool).await?,
+            table.dead_letters(pool, limit).await?,
         ))
     }
 }

@@ -173,23 +173,23 @@ impl NatsPublisher {
 /// What a failed send means to the relay: a message the server will never
 /// take (over its `max_payload`, an invalid subject) is the broker's
 /// refusal, which uses up an attempt; a full ack window or a time-out is
-/// the broker's absence, waited out.
+/// the broker down, waited out.
 fn send_failure(kind: jetstream::context::PublishErrorKind) -> PublishErrorKind {
     use jetstream::context::PublishErrorKind as Nats;
     match kind {
-        Nats::TimedOut | Nats::BrokenPipe | Nats::MaxAckPending => PublishErrorKind::Unreachable,
+        Nats::TimedOut | Nats::BrokenPipe | Nats::MaxAckPending => PublishErrorKind::BrokerDown,
         _ => PublishErrorKind::Rejected,
     }
 }
 
 /// What a failed acknowledgement means: none in time, or the connection
-/// lost, is unconfirmed (it may have been stored; sent again, the duplicate
-/// window drops it); an error JetStream answered (no stream captures the
-/// subject, a stream limit) is a refusal.
+/// lost, is the broker down (it may have stored the message; sent again,
+/// the duplicate window drops it); an error JetStream answered (no stream
+/// captures the subject, a stream limit) is a refusal.
 fn ack_failure(kind: jetstream::context::PublishErrorKind) -> PublishErrorKind {
     use jetstream::context::PublishErrorKind as Nats;
     match kind {
-        Nats::TimedOut | Nats::BrokenPipe => PublishErrorKind::Unconfirmed,
+        Nats::TimedOut | Nats::BrokenPipe => PublishErrorKind::BrokerDown,
         _ => PublishErrorKind::Rejected,
     }
 }

@@ -136,9 +136,14 @@ pub(crate) fn decode_headers(bytes: &[u8]) -> Vec<(String, String)> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PublishErrorKind {
-    /// The broker could not be reached (connection, channel, timeout):
-    /// worth retrying as it is.
+    /// The message could not be handed over (in process: no consumer for
+    /// its destination): worth retrying as it is; uses up an attempt.
     Unreachable,
+    /// The broker is not there: its connection is lost or refused, or it
+    /// did not answer in time. Waited out however long it lasts: it uses
+    /// up none of a row's attempts (a broker restarting must not turn
+    /// every row into a dead letter).
+    BrokerDown,
     /// The broker refused the message (a nack, a rejected publish).
     Rejected,
     /// The message was sent but its confirmation never came or was lost:
@@ -153,6 +158,7 @@ impl std::fmt::Display for PublishErrorKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Self::Unreachable => "broker unreachable",
+            Self::BrokerDown => "broker down",
             Self::Rejected => "rejected by the broker",
             Self::Unconfirmed => "not confirmed by the broker",
             Self::Other => "not published",

@@ -231,7 +231,7 @@ fn unsendable(m: &OutgoingMessage) -> Option<String> {
 /// over the message itself (a precondition failed, the content too large:
 /// over its `max_message_size`) is a refusal, which uses up an attempt and
 /// ends in the dead-letter state; anything else (the connection lost) is
-/// unconfirmed, and waited out.
+/// the broker down, and waited out.
 fn confirm_failure(e: &lapin::Error) -> PublishErrorKind {
     use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
     match e.kind() {
@@ -239,9 +239,9 @@ fn confirm_failure(e: &lapin::Error) -> PublishErrorKind {
             AMQPErrorKind::Soft(
                 AMQPSoftError::PRECONDITIONFAILED | AMQPSoftError::CONTENTTOOLARGE,
             ) => PublishErrorKind::Rejected,
-            _ => PublishErrorKind::Unconfirmed,
+            _ => PublishErrorKind::BrokerDown,
         },
-        _ => PublishErrorKind::Unconfirmed,
+        _ => PublishErrorKind::BrokerDown,
     }
 }
 
@@ -280,7 +280,7 @@ impl Publisher for RabbitPublisher {
                         published.record(
                             &m.message_id,
                             Err(PublishError::new(
-                                PublishErrorKind::Unreachable,
+                                PublishErrorKind::BrokerDown,
                                 format!("cannot open a channel: {e}"),
                             )),
                         );
@@ -339,7 +339,7 @@ impl Publisher for RabbitPublisher {
                             Err(e) => Err(PublishError::new(confirm_failure(&e), e.to_string())),
                         },
                         Ok(Err(e)) => Err(PublishError::new(
-                            PublishErrorKind::Unreachable,
+                            PublishErrorKind::BrokerDown,
                             e.to_string(),
                         )),
                     },

@@ -267,3 +267,65 @@ async fn a_closed_publishing_channel_is_opened_again() {
     );
     assert!(r.publisher.channel().status().connected());
 }
+
+/// RabbitMQ goes away (the link to it cut and partitioned) while rows wait:
+/// every round fails with the broker down, which uses up none of a row's
+/// attempts however long it lasts; once the broker is back, the relay opens
+/// a connection again and the row goes out. Nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_down_for_a_while_loses_no_row() {
+    use std::time::Duration;
+
+    use idem_outbox::outbox::{self, OutgoingMessage, Relay, RelayConfig};
+    use idem_test_support::faults::{Fault, FaultProxy};
+    let r = rabbit(3).await;
+    let upstream = amqp();
+    let host = upstream
+        .rsplit_once('@')
+        .map_or(upstream.as_str(), |(_, h)| h)
+        .split('/')
+        .next()
+        .unwrap()
+        .to_owned();
+    let proxy = FaultProxy::start(&host).await;
+    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr());
+    let publisher = Arc::new(RabbitPublisher::connect(&url).await.unwrap());
+    let mut tx = r.pool.begin().await.unwrap();
+    outbox::enqueue(&mut tx, &OutgoingMessage::new("m-1", r.spec.name(), "x"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let relay = Relay::new(
+        &r.pool,
+        publisher,
+        RelayConfig {
+            max_attempts: 2,
+            backoff: Duration::from_millis(10),
+            // A round waits half of it for the broker: 1 s.
+            lease: Duration::from_secs(2),
+            ..RelayConfig::default()
+        },
+    );
+    proxy.set(Fault::Partition);
+    proxy.cut();
+    let mut failed = 0;
+    for _ in 0..4 {
+        failed += relay.round().await.unwrap().failed;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(failed > 2, "tried more often than its attempts: {failed}");
+    let s = outbox::stats(&r.pool).await.unwrap();
+    assert_eq!((s.sent, s.pending, s.dead), (0, 1, 0));
+
+    proxy.set(Fault::None);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while outbox::stats(&r.pool).await.unwrap().sent == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never sent once the broker was back"
+        );
+        relay.round().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(outbox::stats(&r.pool).await.unwrap().dead, 0);
+}

@@ -92,7 +92,8 @@ pub async fn record_effect(
 }
 
 /// A publisher for tests: records what it published; fails for
-/// destinations named `poison`, and says nothing of those named `silent`.
+/// destinations named `poison` (a refusal) and `down` (the broker down),
+/// and says nothing of those named `silent`.
 #[derive(Debug, Default)]
 pub struct Recording {
     /// The message ids published, in order.
@@ -116,6 +117,11 @@ impl idem_outbox::outbox::Publisher for Recording {
                     let result = if m.destination == "poison" {
                         Err(idem_outbox::outbox::PublishError::other(
                             "the broker refused it",
+                        ))
+                    } else if m.destination == "down" {
+                        Err(idem_outbox::outbox::PublishError::new(
+                            idem_outbox::outbox::PublishErrorKind::BrokerDown,
+                            "connection refused",
                         ))
                     } else {
                         published.push(m.message_id.clone());

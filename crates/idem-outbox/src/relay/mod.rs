@@ -37,10 +37,10 @@ pub struct RelayConfig {
     pub lease: Duration,
     /// How often to look for rows when no notification came.
     pub poll: Duration,
-    /// Refusals (the broker nacked or returned the message, or the
-    /// publisher failed it otherwise) before a row goes to the dead-letter
-    /// state. A broker that cannot be reached or does not confirm uses up
-    /// no attempt: the row waits for it, however long.
+    /// Failed publishes before a row goes to the dead-letter state. A
+    /// broker that is down ([`PublishErrorKind::BrokerDown`]: its connection
+    /// lost or refused, no answer in time) uses up no attempt: the row
+    /// waits for it, however long.
     pub max_attempts: i32,
     /// The first retry delay; it doubles with each attempt (with each round
     /// in a row that could not reach the broker), up to a minute.
@@ -335,7 +335,7 @@ impl Relay {
                     none.record(
                         &m.message_id,
                         Err(PublishError::new(
-                            PublishErrorKind::Unconfirmed,
+                            PublishErrorKind::BrokerDown,
                             format!("no confirmation within {} ms", wait.as_millis()),
                         )),
                     );
@@ -360,15 +360,11 @@ impl Relay {
                 continue;
             };
             round.failed += 1;
-            // Only the broker's own refusals use up attempts. A broker that
-            // cannot be reached, or does not confirm, is waited for however
-            // long it takes (backing off as the outage goes on): otherwise
-            // a restart of a few minutes would turn every row into a dead
-            // letter.
-            let counted = matches!(
-                e.kind(),
-                PublishErrorKind::Rejected | PublishErrorKind::Other
-            );
+            // A broker that is down is waited for however long it takes
+            // (backing off as the outage goes on): otherwise a restart of a
+            // few minutes would turn every row into a dead letter. Every
+            // other failure uses up an attempt.
+            let counted = e.kind() != PublishErrorKind::BrokerDown;
             let dead = counted && c.attempts >= i64::from(self.config.max_attempts);
             let streak = if counted {
                 c.attempts
