@@ -748,3 +748,37 @@ async fn a_claim_held_by_a_transaction_is_shown_held_and_not_released() {
     );
     pool.close().await;
 }
+
+/// `--schema` and `--outbox-table` name the outbox read: an outbox in a
+/// table of its own is counted, and the default one is not confused
+/// with it.
+#[tokio::test]
+async fn the_outbox_read_is_the_one_named() {
+    let schema = TestSchema::create("idem_cli_outbox_named").await;
+    let url = schema.url();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let table = idem_outbox::OutboxTable::new(Some(schema.name()), "billing_outbox").unwrap();
+    table.migrate(&pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let m = idem_outbox::OutgoingMessage::new("b-1", "billing", "{}");
+    table.enqueue(&mut *tx, &m).await.unwrap();
+    tx.commit().await.unwrap();
+    let out = stdout(&idem(&[
+        "outbox",
+        "--database-url",
+        &url,
+        "--schema",
+        schema.name(),
+        "--outbox-table",
+        "billing_outbox",
+    ]));
+    assert!(out.contains("pending:        1"), "{out}");
+    // The default table is not there: said, not read from elsewhere.
+    let default = idem(&["outbox", "--database-url", &url, "--schema", schema.name()]);
+    assert_eq!(default.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&default.stderr);
+    assert!(said.contains("idem_outbox"), "{said}");
+    // The limit is bounded.
+    let limit = idem(&["outbox", "--database-url", &url, "--limit", "-1"]);
+    assert_eq!(limit.status.code(), Some(2));
+}
