@@ -3,8 +3,10 @@
 //! ```text
 //! idem migrate --database-url URL
 //! idem sweep   --database-url URL [--batch N]
-//! idem inspect --database-url URL --scope S --key K [--show-body]
-//! idem stats   --database-url URL
+//! idem inspect --database-url URL --scope S --key K [--show-body] [--json]
+//! idem stats   --database-url URL [--json]
+//! idem release --database-url URL --scope S --key K [--yes] [--force]
+//! idem outbox  --database-url URL [--schema S] [--outbox-table T] [--limit N]
 //! idem once    --database-url URL --scope S --key K [--lease-ms N] [--ttl-secs N]
 //!              [--wait-ms N] [--store-failures] -- COMMAND [ARGS…]
 //! idem proxy   --listen ADDR --upstream URL [--database-url URL] [--redis-url URL]
