@@ -495,3 +495,99 @@ async fn duplicate_keys_on_both_backends() {
     ));
     drop(schema);
 }
+
+/// What a failover, a time limit or a lock limit answers is worth a retry
+/// (the standby promoted, the load gone), never a `500` for good: a
+/// read-only transaction, a statement past its time limit, a lock not had
+/// in time; on PostgreSQL and MySQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_and_time_limits_are_worth_a_retry() {
+    use idem_sql::Dialect;
+    let schema = TestSchema::create("idem_class_ro").await;
+    let pg = sqlx::PgPool::connect(&schema.url()).await.unwrap();
+    sqlx::query("CREATE TABLE t (id INT PRIMARY KEY)")
+        .execute(&pg)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO t VALUES (1)")
+        .execute(&pg)
+        .await
+        .unwrap();
+    let mut ro = pg.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION READ ONLY")
+        .execute(&mut *ro)
+        .await
+        .unwrap();
+    let e = sqlx::query("INSERT INTO t VALUES (2)")
+        .execute(&mut *ro)
+        .await
+        .unwrap_err();
+    assert_eq!(Postgres::classify(&e), ErrorClass::Unavailable, "{e}");
+    ro.rollback().await.unwrap();
+    let mut slow = pg.begin().await.unwrap();
+    sqlx::query("SET LOCAL statement_timeout = 50")
+        .execute(&mut *slow)
+        .await
+        .unwrap();
+    let e = sqlx::query("SELECT pg_sleep(5)")
+        .execute(&mut *slow)
+        .await
+        .unwrap_err();
+    assert_eq!(Postgres::classify(&e), ErrorClass::Unavailable, "{e}");
+    slow.rollback().await.unwrap();
+    let mut holder = pg.begin().await.unwrap();
+    sqlx::query("SELECT id FROM t WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let mut waiter = pg.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = 50")
+        .execute(&mut *waiter)
+        .await
+        .unwrap();
+    let e = sqlx::query("UPDATE t SET id = 1 WHERE id = 1")
+        .execute(&mut *waiter)
+        .await
+        .unwrap_err();
+    assert_eq!(Postgres::classify(&e), ErrorClass::RetryTransaction, "{e}");
+    waiter.rollback().await.unwrap();
+    holder.rollback().await.unwrap();
+    pg.close().await;
+
+    let db = TestDatabase::create("idem_class_ro").await;
+    let my = sqlx::MySqlPool::connect(&db.url()).await.unwrap();
+    sqlx::query("CREATE TABLE t (id INT PRIMARY KEY)")
+        .execute(&my)
+        .await
+        .unwrap();
+    let mut ro = my.begin().await.unwrap();
+    // A transaction begun read-only: end the one `begin` opened first.
+    sqlx::query("COMMIT").execute(&mut *ro).await.unwrap();
+    sqlx::query("START TRANSACTION READ ONLY")
+        .execute(&mut *ro)
+        .await
+        .unwrap();
+    let e = sqlx::query("INSERT INTO t VALUES (2)")
+        .execute(&mut *ro)
+        .await
+        .unwrap_err();
+    assert_eq!(MySql::classify(&e), ErrorClass::Unavailable, "{e}");
+    ro.rollback().await.unwrap();
+    let mut conn = my.acquire().await.unwrap();
+    sqlx::query("SET SESSION max_statement_time = 0.05")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    // Over a row: MariaDB interrupts it at the limit (1969).
+    sqlx::query("INSERT INTO t VALUES (1)")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let e = sqlx::query("SELECT SLEEP(5) FROM t")
+        .execute(&mut *conn)
+        .await
+        .unwrap_err();
+    assert_eq!(MySql::classify(&e), ErrorClass::Unavailable, "{e}");
+    drop(conn);
+    my.close().await;
+}

@@ -93,7 +93,10 @@ impl Dialect for MySql {
     }
 
     /// By error number: 1040 (too many connections), 1053 (shutdown), 1927
-    /// (connection killed) are [`ErrorClass::Unavailable`]; 1062, 1022 and
+    /// (connection killed), 1290 and 1836 (read-only: a replica, as just
+    /// after a failover), 1792 (a read-only transaction), 4031 (a session
+    /// cut for idling), 1969 and 3024 (a statement past its time limit)
+    /// are [`ErrorClass::Unavailable`]; 1062, 1022 and
     /// 1586 a unique violation; 1146 a missing table; 1213 (deadlock) and
     /// 1205 (lock wait timeout) [`ErrorClass::RetryTransaction`]; access
     /// denied (1044, 1045, 1142, 1143), an unknown column (1054) or
@@ -106,7 +109,8 @@ impl Dialect for MySql {
             return ErrorClass::Other;
         };
         match my.number() {
-            1040 | 1053 | 1927 | 2002 | 2003 | 2006 | 2013 => ErrorClass::Unavailable,
+            1040 | 1053 | 1927 | 2002 | 2003 | 2006 | 2013 | 1290 | 1836 | 1792 | 4031 | 1969
+            | 3024 => ErrorClass::Unavailable,
             1062 | 1022 | 1586 => ErrorClass::UniqueViolation,
             1146 => ErrorClass::MissingTable,
             1213 | 1205 => ErrorClass::RetryTransaction,

@@ -32,8 +32,13 @@ impl Dialect for Postgres {
     }
 
     /// By SQLSTATE: class `08` (connection exception), `57P01`–`57P03`
-    /// (shutdown, crash, cannot connect now) and `53300` (too many
-    /// connections) are [`ErrorClass::Unavailable`]; `23505` a unique
+    /// (shutdown, crash, cannot connect now), `53300` (too many
+    /// connections), `25006` (a read-only transaction: the server is a
+    /// standby, as just after a failover, or read-only for now), `57014`
+    /// (the statement ran past `statement_timeout`), `25P03` and `57P05`
+    /// (a session cut for idling) are [`ErrorClass::Unavailable`];
+    /// `55P03` (a lock not had within `lock_timeout`)
+    /// [`ErrorClass::RetryTransaction`]; `23505` a unique
     /// violation; `42P01` a missing table; `40001` (serialization) and
     /// `40P01` (deadlock) [`ErrorClass::RetryTransaction`]; the rest of
     /// class `42` (permission, unknown column, syntax) and class `28`
@@ -47,7 +52,10 @@ impl Dialect for Postgres {
         };
         match code.as_ref() {
             c if c.starts_with("08") => ErrorClass::Unavailable,
-            "57P01" | "57P02" | "57P03" | "53300" => ErrorClass::Unavailable,
+            "57P01" | "57P02" | "57P03" | "53300" | "25006" | "57014" | "25P03" | "57P05" => {
+                ErrorClass::Unavailable
+            }
+            "55P03" => ErrorClass::RetryTransaction,
             "23505" => ErrorClass::UniqueViolation,
             "42P01" => ErrorClass::MissingTable,
             "40001" | "40P01" => ErrorClass::RetryTransaction,
