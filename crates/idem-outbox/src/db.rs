@@ -323,3 +323,31 @@ mod tests {
         pool.close().await;
     }
 }
+
+/// Runs one writing `statement` in a transaction of its own, begun as the
+/// dialect begins writes (MySQL: READ COMMITTED, so a sweep's scan locks
+/// only the rows it deletes, not every row and gap it reads past, which
+/// under the server's default REPEATABLE READ held the relay's marks and
+/// the business's enqueues), and commits it; how many rows it changed.
+pub(crate) async fn write_once<DB>(
+    pool: &sqlx::Pool<DB>,
+    statement: &idem_sql::dialect::Statement<DB::Dialect>,
+    args: &[idem_sql::dialect::Arg<'_>],
+) -> Result<u64, sqlx::Error>
+where
+    DB: idem_sql::Driver,
+    DB::Dialect: OutboxDialect,
+{
+    use idem_sql::Dialect;
+    let mut tx = DB::Dialect::begin_write(pool).await?;
+    match DB::Dialect::execute(&mut tx, statement, args).await {
+        Ok(n) => {
+            tx.commit().await?;
+            Ok(n)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}

@@ -213,8 +213,7 @@ impl InboxTable {
             <DB::Dialect as OutboxDialect>::INBOX.sweep,
             &self.0,
         )?;
-        let mut conn = pool.acquire().await?;
-        DB::Dialect::execute(&mut conn, &sweep, &[Arg::Int(cutoff), Arg::Int(batch)]).await
+        crate::db::write_once::<DB>(pool, &sweep, &[Arg::Int(cutoff), Arg::Int(batch)]).await
     }
 }
 

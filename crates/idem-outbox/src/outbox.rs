@@ -212,8 +212,7 @@ impl OutboxTable {
         let sweep =
             self.statement::<DB::Dialect>(<DB::Dialect as OutboxDialect>::OUTBOX.sweep_sent)?;
         let age = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-        let mut conn = pool.acquire().await?;
-        DB::Dialect::execute(&mut conn, &sweep, &[Arg::Int(age), Arg::Int(batch)]).await
+        crate::db::write_once::<DB>(pool, &sweep, &[Arg::Int(age), Arg::Int(batch)]).await
     }
 
     /// This outbox's dead-lettered rows, oldest first, at most `limit`.
