@@ -655,3 +655,32 @@ async fn a_grpc_message_trickled_below_the_minimum_rate_fails_its_call() {
     .await;
     assert!(cut, "the trickled call was still open after 20 s");
 }
+
+/// An instance starting beside a running one on PostgreSQL takes no lock
+/// on the tables in use: it starts while a transaction holds a row of
+/// `bank_charges` (a payment at the bank), and reads of that table are
+/// never queued behind its schema step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_instance_starts_beside_open_transactions_on_postgres() {
+    let db = Db::postgres().await;
+    let first = Shop::start(&db, &[]).await;
+    let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM bank_charges FOR UPDATE")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    sqlx::query("LOCK TABLE bank_charges IN ROW EXCLUSIVE MODE")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    // Shop::start waits 30 s for the address: a schema step that locked
+    // the table would wait for `open` for ever.
+    let second = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    let health = read(client.get(second.url("/healthz"))).await;
+    assert_eq!(health.status, 200);
+    open.rollback().await.unwrap();
+    drop((first, second));
+    pool.close().await;
+}

@@ -160,6 +160,20 @@ impl ShopDialect for idem_sql::Postgres {
 
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
         Box::pin(async move {
+            // Done already (its last step's index is there, and every step
+            // commits together): nothing to run. `ALTER TABLE … ADD COLUMN
+            // IF NOT EXISTS` and `CREATE INDEX IF NOT EXISTS` lock the table
+            // before they find there is nothing to do (ACCESS EXCLUSIVE,
+            // SHARE): an instance starting beside running ones would queue
+            // behind their open transactions, and every query of the table
+            // behind it.
+            let done: bool =
+                sqlx::query_scalar("SELECT to_regclass('bank_charges_reference') IS NOT NULL")
+                    .fetch_one(pool)
+                    .await?;
+            if done {
+                return Ok(());
+            }
             // Several instances may start at once: serialise the DDL.
             let mut tx = pool.begin().await?;
             let staged = async {
@@ -179,6 +193,7 @@ impl ShopDialect for idem_sql::Postgres {
                 )
                 .execute(&mut *tx)
                 .await?;
+                // Last: its index says the whole step is done (above).
                 sqlx::query(REFERENCE_INDEX).execute(&mut *tx).await?;
                 Ok(())
             }
