@@ -143,7 +143,7 @@ where
             return result;
         };
         if handle.completion() == Completion::ByLayer
-            && result.as_ref().is_ok_and(|r| !r.status().is_server_error())
+            && result.as_ref().is_ok_and(|r| !handle.releases(r.status()))
         {
             // Its transaction ended without completing the record: until the
             // layer completes it below, the claim looks abandoned, and a

@@ -182,16 +182,31 @@ fn send_failure(kind: jetstream::context::PublishErrorKind) -> PublishErrorKind 
     }
 }
 
-/// What a failed acknowledgement means: none in time, or the connection
-/// lost, is the broker down (it may have stored the message; sent again,
-/// the duplicate window drops it); an error JetStream answered (no stream
-/// captures the subject, a stream limit) is a refusal.
-fn ack_failure(kind: jetstream::context::PublishErrorKind) -> PublishErrorKind {
+/// What a failed acknowledgement means: none in time, the connection lost,
+/// no responders or a 503 is the broker down (it may have stored the
+/// message; sent again, the duplicate window drops it); any other error
+/// JetStream answered (a stream limit, a message too large for the stream)
+/// is a refusal.
+fn ack_failure(e: &jetstream::context::PublishError) -> PublishErrorKind {
     use jetstream::context::PublishErrorKind as Nats;
-    match kind {
-        Nats::TimedOut | Nats::BrokenPipe => PublishErrorKind::BrokerDown,
+    match e.kind() {
+        // No responders: no stream captures the subject, or JetStream is not
+        // up yet (a server restarting, a stream electing its leader): the
+        // latter is an outage, and a subject that no stream captures is
+        // waited for too, never dead-lettered for it.
+        Nats::TimedOut | Nats::BrokenPipe | Nats::StreamNotFound => PublishErrorKind::BrokerDown,
+        // JetStream answered 503 (no quorum, not ready): an outage too.
+        Nats::Other if answered_unavailable(e) => PublishErrorKind::BrokerDown,
         _ => PublishErrorKind::Rejected,
     }
+}
+
+/// Whether JetStream's own answer was "unavailable" (status 503: a cluster
+/// without quorum, a stream without a leader, JetStream not ready).
+fn answered_unavailable(e: &jetstream::context::PublishError) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .is_some_and(|api| api.code() == 503)
 }
 
 /// Why `m` cannot go over NATS: a header name must be visible ASCII
@@ -249,7 +264,7 @@ impl Publisher for NatsPublisher {
                         Ok(Ok(ack)) => ack
                             .await
                             .map(drop)
-                            .map_err(|e| PublishError::new(ack_failure(e.kind()), e.to_string())),
+                            .map_err(|e| PublishError::new(ack_failure(&e), e.to_string())),
                         Ok(Err(e)) => Err(PublishError::new(send_failure(e.kind()), e.to_string())),
                     },
                 );

@@ -372,10 +372,10 @@ async fn a_failed_message_comes_back_later_each_time() {
     assert!(gaps[1] >= Duration::from_millis(600), "doubled: {gaps:?}");
 }
 
-/// What the server will never take is the broker's refusal (it uses up an
-/// attempt, and is dead-lettered in the end), not its absence (which the
-/// relay waits out for ever): a payload over `max_payload`, a subject no
-/// stream captures.
+/// What the server will never take (a payload over `max_payload`) is the
+/// broker's refusal: it uses up an attempt, and is dead-lettered in the
+/// end. No responders (no stream captures the subject, or JetStream is not
+/// up yet) is waited out as the broker down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_the_server_never_takes_is_a_refusal() {
     use idem_outbox::outbox::{OutgoingMessage, PublishErrorKind};
@@ -388,8 +388,16 @@ async fn what_the_server_never_takes_is_a_refusal() {
     ];
     let published = n.publisher.publish(&batch).await;
     assert!(published.confirmed("m-ok"));
-    for id in ["m-huge", "m-nowhere"] {
-        let error = published.get(id).unwrap().as_ref().expect_err("refused");
-        assert_eq!(error.kind(), PublishErrorKind::Rejected, "{id}: {error}");
-    }
+    let huge = published
+        .get("m-huge")
+        .unwrap()
+        .as_ref()
+        .expect_err("refused");
+    assert_eq!(huge.kind(), PublishErrorKind::Rejected, "{huge}");
+    let nowhere = published
+        .get("m-nowhere")
+        .unwrap()
+        .as_ref()
+        .expect_err("not taken");
+    assert_eq!(nowhere.kind(), PublishErrorKind::BrokerDown, "{nowhere}");
 }

@@ -148,7 +148,8 @@ pub enum PublishErrorKind {
     Rejected,
     /// The message was sent but its confirmation never came or was lost:
     /// it may have been published (a republish is absorbed by the broker's
-    /// duplicate window and the consumers' inboxes).
+    /// duplicate window and the consumers' inboxes). Uses up an attempt
+    /// (a broker that does not answer at all is [`Self::BrokerDown`]).
     Unconfirmed,
     /// The publisher said nothing of the message, or another failure.
     Other,

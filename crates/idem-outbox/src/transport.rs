@@ -124,8 +124,11 @@ impl Publisher for InProcess {
                                 PublishErrorKind::Unconfirmed,
                                 "the consumer dropped the message unacknowledged",
                             )),
+                            // The consumer is the broker here: one that does
+                            // not answer in time is waited out, as a broker
+                            // down is (its copy is handled once, by the inbox).
                             Err(_) => Err(PublishError::new(
-                                PublishErrorKind::Unconfirmed,
+                                PublishErrorKind::BrokerDown,
                                 "no acknowledgement in time",
                             )),
                         },

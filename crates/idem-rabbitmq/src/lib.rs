@@ -132,6 +132,8 @@ pub struct RabbitPublisher {
     link: Mutex<Link>,
     /// The channel publishing now, for [`RabbitPublisher::channel`].
     current: std::sync::Mutex<Channel>,
+    /// The largest payload sent; a larger message is refused for itself.
+    max_payload: usize,
 }
 
 /// A connection and its publishing channel, confirms on.
@@ -181,7 +183,18 @@ impl RabbitPublisher {
             uri: uri.to_owned(),
             current: std::sync::Mutex::new(link.channel.clone()),
             link: Mutex::new(link),
+            max_payload: DEFAULT_MAX_PAYLOAD,
         })
+    }
+
+    /// The largest payload published (default [`DEFAULT_MAX_PAYLOAD`]): set
+    /// it to the broker's `max_message_size`. A larger message is refused
+    /// for itself (and dead-lettered in the end) rather than sent to close
+    /// the channel under the rest of its batch.
+    #[must_use]
+    pub fn max_payload(mut self, bytes: usize) -> Self {
+        self.max_payload = bytes;
+        self
     }
 
     /// The publishing channel now (to declare queues, say).
@@ -206,7 +219,7 @@ impl RabbitPublisher {
 
 /// Why `m` cannot go over AMQP, whose message id, routing key and header
 /// names are short strings (at most 255 bytes).
-fn unsendable(m: &OutgoingMessage) -> Option<String> {
+fn unsendable(m: &OutgoingMessage, max_payload: usize) -> Option<String> {
     let long = |what: &str, s: &str| {
         (s.len() > MAX_SHORT_STRING).then(|| {
             format!(
@@ -215,9 +228,9 @@ fn unsendable(m: &OutgoingMessage) -> Option<String> {
             )
         })
     };
-    let payload = (m.payload.len() > MAX_PAYLOAD).then(|| {
+    let payload = (m.payload.len() > max_payload).then(|| {
         format!(
-            "the payload is {} bytes; RabbitMQ takes {MAX_PAYLOAD} by default (max_message_size)",
+            "the payload is {} bytes; the broker takes {max_payload} (max_message_size)",
             m.payload.len()
         )
     });
@@ -245,9 +258,9 @@ fn confirm_failure(e: &lapin::Error) -> PublishErrorKind {
     }
 }
 
-/// The largest payload sent: RabbitMQ's default `max_message_size`
-/// (16 MiB); a larger one would close the channel.
-const MAX_PAYLOAD: usize = 16 << 20;
+/// The largest payload sent by default: RabbitMQ 4's default
+/// `max_message_size` (16 MiB); a larger one would close the channel.
+pub const DEFAULT_MAX_PAYLOAD: usize = 16 << 20;
 
 /// The longest AMQP short string, in bytes.
 const MAX_SHORT_STRING: usize = 255;
@@ -292,7 +305,7 @@ impl Publisher for RabbitPublisher {
             for m in batch {
                 // Refused here rather than panicking in the AMQP library:
                 // one such row must not stop the relay.
-                if let Some(why) = unsendable(m) {
+                if let Some(why) = unsendable(m, self.max_payload) {
                     pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
                     continue;
                 }
@@ -314,6 +327,12 @@ impl Publisher for RabbitPublisher {
                 pending.push(Ok(sent));
             }
             let mut published = Published::default();
+            // The broker closes the channel over one message (too large, a
+            // precondition failed), and every confirm still pending on it
+            // fails the same way: only the first is that message's own
+            // refusal; the rest of the batch waits for the channel to be
+            // opened again, using up no attempt.
+            let mut refused_one = false;
             for (m, sent) in batch.iter().zip(pending) {
                 published.record(
                     &m.message_id,
@@ -336,7 +355,16 @@ impl Publisher for RabbitPublisher {
                                 PublishErrorKind::Rejected,
                                 format!("the broker did not ack: {other:?}"),
                             )),
-                            Err(e) => Err(PublishError::new(confirm_failure(&e), e.to_string())),
+                            Err(e) => {
+                                let mut kind = confirm_failure(&e);
+                                if kind == PublishErrorKind::Rejected {
+                                    if refused_one {
+                                        kind = PublishErrorKind::BrokerDown;
+                                    }
+                                    refused_one = true;
+                                }
+                                Err(PublishError::new(kind, e.to_string()))
+                            }
                         },
                         Ok(Err(e)) => Err(PublishError::new(
                             PublishErrorKind::BrokerDown,

@@ -329,3 +329,38 @@ async fn a_broker_down_for_a_while_loses_no_row() {
     }
     assert_eq!(outbox::stats(&r.pool).await.unwrap().dead, 0);
 }
+
+/// A message over the broker's `max_message_size` that is sent anyway (the
+/// publisher told a larger cap) closes the channel: it alone is refused
+/// (and so dead-lettered in the end); the messages behind it in its batch,
+/// whose confirms fail with the channel, wait as for a broker down, using
+/// up no attempt; and the next batch goes out on a channel opened again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_broker_closes_the_channel_over_refuses_only_itself() {
+    use idem_outbox::outbox::{OutgoingMessage, PublishErrorKind};
+    let r = rabbit(3).await;
+    let publisher = RabbitPublisher::connect(&amqp())
+        .await
+        .unwrap()
+        .max_payload(usize::MAX);
+    let to = r.spec.name().to_owned();
+    let batch = [
+        OutgoingMessage::new("m-too-big", to.clone(), vec![b'x'; 130 << 20]),
+        OutgoingMessage::new("m-behind", to.clone(), "x"),
+    ];
+    let published = publisher.publish(&batch).await;
+    let big = published
+        .get("m-too-big")
+        .unwrap()
+        .as_ref()
+        .expect_err("refused");
+    assert_eq!(big.kind(), PublishErrorKind::Rejected, "{big}");
+    let behind = published
+        .get("m-behind")
+        .unwrap()
+        .as_ref()
+        .expect_err("not confirmed");
+    assert_eq!(behind.kind(), PublishErrorKind::BrokerDown, "{behind}");
+    let again = [OutgoingMessage::new("m-again", to, "x")];
+    assert!(publisher.publish(&again).await.confirmed("m-again"));
+}

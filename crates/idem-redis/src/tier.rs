@@ -46,6 +46,9 @@ pub struct TieredStore<S> {
 /// with their leases.
 const UNFORGOTTEN_MAX: usize = 10_000;
 
+/// How many of them one request deletes.
+const FORGOTTEN_PER_REQUEST: usize = 64;
+
 impl<S> TieredStore<S> {
     /// `redis` in front of `sql`.
     pub fn new(sql: S, redis: RedisStore) -> Self {
@@ -110,7 +113,12 @@ impl<S> TieredStore<S> {
     /// Deletes the markers that could not be deleted when their claims
     /// ended; those it still cannot are kept for the next time.
     async fn forget_later(&self) {
-        let keys = std::mem::take(&mut *self.unforgotten.lock().unwrap_or_else(|e| e.into_inner()));
+        // A few a request, so that no one request pays for a long outage.
+        let keys: Vec<(String, String)> = {
+            let mut later = self.unforgotten.lock().unwrap_or_else(|e| e.into_inner());
+            let from = later.len().saturating_sub(FORGOTTEN_PER_REQUEST);
+            later.split_off(from)
+        };
         for (i, (scope, key)) in keys.iter().enumerate() {
             if let Err(e) = self.redis.forget(scope, key).await {
                 self.redis_failed("forget", &e);

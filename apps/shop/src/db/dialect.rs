@@ -155,22 +155,45 @@ impl ShopDialect for idem_sql::Sqlite {
     }
 }
 
+/// The tables and indexes `schema` creates (`CREATE TABLE|INDEX IF NOT
+/// EXISTS name`), by name.
+fn schema_objects(schema: &str) -> Vec<&str> {
+    schema
+        .lines()
+        .filter_map(|line| {
+            let line = line.trim_start();
+            line.strip_prefix("CREATE TABLE IF NOT EXISTS ")
+                .or_else(|| line.strip_prefix("CREATE INDEX IF NOT EXISTS "))
+        })
+        .filter_map(|rest| rest.split([' ', '(']).next())
+        .filter(|name| !name.is_empty())
+        .collect()
+}
+
 impl ShopDialect for idem_sql::Postgres {
     const SQL: ShopSql = ANSI;
 
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            // Done already (its last step's index is there, and every step
-            // commits together): nothing to run. `ALTER TABLE … ADD COLUMN
-            // IF NOT EXISTS` and `CREATE INDEX IF NOT EXISTS` lock the table
-            // before they find there is nothing to do (ACCESS EXCLUSIVE,
-            // SHARE): an instance starting beside running ones would queue
-            // behind their open transactions, and every query of the table
-            // behind it.
-            let done: bool =
-                sqlx::query_scalar("SELECT to_regclass('bank_charges_reference') IS NOT NULL")
-                    .fetch_one(pool)
-                    .await?;
+            // Done already (every table and index the schema names is
+            // there, and the columns added later): nothing to run.
+            // `ALTER TABLE … ADD COLUMN IF NOT EXISTS` and `CREATE INDEX IF
+            // NOT EXISTS` lock the table before they find there is nothing
+            // to do (ACCESS EXCLUSIVE, SHARE): an instance starting beside
+            // running ones would queue behind their open transactions, and
+            // every query of the table behind it.
+            let mut objects = schema_objects(SCHEMA);
+            objects.push("bank_charges_reference");
+            let done: bool = sqlx::query_scalar(
+                "SELECT bool_and(to_regclass(o) IS NOT NULL)
+                        AND (SELECT count(*) FROM information_schema.columns
+                             WHERE table_schema = current_schema() AND table_name = 'bank_charges'
+                               AND column_name IN ('client_id', 'reference')) = 2
+                 FROM unnest($1::text[]) AS o",
+            )
+            .bind(&objects)
+            .fetch_one(pool)
+            .await?;
             if done {
                 return Ok(());
             }
@@ -274,5 +297,36 @@ impl ShopDialect for idem_sql::MySql {
             created?;
             released.map(drop)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every table and index of the schema is named, so that an instance
+    /// runs the schema step while any one is missing.
+    #[test]
+    fn the_schema_objects_are_all_named() {
+        let names = super::schema_objects(super::SCHEMA);
+        for name in [
+            "shop_payments",
+            "shop_payments_account",
+            "bank_charges",
+            "bank_charges_account",
+            "shop_orders",
+            "shop_checkouts",
+            "shop_products",
+            "shop_bank_events",
+            "shop_bank_events_payment",
+            "shop_stock",
+            "shop_emails",
+            "shop_emails_account",
+        ] {
+            assert!(names.contains(&name), "{name}: {names:?}");
+        }
+        assert_eq!(
+            names.len(),
+            super::SCHEMA.matches("IF NOT EXISTS").count(),
+            "{names:?}"
+        );
     }
 }

@@ -42,8 +42,9 @@ pub struct RelayConfig {
     /// lost or refused, no answer in time) uses up no attempt: the row
     /// waits for it, however long.
     pub max_attempts: i32,
-    /// The first retry delay; it doubles with each attempt (with each round
-    /// in a row that could not reach the broker), up to a minute.
+    /// The first retry delay; it doubles with each attempt (while the
+    /// broker is down: with each step of the outage, one per step's own
+    /// wait), up to a minute.
     pub backoff: Duration,
 }
 

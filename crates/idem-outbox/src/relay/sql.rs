@@ -246,8 +246,8 @@ impl<D: OutboxDialect> OutboxBackend for SqlOutbox<D> {
                 Arg::Text(error),
                 Arg::Int(millis(backoff)),
                 Arg::Text(state.as_str()),
-                // The claim counted an attempt; one the broker never
-                // judged (unreachable, unconfirmed) is given back.
+                // The claim counted an attempt; one against a broker that
+                // was down is given back.
                 Arg::Int(i64::from(!counted)),
             ];
             self.write(&self.sql()?.mark_failed, &args).await
