@@ -35,12 +35,13 @@ const EVENTS: [(&str, &str, &str); 3] = [
     (ORDER_PAID, "send-receipt", "ORDERS_PAID"),
 ];
 
-/// The relay's first restart after it stopped on an error waiting cannot
-/// mend; each failed restart doubles the delay, up to [`RELAY_RESTART_MAX`].
-const RELAY_RESTART_FIRST: Duration = Duration::from_secs(1);
-/// The longest delay between two restarts of a stopped relay; a relay that
-/// ran this long before it stopped starts again from [`RELAY_RESTART_FIRST`].
-const RELAY_RESTART_MAX: Duration = Duration::from_secs(30);
+/// The first restart of the relay (after it stopped on an error waiting
+/// cannot mend) or of a consumer that ended; each failed restart doubles
+/// the delay, up to [`RESTART_MAX`].
+const RESTART_FIRST: Duration = Duration::from_secs(1);
+/// The longest delay between two restarts of the relay or a consumer; one
+/// that ran this long before it stopped starts again from [`RESTART_FIRST`].
+const RESTART_MAX: Duration = Duration::from_secs(30);
 
 /// Why the relay is stopped, while it is: `/healthz` answers 503 with it.
 #[derive(Debug, Clone)]
@@ -402,7 +403,7 @@ async fn keep_consuming(
         metrics::gauge!("shop_consumer_running", "event" => event).set(if yes { 1.0 } else { 0.0 });
     };
     running(true);
-    let mut delay = RELAY_RESTART_FIRST;
+    let mut delay = RESTART_FIRST;
     loop {
         let started = Instant::now();
         let ended = consumer.consume(on_message.clone(), stop.clone()).await;
@@ -414,8 +415,8 @@ async fn keep_consuming(
             Ok(()) => warn!(event, "consumer ended; opening another"),
             Err(e) => warn!(event, error = %e, "consumer failed; opening another"),
         }
-        if started.elapsed() >= RELAY_RESTART_MAX {
-            delay = RELAY_RESTART_FIRST;
+        if started.elapsed() >= RESTART_MAX {
+            delay = RESTART_FIRST;
         }
         consumer = loop {
             tokio::select! {
@@ -428,7 +429,7 @@ async fn keep_consuming(
                 // Opening may hang on a broker that does not answer.
                 _ = stop.wait_for(|stop| *stop) => return,
             };
-            delay = delay.saturating_mul(2).min(RELAY_RESTART_MAX);
+            delay = delay.saturating_mul(2).min(RESTART_MAX);
             match opened {
                 Ok(consumer) => break consumer,
                 Err(e) => {
@@ -454,7 +455,7 @@ async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayS
         *status.lock().unwrap_or_else(|e| e.into_inner()) = now;
     };
     set(None);
-    let mut delay = RELAY_RESTART_FIRST;
+    let mut delay = RESTART_FIRST;
     let mut restarted = false;
     loop {
         let started = Instant::now();
@@ -463,10 +464,10 @@ async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayS
         };
         // A relay that ran a while starts over from the first delay; one
         // that stopped again soon after a restart waits longer each time.
-        delay = if started.elapsed() >= RELAY_RESTART_MAX {
-            RELAY_RESTART_FIRST
+        delay = if started.elapsed() >= RESTART_MAX {
+            RESTART_FIRST
         } else if restarted {
-            delay.saturating_mul(2).min(RELAY_RESTART_MAX)
+            delay.saturating_mul(2).min(RESTART_MAX)
         } else {
             delay
         };
@@ -491,7 +492,7 @@ async fn supervise(relay: Relay, mut stop: watch::Receiver<bool>, status: RelayS
             match relay.round().await {
                 Err(e) if e.is_fatal() => {
                     error = with_causes(&e);
-                    delay = delay.saturating_mul(2).min(RELAY_RESTART_MAX);
+                    delay = delay.saturating_mul(2).min(RESTART_MAX);
                 }
                 // Published, or a failure `run` waits out itself.
                 _ => break,
