@@ -25,6 +25,10 @@ const MAX_STEP_WAIT: Duration = Duration::from_secs(2);
 /// The longest step name, in bytes.
 pub const MAX_STEP_NAME: usize = 64;
 
+/// The status a step's record is completed with when the step was found
+/// forgotten ([`StepError::Forgotten`]): every later run is refused too.
+const FORGOTTEN: u16 = 410;
+
 /// A claimed run: its operation id, its fencing token, and its steps.
 ///
 /// Made by [`Runner`](crate::Runner) for the work it runs, or by an edge
@@ -40,6 +44,11 @@ pub struct Operation<'s, S: ?Sized> {
     deadline: Instant,
     in_transaction: bool,
     names: Mutex<Vec<String>>,
+    /// In a run that took over: when the record of the last step decided
+    /// (or the run's own record) was made, at the latest, on the store's
+    /// clock. A step not run yet would have its record made no earlier;
+    /// `None` until first needed.
+    made_since: Mutex<Option<UnixMillis>>,
 }
 
 /// Why a step gave no output.
@@ -82,6 +91,20 @@ pub enum StepError<E> {
     /// holder finish.
     #[error("the operation's lease ran out; another caller may hold it now")]
     LeaseLost,
+    /// The run was taken over after outliving its retention (retried for
+    /// longer than records are kept), and this step has no record: it may
+    /// have run on an earlier attempt and its record expired since, so it
+    /// is not called. Nothing ran, and every later run of the operation
+    /// gets this too. Check the system the step calls (under the step's
+    /// key, [`step_key`]) and finish the work by hand, or start it over
+    /// under a new run key.
+    #[error("step #{index} {name:?} may have run on an earlier attempt whose record has expired (the run outlived its retention): not called again")]
+    Forgotten {
+        /// The step's position (from 0).
+        index: usize,
+        /// The step's name.
+        name: String,
+    },
     /// The store failed; the step's output (if it ran) was not stored.
     #[error("the store failed during the step")]
     Store(#[source] StoreError),
@@ -103,6 +126,7 @@ impl<E> StepError<E> {
             StepError::InFlight { retry_after } => StepError::InFlight { retry_after },
             StepError::InsideTransaction => StepError::InsideTransaction,
             StepError::LeaseLost => StepError::LeaseLost,
+            StepError::Forgotten { index, name } => StepError::Forgotten { index, name },
             StepError::Store(e) => StepError::Store(e),
             StepError::Codec(e) => StepError::Codec(e),
         })
@@ -203,6 +227,7 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             deadline: claimed_at + policy.lease(),
             in_transaction: false,
             names: Mutex::new(Vec::new()),
+            made_since: Mutex::new(None),
         }
     }
 
@@ -422,6 +447,9 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             };
             let record = match self.store.claim(&request).await {
                 Ok(ClaimOutcome::Acquired(claim)) => {
+                    if self.claim.takeover {
+                        self.check_remembered(&claim, &request, name, index).await?;
+                    }
                     debug!(
                         step = name,
                         index,
@@ -440,7 +468,14 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             };
             let now = UnixMillis::now();
             match self.existing_step(&record, &request.fingerprint, now) {
+                Existing::Done(stored) if stored.status == FORGOTTEN => {
+                    return Err(StepError::Forgotten {
+                        index,
+                        name: name.to_owned(),
+                    });
+                }
                 Existing::Done(stored) => {
+                    self.made(record.created_at);
                     debug!(
                         step = name,
                         index, "step done on an earlier run; its output replayed"
@@ -481,6 +516,101 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
+        }
+    }
+
+    /// Notes that the record of the step just decided was made at `at`.
+    fn made(&self, at: UnixMillis) {
+        if self.claim.takeover {
+            *self.made_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);
+        }
+    }
+
+    /// In a run that took over, `claim` is a step's, just acquired. Its
+    /// record is only trusted to mean the step never completed if it was
+    /// made while no earlier record of the step could have expired: less
+    /// than a retention after the record of the step before it (or the
+    /// run's, for the first) was made, since a step's record is made no
+    /// earlier than that and kept a retention at least. Otherwise the step
+    /// is refused for good: its record is completed as forgotten (and were
+    /// that to fail, the next run finds the same record, made as late).
+    async fn check_remembered<E>(
+        &self,
+        claim: &Claim,
+        request: &ClaimRequest,
+        name: &str,
+        index: usize,
+    ) -> Result<(), StepError<E>> {
+        let made = if claim.takeover {
+            match self.store.get(&request.scope, &request.key).await {
+                Ok(Some(step)) => step.created_at,
+                Ok(None) => {
+                    self.release_claim(claim, name).await;
+                    return Err(StepError::LeaseLost);
+                }
+                Err(e) => {
+                    self.release_claim(claim, name).await;
+                    return Err(StepError::Store(e));
+                }
+            }
+        } else {
+            // Made just now: the store's clock as it made the claim.
+            UnixMillis(
+                claim
+                    .locked_until
+                    .0
+                    .saturating_sub(i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX)),
+            )
+        };
+        let since = *self.made_since.lock().unwrap_or_else(|e| e.into_inner());
+        let since = match since {
+            Some(at) => at,
+            None => match self.store.get(&self.claim.scope, &self.claim.key).await {
+                Ok(Some(run)) if run.operation_id == self.claim.operation_id => run.created_at,
+                Ok(_) => {
+                    // The run's record expired or was made anew: this run
+                    // no longer holds it.
+                    self.release_claim(claim, name).await;
+                    return Err(StepError::LeaseLost);
+                }
+                Err(e) => {
+                    self.release_claim(claim, name).await;
+                    return Err(StepError::Store(e));
+                }
+            },
+        };
+        if made < since.plus(self.retention) {
+            self.made(made);
+            return Ok(());
+        }
+        warn!(
+            step = name,
+            index,
+            operation_id = %self.claim.operation_id,
+            "step has no record in a run that outlived its retention: it may have run before; refused"
+        );
+        let forgotten = StoredResponse {
+            status: FORGOTTEN,
+            headers: vec![(STEP_NAME_HEADER.into(), name.as_bytes().to_vec())],
+            body: bytes::Bytes::from_static(
+                b"{\"forgotten\":\"the run outlived its retention; this step may have run before\"}",
+            ),
+        };
+        if let Err(e) =
+            crate::run::complete_retrying(self.store, claim, &forgotten, self.deadline).await
+        {
+            warn!(error = %e, step = name, "the forgotten step's record could not be completed; it frees with the operation's lease");
+        }
+        Err(StepError::Forgotten {
+            index,
+            name: name.to_owned(),
+        })
+    }
+
+    /// Releases a step's claim, warning if that fails.
+    async fn release_claim(&self, claim: &Claim, name: &str) {
+        if let Err(e) = self.store.release(claim).await {
+            warn!(error = %e, step = name, "step release failed; it frees with the operation's lease");
         }
     }
 
@@ -529,9 +659,7 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
     /// Releases `step` unfinished: the next run calls it again (under the
     /// same step key).
     pub async fn release_step(&self, step: &Step) {
-        if let Err(e) = self.store.release(&step.claim).await {
-            warn!(error = %e, step = %step.name, "step release failed; it frees with the operation's lease");
-        }
+        self.release_claim(&step.claim, &step.name).await;
     }
 }
 

@@ -318,7 +318,121 @@ macro_rules! run_suite {
                 .await;
             assert_eq!(third.unwrap(), Outcome::Fresh(3));
         }
+
+        /// A run retried for longer than its retention (each takeover
+        /// keeps the run's record a retention more) outlives the records of
+        /// the steps it did first. A step found without a record then may
+        /// have run: it is refused, not called a second time, and stays
+        /// refused on every later run.
+        #[tokio::test]
+        async fn a_step_whose_record_expired_in_a_run_kept_past_its_retention_is_refused() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, step_retention());
+            let charges = AtomicU32::new(0);
+            let refusals = Mutex::new(Vec::new());
+            let hang = std::sync::atomic::AtomicBool::new(true);
+            let work = async |op: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                let charged = op
+                    .step("charge", async |_| -> Result<u8, String> {
+                        charges.fetch_add(1, Ordering::SeqCst);
+                        Ok(1)
+                    })
+                    .await;
+                let charged = match charged {
+                    Err(StepError::Forgotten { index, name }) => {
+                        refusals.lock().unwrap().push((index, name));
+                        // Released: the next run comes back to the step.
+                        return Err(Failure::Retry("forgotten".to_owned()));
+                    }
+                    other => other.map_err(|e| e.to_string())?,
+                };
+                if hang.load(Ordering::SeqCst) {
+                    // Crashes after the step: the run's record stays in
+                    // progress until its lease ends.
+                    std::future::pending::<()>().await;
+                }
+                Ok(charged)
+            };
+            let start = std::time::Instant::now();
+            // The first attempt charges, then dies.
+            assert!(tokio::time::timeout(Duration::from_millis(100), runner.run("t", "k", &1, work)).await.is_err());
+            // Half a retention later a second takes over (keeping the
+            // run's record until 1.5 retentions), finds the charge done, and
+            // dies too.
+            tokio::time::sleep(STEP_RETENTION / 2 - start.elapsed()).await;
+            assert!(tokio::time::timeout(Duration::from_millis(300), runner.run("t", "k", &1, work)).await.is_err());
+            assert_eq!(charges.load(Ordering::SeqCst), 1);
+            // Past the charge's retention the run's record is still there,
+            // the charge's is not.
+            tokio::time::sleep((STEP_RETENTION + STEP_RETENTION / 10).saturating_sub(start.elapsed())).await;
+            hang.store(false, Ordering::SeqCst);
+            let third = runner.run("t", "k", &1, work).await;
+            assert!(matches!(third, Err(RunError::Failed(ref error)) if error == "forgotten"), "{third:?}");
+            assert!(start.elapsed() < STEP_RETENTION * 3 / 2, "the run's record expired before the test could look");
+            // And on every run after.
+            let fourth = runner.run("t", "k", &1, work).await;
+            assert!(matches!(fourth, Err(RunError::Failed(ref error)) if error == "forgotten"), "{fourth:?}");
+            assert_eq!(charges.load(Ordering::SeqCst), 1, "the charge ran a second time");
+            assert_eq!(*refusals.lock().unwrap(), [(0, "charge".to_owned()), (0, "charge".to_owned())]);
+        }
+
+        /// In a run kept past its retention, a step whose record is absent
+        /// is still run when the step before it was made less than a
+        /// retention ago: had it run, its record would be there.
+        #[tokio::test]
+        async fn a_run_kept_past_its_retention_runs_the_steps_it_never_reached() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, step_retention());
+            let calls = Mutex::new(Vec::new());
+            // 0: hangs before any step; 1: runs `a`, hangs; 2: finishes.
+            let attempt = AtomicU32::new(0);
+            let work = async |op: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                let n = attempt.fetch_add(1, Ordering::SeqCst);
+                if n == 0 {
+                    std::future::pending::<()>().await;
+                }
+                let a = op
+                    .step("a", async |_| -> Result<u8, String> {
+                        calls.lock().unwrap().push("a");
+                        Ok(1)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if n == 1 {
+                    std::future::pending::<()>().await;
+                }
+                let b = op
+                    .step("b", async |_| -> Result<u8, String> {
+                        calls.lock().unwrap().push("b");
+                        Ok(2)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(a + b)
+            };
+            let start = std::time::Instant::now();
+            assert!(tokio::time::timeout(Duration::from_millis(100), runner.run("t", "k", &1, work)).await.is_err());
+            tokio::time::sleep(STEP_RETENTION / 2 - start.elapsed()).await;
+            assert!(tokio::time::timeout(Duration::from_millis(300), runner.run("t", "k", &1, work)).await.is_err());
+            tokio::time::sleep((STEP_RETENTION + STEP_RETENTION / 10).saturating_sub(start.elapsed())).await;
+            let out = runner.run("t", "k", &1, work).await.unwrap();
+            assert!(start.elapsed() < STEP_RETENTION * 3 / 2, "the run's record expired before the test could look");
+            assert_eq!(out, Outcome::Fresh(3));
+            assert_eq!(*calls.lock().unwrap(), ["a", "b"]);
+        }
     };
+}
+
+/// The retention of the tests of runs kept past it: long enough that each
+/// attempt lands in its window on a busy machine.
+const STEP_RETENTION: Duration = Duration::from_secs(4);
+
+fn step_retention() -> Policy {
+    Policy::builder()
+        .lease(Duration::from_millis(200))
+        .retention(STEP_RETENTION)
+        .build()
+        .unwrap()
 }
 
 /// Cases for a store whose records live in a SQL database: the
