@@ -50,6 +50,13 @@ pub(crate) fn identify(config: &Config, parts: &Parts) -> Identified {
         return Identified::PassThrough;
     }
     let scope = match config.scope.scope(parts) {
+        Ok(scope) if scope.len() > idem_core::MAX_SCOPE_LEN => {
+            return Identified::Refused(crate::scope_missing(format!(
+                "the request's scope is {} bytes long; at most {} are kept",
+                scope.len(),
+                idem_core::MAX_SCOPE_LEN
+            )))
+        }
         Ok(scope) => scope,
         Err(refusal) => return Identified::Refused(refusal),
     };

@@ -91,7 +91,8 @@ impl ScopeExtractor for SingleScope {
 ///
 /// A request without the header, with it twice, or with an empty or
 /// non-visible-ASCII value, is refused with `401` problem+json
-/// (`scope-missing`).
+/// (`scope-missing`); so is any request whose scope, from any extractor,
+/// is longer than [`MAX_SCOPE_LEN`](idem_core::MAX_SCOPE_LEN) bytes.
 ///
 /// ```
 /// use idem_axum::{HeaderScope, ScopeExtractor};

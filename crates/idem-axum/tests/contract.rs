@@ -598,6 +598,40 @@ async fn requests_without_a_scope_are_refused_by_the_scope_extractor() {
     assert!(h.store.is_empty());
 }
 
+/// A scope longer than every store keeps is refused as no scope, before any
+/// claim (a store would fail on it every time, a 503 for ever); one of the
+/// longest length is guarded as any other.
+#[tokio::test]
+async fn a_scope_longer_than_the_stores_keep_is_refused() {
+    let h = harness(Policy::default());
+    let scoped = |scope: &str| {
+        Request::post("/things")
+            .header("x-client", scope)
+            .header("content-type", "application/json")
+            .header("idempotency-key", "k")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let (status, headers, body) =
+        send(&h.app, scoped(&"c".repeat(idem_core::MAX_SCOPE_LEN + 1))).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(headers["content-type"], "application/problem+json");
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(
+        problem["type"].as_str().unwrap().ends_with("scope-missing"),
+        "{problem}"
+    );
+    assert!(
+        problem["detail"].as_str().unwrap().contains("1025 bytes"),
+        "{problem}"
+    );
+    assert!(h.store.is_empty());
+    assert_eq!(h.runs.get(), 0);
+    let (status, _, _) = send(&h.app, scoped(&"c".repeat(idem_core::MAX_SCOPE_LEN))).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(h.runs.get(), 1);
+}
+
 /// A body whose sender waits for `100 Continue`: polling it would hang.
 struct AwaitingContinue;
 

@@ -9,6 +9,14 @@ use std::fmt;
 /// The longest key accepted, in characters.
 pub const MAX_KEY_LEN: usize = 255;
 
+/// The longest scope accepted, in bytes: what every store keeps beside a
+/// key of [`MAX_KEY_LEN`] (MySQL's column holds 2,048 bytes; PostgreSQL's
+/// index entry, scope and key together, about 2,700). The edges refuse a
+/// request whose scope is longer (`401 scope-missing`, gRPC
+/// `UNAUTHENTICATED`), and runs a longer scope, rather than have the store
+/// fail on it every time.
+pub const MAX_SCOPE_LEN: usize = 1024;
+
 /// The name of the header that carries the key (RFC 9110 names are
 /// case-insensitive; this is the lower-case spelling HTTP/2 requires).
 pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";

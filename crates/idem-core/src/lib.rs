@@ -41,6 +41,7 @@ pub use decision::{
 pub use fingerprint::Fingerprint;
 pub use key::{
     single_visible_value, IdempotencyKey, KeyError, IDEMPOTENCY_KEY_HEADER, MAX_KEY_LEN,
+    MAX_SCOPE_LEN,
 };
 pub use ops::{Inspection, StoreStats};
 pub use policy::{Policy, PolicyBuilder, PolicyError, DEFAULT_STORE_TIMEOUT};

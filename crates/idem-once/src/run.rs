@@ -73,7 +73,8 @@ impl<E> From<E> for Failure<E> {
 #[non_exhaustive]
 pub enum RunError<E> {
     /// The key is not 1 to 255 visible ASCII characters, or the scope is
-    /// empty. Nothing was stored.
+    /// empty or longer than [`MAX_SCOPE_LEN`](idem_core::MAX_SCOPE_LEN)
+    /// bytes. Nothing was stored.
     #[error("invalid run key: {0}")]
     InvalidKey(&'static str),
     /// The input does not serialize (to be fingerprinted). Nothing ran.
@@ -491,16 +492,22 @@ pub fn fingerprint<I: Serialize + ?Sized>(input: &I) -> Result<Fingerprint, serd
 ///
 /// Run keys follow the `Idempotency-Key` header's rules: 1 to 255 visible
 /// ASCII characters (so no key a run makes for its steps, which hold
-/// spaces, can collide with one); the scope is not empty.
+/// spaces, can collide with one); the scope is 1 to
+/// [`MAX_SCOPE_LEN`](idem_core::MAX_SCOPE_LEN) bytes.
 ///
 /// ```
 /// assert!(idem_once::check_run_key("jobs", "nightly-2026-12-01").is_ok());
 /// assert!(idem_once::check_run_key("jobs", "two words").is_err());
 /// assert!(idem_once::check_run_key("", "k").is_err());
+/// assert!(idem_once::check_run_key(&"j".repeat(1024), "k").is_ok());
+/// assert!(idem_once::check_run_key(&"j".repeat(1025), "k").is_err());
 /// ```
 pub fn check_run_key(scope: &str, key: &str) -> Result<(), &'static str> {
     if scope.is_empty() {
         return Err("the scope is empty");
+    }
+    if scope.len() > idem_core::MAX_SCOPE_LEN {
+        return Err("the scope is longer than 1024 bytes");
     }
     if key.is_empty()
         || key.len() > idem_core::MAX_KEY_LEN

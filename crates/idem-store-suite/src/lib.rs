@@ -54,6 +54,7 @@ macro_rules! store_suite {
             a_takeover_keeps_the_record_another_retention,
             expired_records_vanish_by_themselves,
             scopes_are_isolated,
+            the_longest_scope_and_key_are_kept,
             responses_round_trip,
             get_missing_is_none
         );
@@ -73,6 +74,7 @@ macro_rules! store_suite {
             a_takeover_keeps_the_record_another_retention,
             sweep_removes_only_expired_in_batches,
             scopes_are_isolated,
+            the_longest_scope_and_key_are_kept,
             responses_round_trip,
             get_missing_is_none
         );
@@ -247,6 +249,30 @@ pub async fn scopes_are_isolated<S: Store>(store: S) {
         store.get("tenant-b", "same").await.unwrap().unwrap().state,
         RecordState::InProgress { .. }
     ));
+}
+
+/// A scope of [`MAX_SCOPE_LEN`](idem_core::MAX_SCOPE_LEN) bytes (multi-byte
+/// characters among them) beside a key of
+/// [`MAX_KEY_LEN`](idem_core::MAX_KEY_LEN): claimed, completed, read back,
+/// told apart from the scope one byte shorter.
+pub async fn the_longest_scope_and_key_are_kept<S: Store>(store: S) {
+    let mut scope = "é".repeat(idem_core::MAX_SCOPE_LEN / 4);
+    scope.push_str(&"s".repeat(idem_core::MAX_SCOPE_LEN - scope.len()));
+    assert_eq!(scope.len(), idem_core::MAX_SCOPE_LEN);
+    let shorter = &scope[..scope.len() - 1];
+    let key = "k".repeat(idem_core::MAX_KEY_LEN);
+    let long = request(&scope, &key, "{}", LONG, Duration::from_secs(3600));
+    let claim = acquired(store.claim(&long).await.unwrap());
+    store.complete(&claim, &response("long")).await.unwrap();
+    let record = store.get(&scope, &key).await.unwrap().unwrap();
+    assert_eq!(
+        (record.scope.as_str(), record.key.as_str()),
+        (scope.as_str(), key.as_str())
+    );
+    assert!(matches!(record.state, RecordState::Completed { .. }));
+    assert_eq!(store.get(shorter, &key).await.unwrap(), None);
+    let other = request(shorter, &key, "{}", LONG, Duration::from_secs(3600));
+    acquired(store.claim(&other).await.unwrap());
 }
 
 /// Statuses, binary header values and bodies come back exactly.

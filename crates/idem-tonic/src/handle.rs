@@ -122,6 +122,13 @@ where
         String::new()
     } else {
         match config.scope.scope(&parts) {
+            Ok(scope) if scope.len() > idem_core::MAX_SCOPE_LEN => {
+                return Ok(answer::refuse(tonic::Status::unauthenticated(format!(
+                    "the call's scope is {} bytes long; at most {} are kept",
+                    scope.len(),
+                    idem_core::MAX_SCOPE_LEN
+                ))))
+            }
             Ok(scope) => scope,
             Err(status) => return Ok(answer::refuse(status)),
         }

@@ -364,6 +364,34 @@ async fn keys_are_required_checked_and_other_methods_pass_through() {
     assert_eq!(ledger.runs("bal").len(), 2);
 }
 
+/// A scope longer than every store keeps is refused before any claim (a
+/// store would fail on it every time); one of the longest length runs.
+#[tokio::test]
+async fn a_scope_longer_than_the_stores_keep_is_unauthenticated() {
+    let store = memory();
+    let (addr, ledger) = serve(store.clone(), Policy::default()).await;
+    let ch = channel(addr).await;
+    let long = "c".repeat(idem_core::MAX_SCOPE_LEN + 1);
+    let refused = call(ch.clone(), CHARGE, &long, Some("k"), charge("acc", 5))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated);
+    assert!(
+        refused.message().contains("1025 bytes"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(ledger.runs("acc").len(), 0);
+    assert_eq!(store.get(&long, "k").await.unwrap(), None);
+    let longest = "c".repeat(idem_core::MAX_SCOPE_LEN);
+    let ran = call(ch.clone(), CHARGE, &longest, Some("k"), charge("acc", 5))
+        .await
+        .unwrap();
+    assert!(!replayed(&ran));
+    assert_eq!(ledger.runs("acc").len(), 1);
+    assert!(store.get(&longest, "k").await.unwrap().is_some());
+}
+
 #[tokio::test]
 async fn a_call_refused_by_the_check_is_not_stored() {
     let (addr, ledger) = serve(memory(), Policy::default()).await;
