@@ -134,10 +134,16 @@ impl sealed::Sealed for idem_sql::Postgres {}
 #[cfg(feature = "postgres")]
 impl OutboxDialect for idem_sql::Postgres {
     const OUTBOX: OutboxSql = OutboxSql {
-        migrations: &[Migration {
-            version: 1,
-            sql: include_str!("../migrations/postgres/outbox_0001.sql"),
-        }],
+        migrations: &[
+            Migration {
+                version: 1,
+                sql: include_str!("../migrations/postgres/outbox_0001.sql"),
+            },
+            Migration {
+                version: 2,
+                sql: include_str!("../migrations/postgres/outbox_0002.sql"),
+            },
+        ],
         enqueue: "INSERT INTO {table} (message_id, destination, ordering_key, payload, headers)
                   VALUES ($1, $2, $3, $4, $5)",
         notify: Some("SELECT pg_notify('idem_outbox', '')"),
@@ -159,7 +165,7 @@ impl OutboxDialect for idem_sql::Postgres {
         sweep_sent: "DELETE FROM {table} WHERE seq IN (
                          SELECT seq FROM {table}
                          WHERE state = 'sent' AND sent_at < now() - $1 * interval '1 millisecond'
-                         ORDER BY seq LIMIT $2)",
+                         ORDER BY sent_at LIMIT $2)",
         stats: "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
                        count(*) FILTER (WHERE state = 'sent') AS sent,
                        count(*) FILTER (WHERE state = 'dead') AS dead FROM {table}",
@@ -197,6 +203,10 @@ impl OutboxDialect for idem_sql::Sqlite {
                 version: 2,
                 sql: include_str!("../migrations/sqlite/outbox_0002.sql"),
             },
+            Migration {
+                version: 3,
+                sql: include_str!("../migrations/sqlite/outbox_0003.sql"),
+            },
         ],
         enqueue: millis::ENQUEUE,
         notify: None,
@@ -207,7 +217,7 @@ impl OutboxDialect for idem_sql::Sqlite {
         mark_sent: millis::MARK_SENT,
         sweep_sent: "DELETE FROM {table} WHERE seq IN (
                          SELECT seq FROM {table} WHERE state = 'sent' AND sent_at < {now} - $1
-                         ORDER BY seq LIMIT $2)",
+                         ORDER BY sent_at LIMIT $2)",
         stats: "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
                        count(*) FILTER (WHERE state = 'sent') AS sent,
                        count(*) FILTER (WHERE state = 'dead') AS dead FROM {table}",
@@ -231,10 +241,16 @@ impl sealed::Sealed for idem_sql::MySql {}
 #[cfg(feature = "mysql")]
 impl OutboxDialect for idem_sql::MySql {
     const OUTBOX: OutboxSql = OutboxSql {
-        migrations: &[Migration {
-            version: 1,
-            sql: include_str!("../migrations/mysql/outbox_0001.sql"),
-        }],
+        migrations: &[
+            Migration {
+                version: 1,
+                sql: include_str!("../migrations/mysql/outbox_0001.sql"),
+            },
+            Migration {
+                version: 2,
+                sql: include_str!("../migrations/mysql/outbox_0002.sql"),
+            },
+        ],
         enqueue: millis::ENQUEUE,
         notify: None,
         claimable: millis::CLAIMABLE,
@@ -243,7 +259,7 @@ impl OutboxDialect for idem_sql::MySql {
         mark_failed: millis::MARK_FAILED,
         mark_sent: millis::MARK_SENT,
         sweep_sent: "DELETE FROM {table} WHERE state = 'sent' AND sent_at < {now} - $1
-                     ORDER BY seq LIMIT $2",
+                     ORDER BY sent_at LIMIT $2",
         stats: "SELECT CAST(COALESCE(SUM(state = 'pending'), 0) AS SIGNED) AS pending,
                        CAST(COALESCE(SUM(state = 'sent'), 0) AS SIGNED) AS sent,
                        CAST(COALESCE(SUM(state = 'dead'), 0) AS SIGNED) AS dead FROM {table}",
@@ -305,6 +321,7 @@ mod tests {
             ("lease", sql.lease),
             ("lag", sql.lag),
             ("mark_sent", sql.mark_sent),
+            ("sweep_sent", sql.sweep_sent),
         ] {
             let plan = plan(&pool, template).await;
             assert!(
@@ -320,6 +337,129 @@ mod tests {
             claimable.contains("idem_outbox_ordering (ordering_key=? AND seq<?)"),
             "{claimable}"
         );
+        // The sweep reads only the rows sent before its cut-off, in order.
+        let sweep = plan(&pool, sql.sweep_sent).await;
+        assert!(
+            sweep.contains("idem_outbox_sent (state=? AND sent_at<?)"),
+            "{sweep}"
+        );
+        pool.close().await;
+    }
+}
+
+/// The sweep on the servers: by the index of sent rows, never a walk of
+/// every sent row kept (which, once a tick, cost what the table holds when
+/// nothing was due yet); and MySQL's migration of that index runs again
+/// after a cut before its version row was written.
+#[cfg(all(test, feature = "postgres", feature = "mysql"))]
+#[allow(clippy::unwrap_used)]
+mod server_tests {
+    use idem_sql::dialect::Statement;
+    use idem_sql::{Dialect, TableName};
+    use idem_test_support::mysql::TestDatabase;
+    use idem_test_support::postgres::TestSchema;
+    use sqlx::Row;
+
+    use super::OutboxDialect;
+
+    fn sweep<D: OutboxDialect>() -> String {
+        let table = TableName::new(None, "idem_outbox").unwrap();
+        Statement::<D>::prepare(D::OUTBOX.sweep_sent, &table)
+            .unwrap()
+            .sql()
+            .to_owned()
+    }
+
+    #[tokio::test]
+    async fn the_sweep_on_postgres_reads_the_sent_index() {
+        let schema = TestSchema::create("idem_outbox_plan").await;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&schema.url())
+            .await
+            .unwrap();
+        crate::outbox::migrate(&pool).await.unwrap();
+        let mut conn = pool.acquire().await.unwrap();
+        // An empty table is read whole whatever its indexes: the planner
+        // is told to prefer them, as it does once the table is large.
+        sqlx::query("SET enable_seqscan = off")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let plan: Vec<String> =
+            sqlx::query_scalar(&format!("EXPLAIN {}", sweep::<idem_sql::Postgres>()))
+                .bind(1000_i64)
+                .bind(500_i64)
+                .fetch_all(&mut *conn)
+                .await
+                .unwrap();
+        let plan = plan.join("\n");
+        assert!(plan.contains("idem_outbox_sent"), "{plan}");
+        assert!(!plan.contains("Sort"), "{plan}");
+        drop(conn);
+        pool.close().await;
+    }
+
+    #[tokio::test]
+    async fn the_sweep_on_mysql_reads_the_sent_index_and_its_migration_runs_again() {
+        let db = TestDatabase::create("idem_outbox_plan").await;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect(&db.url())
+            .await
+            .unwrap();
+        crate::outbox::migrate(&pool).await.unwrap();
+        // Rows sent a moment ago (none due), as a busy outbox holds; the
+        // statistics then tell the plans apart.
+        for batch in 0..20 {
+            let values: Vec<String> = (0..200)
+                .map(|n| {
+                    format!(
+                        "('m-{batch}-{n}', 'd', x'7b7d', x'', 'sent', 0, {now}, {now})",
+                        now = idem_sql::MySql::NOW_MILLIS
+                    )
+                })
+                .collect();
+            sqlx::query(&format!(
+                "INSERT INTO idem_outbox (message_id, destination, payload, headers, state, \
+                 next_attempt_at, created_at, sent_at) VALUES {}",
+                values.join(", ")
+            ))
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+        sqlx::query("ANALYZE TABLE idem_outbox")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let rows = sqlx::query(&format!("EXPLAIN {}", sweep::<idem_sql::MySql>()))
+            .bind(1000_i64)
+            .bind(500_i64)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        let keys: Vec<Option<String>> = rows
+            .iter()
+            .map(|r| r.try_get::<Option<String>, _>("key").unwrap())
+            .collect();
+        assert_eq!(keys, [Some("idem_outbox_sent".to_owned())]);
+        // Cut off after the index, before its version row: the next run
+        // finds the index there and records the version.
+        sqlx::query(
+            "DELETE FROM idem_schema_migrations WHERE table_name = 'idem_outbox' AND version = 2",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        crate::outbox::migrate(&pool).await.unwrap();
+        let versions: Vec<i64> = sqlx::query_scalar(
+            "SELECT version FROM idem_schema_migrations WHERE table_name = 'idem_outbox' ORDER BY version",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert_eq!(versions, [1, 2]);
         pool.close().await;
     }
 }

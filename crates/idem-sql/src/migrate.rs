@@ -15,7 +15,9 @@
 //! row that records it, so it is applied once or not at all. MySQL commits
 //! each DDL statement by itself: a migration interrupted there runs again
 //! next time, so idem's MySQL migrations are written to be re-run
-//! (`CREATE TABLE IF NOT EXISTS`, indexes inside it).
+//! (`CREATE TABLE IF NOT EXISTS`, indexes inside it), and a later one that
+//! adds an index holds that one `CREATE INDEX`, whose duplicate-name error
+//! on a re-run counts as applied (MySQL 8 has no `IF NOT EXISTS` there).
 
 use sha2::{Digest, Sha256};
 
@@ -200,7 +202,11 @@ pub(crate) async fn apply<D: Dialect>(
             None => {
                 let script =
                     Statement::<D>::prepare(m.sql, table).map_err(|e| misconfigured(table, e))?;
-                D::run_script(conn, script.sql()).await.map_err(&db)?;
+                match D::run_script(conn, script.sql()).await {
+                    Ok(()) => {}
+                    Err(e) if D::already_applied(&e) => {}
+                    Err(e) => return Err(db(e)),
+                }
                 let args = [Arg::Text(name), Arg::Int(m.version), Arg::Text(&now)];
                 D::execute(conn, &sql.record, &args).await.map_err(&db)?;
             }

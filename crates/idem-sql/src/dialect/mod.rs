@@ -173,6 +173,15 @@ pub trait Dialect:
     /// What `e` means for the caller.
     fn classify(e: &sqlx::Error) -> ErrorClass;
 
+    /// Whether `e`, from a migration run again after it was cut off
+    /// between its change and the row that records it (possible where DDL
+    /// commits by itself: MySQL), says the change is already made. Only a
+    /// migration of that one change may count on it.
+    fn already_applied(e: &sqlx::Error) -> bool {
+        let _ = e;
+        false
+    }
+
     /// The pool that the writers of `pool`'s database in this process take
     /// their connection from: `pool` itself, but on SQLite (one writer at a
     /// time) a pool of one connection of its own to the same file, with

@@ -119,6 +119,16 @@ impl Dialect for MySql {
         }
     }
 
+    /// 1061, a duplicate index name: a migration of one `CREATE INDEX`
+    /// that ran before.
+    fn already_applied(e: &sqlx::Error) -> bool {
+        let sqlx::Error::Database(d) = e else {
+            return false;
+        };
+        d.try_downcast_ref::<MySqlDatabaseError>()
+            .is_some_and(|my| my.number() == 1061)
+    }
+
     /// Under READ COMMITTED: a statement after a lock wait reads what
     /// committed meanwhile, not InnoDB's default REPEATABLE READ snapshot
     /// taken before it.
