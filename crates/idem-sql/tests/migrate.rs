@@ -334,6 +334,62 @@ async fn mysql_applies_each_step_once_even_when_runners_race() {
     pool.close().await;
 }
 
+/// MySQL: a runner stopped while it holds the migration lock (its future
+/// dropped, as a start-up time-out drops it) lets the lock go with its
+/// connection. The pool used to get that connection back still holding the
+/// lock, and every later runner waited a minute for it and failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_a_runner_stopped_midway_leaves_no_lock_behind() {
+    use sqlx::Connection as _;
+    let home = TestDatabase::create("idem_migrate_stop").await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect(&home.url())
+        .await
+        .unwrap();
+    let t = table(Some(home.name()), "stopped");
+    let steps: &'static [Migration] = &[Migration {
+        version: 1,
+        sql: "CREATE TABLE IF NOT EXISTS {table} (id VARCHAR(10) PRIMARY KEY)",
+    }];
+    migrate::<MySql>(&pool, &t, &[]).await.unwrap();
+    // Another session holds the version table: the runner waits on it
+    // while it holds the lock, and is stopped there.
+    let mut blocker = sqlx::MySqlConnection::connect(&home.url()).await.unwrap();
+    sqlx::query("LOCK TABLES idem_schema_migrations WRITE")
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+    let lock = format!("idem-migrate:{}", home.name());
+    let stopped = tokio::time::timeout(
+        std::time::Duration::from_millis(500),
+        migrate::<MySql>(&pool, &t, steps),
+    )
+    .await;
+    assert!(stopped.is_err(), "the runner was not held: {stopped:?}");
+    sqlx::query("UNLOCK TABLES")
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let holder: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?)")
+            .bind(&lock)
+            .fetch_one(&mut blocker)
+            .await
+            .unwrap();
+        let Some(holder) = holder else { break };
+        assert!(
+            std::time::Instant::now() < deadline,
+            "connection {holder} still holds {lock:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    migrate::<MySql>(&pool, &t, steps).await.unwrap();
+    blocker.close().await.unwrap();
+    pool.close().await;
+}
+
 /// What each database's errors mean: a missing table, an unknown column
 /// (fatal: never retried forever), a unique violation, a deadlock (retry
 /// the transaction), an unreachable server.

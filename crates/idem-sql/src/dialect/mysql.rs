@@ -3,6 +3,7 @@
 use std::borrow::Cow;
 
 use idem_core::BoxFuture;
+use sha2::Digest as _;
 use sqlx::mysql::MySqlDatabaseError;
 
 use super::{binder, dialect_io, sealed, Dialect, ErrorClass};
@@ -73,6 +74,20 @@ async fn create_database(
 
 /// How long a migration waits for another runner's lock, in seconds.
 const MIGRATION_LOCK_SECS: i64 = 60;
+
+/// The name of the migration lock of database `schema` (the connection's
+/// own when `None`): at most the 64 characters MySQL 8 allows a lock name
+/// (MariaDB has no limit). A name that would be longer holds a hash of the
+/// database's name instead.
+fn lock_name(schema: Option<&str>) -> String {
+    let plain = format!("idem-migrate:{}", schema.unwrap_or(""));
+    if plain.chars().count() <= 64 {
+        return plain;
+    }
+    let digest = sha2::Sha256::digest(schema.unwrap_or("").as_bytes());
+    let hex: String = digest[..20].iter().map(|b| format!("{b:02x}")).collect();
+    format!("idem-migrate:{hex}")
+}
 
 impl Dialect for MySql {
     type Database = sqlx::MySql;
@@ -160,7 +175,12 @@ impl Dialect for MySql {
             })?;
             let versions = Self::qualify(&versions_table).map_err(&db)?;
             let mut conn = pool.acquire().await.map_err(&db)?;
-            let lock = format!("idem-migrate:{}", table.schema().unwrap_or(""));
+            // The lock is the session's: a runner stopped before it let go
+            // (its future dropped) must not give the pool back a
+            // connection that still holds it, which every later runner
+            // would wait for in vain. Closed instead, the lock goes with it.
+            conn.close_on_drop();
+            let lock = lock_name(table.schema());
             let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
                 .bind(&lock)
                 .bind(MIGRATION_LOCK_SECS)
@@ -205,5 +225,28 @@ impl Dialect for MySql {
 
     fn placeholder(_: usize) -> Cow<'static, str> {
         Cow::Borrowed("?")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lock_name;
+
+    #[test]
+    fn migration_lock_names_fit_mysqls_64_characters() {
+        assert_eq!(lock_name(None), "idem-migrate:");
+        assert_eq!(lock_name(Some("billing")), "idem-migrate:billing");
+        // 51 characters still fit as they are.
+        let fits = "d".repeat(51);
+        assert_eq!(lock_name(Some(&fits)), format!("idem-migrate:{fits}"));
+        // Longer: a hash, the same every time, one per name.
+        let long = "d".repeat(64);
+        let hashed = lock_name(Some(&long));
+        assert_eq!(hashed.chars().count(), 53, "{hashed}");
+        assert_eq!(hashed, lock_name(Some(&long)));
+        assert_ne!(hashed, lock_name(Some(&"e".repeat(64))));
+        // Characters, not bytes, count.
+        let wide = "é".repeat(51);
+        assert_eq!(lock_name(Some(&wide)), format!("idem-migrate:{wide}"));
     }
 }
