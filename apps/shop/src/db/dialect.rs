@@ -124,36 +124,66 @@ impl ShopDialect for idem_sql::Sqlite {
     ) -> BoxFuture<'a, Result<SqlStore<Self>, sqlx::Error>> {
         Box::pin(async move { Ok(store.clone()) })
     }
+    /// In one write transaction (SQLite's DDL is transactional): two
+    /// shops starting at once on one file take turns, and the second finds
+    /// the columns the first added, rather than adding them again and
+    /// failing.
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
         Box::pin(async move {
-            sqlx::Executor::execute(pool, SCHEMA).await?;
-            // A database made before charges named their merchant, or
-            // carried a reference.
-            for (column, ddl) in [
-                (
-                    "client_id",
-                    "ALTER TABLE bank_charges ADD COLUMN client_id TEXT NOT NULL DEFAULT ''",
-                ),
-                (
-                    "reference",
-                    "ALTER TABLE bank_charges ADD COLUMN reference TEXT NOT NULL DEFAULT ''",
-                ),
-            ] {
-                let has: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM pragma_table_info('bank_charges') WHERE name = ?1",
-                )
-                .bind(column)
-                .fetch_one(pool)
-                .await?;
-                if has == 0 {
-                    sqlx::query(ddl).execute(pool).await?;
+            let mut tx = <Self as idem_sql::Dialect>::begin_write(pool).await?;
+            let staged = async {
+                // Before the schema, whose indexes may name the columns.
+                for added in ADDED_COLUMNS {
+                    let missing: bool = sqlx::query_scalar(
+                        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1)
+                            AND NOT EXISTS (SELECT 1 FROM pragma_table_info(?1) WHERE name = ?2)",
+                    )
+                    .bind(added.table)
+                    .bind(added.column)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    if missing {
+                        sqlx::query(&format!(
+                            "ALTER TABLE {} ADD COLUMN {} TEXT NOT NULL DEFAULT ''",
+                            added.table, added.column
+                        ))
+                        .execute(&mut *tx)
+                        .await?;
+                    }
                 }
+                sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
+                sqlx::query(REFERENCE_INDEX).execute(&mut *tx).await?;
+                Ok(())
             }
-            sqlx::query(REFERENCE_INDEX).execute(pool).await?;
-            Ok(())
+            .await;
+            idem_sql::finish(tx, staged).await
         })
     }
 }
+
+/// A column the schema gained after databases were made without it: added
+/// (empty) where it is missing.
+struct AddedColumn {
+    table: &'static str,
+    column: &'static str,
+}
+
+/// Charges that name their merchant and carry a reference; checkouts that
+/// keep their `Idempotency-Key`.
+const ADDED_COLUMNS: [AddedColumn; 3] = [
+    AddedColumn {
+        table: "bank_charges",
+        column: "client_id",
+    },
+    AddedColumn {
+        table: "bank_charges",
+        column: "reference",
+    },
+    AddedColumn {
+        table: "shop_checkouts",
+        column: "idempotency_key",
+    },
+];
 
 /// The tables and indexes `schema` creates (`CREATE TABLE|INDEX IF NOT
 /// EXISTS name`), by name.
@@ -184,14 +214,19 @@ impl ShopDialect for idem_sql::Postgres {
             // every query of the table behind it.
             let mut objects = schema_objects(SCHEMA);
             objects.push("bank_charges_reference");
+            let added: Vec<String> = ADDED_COLUMNS
+                .iter()
+                .map(|a| format!("{}.{}", a.table, a.column))
+                .collect();
             let done: bool = sqlx::query_scalar(
                 "SELECT bool_and(to_regclass(o) IS NOT NULL)
                         AND (SELECT count(*) FROM information_schema.columns
-                             WHERE table_schema = current_schema() AND table_name = 'bank_charges'
-                               AND column_name IN ('client_id', 'reference')) = 2
+                             WHERE table_schema = current_schema()
+                               AND table_name || '.' || column_name = ANY($2)) = cardinality($2)
                  FROM unnest($1::text[]) AS o",
             )
             .bind(&objects)
+            .bind(&added)
             .fetch_one(pool)
             .await?;
             if done {
@@ -203,19 +238,16 @@ impl ShopDialect for idem_sql::Postgres {
                 sqlx::query("SELECT pg_advisory_xact_lock(hashtext('shop-schema'))")
                     .execute(&mut *tx)
                     .await?;
+                // Before the schema, whose indexes may name the columns.
+                for added in ADDED_COLUMNS {
+                    sqlx::query(&format!(
+                        "ALTER TABLE IF EXISTS {} ADD COLUMN IF NOT EXISTS {} TEXT NOT NULL DEFAULT ''",
+                        added.table, added.column
+                    ))
+                    .execute(&mut *tx)
+                    .await?;
+                }
                 sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
-                // A database made before charges named their merchant.
-                sqlx::query(
-                    "ALTER TABLE bank_charges ADD COLUMN IF NOT EXISTS client_id TEXT NOT NULL DEFAULT ''",
-                )
-                .execute(&mut *tx)
-                .await?;
-                // A database made before charges carried a reference.
-                sqlx::query(
-                    "ALTER TABLE bank_charges ADD COLUMN IF NOT EXISTS reference TEXT NOT NULL DEFAULT ''",
-                )
-                .execute(&mut *tx)
-                .await?;
                 // Last: its index says the whole step is done (above).
                 sqlx::query(REFERENCE_INDEX).execute(&mut *tx).await?;
                 Ok(())
@@ -262,6 +294,10 @@ impl ShopDialect for idem_sql::MySql {
     fn migrate_schema(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), sqlx::Error>> {
         Box::pin(async move {
             let mut conn = pool.acquire().await?;
+            // The lock is the session's: stopped before it let go, the
+            // connection closes (and the lock with it) rather than go back
+            // to the pool holding it.
+            conn.close_on_drop();
             let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('shop-schema', 60)")
                 .fetch_one(&mut *conn)
                 .await?;
@@ -284,6 +320,21 @@ impl ShopDialect for idem_sql::MySql {
                     sqlx::query(
                         "ALTER TABLE bank_charges ADD COLUMN reference VARBINARY(255) NOT NULL DEFAULT '',
                          ADD INDEX bank_charges_reference (reference)",
+                    )
+                    .execute(&mut *conn)
+                    .await?;
+                }
+                // A database made before checkouts kept their key.
+                let has_key: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM information_schema.columns
+                     WHERE table_schema = DATABASE() AND table_name = 'shop_checkouts'
+                       AND column_name = 'idempotency_key'",
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                if has_key == 0 {
+                    sqlx::query(
+                        "ALTER TABLE shop_checkouts ADD COLUMN idempotency_key VARBINARY(255) NOT NULL DEFAULT ''",
                     )
                     .execute(&mut *conn)
                     .await?;
