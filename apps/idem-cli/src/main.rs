@@ -600,12 +600,29 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 None => None,
             };
             let steps = steps(store, &seen).await.map_err(explain)?;
-            let held = matches!(seen.record.state, RecordState::InProgress { .. })
-                && store.row_held(&scope, &key).await.map_err(explain)?;
+            // Whether a transaction holds it: a probe that needs more than
+            // reading (PostgreSQL locks the row for it, which takes UPDATE
+            // privilege); unknown where it fails, the record shown anyway.
+            let held = if matches!(seen.record.state, RecordState::InProgress { .. }) {
+                match store.row_held(&scope, &key).await {
+                    Ok(held) => Some(held),
+                    Err(e) => {
+                        eprintln!(
+                            "could not tell whether an open transaction holds this record: {}",
+                            chain(&e)
+                        );
+                        None
+                    }
+                }
+            } else {
+                Some(false)
+            };
             if json {
                 let mut v = inspection_json(&seen, show_body);
-                if held {
-                    v["held_by_transaction"] = json!(true);
+                match held {
+                    Some(true) => v["held_by_transaction"] = json!(true),
+                    Some(false) => {}
+                    None => v["held_by_transaction"] = json!(null),
                 }
                 if !steps.is_empty() {
                     v["steps"] = steps.iter().map(Step::json).collect();
@@ -615,9 +632,11 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
                 }
                 println!("{v}");
             } else {
-                print!("{}", inspection_text(&seen, show_body, held));
-                if held {
-                    println!("{:<14}{}", "held:", HELD_BY_TRANSACTION);
+                print!("{}", inspection_text(&seen, show_body, held == Some(true)));
+                match held {
+                    Some(true) => println!("{:<14}{}", "held:", HELD_BY_TRANSACTION),
+                    Some(false) => {}
+                    None => println!("{:<14}{}", "held:", HELD_UNKNOWN),
                 }
                 for step in &steps {
                     println!("{:<14}{}", format!("step {}:", step.index), step.line());
@@ -766,6 +785,7 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
 
 /// What `inspect` and `release` say of a record whose row an open
 /// transaction holds.
+const HELD_UNKNOWN: &str = "unknown: the probe could not run (on PostgreSQL it locks the row for a moment, which takes UPDATE privilege on the table); if a claim in a transaction may hold it, its lease says nothing";
 const HELD_BY_TRANSACTION: &str = "an open transaction holds this record (a claim held by the transaction): its holder is working whatever the lease says, and the key frees itself when that transaction ends";
 
 /// The most steps `inspect` looks for.

@@ -696,6 +696,111 @@ async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
     redis.clear().await.unwrap();
 }
 
+/// `url` with its user replaced by `user` (no password: trust auth).
+fn as_user(url: &str, user: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{user}@{host}")
+}
+
+/// An operator who may only read the records still inspects one in flight:
+/// whether a transaction holds it (a probe that locks the row, so takes
+/// UPDATE privilege on PostgreSQL) is reported unknown, rather than the
+/// whole command failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_by_a_reader_shows_the_record_and_an_unknown_hold() {
+    let schema = TestSchema::create("idem_cli_reader").await;
+    let url = schema.url();
+    let store = idem_postgres::PostgresStore::connect(&url).await.unwrap();
+    let claimed = store
+        .claim(&request(
+            "c1",
+            "read-only",
+            "{}",
+            Duration::from_secs(600),
+            Duration::from_secs(600),
+        ))
+        .await
+        .unwrap();
+    assert!(matches!(claimed, ClaimOutcome::Acquired(_)));
+    let role = format!("idem_reader_{}", uuid::Uuid::new_v4().simple());
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let _dropped = RoleGuard {
+        role: role.clone(),
+        url: url.clone(),
+    };
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA \"{}\" TO {role}", schema.name()),
+        format!(
+            "GRANT SELECT ON \"{}\".idem_records TO {role}",
+            schema.name()
+        ),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.unwrap();
+    }
+    let reader = as_user(&url, &role);
+    let args = [
+        "--database-url",
+        &reader,
+        "--scope",
+        "c1",
+        "--key",
+        "read-only",
+    ];
+    let out = idem(&[&["inspect"], &args[..]].concat());
+    let shown = stdout(&out);
+    assert!(
+        shown.contains("in_progress") || shown.contains("in progress"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("held:") && shown.contains("unknown"),
+        "{shown}"
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("could not tell whether an open transaction holds"),
+        "{said}"
+    );
+    let json = stdout(&idem(&[&["inspect", "--json"], &args[..]].concat()));
+    assert!(json.contains("\"held_by_transaction\":null"), "{json}");
+    pool.close().await;
+}
+
+/// Drops a test's role (roles outlive schemas), pass or fail.
+struct RoleGuard {
+    role: String,
+    url: String,
+}
+
+impl Drop for RoleGuard {
+    fn drop(&mut self) {
+        let (role, url) = (self.role.clone(), self.url.clone());
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let pool = sqlx::PgPool::connect(&url).await.unwrap();
+                for sql in [
+                    format!("DROP OWNED BY {role}"),
+                    format!("DROP ROLE IF EXISTS {role}"),
+                ] {
+                    // DROP OWNED fails for a role never made; the DROP ROLE after it is what counts.
+                    let _ = sqlx::query(&sql).execute(&pool).await;
+                }
+                pool.close().await;
+            });
+        })
+        .join();
+        if dropped.is_err() {
+            eprintln!("could not drop test role {}", self.role);
+        }
+    }
+}
+
 /// A claim held by an open transaction (PostgreSQL's claim-in-transaction
 /// mode): `inspect` says so whatever its lease says, and `release` refuses
 /// it without `--force`; once the transaction ends, the lease rules again.

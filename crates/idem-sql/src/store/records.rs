@@ -66,14 +66,16 @@ impl<D: RecordDialect> SqlRecords for SqlStore<D> {
     /// Reads a record as an operator sees it, past its retention or not,
     /// with the database's clock.
     async fn inspect(&self, scope: &str, key: &str) -> Result<Option<Inspection>, StoreError> {
-        let mut tx = D::begin_write(&self.writers).await.map_err(store_error)?;
+        // A read, outside any transaction: it takes no lock (SQLite's write
+        // lock included) and needs no privilege beyond reading.
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let row = D::fetch_optional(
-            &mut tx,
+            &mut conn,
             &self.sql.select,
             &[Arg::Text(scope), Arg::Text(key)],
         )
-        .await;
-        let row = crate::finish(tx, row).await.map_err(store_error)?;
+        .await
+        .map_err(store_error)?;
         let Some(row) = row else { return Ok(None) };
         let now = now_of::<D>(&row)?;
         Ok(Some(Inspection {
