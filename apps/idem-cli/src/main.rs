@@ -706,13 +706,22 @@ async fn run_with<S: Ops>(store: &S, command: Command) -> Result<ExitCode, Failu
             let redis = target.redis().await?;
             match store.release(&claim).await {
                 Ok(()) => {
-                    if let Some(redis) = &redis {
-                        redis.forget(&scope, &key).await.map_err(explain)?;
-                    }
                     println!(
                         "released: the next retry with this key takes the claim over (operation id {})",
                         seen.record.operation_id
                     );
+                    if let Some(redis) = &redis {
+                        if let Err(e) = redis.forget(&scope, &key).await {
+                            // The database's part is done: said as such,
+                            // and what is left to do.
+                            eprintln!(
+                                "but Redis's in-flight marker could not be deleted ({}): a retry Redis answers is told 409 until {} at the latest; run this release again once Redis answers",
+                                chain(&e),
+                                time::rfc3339(*locked_until)
+                            );
+                            return Ok(ExitCode::from(2));
+                        }
+                    }
                     if redis.is_none() && *locked_until > seen.now {
                         // Forced before the lease ended: a Redis in front
                         // (tiered mode) still holds its in-flight marker.

@@ -696,6 +696,95 @@ async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
     redis.clear().await.unwrap();
 }
 
+/// In tiered mode, a release whose database part succeeded but whose Redis
+/// marker could not be deleted (here a Redis user without `DEL`) says that
+/// it released, what is left, and exits 2; run again once Redis answers,
+/// it finishes the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tiered_release_whose_redis_marker_stays_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("tier-half.db").display());
+    let prefix = format!("cli-half-{}", uuid::Uuid::new_v4().simple());
+    let sql = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
+    let redis = idem_redis::RedisStore::connect(
+        idem_redis::RedisConfig::new("redis://127.0.0.1:6379").prefix(&prefix),
+    )
+    .await
+    .unwrap();
+    let tiered: Arc<dyn Store> = Arc::new(idem_redis::TieredStore::new(sql, redis.clone()));
+    let req = request(
+        "c1",
+        "half",
+        "{}",
+        Duration::from_secs(600),
+        Duration::from_secs(6000),
+    );
+    assert!(matches!(
+        tiered.claim(&req).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    let user = format!("idem-nodel-{}", uuid::Uuid::new_v4().simple());
+    let admin = redis::Client::open("redis://127.0.0.1:6379").unwrap();
+    let mut admin = admin.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER", &user, "on", ">pw", "~*", "&*", "+@all", "-del", "-unlink",
+            ][..],
+        )
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let nodel = format!("redis://{user}:pw@127.0.0.1:6379");
+    let release = |redis_url: &str| {
+        idem(&[
+            "release",
+            "--database-url",
+            url.as_str(),
+            "--scope",
+            "c1",
+            "--key",
+            "half",
+            "--yes",
+            "--force",
+            "--redis-url",
+            redis_url,
+            "--redis-prefix",
+            prefix.as_str(),
+        ])
+    };
+    let out = release(&nodel);
+    let _: () = redis::cmd("ACL")
+        .arg(&["DELUSER", &user][..])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("released:"),
+        "{out:?}"
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("in-flight marker could not be deleted")
+            && said.contains("run this release again"),
+        "{said}"
+    );
+    // Redis still answers 409 for the key.
+    assert!(matches!(
+        tiered.claim(&req).await.unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
+    // Again, with a Redis that answers: done.
+    let out = release("redis://127.0.0.1:6379");
+    assert!(out.status.success(), "{out:?}");
+    let ClaimOutcome::Acquired(retry) = tiered.claim(&req).await.unwrap() else {
+        panic!("released in SQL and in Redis")
+    };
+    assert!(retry.takeover);
+    redis.clear().await.unwrap();
+}
+
 /// `url` with its user replaced by `user` (no password: trust auth).
 fn as_user(url: &str, user: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap();
