@@ -43,7 +43,7 @@
 //!   PostgreSQL and MySQL, the work's writes and the stored output commit
 //!   in one transaction.
 //! - **Steps** ([`Operation::step`]): each named step runs until it
-//!   completes once per operation; a run resumed after a crash gets the
+//!   completes once per operation, each once the one before it completed; a run resumed after a crash gets the
 //!   stored output back instead of calling again. Each step has a
 //!   [key](Step::key) of its own for the system it calls.
 //!   [`Operation::step_in_transaction`] commits the step's output with

@@ -29,6 +29,16 @@ pub const MAX_STEP_NAME: usize = 64;
 /// forgotten ([`StepError::Forgotten`]): every later run is refused too.
 const FORGOTTEN: u16 = 410;
 
+/// What a forgotten step's record holds: not JSON, so that no version of
+/// idem reads it as a step's output.
+const FORGOTTEN_BODY: &[u8] =
+    b"forgotten: the run outlived its retention; this step may have run on an earlier attempt";
+
+/// The most the clocks of two records' stores may differ (the nodes of a
+/// Redis Cluster hold an operation's records in different slots): taken
+/// off the retention before trusting that a record has not expired.
+const CLOCK_MARGIN: Duration = Duration::from_secs(5);
+
 /// A claimed run: its operation id, its fencing token, and its steps.
 ///
 /// Made by [`Runner`](crate::Runner) for the work it runs, or by an edge
@@ -44,11 +54,27 @@ pub struct Operation<'s, S: ?Sized> {
     deadline: Instant,
     in_transaction: bool,
     names: Mutex<Vec<String>>,
-    /// In a run that took over: when the record of the last step decided
-    /// (or the run's own record) was made, at the latest, on the store's
-    /// clock. A step not run yet would have its record made no earlier;
-    /// `None` until first needed.
-    made_since: Mutex<Option<UnixMillis>>,
+    /// What this run knows of the last step decided: where the next one
+    /// may have been before.
+    before: Mutex<Before>,
+}
+
+/// The step before the next one, as this run knows it. Steps start one
+/// after another, each once the one before it completed: so no record of a
+/// step was ever made before the step before it completed.
+#[derive(Debug, Clone, Copy)]
+enum Before {
+    /// None decided yet: the next is the first, whose record can be no
+    /// older than the run's.
+    Nothing,
+    /// Completed by an earlier attempt, at this time (the store's clock).
+    CompletedAt(UnixMillis),
+    /// Claimed by this run, so not completed before it: no attempt before
+    /// this one got past it. Whether it completed since is asked of the
+    /// store when the next step starts, unless this run saw it.
+    Claimed,
+    /// Claimed and completed by this run.
+    CompletedHere,
 }
 
 /// Why a step gave no output.
@@ -86,18 +112,30 @@ pub enum StepError<E> {
     /// Steps run between transactions: not inside a transactional run.
     #[error("steps cannot run inside a transactional run: use Runner::run with Operation::step_in_transaction")]
     InsideTransaction,
+    /// The step before this one has not completed (it failed, or was
+    /// released, or its claim was never completed): steps start one after
+    /// another, each once the one before it completed. Nothing ran.
+    #[error("step #{index} {name:?} has not completed: a step starts only once the one before it completed")]
+    Unfinished {
+        /// The unfinished step's position (from 0).
+        index: usize,
+        /// Its name.
+        name: String,
+    },
     /// The operation's lease ran out (another caller may have taken it
     /// over), or the step's completion was fenced: stop, and let the
     /// holder finish.
     #[error("the operation's lease ran out; another caller may hold it now")]
     LeaseLost,
     /// The run was taken over after outliving its retention (retried for
-    /// longer than records are kept), and this step has no record: it may
-    /// have run on an earlier attempt and its record expired since, so it
-    /// is not called. Nothing ran, and every later run of the operation
-    /// gets this too. Check the system the step calls (under the step's
-    /// key, [`step_key`]) and finish the work by hand, or start it over
-    /// under a new run key.
+    /// longer than records are kept), and this step has no record although
+    /// the step before it completed (or, for the first step, the run
+    /// began) a retention ago or more: it may have run on an earlier
+    /// attempt and its record expired since, so it is not called. Nothing
+    /// ran, and every later run of the operation gets this too: return it
+    /// as [`Failure::Final`](crate::Failure::Final). Check the system the
+    /// step calls (under the step's key, [`step_key`]) and finish the work
+    /// by hand, or start it over under a new run key.
     #[error("step #{index} {name:?} may have run on an earlier attempt whose record has expired (the run outlived its retention): not called again")]
     Forgotten {
         /// The step's position (from 0).
@@ -127,6 +165,7 @@ impl<E> StepError<E> {
             StepError::InsideTransaction => StepError::InsideTransaction,
             StepError::LeaseLost => StepError::LeaseLost,
             StepError::Forgotten { index, name } => StepError::Forgotten { index, name },
+            StepError::Unfinished { index, name } => StepError::Unfinished { index, name },
             StepError::Store(e) => StepError::Store(e),
             StepError::Codec(e) => StepError::Codec(e),
         })
@@ -227,7 +266,7 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             deadline: claimed_at + policy.lease(),
             in_transaction: false,
             names: Mutex::new(Vec::new()),
-            made_since: Mutex::new(None),
+            before: Mutex::new(Before::Nothing),
         }
     }
 
@@ -354,6 +393,7 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         }
         match S::commit(tx).await {
             Ok(()) => {
+                self.completed_here(&step);
                 self.store.settled(&step.claim).await;
                 Ok(output)
             }
@@ -382,20 +422,24 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         }
         // The name takes the next position, and keeps it only once the
         // claim decided (a store error leaves it free for a retry).
-        let index = {
+        let (index, last) = {
             let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
             if names.iter().any(|n| n == name) {
                 return Err(StepError::DuplicateName(name.to_owned()));
             }
-            names.len()
+            (names.len(), names.last().cloned())
         };
-        let started = self.decide_step(name, index).await;
+        let before = self.before_step(index, last).await?;
+        let started = self.decide_step(name, index, before).await;
         if matches!(started, Ok(_) | Err(StepError::OutOfOrder { .. })) {
             let taken = {
                 let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
                 let taken = names.len() != index;
                 if !taken {
                     names.push(name.to_owned());
+                    if let Ok((_, decided)) = &started {
+                        *self.before.lock().unwrap_or_else(|e| e.into_inner()) = *decided;
+                    }
                 }
                 taken
             };
@@ -403,7 +447,7 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                 // Another step took the position meanwhile: steps run one
                 // after another, never at once. A claim this call made is
                 // let go now, not left to the operation's lease.
-                if let Ok(StepStart::Run(step)) = &started {
+                if let Ok((StepStart::Run(step), _)) = &started {
                     self.release_step(step).await;
                 }
                 return Err(StepError::OutOfOrder {
@@ -412,7 +456,42 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                 });
             }
         }
-        started
+        started.map(|(start, _)| start)
+    }
+
+    /// What is known of the step before step `index` (named `last`): that
+    /// it completed, or [`StepError::Unfinished`].
+    async fn before_step<E>(
+        &self,
+        index: usize,
+        last: Option<String>,
+    ) -> Result<Before, StepError<E>> {
+        let before = *self.before.lock().unwrap_or_else(|e| e.into_inner());
+        let (Before::Claimed, Some(last)) = (before, last) else {
+            return Ok(before);
+        };
+        // Claimed by this run; completed since, by `step_done` or in the
+        // caller's own transaction?
+        let key = step_record_key(self.claim.operation_id, index - 1);
+        match self.store.get(&self.claim.scope, &key).await {
+            Ok(Some(Record {
+                state: RecordState::Completed { .. },
+                ..
+            })) => Ok(Before::CompletedHere),
+            Ok(_) => Err(StepError::Unfinished {
+                index: index - 1,
+                name: last,
+            }),
+            Err(e) => Err(StepError::Store(e)),
+        }
+    }
+
+    /// Notes that `step` completed in this run.
+    fn completed_here(&self, step: &Step) {
+        let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        if names.len() == step.index + 1 {
+            *self.before.lock().unwrap_or_else(|e| e.into_inner()) = Before::CompletedHere;
+        }
     }
 
     /// Claims step `index`, `name`: its stored output, or the step to run.
@@ -420,7 +499,8 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         &self,
         name: &str,
         index: usize,
-    ) -> Result<StepStart<T>, StepError<E>>
+        before: Before,
+    ) -> Result<(StepStart<T>, Before), StepError<E>>
     where
         T: DeserializeOwned,
     {
@@ -448,7 +528,8 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             let record = match self.store.claim(&request).await {
                 Ok(ClaimOutcome::Acquired(claim)) => {
                     if self.claim.takeover {
-                        self.check_remembered(&claim, &request, name, index).await?;
+                        self.check_remembered(&claim, &request, before, name, index)
+                            .await?;
                     }
                     debug!(
                         step = name,
@@ -456,32 +537,32 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                         takeover = claim.takeover,
                         "step claimed"
                     );
-                    return Ok(StepStart::Run(Step {
+                    let step = Step {
                         name: name.to_owned(),
                         index,
                         key: step_key(self.claim.operation_id, name),
                         claim,
-                    }));
+                    };
+                    return Ok((StepStart::Run(step), Before::Claimed));
                 }
                 Ok(ClaimOutcome::Existing(record)) => record,
                 Err(e) => return Err(StepError::Store(e)),
             };
             let now = UnixMillis::now();
             match self.existing_step(&record, &request.fingerprint, now) {
-                Existing::Done(stored) if stored.status == FORGOTTEN => {
+                Existing::Done(stored, _) if stored.status == FORGOTTEN => {
                     return Err(StepError::Forgotten {
                         index,
                         name: name.to_owned(),
                     });
                 }
-                Existing::Done(stored) => {
-                    self.made(record.created_at);
+                Existing::Done(stored, completed_at) => {
                     debug!(
                         step = name,
                         index, "step done on an earlier run; its output replayed"
                     );
                     return serde_json::from_slice(&stored.body)
-                        .map(StepStart::Done)
+                        .map(|output| (StepStart::Done(output), Before::CompletedAt(completed_at)))
                         .map_err(|e| {
                             StepError::Codec(format!("the stored output of step {name:?}: {e}"))
                         });
@@ -519,28 +600,42 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         }
     }
 
-    /// Notes that the record of the step just decided was made at `at`.
-    fn made(&self, at: UnixMillis) {
-        if self.claim.takeover {
-            *self.made_since.lock().unwrap_or_else(|e| e.into_inner()) = Some(at);
-        }
-    }
-
-    /// In a run that took over, `claim` is a step's, just acquired. Its
-    /// record is only trusted to mean the step never completed if it was
-    /// made while no earlier record of the step could have expired: less
-    /// than a retention after the record of the step before it (or the
-    /// run's, for the first) was made, since a step's record is made no
-    /// earlier than that and kept a retention at least. Otherwise the step
-    /// is refused for good: its record is completed as forgotten (and were
-    /// that to fail, the next run finds the same record, made as late).
+    /// In a run that took over, `claim` is a step's, just acquired, and
+    /// `before` what is known of the step before it. The claim is only
+    /// trusted to mean the step never completed if no record of the step
+    /// can have expired yet: a record of it was made no earlier than the
+    /// step before it completed (or the run's record was made, for the
+    /// first step), and is kept a retention at least. A step before it that
+    /// this run claimed had not completed before, so no attempt got past
+    /// it: nothing to check. Otherwise a record made a retention after that
+    /// (this fresh one, or one a refusal left) is refused for good: the
+    /// record is completed as forgotten, and were that to fail, the next
+    /// run finds the same record, made as late.
     async fn check_remembered<E>(
         &self,
         claim: &Claim,
         request: &ClaimRequest,
+        before: Before,
         name: &str,
         index: usize,
     ) -> Result<(), StepError<E>> {
+        let since = match before {
+            Before::Claimed | Before::CompletedHere => return Ok(()),
+            Before::CompletedAt(at) => at,
+            Before::Nothing => match self.store.get(&self.claim.scope, &self.claim.key).await {
+                Ok(Some(run)) if run.operation_id == self.claim.operation_id => run.created_at,
+                Ok(_) => {
+                    // The run's record expired or was made anew: this run
+                    // no longer holds it.
+                    self.release_claim(claim, name).await;
+                    return Err(StepError::LeaseLost);
+                }
+                Err(e) => {
+                    self.release_claim(claim, name).await;
+                    return Err(StepError::Store(e));
+                }
+            },
+        };
         let made = if claim.takeover {
             match self.store.get(&request.scope, &request.key).await {
                 Ok(Some(step)) => step.created_at,
@@ -562,39 +657,20 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                     .saturating_sub(i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX)),
             )
         };
-        let since = *self.made_since.lock().unwrap_or_else(|e| e.into_inner());
-        let since = match since {
-            Some(at) => at,
-            None => match self.store.get(&self.claim.scope, &self.claim.key).await {
-                Ok(Some(run)) if run.operation_id == self.claim.operation_id => run.created_at,
-                Ok(_) => {
-                    // The run's record expired or was made anew: this run
-                    // no longer holds it.
-                    self.release_claim(claim, name).await;
-                    return Err(StepError::LeaseLost);
-                }
-                Err(e) => {
-                    self.release_claim(claim, name).await;
-                    return Err(StepError::Store(e));
-                }
-            },
-        };
-        if made < since.plus(self.retention) {
-            self.made(made);
+        let margin = CLOCK_MARGIN.min(self.retention / 20);
+        if made.plus(margin) < since.plus(self.retention) {
             return Ok(());
         }
         warn!(
             step = name,
             index,
             operation_id = %self.claim.operation_id,
-            "step has no record in a run that outlived its retention: it may have run before; refused"
+            "step has no record older than its retention in a run that outlived it: it may have run before; refused"
         );
         let forgotten = StoredResponse {
             status: FORGOTTEN,
             headers: vec![(STEP_NAME_HEADER.into(), name.as_bytes().to_vec())],
-            body: bytes::Bytes::from_static(
-                b"{\"forgotten\":\"the run outlived its retention; this step may have run before\"}",
-            ),
+            body: bytes::Bytes::from_static(FORGOTTEN_BODY),
         };
         if let Err(e) =
             crate::run::complete_retrying(self.store, claim, &forgotten, self.deadline).await
@@ -628,7 +704,10 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             return Existing::OtherName;
         }
         match &record.state {
-            RecordState::Completed { response, .. } => Existing::Done(response.clone()),
+            RecordState::Completed {
+                response,
+                completed_at,
+            } => Existing::Done(response.clone(), *completed_at),
             RecordState::InProgress { locked_until, .. } if *locked_until > now => {
                 Existing::HeldUntil(*locked_until)
             }
@@ -650,7 +729,10 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             }
         };
         match crate::run::complete_retrying(self.store, &step.claim, &stored, self.deadline).await {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.completed_here(step);
+                Ok(())
+            }
             Err(StoreError::ClaimLost) => Err(StepError::LeaseLost),
             Err(e) => Err(StepError::Store(e)),
         }
@@ -665,7 +747,8 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
 
 /// What a step's existing record says.
 enum Existing {
-    Done(StoredResponse),
+    /// Completed, at this time.
+    Done(StoredResponse, UnixMillis),
     OtherName,
     HeldUntil(UnixMillis),
     Disagree,

@@ -420,6 +420,78 @@ macro_rules! run_suite {
             assert_eq!(out, Outcome::Fresh(3));
             assert_eq!(*calls.lock().unwrap(), ["a", "b"]);
         }
+
+        /// A step that crashed on every attempt for longer than the
+        /// retention (each takeover keeping its record) and then completed:
+        /// the step after it never ran (no attempt got past it), so it runs,
+        /// however old the run.
+        #[tokio::test]
+        async fn a_step_after_one_retried_past_the_retention_still_runs() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, step_retention());
+            let calls = Mutex::new(Vec::new());
+            let attempt = AtomicU32::new(0);
+            let work = async |op: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                let n = attempt.fetch_add(1, Ordering::SeqCst);
+                let a = op
+                    .step("a", async |_| -> Result<u8, String> {
+                        calls.lock().unwrap().push("a");
+                        if n < 2 {
+                            // Dies inside the step, twice.
+                            std::future::pending::<()>().await;
+                        }
+                        Ok(1)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let b = op
+                    .step("b", async |_| -> Result<u8, String> {
+                        calls.lock().unwrap().push("b");
+                        Ok(2)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(a + b)
+            };
+            let start = std::time::Instant::now();
+            assert!(tokio::time::timeout(Duration::from_millis(100), runner.run("t", "k", &1, work)).await.is_err());
+            tokio::time::sleep(STEP_RETENTION / 2 - start.elapsed()).await;
+            assert!(tokio::time::timeout(Duration::from_millis(300), runner.run("t", "k", &1, work)).await.is_err());
+            tokio::time::sleep((STEP_RETENTION + STEP_RETENTION / 10).saturating_sub(start.elapsed())).await;
+            let out = runner.run("t", "k", &1, work).await;
+            assert!(start.elapsed() < STEP_RETENTION * 3 / 2, "the run's record expired before the test could look");
+            assert_eq!(out.unwrap(), Outcome::Fresh(3));
+            assert_eq!(*calls.lock().unwrap(), ["a", "a", "a", "b"]);
+        }
+
+        /// A step starts only once the one before it completed: after a
+        /// failed step, the next is refused, nothing called.
+        #[tokio::test]
+        async fn a_step_after_a_failed_one_is_refused() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, Policy::default());
+            let called = AtomicU32::new(0);
+            let out = runner
+                .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                    let failed = op
+                        .step("a", async |_| -> Result<u8, String> { Err("down".to_owned()) })
+                        .await;
+                    assert!(matches!(failed, Err(StepError::Failed(_))), "{failed:?}");
+                    match op
+                        .step("b", async |_| -> Result<u8, String> {
+                            called.fetch_add(1, Ordering::SeqCst);
+                            Ok(2)
+                        })
+                        .await
+                    {
+                        Err(StepError::Unfinished { index: 0, name }) => Err(Failure::Final(name)),
+                        other => panic!("{other:?}"),
+                    }
+                })
+                .await;
+            assert!(matches!(out, Err(RunError::Final { ref error, .. }) if error == "a"), "{out:?}");
+            assert_eq!(called.load(Ordering::SeqCst), 0);
+        }
     };
 }
 
