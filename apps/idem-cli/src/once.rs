@@ -10,6 +10,7 @@
 use std::ffi::OsString;
 use std::io::Write;
 use std::process::{ExitCode, Stdio};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -194,11 +195,27 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
         .collect();
     let store_failures = args.store_failures;
     let command = &args.command;
-    let result = runner
-        .run(&args.scope, &args.key, &input, async |op| {
-            execute(op, command, store_failures).await
-        })
-        .await;
+    let progress = Progress::default();
+    let run = runner.run(&args.scope, &args.key, &input, async |op| {
+        execute(op, command, store_failures, &progress).await
+    });
+    let result = match until_stopped(run, &progress).await {
+        Ok(result) => result,
+        Err(number) => {
+            let status = progress.status.load(Ordering::SeqCst);
+            say(match progress.phase.load(Ordering::SeqCst) {
+                Progress::BEFORE => format!(
+                    "stopped by signal {number} before the command started; nothing ran (a claim already made frees after its lease, {} ms)",
+                    args.lease_ms
+                ),
+                _ => format!(
+                    "stopped by signal {number} after the command exited {status}, while its result was being stored: it may not be stored, and then a run after the lease ({} ms) runs the command again",
+                    args.lease_ms
+                ),
+            });
+            return Ok(ExitCode::from(u8::try_from(128 + number).unwrap_or(1)));
+        }
+    };
     Ok(ExitCode::from(match result {
         Ok(Outcome::Fresh(ran)) => ran.status,
         Ok(Outcome::Replayed(ran)) => replay(&args, &ran, "succeeded"),
@@ -298,6 +315,55 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
     }))
 }
 
+/// Where a run stands, for a signal that arrives outside the command's own
+/// watch (which kills the command and releases the key).
+#[derive(Default)]
+struct Progress {
+    /// [`Self::BEFORE`], [`Self::RUNNING`] or [`Self::ENDED`].
+    phase: AtomicU8,
+    /// The command's exit status, once ended.
+    status: AtomicU8,
+}
+
+impl Progress {
+    const BEFORE: u8 = 0;
+    const RUNNING: u8 = 1;
+    const ENDED: u8 = 2;
+}
+
+/// Runs `run` to its end, unless SIGTERM, SIGINT or SIGHUP arrives while
+/// no command runs (before it starts, or once it exited by itself, while
+/// its result is stored, which a store that does not answer retries until
+/// the lease ends): then `run` is dropped and the signal's number
+/// returned. From just before the command starts, `execute`'s own watch
+/// acts on them (the command killed, the key released), also after it
+/// killed the command.
+async fn until_stopped<F: std::future::Future>(
+    run: F,
+    progress: &Progress,
+) -> Result<F::Output, i32> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) else {
+        return Ok(run.await);
+    };
+    let mut run = std::pin::pin!(run);
+    loop {
+        let number = tokio::select! {
+            output = &mut run => return Ok(output),
+            _ = term.recv() => 15,
+            _ = int.recv() => 2,
+            _ = hup.recv() => 1,
+        };
+        if progress.phase.load(Ordering::SeqCst) != Progress::RUNNING {
+            return Err(number);
+        }
+    }
+}
+
 /// Prints a stored run's stdout and says on stderr that it was replayed.
 fn replay(args: &OnceArgs, ran: &Ran, how: &str) -> u8 {
     let mut out = std::io::stdout().lock();
@@ -327,6 +393,7 @@ async fn execute(
     op: &Operation<'_, Arc<dyn Store>>,
     command: &[OsString],
     store_failures: bool,
+    progress: &Progress,
 ) -> Result<Ran, Failure<Failed>> {
     use tokio::io::AsyncWriteExt;
     use tokio::signal::unix::{signal, SignalKind};
@@ -352,6 +419,10 @@ async fn execute(
             .map_err(|e| not_run(NotRun::NotStarted(format!("cannot watch signals: {e}"))))?;
         signals.push((stream, number));
     }
+    // From here this function's own watch acts on a signal (killing the
+    // command, then releasing the key), not `until_stopped`'s; until the
+    // command exits by itself.
+    progress.phase.store(Progress::RUNNING, Ordering::SeqCst);
     // The command runs in a process group of its own, which is not the
     // terminal's foreground group: reading a terminal would stop it (until
     // its lease ran out). A terminal is not passed on: reading stdin, it
@@ -444,6 +515,10 @@ async fn execute(
         use std::os::unix::process::ExitStatusExt;
         128 + status.signal().unwrap_or(0)
     });
+    progress
+        .status
+        .store(u8::try_from(code & 0xff).unwrap_or(1), Ordering::SeqCst);
+    progress.phase.store(Progress::ENDED, Ordering::SeqCst);
     let stdout = (captured.len() <= MAX_STDOUT).then(|| match String::from_utf8(captured) {
         Ok(text) => Captured::Text(text),
         Err(e) => Captured::Bytes(e.into_bytes()),

@@ -453,6 +453,86 @@ fn an_unreachable_store_exits_69_and_a_bad_command_line_64() {
     assert!(!marker.exists());
 }
 
+/// SIGTERM once the command exited, while its result is being stored and
+/// the store does not answer (another process holds SQLite's write lock):
+/// `idem once` stops at once, 128 + 15, saying the result may not be
+/// stored. It used to go on retrying until the store answered or its lease
+/// ended, the signal swallowed.
+#[test]
+fn a_signal_while_the_result_is_stored_stops_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("once.db");
+    let url = format!("sqlite:{}", db.display());
+    // The records table made, by a first run.
+    let warm = once(&url, "warm", &[], &["true"]);
+    assert_eq!(warm.status.code(), Some(0), "{}", text(&warm.stderr));
+    let locker = dir.path().join("locker.pid");
+    // The command leaves a process behind that takes the database's write
+    // lock for 20 s, and exits once it holds it.
+    let script = format!(
+        "python3 -c 'import os, sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], isolation_level=None); \
+         c.execute(\"BEGIN EXCLUSIVE\"); open(sys.argv[2], \"w\").write(str(os.getpid())); time.sleep(20)' \
+         '{}' '{}' >/dev/null 2>&1 & while [ ! -s '{}' ]; do sleep 0.05; done; echo ran",
+        db.display(),
+        locker.display(),
+        locker.display()
+    );
+    let mut running = idem(
+        &url,
+        &[
+            "once",
+            "--scope",
+            "cron",
+            "--key",
+            "stored",
+            "--lease-ms",
+            "60000",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::read_to_string(&locker)
+        .unwrap_or_default()
+        .is_empty()
+    {
+        assert!(Instant::now() < deadline, "the locker never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The command has exited (or is about to): `idem once` is storing.
+    std::thread::sleep(Duration::from_millis(500));
+    let stopped = Command::new("kill")
+        .args(["-TERM", &running.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = running.try_wait().unwrap() {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = running.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = running.wait_with_output().unwrap();
+    if let Ok(pid) = std::fs::read_to_string(&locker) {
+        let _ = Command::new("kill").arg(pid.trim()).status();
+    }
+    let said = text(&out.stderr);
+    assert_eq!(status.and_then(|s| s.code()), Some(143), "{said}");
+    assert!(said.contains("while its result was being stored"), "{said}");
+    assert_eq!(text(&out.stdout), "ran\n");
+}
+
 mod sqlite {
     fn url(dir: &tempfile::TempDir) -> String {
         format!("sqlite:{}", dir.path().join("once.db").display())
