@@ -18,6 +18,9 @@
 //! (`CREATE TABLE IF NOT EXISTS`, indexes inside it), and a later one that
 //! adds an index holds that one `CREATE INDEX`, whose duplicate-name error
 //! on a re-run counts as applied (MySQL 8 has no `IF NOT EXISTS` there).
+//! There a statement waits at most 10 s for the transactions open on its
+//! table (`lock_wait_timeout`, a year by default), since every later
+//! statement on the table would queue behind it.
 
 use sha2::{Digest, Sha256};
 
@@ -204,7 +207,9 @@ pub(crate) async fn apply<D: Dialect>(
                     Statement::<D>::prepare(m.sql, table).map_err(|e| misconfigured(table, e))?;
                 match D::run_script(conn, script.sql()).await {
                     Ok(()) => {}
-                    Err(e) if D::already_applied(&e) => {}
+                    // Only a migration of that one statement: of several,
+                    // those after it would never run.
+                    Err(e) if is_one_create_index(m.sql) && D::already_applied(&e) => {}
                     Err(e) => return Err(db(e)),
                 }
                 let args = [Arg::Text(name), Arg::Int(m.version), Arg::Text(&now)];
@@ -213,6 +218,22 @@ pub(crate) async fn apply<D: Dialect>(
         }
     }
     Ok(())
+}
+
+/// Whether `sql` is one `CREATE INDEX` statement (comment lines aside,
+/// one `;` at most, at its end).
+fn is_one_create_index(sql: &str) -> bool {
+    let code: String = sql
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let code = code.trim();
+    let code = code.strip_suffix(';').unwrap_or(code);
+    !code.contains(';')
+        && code
+            .get(..b"CREATE INDEX ".len())
+            .is_some_and(|head| head.eq_ignore_ascii_case("CREATE INDEX "))
 }
 
 pub(crate) fn misconfigured(table: &TableName, e: sqlx::Error) -> MigrateError {
@@ -225,5 +246,25 @@ pub(crate) fn misconfigured(table: &TableName, e: sqlx::Error) -> MigrateError {
             table: table.to_string(),
             source,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_one_create_index;
+
+    #[test]
+    fn only_a_lone_create_index_counts_as_one() {
+        assert!(is_one_create_index(
+            "-- why\nCREATE INDEX `t_x` ON {table} (x)"
+        ));
+        assert!(is_one_create_index("create index t_x on t (x);\n"));
+        assert!(!is_one_create_index(
+            "CREATE INDEX t_x ON t (x); ALTER TABLE t ADD y INT"
+        ));
+        assert!(!is_one_create_index(
+            "CREATE TABLE IF NOT EXISTS t (x INT, INDEX t_x (x))"
+        ));
+        assert!(!is_one_create_index("CREATE UNIQUE INDEX t_x ON t (x)"));
     }
 }

@@ -390,6 +390,49 @@ async fn mysql_a_runner_stopped_midway_leaves_no_lock_behind() {
     pool.close().await;
 }
 
+/// MySQL: an upgrade whose DDL waits behind a transaction open on its
+/// table (a metadata lock, which queues every later statement on the table
+/// behind the DDL) gives up after a bounded wait and fails, to be run again
+/// later, instead of waiting for the server's default of a year.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_an_upgrade_behind_an_open_transaction_gives_up() {
+    let home = TestDatabase::create("idem_migrate_wait").await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(3)
+        .connect(&home.url())
+        .await
+        .unwrap();
+    let t = table(Some(home.name()), "waited");
+    let first: &'static [Migration] = &[Migration {
+        version: 1,
+        sql: "CREATE TABLE IF NOT EXISTS {table} (id VARCHAR(10) PRIMARY KEY)",
+    }];
+    migrate::<MySql>(&pool, &t, first).await.unwrap();
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query(&format!("SELECT count(*) FROM `{}`.`waited`", home.name()))
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let upgrade: &[Migration] = &[
+        first[0],
+        Migration {
+            version: 2,
+            sql: "CREATE INDEX `waited_id2` ON {table} (id)",
+        },
+    ];
+    let gave_up = tokio::time::timeout(
+        std::time::Duration::from_secs(40),
+        migrate::<MySql>(&pool, &t, upgrade),
+    )
+    .await
+    .expect("the upgrade waited for the open transaction past 40 s");
+    assert!(gave_up.is_err(), "{gave_up:?}");
+    open.rollback().await.unwrap();
+    // Once the transaction ended, it goes through.
+    migrate::<MySql>(&pool, &t, upgrade).await.unwrap();
+    pool.close().await;
+}
+
 /// What each database's errors mean: a missing table, an unknown column
 /// (fatal: never retried forever), a unique violation, a deadlock (retry
 /// the transaction), an unreachable server.

@@ -75,6 +75,9 @@ async fn create_database(
 /// How long a migration waits for another runner's lock, in seconds.
 const MIGRATION_LOCK_SECS: i64 = 60;
 
+/// How long a migration's DDL waits for the transactions open on its table.
+const MIGRATION_DDL_WAIT_SECS: i64 = 10;
+
 /// The name of the migration lock of database `schema` (the connection's
 /// own when `None`): at most the 64 characters MySQL 8 allows a lock name
 /// (MariaDB has no limit). A name that would be longer holds a hash of the
@@ -180,6 +183,17 @@ impl Dialect for MySql {
             // connection that still holds it, which every later runner
             // would wait for in vain. Closed instead, the lock goes with it.
             conn.close_on_drop();
+            // A DDL statement waits for every transaction open on its table
+            // (a metadata lock), and every new statement on the table then
+            // waits behind it: bounded here (the server's default is a
+            // year), so that an upgrade behind a long transaction fails
+            // and is run again later, rather than stall the table's users
+            // and hold the migration lock meanwhile.
+            sqlx::query("SET SESSION lock_wait_timeout = ?")
+                .bind(MIGRATION_DDL_WAIT_SECS)
+                .execute(&mut *conn)
+                .await
+                .map_err(&db)?;
             let lock = lock_name(table.schema());
             let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
                 .bind(&lock)
