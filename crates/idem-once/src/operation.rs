@@ -75,6 +75,9 @@ enum Before {
     Claimed,
     /// Claimed and completed by this run.
     CompletedHere,
+    /// Its position was kept though it was refused as out of order: it
+    /// never ran in this run, so no later step may start.
+    Skipped,
 }
 
 /// Why a step gave no output.
@@ -203,7 +206,8 @@ impl Step {
 
     /// The claim on the step's record: complete it in your own transaction
     /// with [`TransactionalStore::complete_in_tx`](idem_core::TransactionalStore::complete_in_tx)
-    /// and [`Step::stored`], then [`Operation::step_done`].
+    /// and [`Step::stored`], then, once committed,
+    /// [`Operation::step_committed`].
     pub fn claim(&self) -> &Claim {
         &self.claim
     }
@@ -437,9 +441,10 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                 let taken = names.len() != index;
                 if !taken {
                     names.push(name.to_owned());
-                    if let Ok((_, decided)) = &started {
-                        *self.before.lock().unwrap_or_else(|e| e.into_inner()) = *decided;
-                    }
+                    *self.before.lock().unwrap_or_else(|e| e.into_inner()) = match &started {
+                        Ok((_, decided)) => *decided,
+                        Err(_) => Before::Skipped,
+                    };
                 }
                 taken
             };
@@ -467,8 +472,15 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         last: Option<String>,
     ) -> Result<Before, StepError<E>> {
         let before = *self.before.lock().unwrap_or_else(|e| e.into_inner());
-        let (Before::Claimed, Some(last)) = (before, last) else {
-            return Ok(before);
+        let last = match (before, last) {
+            (Before::Claimed, Some(last)) => last,
+            (Before::Skipped, Some(last)) => {
+                return Err(StepError::Unfinished {
+                    index: index - 1,
+                    name: last,
+                })
+            }
+            _ => return Ok(before),
         };
         // Claimed by this run; completed since, by `step_done` or in the
         // caller's own transaction?
@@ -620,7 +632,8 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         index: usize,
     ) -> Result<(), StepError<E>> {
         let since = match before {
-            Before::Claimed | Before::CompletedHere => return Ok(()),
+            // (Skipped never gets here: `before_step` refused it.)
+            Before::Claimed | Before::CompletedHere | Before::Skipped => return Ok(()),
             Before::CompletedAt(at) => at,
             Before::Nothing => match self.store.get(&self.claim.scope, &self.claim.key).await {
                 Ok(Some(run)) if run.operation_id == self.claim.operation_id => run.created_at,
@@ -736,6 +749,15 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             Err(StoreError::ClaimLost) => Err(StepError::LeaseLost),
             Err(e) => Err(StepError::Store(e)),
         }
+    }
+
+    /// After `step`'s claim was completed in the caller's own transaction
+    /// (see [`Step::claim`]) and that transaction committed: tells caches in
+    /// front of the store ([`Store::settled`]) and notes the step done, so
+    /// that the next step starts without asking the store whether it is.
+    pub async fn step_committed(&self, step: &Step) {
+        self.completed_here(step);
+        self.store.settled(&step.claim).await;
     }
 
     /// Releases `step` unfinished: the next run calls it again (under the

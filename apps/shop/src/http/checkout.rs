@@ -348,7 +348,7 @@ async fn mark_paid(
             }
         }
         tx.commit().await.map_err(|e| failed(Error::Recording(e)))?;
-        op.store().settled(step.claim()).await;
+        op.step_committed(&step).await;
     } else {
         tx.commit().await.map_err(|e| failed(Error::Recording(e)))?;
         op.step_done(&step, &paid).await?;
