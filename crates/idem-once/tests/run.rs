@@ -28,6 +28,36 @@ fn waiting() -> Policy {
         .unwrap()
 }
 
+/// Runs `$work` under key `k` three times, the first two cut off (their
+/// work hangs): the first at once, the second half a [`STEP_RETENTION`]
+/// later (a takeover, keeping the run's record until 1.5 retentions), the
+/// third a tenth of a retention past the first's retention, while the
+/// run's record is still there. The third's result.
+macro_rules! across_the_retention {
+    ($runner:expr, $work:expr) => {{
+        let start = std::time::Instant::now();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), $runner.run("t", "k", &1, $work))
+                .await
+                .is_err()
+        );
+        tokio::time::sleep(STEP_RETENTION / 2 - start.elapsed()).await;
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), $runner.run("t", "k", &1, $work))
+                .await
+                .is_err()
+        );
+        tokio::time::sleep((STEP_RETENTION + STEP_RETENTION / 10).saturating_sub(start.elapsed()))
+            .await;
+        let third = $runner.run("t", "k", &1, $work).await;
+        assert!(
+            start.elapsed() < STEP_RETENTION * 3 / 2,
+            "the run's record expired before the test could look"
+        );
+        third
+    }};
+}
+
 /// Cases every store passes. `$make` is an async expression giving
 /// `(store, guard)`; the guard cleans up when dropped.
 macro_rules! run_suite {
@@ -330,8 +360,9 @@ macro_rules! run_suite {
             let runner = Runner::new(store, step_retention());
             let charges = AtomicU32::new(0);
             let refusals = Mutex::new(Vec::new());
-            let hang = std::sync::atomic::AtomicBool::new(true);
+            let attempt = AtomicU32::new(0);
             let work = async |op: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                let n = attempt.fetch_add(1, Ordering::SeqCst);
                 let charged = op
                     .step("charge", async |_| -> Result<u8, String> {
                         charges.fetch_add(1, Ordering::SeqCst);
@@ -346,29 +377,19 @@ macro_rules! run_suite {
                     }
                     other => other.map_err(|e| e.to_string())?,
                 };
-                if hang.load(Ordering::SeqCst) {
+                if n < 2 {
                     // Crashes after the step: the run's record stays in
                     // progress until its lease ends.
                     std::future::pending::<()>().await;
                 }
                 Ok(charged)
             };
-            let start = std::time::Instant::now();
-            // The first attempt charges, then dies.
-            assert!(tokio::time::timeout(Duration::from_millis(100), runner.run("t", "k", &1, work)).await.is_err());
-            // Half a retention later a second takes over (keeping the
-            // run's record until 1.5 retentions), finds the charge done, and
-            // dies too.
-            tokio::time::sleep(STEP_RETENTION / 2 - start.elapsed()).await;
-            assert!(tokio::time::timeout(Duration::from_millis(300), runner.run("t", "k", &1, work)).await.is_err());
-            assert_eq!(charges.load(Ordering::SeqCst), 1);
-            // Past the charge's retention the run's record is still there,
-            // the charge's is not.
-            tokio::time::sleep((STEP_RETENTION + STEP_RETENTION / 10).saturating_sub(start.elapsed())).await;
-            hang.store(false, Ordering::SeqCst);
-            let third = runner.run("t", "k", &1, work).await;
+            // The first attempt charges and dies; the second, half a
+            // retention later, finds the charge done and dies too; the third
+            // comes past the charge's retention, the run's record still
+            // there, the charge's not.
+            let third = across_the_retention!(runner, work);
             assert!(matches!(third, Err(RunError::Failed(ref error)) if error == "forgotten"), "{third:?}");
-            assert!(start.elapsed() < STEP_RETENTION * 3 / 2, "the run's record expired before the test could look");
             // And on every run after.
             let fourth = runner.run("t", "k", &1, work).await;
             assert!(matches!(fourth, Err(RunError::Failed(ref error)) if error == "forgotten"), "{fourth:?}");
@@ -410,14 +431,8 @@ macro_rules! run_suite {
                     .map_err(|e| e.to_string())?;
                 Ok(a + b)
             };
-            let start = std::time::Instant::now();
-            assert!(tokio::time::timeout(Duration::from_millis(100), runner.run("t", "k", &1, work)).await.is_err());
-            tokio::time::sleep(STEP_RETENTION / 2 - start.elapsed()).await;
-            assert!(tokio::time::timeout(Duration::from_millis(300), runner.run("t", "k", &1, work)).await.is_err());
-            tokio::time::sleep((STEP_RETENTION + STEP_RETENTION / 10).saturating_sub(start.elapsed())).await;
-            let out = runner.run("t", "k", &1, work).await.unwrap();
-            assert!(start.elapsed() < STEP_RETENTION * 3 / 2, "the run's record expired before the test could look");
-            assert_eq!(out, Outcome::Fresh(3));
+            let out = across_the_retention!(runner, work);
+            assert_eq!(out.unwrap(), Outcome::Fresh(3));
             assert_eq!(*calls.lock().unwrap(), ["a", "b"]);
         }
 
@@ -453,15 +468,43 @@ macro_rules! run_suite {
                     .map_err(|e| e.to_string())?;
                 Ok(a + b)
             };
-            let start = std::time::Instant::now();
-            assert!(tokio::time::timeout(Duration::from_millis(100), runner.run("t", "k", &1, work)).await.is_err());
-            tokio::time::sleep(STEP_RETENTION / 2 - start.elapsed()).await;
-            assert!(tokio::time::timeout(Duration::from_millis(300), runner.run("t", "k", &1, work)).await.is_err());
-            tokio::time::sleep((STEP_RETENTION + STEP_RETENTION / 10).saturating_sub(start.elapsed())).await;
-            let out = runner.run("t", "k", &1, work).await;
-            assert!(start.elapsed() < STEP_RETENTION * 3 / 2, "the run's record expired before the test could look");
+            let out = across_the_retention!(runner, work);
             assert_eq!(out.unwrap(), Outcome::Fresh(3));
             assert_eq!(*calls.lock().unwrap(), ["a", "a", "a", "b"]);
+        }
+
+        /// A step refused as out of order keeps its position, and no step
+        /// after it starts: nothing runs past a step that never ran.
+        #[tokio::test]
+        async fn no_step_starts_after_one_refused_as_out_of_order() {
+            let (store, _guard) = $make.await;
+            let runner = Runner::new(store, Policy::default());
+            let first = runner
+                .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                    op.step("a", async |_| -> Result<u8, String> { Ok(1) }).await.map_err(|e| e.to_string())?;
+                    Err("then failed".to_owned())?
+                })
+                .await;
+            assert!(matches!(first, Err(RunError::Failed(_))), "{first:?}");
+            let called = AtomicU32::new(0);
+            let second = runner
+                .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                    let x = op.step("x", async |_| -> Result<u8, String> { Ok(0) }).await;
+                    assert!(matches!(x, Err(StepError::OutOfOrder { index: 0, .. })), "{x:?}");
+                    match op
+                        .step("y", async |_| -> Result<u8, String> {
+                            called.fetch_add(1, Ordering::SeqCst);
+                            Ok(2)
+                        })
+                        .await
+                    {
+                        Err(StepError::Unfinished { index: 0, name }) => Err(Failure::Final(name)),
+                        other => panic!("{other:?}"),
+                    }
+                })
+                .await;
+            assert!(matches!(second, Err(RunError::Final { ref error, .. }) if error == "x"), "{second:?}");
+            assert_eq!(called.load(Ordering::SeqCst), 0);
         }
 
         /// A step starts only once the one before it completed: after a
