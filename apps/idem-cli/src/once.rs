@@ -10,7 +10,7 @@
 use std::ffi::OsString;
 use std::io::Write;
 use std::process::{ExitCode, Stdio};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -195,11 +195,18 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
         .collect();
     let store_failures = args.store_failures;
     let command = &args.command;
+    let signals = match Signals::watch() {
+        Ok(signals) => signals,
+        Err(e) => {
+            say(format!("cannot watch signals, so nothing is run: {e}"));
+            return Ok(ExitCode::from(exit::NOT_STARTED));
+        }
+    };
     let progress = Progress::default();
     let run = runner.run(&args.scope, &args.key, &input, async |op| {
         execute(op, command, store_failures, &progress).await
     });
-    let result = match until_stopped(run, &progress).await {
+    let result = match until_stopped(run, &progress, signals).await {
         Ok(result) => result,
         Err(number) => {
             let status = progress.status.load(Ordering::SeqCst);
@@ -209,7 +216,7 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
                     args.lease_ms
                 ),
                 _ => format!(
-                    "stopped by signal {number} after the command exited {status}, while its result was being stored: it may not be stored, and then a run after the lease ({} ms) runs the command again",
+                    "stopped by signal {number} after the command ended (exit status {status}), while its result was being stored or its key released: neither may be done, and then a run after the lease ({} ms) runs the command again",
                     args.lease_ms
                 ),
             });
@@ -315,51 +322,116 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
     }))
 }
 
-/// Where a run stands, for a signal that arrives outside the command's own
-/// watch (which kills the command and releases the key).
+/// Where a run stands, for the signals `until_stopped` watches, and the
+/// signal it passes on to the command's watch.
 #[derive(Default)]
 struct Progress {
-    /// [`Self::BEFORE`], [`Self::RUNNING`] or [`Self::ENDED`].
+    /// [`Self::BEFORE`], [`Self::RUNNING`] or [`Self::AFTER`].
     phase: AtomicU8,
-    /// The command's exit status, once ended.
+    /// The command's exit status, once it ended (killed: the status said).
     status: AtomicU8,
+    /// A signal passed on while the command ran and not acted on yet (0:
+    /// none).
+    signal: AtomicI32,
+    stop: tokio::sync::Notify,
+    /// Told when the phase becomes [`Self::AFTER`].
+    after: tokio::sync::Notify,
 }
 
 impl Progress {
+    /// The command has not started: stopping drops the run.
     const BEFORE: u8 = 0;
+    /// The command runs: a signal is passed on to it (killed, the key
+    /// released).
     const RUNNING: u8 = 1;
-    const ENDED: u8 = 2;
+    /// The command ended (by itself or killed): its result is stored or
+    /// its key released.
+    const AFTER: u8 = 2;
+
+    /// The command ended with `status`.
+    fn ended(&self, status: u8) {
+        self.status.store(status, Ordering::SeqCst);
+        self.phase.store(Self::AFTER, Ordering::SeqCst);
+        self.after.notify_one();
+    }
+
+    /// The signal passed on, once one is, taken (acted on).
+    async fn stopped(&self) -> i32 {
+        loop {
+            let number = self.signal.swap(0, Ordering::SeqCst);
+            if number != 0 {
+                return number;
+            }
+            self.stop.notified().await;
+        }
+    }
 }
 
-/// Runs `run` to its end, unless SIGTERM, SIGINT or SIGHUP arrives while
-/// no command runs (before it starts, or once it exited by itself, while
-/// its result is stored, which a store that does not answer retries until
-/// the lease ends): then `run` is dropped and the signal's number
-/// returned. From just before the command starts, `execute`'s own watch
-/// acts on them (the command killed, the key released), also after it
-/// killed the command.
+/// How long a run whose command ended is let finish (a result stored, a
+/// key released: a store call or two) once a signal says stop.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// SIGTERM, SIGINT and SIGHUP, watched from before the claim to the end.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn watch() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// The next one's number.
+    async fn next(&mut self) -> i32 {
+        tokio::select! {
+            _ = self.term.recv() => 15,
+            _ = self.int.recv() => 2,
+            _ = self.hup.recv() => 1,
+        }
+    }
+}
+
+/// Runs `run` to its end, the only watcher of `signals`, each acted on
+/// once: before the command starts, `run` is dropped (nothing ran) and the
+/// signal's number returned; while it runs, the signal is passed on to
+/// `execute`, which kills the command and lets the run release the key;
+/// after it ended, `run` gets [`STOP_GRACE`] to finish (its result stored
+/// or its key released), then is dropped.
 async fn until_stopped<F: std::future::Future>(
     run: F,
     progress: &Progress,
+    mut signals: Signals,
 ) -> Result<F::Output, i32> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
-    ) else {
-        return Ok(run.await);
-    };
     let mut run = std::pin::pin!(run);
     loop {
         let number = tokio::select! {
             output = &mut run => return Ok(output),
-            _ = term.recv() => 15,
-            _ = int.recv() => 2,
-            _ = hup.recv() => 1,
+            number = signals.next() => number,
+            // The command ended just as a signal was passed on to it,
+            // which it did not act on: that signal is this one's now.
+            () = progress.after.notified() => match progress.signal.swap(0, Ordering::SeqCst) {
+                0 => continue,
+                number => number,
+            },
         };
-        if progress.phase.load(Ordering::SeqCst) != Progress::RUNNING {
-            return Err(number);
+        match progress.phase.load(Ordering::SeqCst) {
+            Progress::BEFORE => return Err(number),
+            Progress::RUNNING => {
+                progress.signal.store(number, Ordering::SeqCst);
+                progress.stop.notify_one();
+            }
+            _ => {
+                return tokio::time::timeout(STOP_GRACE, &mut run)
+                    .await
+                    .map_err(|_| number)
+            }
         }
     }
 }
@@ -396,7 +468,6 @@ async fn execute(
     progress: &Progress,
 ) -> Result<Ran, Failure<Failed>> {
     use tokio::io::AsyncWriteExt;
-    use tokio::signal::unix::{signal, SignalKind};
 
     let fail = |f: Failed| {
         if store_failures {
@@ -409,19 +480,8 @@ async fn execute(
     let Some((program, rest)) = command.split_first() else {
         return Err(not_run(NotRun::NotStarted("no command".into())));
     };
-    let mut signals = Vec::new();
-    for (kind, number) in [
-        (SignalKind::terminate(), 15),
-        (SignalKind::interrupt(), 2),
-        (SignalKind::hangup(), 1),
-    ] {
-        let stream = signal(kind)
-            .map_err(|e| not_run(NotRun::NotStarted(format!("cannot watch signals: {e}"))))?;
-        signals.push((stream, number));
-    }
-    // From here this function's own watch acts on a signal (killing the
-    // command, then releasing the key), not `until_stopped`'s; until the
-    // command exits by itself.
+    // From here a signal is passed on to this function (which kills the
+    // command, then lets the key go) rather than dropping the run.
     progress.phase.store(Progress::RUNNING, Ordering::SeqCst);
     // The command runs in a process group of its own, which is not the
     // terminal's foreground group: reading a terminal would stop it (until
@@ -489,36 +549,29 @@ async fn execute(
         }
         status
     };
-    let stopped = async {
-        let waits = signals.iter_mut().map(|(stream, number)| {
-            let number = *number;
-            Box::pin(async move {
-                stream.recv().await;
-                number
-            })
-        });
-        futures_select_all(waits).await
-    };
     let status = tokio::select! {
         status = ran => status,
         () = tokio::time::sleep(lease) => {
             kill_group(group, exit::LEASE_RAN_OUT);
+            progress.ended(exit::LEASE_RAN_OUT);
             return Err(not_run(NotRun::LeaseRanOut));
         }
-        number = stopped => {
-            kill_group(group, u8::try_from(128 + number).unwrap_or(1));
+        number = progress.stopped() => {
+            let status = u8::try_from(128 + number).unwrap_or(1);
+            kill_group(group, status);
+            progress.ended(status);
             return Err(not_run(NotRun::Stopped(number)));
         }
     };
-    let status = status.map_err(|e| not_run(NotRun::NotStarted(e.to_string())))?;
+    let status = status.map_err(|e| {
+        progress.ended(exit::NOT_STARTED);
+        not_run(NotRun::NotStarted(e.to_string()))
+    })?;
     let code = status.code().unwrap_or_else(|| {
         use std::os::unix::process::ExitStatusExt;
         128 + status.signal().unwrap_or(0)
     });
-    progress
-        .status
-        .store(u8::try_from(code & 0xff).unwrap_or(1), Ordering::SeqCst);
-    progress.phase.store(Progress::ENDED, Ordering::SeqCst);
+    progress.ended(u8::try_from(code & 0xff).unwrap_or(1));
     let stdout = (captured.len() <= MAX_STDOUT).then(|| match String::from_utf8(captured) {
         Ok(text) => Captured::Text(text),
         Err(e) => Captured::Bytes(e.into_bytes()),
@@ -533,23 +586,6 @@ async fn execute(
     } else {
         Err(fail(Failed::Exited(ran)))
     }
-}
-
-/// The first of `waits` to finish.
-async fn futures_select_all<F>(waits: impl Iterator<Item = std::pin::Pin<Box<F>>>) -> i32
-where
-    F: std::future::Future<Output = i32>,
-{
-    let mut waits: Vec<_> = waits.collect();
-    std::future::poll_fn(|cx| {
-        for w in &mut waits {
-            if let std::task::Poll::Ready(n) = w.as_mut().poll(cx) {
-                return std::task::Poll::Ready(n);
-            }
-        }
-        std::task::Poll::Pending
-    })
-    .await
 }
 
 /// Kills the command's process group (the command and whatever it
