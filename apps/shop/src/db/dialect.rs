@@ -298,6 +298,12 @@ impl ShopDialect for idem_sql::MySql {
             // connection closes (and the lock with it) rather than go back
             // to the pool holding it.
             conn.close_on_drop();
+            // Its DDL waits at most 10 s for transactions open on a table
+            // (every later statement on the table would queue behind it),
+            // as idem's own migrations do; the connection goes with it.
+            sqlx::query("SET SESSION lock_wait_timeout = 10")
+                .execute(&mut *conn)
+                .await?;
             let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('shop-schema', 60)")
                 .fetch_one(&mut *conn)
                 .await?;
