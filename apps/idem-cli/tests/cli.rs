@@ -556,18 +556,47 @@ async fn release_frees_a_stuck_claim_after_confirmation_and_refuses_a_completed_
     assert_eq!(missing.status.code(), Some(1));
 }
 
+/// Records in a SQLite file of the test's own with Redis in front, under a
+/// key prefix of its own.
+struct Tiered {
+    dir: tempfile::TempDir,
+    url: String,
+    prefix: String,
+    redis: idem_redis::RedisStore,
+    tiered: Arc<dyn Store>,
+}
+
+impl Tiered {
+    async fn new(name: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite:{}", dir.path().join("tier.db").display());
+        let prefix = format!("{name}-{}", uuid::Uuid::new_v4().simple());
+        let sql = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
+        let redis = idem_redis::RedisStore::connect(
+            idem_redis::RedisConfig::new("redis://127.0.0.1:6379").prefix(&prefix),
+        )
+        .await
+        .unwrap();
+        let tiered: Arc<dyn Store> = Arc::new(idem_redis::TieredStore::new(sql, redis.clone()));
+        Self {
+            dir,
+            url,
+            prefix,
+            redis,
+            tiered,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspect_and_stats_show_redis_in_tiered_mode() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", dir.path().join("tier.db").display());
-    let prefix = format!("cli-tier-{}", uuid::Uuid::new_v4().simple());
-    let sql = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
-    let redis = idem_redis::RedisStore::connect(
-        idem_redis::RedisConfig::new("redis://127.0.0.1:6379").prefix(&prefix),
-    )
-    .await
-    .unwrap();
-    let tiered: Arc<dyn Store> = Arc::new(idem_redis::TieredStore::new(sql, redis.clone()));
+    let Tiered {
+        dir: _dir,
+        url,
+        prefix,
+        redis,
+        tiered,
+    } = Tiered::new("cli-tier").await;
     fill(tiered.clone()).await;
     // a replay reads the completed record through and caches it in Redis
     let again = tiered
@@ -611,16 +640,13 @@ async fn inspect_and_stats_show_redis_in_tiered_mode() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", dir.path().join("tier-release.db").display());
-    let prefix = format!("cli-release-{}", uuid::Uuid::new_v4().simple());
-    let sql = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
-    let redis = idem_redis::RedisStore::connect(
-        idem_redis::RedisConfig::new("redis://127.0.0.1:6379").prefix(&prefix),
-    )
-    .await
-    .unwrap();
-    let tiered: Arc<dyn Store> = Arc::new(idem_redis::TieredStore::new(sql, redis.clone()));
+    let Tiered {
+        dir: _dir,
+        url,
+        prefix,
+        redis,
+        tiered,
+    } = Tiered::new("cli-release").await;
     let req = request(
         "c1",
         "stuck",
@@ -702,16 +728,13 @@ async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
 /// it finishes the job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tiered_release_whose_redis_marker_stays_says_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite:{}", dir.path().join("tier-half.db").display());
-    let prefix = format!("cli-half-{}", uuid::Uuid::new_v4().simple());
-    let sql = idem_sqlite::SqliteStore::connect(&url).await.unwrap();
-    let redis = idem_redis::RedisStore::connect(
-        idem_redis::RedisConfig::new("redis://127.0.0.1:6379").prefix(&prefix),
-    )
-    .await
-    .unwrap();
-    let tiered: Arc<dyn Store> = Arc::new(idem_redis::TieredStore::new(sql, redis.clone()));
+    let Tiered {
+        dir: _dir,
+        url,
+        prefix,
+        redis,
+        tiered,
+    } = Tiered::new("cli-half").await;
     let req = request(
         "c1",
         "half",
