@@ -18,9 +18,12 @@
 //! (`CREATE TABLE IF NOT EXISTS`, indexes inside it), and a later one that
 //! adds an index holds that one `CREATE INDEX`, whose duplicate-name error
 //! on a re-run counts as applied (MySQL 8 has no `IF NOT EXISTS` there).
-//! There a statement waits at most 10 s for the transactions open on its
-//! table (`lock_wait_timeout`, a year by default), since every later
-//! statement on the table would queue behind it.
+//!
+//! On PostgreSQL and MySQL a migration's statement waits at most 10 s for
+//! the transactions using its table (`lock_timeout`, once the runners'
+//! lock is held; MySQL's `lock_wait_timeout`, a year by default), since
+//! every later statement on the table would queue behind it: an upgrade
+//! behind a long transaction fails, to be run again by the next start.
 
 use sha2::{Digest, Sha256};
 

@@ -433,6 +433,51 @@ async fn mysql_an_upgrade_behind_an_open_transaction_gives_up() {
     pool.close().await;
 }
 
+/// PostgreSQL: an upgrade whose DDL waits behind a transaction writing its
+/// table (`CREATE INDEX` takes a lock writers hold off, and every later
+/// writer queues behind it) gives up after a bounded wait, to be run again
+/// later; once the transaction ended it goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_upgrade_behind_an_open_transaction_gives_up() {
+    let schema = TestSchema::create("idem_migrate_wait").await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&schema.url())
+        .await
+        .unwrap();
+    let t = table(Some(schema.name()), "waited");
+    let first: &'static [Migration] = &[Migration {
+        version: 1,
+        sql: "CREATE TABLE IF NOT EXISTS {table} (id text PRIMARY KEY)",
+    }];
+    migrate::<Postgres>(&pool, &t, first).await.unwrap();
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\".waited VALUES ('a')",
+        schema.name()
+    ))
+    .execute(&mut *open)
+    .await
+    .unwrap();
+    let upgrade: &[Migration] = &[
+        first[0],
+        Migration {
+            version: 2,
+            sql: "CREATE INDEX waited_id2 ON {table} (id)",
+        },
+    ];
+    let gave_up = tokio::time::timeout(
+        std::time::Duration::from_secs(40),
+        migrate::<Postgres>(&pool, &t, upgrade),
+    )
+    .await
+    .expect("the upgrade waited for the open transaction past 40 s");
+    assert!(gave_up.is_err(), "{gave_up:?}");
+    open.rollback().await.unwrap();
+    migrate::<Postgres>(&pool, &t, upgrade).await.unwrap();
+    pool.close().await;
+}
+
 /// What each database's errors mean: a missing table, an unknown column
 /// (fatal: never retried forever), a unique violation, a deadlock (retry
 /// the transaction), an unreachable server.

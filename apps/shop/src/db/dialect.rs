@@ -238,6 +238,11 @@ impl ShopDialect for idem_sql::Postgres {
                 sqlx::query("SELECT pg_advisory_xact_lock(hashtext('shop-schema'))")
                     .execute(&mut *tx)
                     .await?;
+                // Its DDL waits at most 10 s for the transactions using a
+                // table (every later statement on it would queue behind).
+                sqlx::query("SET LOCAL lock_timeout = '10s'")
+                    .execute(&mut *tx)
+                    .await?;
                 // Before the schema, whose indexes may name the columns.
                 for added in ADDED_COLUMNS {
                     sqlx::query(&format!(

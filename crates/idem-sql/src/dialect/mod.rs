@@ -55,6 +55,10 @@ pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
+/// How long a migration's DDL waits for the transactions using its table
+/// (MySQL's `lock_wait_timeout`, PostgreSQL's `lock_timeout`), in seconds.
+pub(crate) const MIGRATION_DDL_WAIT_SECS: i64 = 10;
+
 /// Which database a URL names: the one place idem reads a URL's scheme.
 ///
 /// ```

@@ -75,9 +75,6 @@ async fn create_database(
 /// How long a migration waits for another runner's lock, in seconds.
 const MIGRATION_LOCK_SECS: i64 = 60;
 
-/// How long a migration's DDL waits for the transactions open on its table.
-const MIGRATION_DDL_WAIT_SECS: i64 = 10;
-
 /// The name of the migration lock of database `schema` (the connection's
 /// own when `None`): at most the 64 characters MySQL 8 allows a lock name
 /// (MariaDB has no limit). A name that would be longer holds a hash of the
@@ -190,7 +187,7 @@ impl Dialect for MySql {
             // and is run again later, rather than stall the table's users
             // and hold the migration lock meanwhile.
             sqlx::query("SET SESSION lock_wait_timeout = ?")
-                .bind(MIGRATION_DDL_WAIT_SECS)
+                .bind(super::MIGRATION_DDL_WAIT_SECS)
                 .execute(&mut *conn)
                 .await
                 .map_err(&db)?;

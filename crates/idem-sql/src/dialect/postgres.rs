@@ -99,6 +99,18 @@ impl Dialect for Postgres {
                     .execute(&mut *tx)
                     .await
                     .map_err(&db)?;
+                // Once the runners' lock is held: a DDL statement waits for
+                // the transactions using its table, and every later
+                // statement on the table waits behind it, so the wait is
+                // bounded (an upgrade behind a long transaction fails, to
+                // be run again by the next start).
+                sqlx::query(&format!(
+                    "SET LOCAL lock_timeout = '{}s'",
+                    super::MIGRATION_DDL_WAIT_SECS
+                ))
+                .execute(&mut *tx)
+                .await
+                .map_err(&db)?;
                 let mut script = String::new();
                 if let Some(s) = table.schema() {
                     script.push_str(&format!("CREATE SCHEMA IF NOT EXISTS \"{s}\";\n"));
