@@ -152,7 +152,9 @@ impl IdempotentRetryBuilder {
     }
 
     /// Gives up once this much time has passed since the first attempt
-    /// (default 35 s); no wait runs past it.
+    /// (default 35 s), or the call's own deadline (`grpc-timeout`, as
+    /// `Request::set_timeout` sets it) has, whichever comes first; no wait
+    /// runs past it, and each retry is sent with the deadline's time left.
     pub fn max_elapsed(mut self, d: Duration) -> Self {
         self.0.max_elapsed = d;
         self
@@ -271,11 +273,20 @@ where
     let key = key_for(&mut parts)?;
     let body = body.collect().await?.to_bytes();
     let started = Instant::now();
+    // The caller's deadline bounds the retries too, and each attempt is
+    // sent with the time left of it.
+    let deadline = grpc_timeout(&parts.headers).map(|timeout| started + timeout);
     let mut backoff = Backoff::new(config.base_delay, config.max_delay);
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let attempt = copy(&parts, body.clone());
+        let mut attempt = copy(&parts, body.clone());
+        if let Some(deadline) = deadline.filter(|_| attempts > 1) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            attempt
+                .headers_mut()
+                .insert(GRPC_TIMEOUT, grpc_timeout_value(left));
+        }
         let sent = match inner.ready().await {
             Ok(ready) => ready.call(attempt).await,
             Err(e) => Err(e),
@@ -325,7 +336,10 @@ where
             None => backoff.next_wait(),
         };
         let elapsed = started.elapsed();
-        let left = config.max_elapsed.saturating_sub(elapsed);
+        let mut left = config.max_elapsed.saturating_sub(elapsed);
+        if let Some(deadline) = deadline {
+            left = left.min(deadline.saturating_duration_since(Instant::now()));
+        }
         if attempts >= config.max_attempts || left.is_zero() || wait > left {
             return match last {
                 Last::Answer(response) => Ok(response),
@@ -374,6 +388,42 @@ fn copy(parts: &http::request::Parts, body: Bytes) -> Request<Body> {
     request
 }
 
+/// The header of a call's deadline.
+const GRPC_TIMEOUT: &str = "grpc-timeout";
+
+/// The caller's `grpc-timeout` (up to 8 digits and a unit: `H M S m u n`),
+/// if it set a valid one.
+fn grpc_timeout(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(GRPC_TIMEOUT)?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// `left` as a `grpc-timeout` value, in the finest unit that fits 8 digits.
+fn grpc_timeout_value(left: Duration) -> HeaderValue {
+    let micros = left.as_micros();
+    let value = if micros < 100_000_000 {
+        format!("{micros}u")
+    } else if left.as_millis() < 100_000_000 {
+        format!("{}m", left.as_millis())
+    } else {
+        format!("{}S", left.as_secs().min(99_999_999))
+    };
+    HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static("0u"))
+}
+
 /// The server's `grpc-retry-pushback-ms`, if it sent a valid one.
 fn pushback(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<Duration> {
     let value = trailers
@@ -381,4 +431,44 @@ fn pushback(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<Duratio
         .or_else(|| headers.get(RETRY_PUSHBACK))?;
     let ms: u64 = value.to_str().ok()?.parse().ok()?;
     Some(Duration::from_millis(ms))
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_read_and_written() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(GRPC_TIMEOUT, HeaderValue::from_str(v).unwrap());
+            grpc_timeout(&h)
+        };
+        assert_eq!(with("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(with("1500m"), Some(Duration::from_millis(1500)));
+        assert_eq!(with("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(with("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(with("250u"), Some(Duration::from_micros(250)));
+        assert_eq!(with("7n"), Some(Duration::from_nanos(7)));
+        for bad in ["", "S", "123456789S", "1x", "-1S", "1.5S"] {
+            assert_eq!(with(bad), None, "{bad:?}");
+        }
+        assert_eq!(grpc_timeout_value(Duration::from_millis(1500)), "1500000u");
+        assert_eq!(grpc_timeout_value(Duration::from_secs(200)), "200000m");
+        assert_eq!(grpc_timeout_value(Duration::from_secs(200_000)), "200000S");
+        for d in [
+            Duration::ZERO,
+            Duration::from_millis(7),
+            Duration::from_secs(99_999),
+        ] {
+            let v = grpc_timeout_value(d);
+            let mut h = HeaderMap::new();
+            h.insert(GRPC_TIMEOUT, v);
+            let back = grpc_timeout(&h).unwrap();
+            assert!(
+                back <= d && d - back < Duration::from_secs(1),
+                "{d:?} {back:?}"
+            );
+        }
+    }
 }

@@ -838,3 +838,72 @@ async fn the_client_layer_gives_up_with_the_key_it_used() {
         "{err}"
     );
 }
+
+/// The caller's deadline (`grpc-timeout`) bounds the retries: a call made
+/// with 400 ms to a port that refuses it gives up with its deadline, not
+/// after the layer's 35 s, and each attempt after the first is sent with
+/// the time left, less each time.
+#[tokio::test]
+async fn the_client_layer_keeps_to_the_callers_deadline() {
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy();
+    let sent = Arc::new(Mutex::new(Vec::<String>::new()));
+    let recorded = {
+        let sent = sent.clone();
+        tower::ServiceBuilder::new()
+            .map_request(move |r: http::Request<Body>| {
+                let timeout = r
+                    .headers()
+                    .get("grpc-timeout")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                sent.lock().unwrap().push(timeout.unwrap_or_default());
+                r
+            })
+            .service(channel)
+    };
+    let mut retrying = tower::ServiceBuilder::new()
+        .layer(
+            IdempotentRetryLayer::builder()
+                .method(CHARGE)
+                .base_delay(Duration::from_millis(20))
+                .build(),
+        )
+        .service(recorded);
+    let mut request = http::Request::new(Body::empty());
+    *request.method_mut() = http::Method::POST;
+    *request.uri_mut() = format!("http://{addr}{CHARGE}").parse().unwrap();
+    request
+        .headers_mut()
+        .insert("grpc-timeout", http::HeaderValue::from_static("400m"));
+    request.extensions_mut().insert(IntentKey::new("in-time"));
+    use tower::{Service, ServiceExt};
+    let started = std::time::Instant::now();
+    let err = retrying
+        .ready()
+        .await
+        .unwrap()
+        .call(request)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    let err = err.downcast::<RetryError>().unwrap();
+    assert_eq!(err.key, "in-time");
+    assert!(took < Duration::from_secs(5), "gave up after {took:?}");
+    let sent = sent.lock().unwrap().clone();
+    assert!(sent.len() >= 2, "{sent:?}");
+    assert_eq!(
+        sent[0], "400m",
+        "the first attempt goes as the caller sent it"
+    );
+    let micros: Vec<u64> = sent[1..]
+        .iter()
+        .map(|v| v.strip_suffix('u').unwrap().parse().unwrap())
+        .collect();
+    assert!(micros.iter().all(|&us| us < 400_000), "{sent:?}");
+    assert!(micros.windows(2).all(|w| w[1] < w[0]), "{sent:?}");
+}
