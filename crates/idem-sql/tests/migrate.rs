@@ -390,75 +390,26 @@ async fn mysql_a_runner_stopped_midway_leaves_no_lock_behind() {
     pool.close().await;
 }
 
-/// MySQL: an upgrade whose DDL waits behind a transaction open on its
-/// table (a metadata lock, which queues every later statement on the table
-/// behind the DDL) gives up after a bounded wait and fails, to be run again
-/// later, instead of waiting for the server's default of a year.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_an_upgrade_behind_an_open_transaction_gives_up() {
-    let home = TestDatabase::create("idem_migrate_wait").await;
-    let pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(3)
-        .connect(&home.url())
-        .await
-        .unwrap();
-    let t = table(Some(home.name()), "waited");
-    let first: &'static [Migration] = &[Migration {
+/// An upgrade whose DDL waits behind a transaction writing its table (a
+/// lock the DDL needs, behind which every later statement on the table
+/// would queue) gives up after a bounded wait, to be run again later,
+/// instead of waiting for ever (MySQL's default `lock_wait_timeout` is a
+/// year); once the transaction ended it goes through. `qualified` is the
+/// table as a statement names it.
+async fn an_upgrade_behind_an_open_transaction_gives_up<DB: idem_sql::Driver>(
+    pool: &sqlx::Pool<DB>,
+    t: &TableName,
+    qualified: &str,
+) {
+    use idem_sql::dialect::{Dialect as _, Statement};
+    let first: &[Migration] = &[Migration {
         version: 1,
         sql: "CREATE TABLE IF NOT EXISTS {table} (id VARCHAR(10) PRIMARY KEY)",
     }];
-    migrate::<MySql>(&pool, &t, first).await.unwrap();
+    migrate::<DB::Dialect>(pool, t, first).await.unwrap();
     let mut open = pool.begin().await.unwrap();
-    sqlx::query(&format!("SELECT count(*) FROM `{}`.`waited`", home.name()))
-        .execute(&mut *open)
-        .await
-        .unwrap();
-    let upgrade: &[Migration] = &[
-        first[0],
-        Migration {
-            version: 2,
-            sql: "CREATE INDEX `waited_id2` ON {table} (id)",
-        },
-    ];
-    let gave_up = tokio::time::timeout(
-        std::time::Duration::from_secs(40),
-        migrate::<MySql>(&pool, &t, upgrade),
-    )
-    .await
-    .expect("the upgrade waited for the open transaction past 40 s");
-    assert!(gave_up.is_err(), "{gave_up:?}");
-    open.rollback().await.unwrap();
-    // Once the transaction ended, it goes through.
-    migrate::<MySql>(&pool, &t, upgrade).await.unwrap();
-    pool.close().await;
-}
-
-/// PostgreSQL: an upgrade whose DDL waits behind a transaction writing its
-/// table (`CREATE INDEX` takes a lock writers hold off, and every later
-/// writer queues behind it) gives up after a bounded wait, to be run again
-/// later; once the transaction ended it goes through.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_an_upgrade_behind_an_open_transaction_gives_up() {
-    let schema = TestSchema::create("idem_migrate_wait").await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(3)
-        .connect(&schema.url())
-        .await
-        .unwrap();
-    let t = table(Some(schema.name()), "waited");
-    let first: &'static [Migration] = &[Migration {
-        version: 1,
-        sql: "CREATE TABLE IF NOT EXISTS {table} (id text PRIMARY KEY)",
-    }];
-    migrate::<Postgres>(&pool, &t, first).await.unwrap();
-    let mut open = pool.begin().await.unwrap();
-    sqlx::query(&format!(
-        "INSERT INTO \"{}\".waited VALUES ('a')",
-        schema.name()
-    ))
-    .execute(&mut *open)
-    .await
-    .unwrap();
+    let write = Statement::<DB::Dialect>::raw(&format!("INSERT INTO {qualified} VALUES ('a')"));
+    DB::Dialect::execute(&mut open, &write, &[]).await.unwrap();
     let upgrade: &[Migration] = &[
         first[0],
         Migration {
@@ -468,13 +419,32 @@ async fn postgres_an_upgrade_behind_an_open_transaction_gives_up() {
     ];
     let gave_up = tokio::time::timeout(
         std::time::Duration::from_secs(40),
-        migrate::<Postgres>(&pool, &t, upgrade),
+        migrate::<DB::Dialect>(pool, t, upgrade),
     )
     .await
     .expect("the upgrade waited for the open transaction past 40 s");
     assert!(gave_up.is_err(), "{gave_up:?}");
     open.rollback().await.unwrap();
-    migrate::<Postgres>(&pool, &t, upgrade).await.unwrap();
+    migrate::<DB::Dialect>(pool, t, upgrade).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_an_upgrade_behind_an_open_transaction_gives_up() {
+    let home = TestDatabase::create("idem_migrate_wait").await;
+    let pool = sqlx::MySqlPool::connect(&home.url()).await.unwrap();
+    let t = table(Some(home.name()), "waited");
+    let qualified = format!("`{}`.`waited`", home.name());
+    an_upgrade_behind_an_open_transaction_gives_up(&pool, &t, &qualified).await;
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_upgrade_behind_an_open_transaction_gives_up() {
+    let schema = TestSchema::create("idem_migrate_wait").await;
+    let pool = sqlx::PgPool::connect(&schema.url()).await.unwrap();
+    let t = table(Some(schema.name()), "waited");
+    let qualified = format!("\"{}\".waited", schema.name());
+    an_upgrade_behind_an_open_transaction_gives_up(&pool, &t, &qualified).await;
     pool.close().await;
 }
 
