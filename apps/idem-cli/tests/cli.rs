@@ -808,6 +808,20 @@ async fn a_tiered_release_whose_redis_marker_stays_says_so() {
     redis.clear().await.unwrap();
 }
 
+/// A schema of the test's own (named from `prefix`) whose records table
+/// holds a claim of key `key` in scope `c1` under `lease`; and its URL.
+async fn claimed_on_postgres(prefix: &str, key: &str, lease: Duration) -> (TestSchema, String) {
+    let schema = TestSchema::create(prefix).await;
+    let url = schema.url();
+    let store = idem_postgres::PostgresStore::connect(&url).await.unwrap();
+    let claimed = store
+        .claim(&request("c1", key, "{}", lease, Duration::from_secs(600)))
+        .await
+        .unwrap();
+    assert!(matches!(claimed, ClaimOutcome::Acquired(_)));
+    (schema, url)
+}
+
 /// `url` with its user replaced by `user` (no password: trust auth).
 fn as_user(url: &str, user: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap();
@@ -821,20 +835,8 @@ fn as_user(url: &str, user: &str) -> String {
 /// whole command failing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inspect_by_a_reader_shows_the_record_and_an_unknown_hold() {
-    let schema = TestSchema::create("idem_cli_reader").await;
-    let url = schema.url();
-    let store = idem_postgres::PostgresStore::connect(&url).await.unwrap();
-    let claimed = store
-        .claim(&request(
-            "c1",
-            "read-only",
-            "{}",
-            Duration::from_secs(600),
-            Duration::from_secs(600),
-        ))
-        .await
-        .unwrap();
-    assert!(matches!(claimed, ClaimOutcome::Acquired(_)));
+    let (schema, url) =
+        claimed_on_postgres("idem_cli_reader", "read-only", Duration::from_secs(600)).await;
     let role = format!("idem_reader_{}", uuid::Uuid::new_v4().simple());
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let _dropped = RoleGuard {
@@ -918,20 +920,8 @@ impl Drop for RoleGuard {
 /// it without `--force`; once the transaction ends, the lease rules again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_held_by_a_transaction_is_shown_held_and_not_released() {
-    let schema = TestSchema::create("idem_cli_held").await;
-    let url = schema.url();
-    let store = idem_postgres::PostgresStore::connect(&url).await.unwrap();
-    let claimed = store
-        .claim(&request(
-            "c1",
-            "in-tx",
-            "{}",
-            Duration::from_millis(10),
-            Duration::from_secs(600),
-        ))
-        .await
-        .unwrap();
-    assert!(matches!(claimed, ClaimOutcome::Acquired(_)));
+    let (_schema, url) =
+        claimed_on_postgres("idem_cli_held", "in-tx", Duration::from_millis(10)).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     // A holder's transaction keeps the row locked, its lease long past.
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
