@@ -53,6 +53,10 @@ impl Migration {
     }
 }
 
+/// How long a migration's DDL waits for the transactions using its table
+/// (MySQL's `lock_wait_timeout`, PostgreSQL's `lock_timeout`), in seconds.
+pub const MIGRATION_DDL_WAIT_SECS: i64 = 10;
+
 /// The table that records applied versions.
 pub const VERSION_TABLE: &str = "idem_schema_migrations";
 

@@ -240,9 +240,12 @@ impl ShopDialect for idem_sql::Postgres {
                     .await?;
                 // Its DDL waits at most 10 s for the transactions using a
                 // table (every later statement on it would queue behind).
-                sqlx::query("SET LOCAL lock_timeout = '10s'")
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query(&format!(
+                    "SET LOCAL lock_timeout = '{}s'",
+                    idem_sql::migrate::MIGRATION_DDL_WAIT_SECS
+                ))
+                .execute(&mut *tx)
+                .await?;
                 // Before the schema, whose indexes may name the columns.
                 for added in ADDED_COLUMNS {
                     sqlx::query(&format!(
@@ -306,7 +309,8 @@ impl ShopDialect for idem_sql::MySql {
             // Its DDL waits at most 10 s for transactions open on a table
             // (every later statement on the table would queue behind it),
             // as idem's own migrations do; the connection goes with it.
-            sqlx::query("SET SESSION lock_wait_timeout = 10")
+            sqlx::query("SET SESSION lock_wait_timeout = ?")
+                .bind(idem_sql::migrate::MIGRATION_DDL_WAIT_SECS)
                 .execute(&mut *conn)
                 .await?;
             let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('shop-schema', 60)")

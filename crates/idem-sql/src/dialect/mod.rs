@@ -54,11 +54,6 @@ pub(crate) mod sealed {
     /// Only idem's own dialects implement [`Dialect`](super::Dialect).
     pub trait Sealed {}
 }
-
-/// How long a migration's DDL waits for the transactions using its table
-/// (MySQL's `lock_wait_timeout`, PostgreSQL's `lock_timeout`), in seconds.
-pub(crate) const MIGRATION_DDL_WAIT_SECS: i64 = 10;
-
 /// Which database a URL names: the one place idem reads a URL's scheme.
 ///
 /// ```

@@ -187,7 +187,7 @@ impl Dialect for MySql {
             // and is run again later, rather than stall the table's users
             // and hold the migration lock meanwhile.
             sqlx::query("SET SESSION lock_wait_timeout = ?")
-                .bind(super::MIGRATION_DDL_WAIT_SECS)
+                .bind(crate::migrate::MIGRATION_DDL_WAIT_SECS)
                 .execute(&mut *conn)
                 .await
                 .map_err(&db)?;

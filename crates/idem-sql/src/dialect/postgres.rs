@@ -106,7 +106,7 @@ impl Dialect for Postgres {
                 // be run again by the next start).
                 sqlx::query(&format!(
                     "SET LOCAL lock_timeout = '{}s'",
-                    super::MIGRATION_DDL_WAIT_SECS
+                    crate::migrate::MIGRATION_DDL_WAIT_SECS
                 ))
                 .execute(&mut *tx)
                 .await
