@@ -462,15 +462,19 @@ impl Parser<'_> {
         }
         let key = self.at(out);
         let key_in = self.i;
-        self.string(out)?;
-        let len = self.i - key_in - 1;
-        let prefix = if self.run <= key_in {
-            // As it stands in the input.
-            key_prefix(self.s, key_in + 1, len)
-        } else {
-            // Respelled: written out in full.
-            self.flush(out);
-            key_prefix(out, key + 1, out.len() - key - 1)
+        let prefix = match self.short_key() {
+            Some(prefix) => prefix,
+            None => {
+                self.string(out)?;
+                if self.run <= key_in {
+                    // As it stands in the input.
+                    key_prefix(self.s, key_in + 1, self.i - key_in - 1)
+                } else {
+                    // Respelled: written out in full.
+                    self.flush(out);
+                    key_prefix(out, key + 1, out.len() - key - 1)
+                }
+            }
         };
         // Whether each key so far came after the one before it (a tie in
         // the prefix counts as not: the sort then looks closer); whether
@@ -493,6 +497,25 @@ impl Parser<'_> {
             end: colon,
         });
         Ok(())
+    }
+
+    /// A key of at most seven bytes of plain ASCII, from its opening quote:
+    /// stepped over, and its prefix (see [`Member::prefix`]) taken from the
+    /// same eight bytes its closing quote was found in. `None` (nothing
+    /// read) for any other key.
+    #[inline(always)]
+    fn short_key(&mut self) -> Option<u64> {
+        let eight = self.s.get(self.i + 1..)?.first_chunk::<8>()?;
+        let found = string::stops(u64::from_le_bytes(*eight));
+        // The closing quote's index, or 8 when none of the bytes stops.
+        let n = (found.trailing_zeros() / 8) as usize;
+        if eight.get(n) != Some(&b'"') {
+            return None;
+        }
+        // The key's bytes up to its closing quote, that included.
+        let len = n + 1;
+        self.i += 1 + len;
+        Some(u64::from_be_bytes(*eight) & u64::MAX << (64 - 8 * len))
     }
 
     /// Puts the members read since `first` (the input stands at the

@@ -12,7 +12,7 @@ const fn splat(b: u8) -> u64 {
 /// The high bit of each byte of `w` that is a quote, a backslash, a control
 /// character or not ASCII; the lowest one set is the first such byte (the
 /// borrows that may set others only run upwards from a byte that is one).
-fn stops(w: u64) -> u64 {
+pub(super) fn stops(w: u64) -> u64 {
     const HIGH: u64 = splat(0x80);
     let zero_in = |x: u64| x.wrapping_sub(splat(1)) & !x & HIGH;
     zero_in(w ^ splat(b'"'))

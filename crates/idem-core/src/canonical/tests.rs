@@ -721,3 +721,85 @@ fn objects_of_one_shape_in_a_row_each_sorted() {
         assert_eq!(canon(doc).ok(), want.and_then(Result::ok), "{doc}");
     }
 }
+
+#[test]
+fn keys_about_a_word_long_in_every_order() {
+    // Keys of up to seven plain bytes are read with their closing quote
+    // from one eight-byte word, longer ones (or ones with an escape or
+    // other text) by the general path: keys either side of that length,
+    // sharing their first bytes, must still order and compare as their
+    // bytes do, wherever the input ends.
+    let keys = [
+        "abcdef",
+        "abcdefg",
+        "abcdefgh",
+        "abcdefga",
+        "abcdefg\\u0041",
+        "abcdefé",
+        "",
+    ];
+    let mut rng = Lcg(7);
+    for round in 0..200 {
+        let mut members: Vec<String> = keys
+            .iter()
+            .enumerate()
+            .map(|(n, k)| format!(r#""{k}":{n}"#))
+            .collect();
+        for n in (1..members.len()).rev() {
+            members.swap(n, rng.below(n + 1));
+        }
+        members.truncate(1 + round % keys.len());
+        // With and without a repeated key, and objects that end the input.
+        if round % 3 == 0 {
+            let again = members[0].replace(':', ":9");
+            members.push(again);
+        }
+        for doc in [
+            format!("{{{}}}", members.join(",")),
+            format!("[{{{}}},1]", members.join(",")),
+        ] {
+            let want = reference(doc.as_bytes()).map(String::from_utf8);
+            assert_eq!(canon(&doc).ok(), want.and_then(Result::ok), "{doc}");
+        }
+    }
+}
+
+#[test]
+fn a_short_key_read_from_one_word_has_the_prefix_of_its_bytes() {
+    fn parser(s: &[u8]) -> Parser<'_> {
+        Parser {
+            s,
+            i: 0,
+            run: 0,
+            frames: Vec::new(),
+            members: Vec::new(),
+            scratch: Vec::new(),
+            order: Vec::new(),
+            shape: Shape::NONE,
+            refusal: Fault { what: "", at: 0 },
+        }
+    }
+    for key in ["", "a", "ab", "abc", "abcdefg", "z~ }{z!"] {
+        let input = format!(r#""{key}":[1,2,3,4,5,6,7,8]"#);
+        let mut p = parser(input.as_bytes());
+        let len = key.len() + 1;
+        assert_eq!(
+            p.short_key(),
+            Some(key_prefix(input.as_bytes(), 1, len)),
+            "{key}"
+        );
+        assert_eq!(p.i, 1 + len, "{key}: stands after its closing quote");
+    }
+    // Not read this way (nothing stepped over): eight bytes or more, an
+    // escape, a byte that is not ASCII, fewer than eight bytes left.
+    for input in [
+        r#""abcdefgh":1,2,3,4"#,
+        r#""ab\"c":1,2,3,4,5"#,
+        "\"abé\":1,2,3,4,5",
+        r#""a":1}"#,
+    ] {
+        let mut p = parser(input.as_bytes());
+        assert_eq!(p.short_key(), None, "{input}");
+        assert_eq!(p.i, 0, "{input}");
+    }
+}
