@@ -148,8 +148,11 @@ struct Refused;
 /// What each step of the parser gives back.
 type Step = Result<(), Refused>;
 
-/// One object member: where its key starts and ends (quotes included) and
-/// where its value ends, as positions in the output (see [`Parser::at`]).
+/// One object member: where its key starts and ends (quotes included), as
+/// positions in the output (see [`Parser::at`]). Where its value ends is not
+/// kept: one comma stands before the next member's key in the output,
+/// whatever whitespace stood in the input, and the object's last member
+/// ends at its `}` (see [`end_of`]).
 #[derive(Clone, Copy)]
 struct Member {
     /// The key's first bytes after its opening quote, big-endian and padded
@@ -159,7 +162,6 @@ struct Member {
     prefix: u64,
     key: usize,
     colon: usize,
-    end: usize,
 }
 
 impl Member {
@@ -401,12 +403,6 @@ impl Parser<'_> {
             }
             // A value ended: close every container it completes.
             while let Some(frame) = frames.last_mut() {
-                if frame.object {
-                    let end = self.at(out);
-                    if let Some(member) = self.members.last_mut() {
-                        member.end = end;
-                    }
-                }
                 self.skip_ws(out);
                 match self.peek() {
                     Some(b',') => {
@@ -490,12 +486,7 @@ impl Parser<'_> {
             return Err(self.fault("expected `:`"));
         }
         self.i += 1;
-        self.members.push(Member {
-            prefix,
-            key,
-            colon,
-            end: colon,
-        });
+        self.members.push(Member { prefix, key, colon });
         Ok(())
     }
 
@@ -526,6 +517,8 @@ impl Parser<'_> {
         let Some(start) = self.members.get(first).map(|m| m.key) else {
             return;
         };
+        // Where the `}` will stand, the last member's end.
+        let close = self.at(out);
         // Either every member is still in the pending run, or the run is
         // written and every member is in the output.
         let in_run = start >= out.len();
@@ -601,15 +594,16 @@ impl Parser<'_> {
         if in_run {
             let input = Held::new(self.s, out.len(), self.run);
             append(out, self.s, self.run, input.at(members[0].key));
-            write_members(members, order, unique, input, out);
+            write_members(members, order, unique, close, input, out);
         } else if let Some(stay) = members.get(keep) {
             // Same members, same commas: the bytes before `stay` are
             // rewritten in place.
             self.scratch.clear();
             self.scratch.extend_from_slice(&out[start..stay.key]);
             let mut w = start;
-            for m in order[..keep].iter().map(|&n| &members[n]) {
-                let bytes = &self.scratch[m.key - start..m.end - start];
+            for &n in &order[..keep] {
+                let end = end_of(members, n, close);
+                let bytes = &self.scratch[members[n].key - start..end - start];
                 out[w..w + bytes.len()].copy_from_slice(bytes);
                 w += bytes.len();
                 out[w] = b',';
@@ -620,39 +614,50 @@ impl Parser<'_> {
             self.scratch.extend_from_slice(&out[start..]);
             out.truncate(start);
             let scratch = Held::new(&self.scratch, start, 0);
-            write_members(members, order, unique, scratch, out);
+            write_members(members, order, unique, close, scratch, out);
         }
         self.run = self.i;
     }
 }
 
+/// Where member `n` of an object's `members` ends in the output: before
+/// the comma ahead of the next one's key, the last at the object's `}`,
+/// which stands at `close`.
+fn end_of(members: &[Member], n: usize, close: usize) -> usize {
+    members.get(n + 1).map_or(close, |next| next.key - 1)
+}
+
 /// Writes the members `held` in key `order`, comma-separated, the last of
-/// equal keys only (unless the keys are known to be `unique`).
+/// equal keys only (unless the keys are known to be `unique`); the object's
+/// `}` stands at output position `close`.
 fn write_members(
     members: &[Member],
     order: &[usize],
     unique: bool,
+    close: usize,
     held: Held<'_>,
     out: &mut Vec<u8>,
 ) {
     if unique {
         // Each member with the comma before it (none before the first).
         let mut comma = false;
-        for m in order.iter().map(|&m| &members[m]) {
-            append_after(out, comma, held.buf, held.at(m.key), held.at(m.end));
+        for &m in order {
+            let (from, to) = (members[m].key, end_of(members, m, close));
+            append_after(out, comma, held.buf, held.at(from), held.at(to));
             comma = true;
         }
         return;
     }
     let mut written = false;
-    for (n, m) in order.iter().map(|&m| &members[m]).enumerate() {
+    for (n, &m) in order.iter().enumerate() {
         let superseded = order
             .get(n + 1)
-            .is_some_and(|&next| m.same_key(&members[next], held));
+            .is_some_and(|&next| members[m].same_key(&members[next], held));
         if superseded {
             continue;
         }
-        append_after(out, written, held.buf, held.at(m.key), held.at(m.end));
+        let (from, to) = (members[m].key, end_of(members, m, close));
+        append_after(out, written, held.buf, held.at(from), held.at(to));
         written = true;
     }
 }
