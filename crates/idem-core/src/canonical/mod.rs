@@ -595,28 +595,68 @@ impl Parser<'_> {
             let input = Held::new(self.s, out.len(), self.run);
             append(out, self.s, self.run, input.at(members[0].key));
             write_members(members, order, unique, close, input, out);
-        } else if let Some(stay) = members.get(keep) {
+        } else {
+            let written = Written {
+                members,
+                order,
+                unique,
+                keep,
+                close,
+            };
+            written.rewrite(out, &mut self.scratch);
+        }
+        self.run = self.i;
+    }
+}
+
+/// An object's members already in the output, with their key order.
+struct Written<'m> {
+    members: &'m [Member],
+    order: &'m [usize],
+    unique: bool,
+    /// The members from this one on stand where they belong.
+    keep: usize,
+    /// Where the object's `}` stands.
+    close: usize,
+}
+
+impl Written<'_> {
+    /// Writes the members again in key order, `scratch` holding the bytes
+    /// they are read from. (Out of the parser's loop: only an object whose
+    /// members were written before it closed, for one inside it was
+    /// reordered or its text respelled, comes here.)
+    #[inline(never)]
+    fn rewrite(&self, out: &mut Vec<u8>, scratch: &mut Vec<u8>) {
+        let Written {
+            members,
+            order,
+            unique,
+            keep,
+            close,
+        } = *self;
+        let Some(start) = members.first().map(|m| m.key) else {
+            return;
+        };
+        scratch.clear();
+        if let Some(stay) = members.get(keep) {
             // Same members, same commas: the bytes before `stay` are
             // rewritten in place.
-            self.scratch.clear();
-            self.scratch.extend_from_slice(&out[start..stay.key]);
+            scratch.extend_from_slice(&out[start..stay.key]);
             let mut w = start;
             for &n in &order[..keep] {
                 let end = end_of(members, n, close);
-                let bytes = &self.scratch[members[n].key - start..end - start];
+                let bytes = &scratch[members[n].key - start..end - start];
                 out[w..w + bytes.len()].copy_from_slice(bytes);
                 w += bytes.len();
                 out[w] = b',';
                 w += 1;
             }
         } else {
-            self.scratch.clear();
-            self.scratch.extend_from_slice(&out[start..]);
+            scratch.extend_from_slice(&out[start..]);
             out.truncate(start);
-            let scratch = Held::new(&self.scratch, start, 0);
-            write_members(members, order, unique, close, scratch, out);
+            let held = Held::new(scratch, start, 0);
+            write_members(members, order, unique, close, held, out);
         }
-        self.run = self.i;
     }
 }
 
