@@ -448,8 +448,8 @@ impl Parser<'_> {
         Ok(())
     }
 
-    /// A member's key and its colon, the member then recorded (its end set
-    /// once its value is read).
+    /// A member's key and its colon, the member then recorded (where its
+    /// value ends is worked out when the object is sorted: see [`end_of`]).
     #[inline(always)]
     fn key(&mut self, frame: &mut Frame, out: &mut Vec<u8>) -> Step {
         self.skip_ws(out);

@@ -765,6 +765,35 @@ fn keys_about_a_word_long_in_every_order() {
 }
 
 #[test]
+fn objects_written_before_they_close_are_reordered_with_their_ends() {
+    // An object whose members were written out before its `}` (an inner
+    // object reordered, whitespace dropped, a number or an escape
+    // respelled) is rewritten from the output, each member ending before
+    // the comma ahead of the next key, the last at the `}`.
+    for (input, want) in [
+        (
+            r#"{ "abcdefg" :1.0 , "abcdef":{"b":1,"a":2} ,"abcdefga":[{"y":"\u0041","x":[]}],"":{} }"#,
+            r#"{"":{},"abcdef":{"a":2,"b":1},"abcdefg":1,"abcdefga":[{"x":[],"y":"A"}]}"#,
+        ),
+        (
+            r#"{"abcdefg":[1.0],"abcdef":1,"abcdefgh":2}"#,
+            r#"{"abcdef":1,"abcdefg":[1],"abcdefgh":2}"#,
+        ),
+        (
+            r#"{"b":{"d":1,"c":2} , "a":[ ],"b":{"f":1.50,"e":2}}"#,
+            r#"{"a":[],"b":{"e":2,"f":1.5}}"#,
+        ),
+    ] {
+        assert_eq!(canon(input).ok().as_deref(), Some(want), "{input}");
+        assert_eq!(
+            reference(input.as_bytes()).map(String::from_utf8),
+            Some(Ok(want.to_owned())),
+            "{input}"
+        );
+    }
+}
+
+#[test]
 fn a_short_key_read_from_one_word_has_the_prefix_of_its_bytes() {
     fn parser(s: &[u8]) -> Parser<'_> {
         Parser {
@@ -790,12 +819,19 @@ fn a_short_key_read_from_one_word_has_the_prefix_of_its_bytes() {
         );
         assert_eq!(p.i, 1 + len, "{key}: stands after its closing quote");
     }
+    // Stops after the closing quote in the same word are masked off.
+    let input = "\"a\":\"é\\\"x\"";
+    let mut p = parser(input.as_bytes());
+    assert_eq!(p.short_key(), Some(key_prefix(input.as_bytes(), 1, 2)));
+    assert_eq!(p.i, 3);
     // Not read this way (nothing stepped over): eight bytes or more, an
-    // escape, a byte that is not ASCII, fewer than eight bytes left.
+    // escape, a byte that is not ASCII, a control character, fewer than
+    // eight bytes left.
     for input in [
         r#""abcdefgh":1,2,3,4"#,
         r#""ab\"c":1,2,3,4,5"#,
         "\"abé\":1,2,3,4,5",
+        "\"a\u{1}\":1,2,3,4",
         r#""a":1}"#,
     ] {
         let mut p = parser(input.as_bytes());
