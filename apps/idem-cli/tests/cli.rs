@@ -567,6 +567,13 @@ struct Tiered {
 }
 
 impl Tiered {
+    /// A claim of `key` under scope `c1`: a lease of ten minutes, kept for
+    /// ten times that.
+    fn request(key: &str) -> idem_core::ClaimRequest {
+        let lease = Duration::from_secs(600);
+        request("c1", key, "{}", lease, lease * 10)
+    }
+
     async fn new(name: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite:{}", dir.path().join("tier.db").display());
@@ -599,16 +606,7 @@ async fn inspect_and_stats_show_redis_in_tiered_mode() {
     } = Tiered::new("cli-tier").await;
     fill(tiered.clone()).await;
     // a replay reads the completed record through and caches it in Redis
-    let again = tiered
-        .claim(&request(
-            "c1",
-            "done",
-            "{}",
-            Duration::from_secs(600),
-            Duration::from_secs(6000),
-        ))
-        .await
-        .unwrap();
+    let again = tiered.claim(&Tiered::request("done")).await.unwrap();
     assert!(matches!(again, ClaimOutcome::Existing(_)));
     let redis_args = [
         "--redis-url",
@@ -647,13 +645,7 @@ async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
         redis,
         tiered,
     } = Tiered::new("cli-release").await;
-    let req = request(
-        "c1",
-        "stuck",
-        "{}",
-        Duration::from_secs(600),
-        Duration::from_secs(6000),
-    );
+    let req = Tiered::request("stuck");
     let ClaimOutcome::Acquired(first) = tiered.claim(&req).await.unwrap() else {
         panic!("a new key is claimed")
     };
@@ -687,13 +679,7 @@ async fn release_in_tiered_mode_clears_the_redis_in_flight_marker_too() {
 
     // Forced without --redis-url: the database's claim goes, Redis's marker
     // stays (still 409 until the lease ends), and the note says so.
-    let other = request(
-        "c1",
-        "stuck-2",
-        "{}",
-        Duration::from_secs(600),
-        Duration::from_secs(6000),
-    );
+    let other = Tiered::request("stuck-2");
     assert!(matches!(
         tiered.claim(&other).await.unwrap(),
         ClaimOutcome::Acquired(_)
@@ -735,13 +721,7 @@ async fn a_tiered_release_whose_redis_marker_stays_says_so() {
         redis,
         tiered,
     } = Tiered::new("cli-half").await;
-    let req = request(
-        "c1",
-        "half",
-        "{}",
-        Duration::from_secs(600),
-        Duration::from_secs(6000),
-    );
+    let req = Tiered::request("half");
     assert!(matches!(
         tiered.claim(&req).await.unwrap(),
         ClaimOutcome::Acquired(_)

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::Policy;
-use idem_once::{Failure, Outcome, RunError, Runner, StepError};
+use idem_once::{Failure, Operation, Outcome, RunError, Runner, StepError};
 
 /// A lease short enough for takeover tests, and the rest default.
 fn short_lease(ms: u64) -> Policy {
@@ -26,6 +26,26 @@ fn waiting() -> Policy {
         .wait_for_in_flight(Duration::from_secs(30))
         .build()
         .unwrap()
+}
+
+/// Step `name`, which must be refused because the first step did not
+/// complete (`called` counts it if it runs anyway): the refusal as the run's
+/// final failure, naming that step.
+async fn refused_as_unfinished<S: idem_core::Store + ?Sized>(
+    op: &Operation<'_, S>,
+    name: &str,
+    called: &AtomicU32,
+) -> Result<u8, Failure<String>> {
+    let step = op
+        .step(name, async |_| -> Result<u8, String> {
+            called.fetch_add(1, Ordering::SeqCst);
+            Ok(2)
+        })
+        .await;
+    match step {
+        Err(StepError::Unfinished { index: 0, name }) => Err(Failure::Final(name)),
+        other => panic!("{other:?}"),
+    }
 }
 
 /// Runs `$work` under key `k` three times, the first two cut off (their
@@ -491,16 +511,7 @@ macro_rules! run_suite {
                 .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
                     let x = op.step("x", async |_| -> Result<u8, String> { Ok(0) }).await;
                     assert!(matches!(x, Err(StepError::OutOfOrder { index: 0, .. })), "{x:?}");
-                    match op
-                        .step("y", async |_| -> Result<u8, String> {
-                            called.fetch_add(1, Ordering::SeqCst);
-                            Ok(2)
-                        })
-                        .await
-                    {
-                        Err(StepError::Unfinished { index: 0, name }) => Err(Failure::Final(name)),
-                        other => panic!("{other:?}"),
-                    }
+                    refused_as_unfinished(op, "y", &called).await
                 })
                 .await;
             assert!(matches!(second, Err(RunError::Final { ref error, .. }) if error == "x"), "{second:?}");
@@ -520,16 +531,7 @@ macro_rules! run_suite {
                         .step("a", async |_| -> Result<u8, String> { Err("down".to_owned()) })
                         .await;
                     assert!(matches!(failed, Err(StepError::Failed(_))), "{failed:?}");
-                    match op
-                        .step("b", async |_| -> Result<u8, String> {
-                            called.fetch_add(1, Ordering::SeqCst);
-                            Ok(2)
-                        })
-                        .await
-                    {
-                        Err(StepError::Unfinished { index: 0, name }) => Err(Failure::Final(name)),
-                        other => panic!("{other:?}"),
-                    }
+                    refused_as_unfinished(op, "b", &called).await
                 })
                 .await;
             assert!(matches!(out, Err(RunError::Final { ref error, .. }) if error == "a"), "{out:?}");

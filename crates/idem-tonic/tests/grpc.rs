@@ -800,8 +800,9 @@ async fn the_client_layer_does_not_resend_a_message_over_the_limit() {
     assert!(ledger.runs(&"x".repeat(64)).is_empty());
 }
 
-#[tokio::test]
-async fn the_client_layer_gives_up_with_the_key_it_used() {
+/// A port nothing listens on (bound, then let go), and a channel to it
+/// that connects on first use: every attempt is refused.
+fn refusing_channel() -> (std::net::SocketAddr, Channel) {
     let addr = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap()
@@ -809,6 +810,21 @@ async fn the_client_layer_gives_up_with_the_key_it_used() {
     let channel = Channel::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect_lazy();
+    (addr, channel)
+}
+
+/// An empty call of the charge method to `addr`, with intent key `key`.
+fn charge_request(addr: std::net::SocketAddr, key: &str) -> http::Request<Body> {
+    let mut request = http::Request::new(Body::empty());
+    *request.method_mut() = http::Method::POST;
+    *request.uri_mut() = format!("http://{addr}{CHARGE}").parse().unwrap();
+    request.extensions_mut().insert(IntentKey::new(key));
+    request
+}
+
+#[tokio::test]
+async fn the_client_layer_gives_up_with_the_key_it_used() {
+    let (addr, channel) = refusing_channel();
     let mut retrying = tower::ServiceBuilder::new()
         .layer(
             IdempotentRetryLayer::builder()
@@ -818,10 +834,7 @@ async fn the_client_layer_gives_up_with_the_key_it_used() {
                 .build(),
         )
         .service(channel);
-    let mut request = http::Request::new(Body::empty());
-    *request.method_mut() = http::Method::POST;
-    *request.uri_mut() = format!("http://{addr}{CHARGE}").parse().unwrap();
-    request.extensions_mut().insert(IntentKey::new("gone"));
+    let request = charge_request(addr, "gone");
     use tower::{Service, ServiceExt};
     let err = retrying
         .ready()
@@ -845,13 +858,7 @@ async fn the_client_layer_gives_up_with_the_key_it_used() {
 /// the time left, less each time.
 #[tokio::test]
 async fn the_client_layer_keeps_to_the_callers_deadline() {
-    let addr = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect_lazy();
+    let (addr, channel) = refusing_channel();
     let sent = Arc::new(Mutex::new(Vec::<String>::new()));
     let recorded = {
         let sent = sent.clone();
@@ -874,13 +881,10 @@ async fn the_client_layer_keeps_to_the_callers_deadline() {
                 .build(),
         )
         .service(recorded);
-    let mut request = http::Request::new(Body::empty());
-    *request.method_mut() = http::Method::POST;
-    *request.uri_mut() = format!("http://{addr}{CHARGE}").parse().unwrap();
+    let mut request = charge_request(addr, "in-time");
     request
         .headers_mut()
         .insert("grpc-timeout", http::HeaderValue::from_static("400m"));
-    request.extensions_mut().insert(IntentKey::new("in-time"));
     use tower::{Service, ServiceExt};
     let started = std::time::Instant::now();
     let err = retrying
