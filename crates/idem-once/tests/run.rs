@@ -28,6 +28,21 @@ fn waiting() -> Policy {
         .unwrap()
 }
 
+/// Runs key `k` once through step `a` (completed), then fails: the run's
+/// result.
+async fn a_then_failed<S: idem_core::Store>(
+    runner: &Runner<S>,
+) -> Result<Outcome<u8>, RunError<String>> {
+    runner
+        .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+            op.step("a", async |_| -> Result<u8, String> { Ok(1) })
+                .await
+                .map_err(|e| e.to_string())?;
+            Err("then failed".to_owned())?
+        })
+        .await
+}
+
 /// Step `name`, which must be refused because the first step did not
 /// complete (`called` counts it if it runs anyway): the refusal as the run's
 /// final failure, naming that step.
@@ -341,12 +356,7 @@ macro_rules! run_suite {
         async fn steps_asked_for_in_another_order_are_refused() {
             let (store, _guard) = $make.await;
             let runner = Runner::new(store, Policy::default());
-            let first = runner
-                .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
-                    op.step("a", async |_| -> Result<u8, String> { Ok(1) }).await.map_err(|e| e.to_string())?;
-                    Err("then failed".to_owned())?
-                })
-                .await;
+            let first = a_then_failed(&runner).await;
             assert!(matches!(first, Err(RunError::Failed(_))));
             let second = runner
                 .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
@@ -499,12 +509,7 @@ macro_rules! run_suite {
         async fn no_step_starts_after_one_refused_as_out_of_order() {
             let (store, _guard) = $make.await;
             let runner = Runner::new(store, Policy::default());
-            let first = runner
-                .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
-                    op.step("a", async |_| -> Result<u8, String> { Ok(1) }).await.map_err(|e| e.to_string())?;
-                    Err("then failed".to_owned())?
-                })
-                .await;
+            let first = a_then_failed(&runner).await;
             assert!(matches!(first, Err(RunError::Failed(_))), "{first:?}");
             let called = AtomicU32::new(0);
             let second = runner
