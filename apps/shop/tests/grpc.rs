@@ -370,4 +370,38 @@ async fn grpc_fault_injection_off_refuses_simulation() {
     assert!(!replayed(&ok));
 }
 
+/// A message larger than an HTTP body may be is refused on every method,
+/// the unguarded `GetPayment` too (tonic's own limit is 4 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_messages_over_the_body_limit_are_refused_on_every_method() {
+    let db = Db::sqlite();
+    let prefix = RedisPrefix::new("grpc-max");
+    let shop = start(Mode::Sqlite, &db, &prefix, &[]).await;
+    let mut c = client(&shop).await;
+    let large = c
+        .get_payment(with(
+            GetPaymentRequest {
+                id: "p".repeat(1024 * 1024 + 1),
+            },
+            &[("authorization", "Bearer client-1")],
+        ))
+        .await
+        .unwrap_err();
+    // tonic's code for a message over its decoding limit (the guarded
+    // method's layer answers `RESOURCE_EXHAUSTED` before tonic reads it).
+    assert_eq!(large.code(), Code::OutOfRange, "{large:?}");
+    assert!(large.message().contains("1048576"), "{large:?}");
+    // Below it, the same call is read (and finds nothing).
+    let small = c
+        .get_payment(with(
+            GetPaymentRequest {
+                id: "p".repeat(1000),
+            },
+            &[("authorization", "Bearer client-1")],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(small.code(), Code::InvalidArgument, "{small:?}");
+}
+
 in_every_mode!(grpc_contract, grpc_crash_after_bank);

@@ -531,10 +531,18 @@ async fn a_grpc_connection_that_says_nothing_is_closed_after_the_header_timeout(
     )
     .await;
     let mut silent = TcpStream::connect(grpc_addr(&shop)).await.unwrap();
+    // One that sends the first bytes of HTTP/2's preface and then nothing:
+    // h2 would wait for the rest for ever, and pings start only after it.
+    let mut halting = TcpStream::connect(grpc_addr(&shop)).await.unwrap();
+    halting.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
     // 1 s, with the rest as margin for a loaded machine.
     assert!(
         closed_within(&mut silent, Duration::from_secs(20)).await,
         "a silent gRPC connection was kept open"
+    );
+    assert!(
+        closed_within(&mut halting, Duration::from_secs(20)).await,
+        "a gRPC connection stopped inside its preface was kept open"
     );
     // One that speaks is served.
     let _stalled = stalled_grpc_call(&grpc_addr(&shop)).await;
@@ -756,4 +764,44 @@ async fn an_older_database_is_upgraded_by_two_instances_starting_at_once(db: Db)
     let again = read(checkout()).await;
     assert_eq!(again.status, 200, "{again:?}");
     assert!(again.replayed, "{again:?}");
+}
+
+/// Reads the server's first SETTINGS frame on a new HTTP/2 connection to
+/// `addr` and gives its parameters (identifier, value).
+async fn server_settings(addr: &str) -> Vec<(u16, u32)> {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    s.write_all(&h2_frame(4, 0, 0, &[])).await.unwrap();
+    loop {
+        let mut head = [0u8; 9];
+        s.read_exact(&mut head).await.unwrap();
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0u8; len];
+        s.read_exact(&mut payload).await.unwrap();
+        if head[3] == 4 && head[4] & 1 == 0 {
+            return payload
+                .chunks_exact(6)
+                .map(|p| {
+                    (
+                        u16::from_be_bytes([p[0], p[1]]),
+                        u32::from_be_bytes([p[2], p[3], p[4], p[5]]),
+                    )
+                })
+                .collect();
+        }
+    }
+}
+
+/// One gRPC connection cannot open calls without end (each would hold a
+/// database connection): the server says its cap in its first SETTINGS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_connection_is_told_how_many_calls_it_may_open_at_once() {
+    let db = Db::sqlite();
+    let shop = Shop::start(&db, &["--grpc-listen", "127.0.0.1:0"]).await;
+    let settings = server_settings(&grpc_addr(&shop)).await;
+    // SETTINGS_MAX_CONCURRENT_STREAMS
+    let cap = settings.iter().find(|(id, _)| *id == 3).map(|(_, v)| *v);
+    assert_eq!(cap, Some(100), "{settings:?}");
 }

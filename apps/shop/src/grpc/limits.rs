@@ -1,9 +1,9 @@
 //! The gRPC listener's limits, the HTTP server's own (`idem_axum::serve`):
 //! at most `max_connections` connections at once (more are closed at once,
-//! not queued), a connection that sends nothing within `header_timeout` is
-//! closed, a request body that stalls longer than `body_timeout` between
-//! two chunks fails its call, and a shutdown waits at most `grace` (in
-//! `main`).
+//! not queued), a connection that has not sent HTTP/2's connection preface
+//! (its first 24 bytes) within `header_timeout` is closed, a request body
+//! that stalls longer than `body_timeout` between two chunks fails its call,
+//! and a shutdown waits at most `grace` (in `main`).
 
 use std::future::Future;
 use std::io;
@@ -24,9 +24,19 @@ use tonic::transport::server::Connected;
 pub(crate) struct Slot {
     stream: TcpStream,
     _slot: OwnedSemaphorePermit,
-    /// Until the peer's first bytes arrive: when it must have sent them.
+    /// Until the peer's connection preface has arrived: when it must have
+    /// sent it.
     first_bytes: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// How many bytes the peer has sent, counted up to the preface's length.
+    heard: usize,
 }
+
+/// The length of HTTP/2's connection preface (`PRI * HTTP/2.0…`), which a
+/// client sends before anything else. h2 waits for all of it without a
+/// time limit of its own, and the keep-alive pings only start once it has
+/// come, so a peer that sends one byte of it and then nothing would hold a
+/// slot for ever: the header timeout runs until the whole preface is in.
+const PREFACE_LEN: usize = 24;
 
 /// The connections `listener` accepts, at most `max` open at once: one
 /// beyond is closed as soon as it is accepted, so stalled sockets cannot
@@ -44,6 +54,7 @@ pub(crate) fn capped(
                     stream,
                     _slot: slot,
                     first_bytes: Some(Box::pin(tokio::time::sleep(first_bytes_within))),
+                    heard: 0,
                 })),
                 Err(_) => {
                     tracing::debug!("gRPC connection over the limit: closed");
@@ -78,17 +89,21 @@ impl AsyncRead for Slot {
         let before = buf.filled().len();
         let read = Pin::new(&mut this.stream).poll_read(cx, buf);
         if let Some(deadline) = this.first_bytes.as_mut() {
-            match &read {
-                Poll::Ready(Ok(())) if buf.filled().len() > before => this.first_bytes = None,
-                Poll::Pending if deadline.as_mut().poll(cx).is_ready() => {
-                    // A connection that never speaks holds a slot for
-                    // nothing: closed, as HTTP's header timeout does.
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "the peer sent nothing within the header timeout",
-                    )));
-                }
-                _ => {}
+            if let Poll::Ready(Ok(())) = &read {
+                this.heard = this
+                    .heard
+                    .saturating_add(buf.filled().len().saturating_sub(before));
+            }
+            if this.heard >= PREFACE_LEN {
+                this.first_bytes = None;
+            } else if deadline.as_mut().poll(cx).is_ready() {
+                // A connection that never speaks (or stops inside its
+                // preface) holds a slot for nothing: closed, as HTTP's
+                // header timeout does.
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the peer did not send its connection preface within the header timeout",
+                )));
             }
         }
         read

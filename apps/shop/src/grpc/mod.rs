@@ -139,6 +139,11 @@ fn layer(state: &AppState, store: Arc<dyn Store>, policy: Policy) -> Idempotency
     )
 }
 
+/// The most calls one gRPC connection may have open at once (HTTP/2's
+/// `SETTINGS_MAX_CONCURRENT_STREAMS`, the least RFC 9113 recommends); a
+/// client opens more connections, or waits, for more.
+pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 100;
+
 /// Serves `shop.v1.Payments` on `listener` until `shutdown` completes,
 /// within the HTTP server's `limits` (see [`limits`]; `main` bounds the
 /// drain by their grace).
@@ -152,6 +157,9 @@ pub(crate) async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     info!(?addr, "gRPC ready");
+    // A message is read whole before it is decoded: no larger than an HTTP
+    // body may be, on every method (tonic's own default is 4 MiB).
+    let max_message = policy.max_body();
     let layer = layer(&state, store, policy);
     // A body that stalls between two chunks, or trickles in below the
     // minimum rate, fails its call (as over HTTP), before the idempotency
@@ -173,13 +181,18 @@ pub(crate) async fn serve(
         // A peer that stops answering is found out and dropped.
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+        // Calls open at once on one connection: without a cap (tonic sets
+        // none, which lifts hyper's), one connection could open thousands
+        // and hold every database connection the pool has.
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
         .layer(stalls)
         .layer(layer)
         // gzip, which the idempotency layer reads too: a compressed call is
         // the same call as a plain one.
         .add_service(
             PaymentsServer::new(PaymentsApi { state })
-                .accept_compressed(tonic::codec::CompressionEncoding::Gzip),
+                .accept_compressed(tonic::codec::CompressionEncoding::Gzip)
+                .max_decoding_message_size(max_message),
         )
         .serve_with_incoming_shutdown(
             limits::capped(listener, limits.max_connections, limits.header_timeout),
