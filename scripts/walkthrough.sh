@@ -273,6 +273,7 @@ expect 2 '"price":320'             'status 412; problem precondition-failed'
 expect 2 'E='                      'quiet'
 expect 2 '/webhooks/bank'          'status 200; json status "\"processed\""'
 expect 2 '/webhooks/bank'          'status 200; json status "\"duplicate\""'
+expect 2 'charge.note'             'status 422; problem event-id-reused'
 expect 2 '$PAY_ID/events'          'json payment_id "\"$PAY_ID\""; events_once evt-1'
 
 # --- Run ---------------------------------------------------------------------

@@ -151,7 +151,8 @@ pub(crate) struct Config {
 
     /// The secret the bank signs its webhooks with: `POST /webhooks/bank` then
     /// requires `X-Bank-Signature: sha256=<hex HMAC-SHA256 of the raw body>`.
-    #[arg(long, env = "SHOP_WEBHOOK_SECRET", hide_env_values = true)]
+    /// An empty secret is refused (anyone can sign with it).
+    #[arg(long, env = "SHOP_WEBHOOK_SECRET", hide_env_values = true, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub(crate) webhook_secret: Option<String>,
 
     /// How long a client may take to send a request's headers, in seconds; a slower one is disconnected.

@@ -247,6 +247,42 @@ async fn a_webhook_delivered_three_times_acts_once(db: Db) {
             .status,
         404
     );
+    // An event id already processed, sent with another type or for another
+    // payment, is not a repeat: 422, and nothing is recorded or moved.
+    let other = read(pay(&client, &shop, Some("wh-2"), BODY)).await;
+    let other_id = other.json()["id"].as_str().unwrap().to_owned();
+    for reused in [
+        serde_json::json!({"event_id": "evt-2", "type": "charge.settled", "payment_id": id}),
+        serde_json::json!({"event_id": "evt-2", "type": "charge.note", "payment_id": other_id}),
+        serde_json::json!({"event_id": "evt-1", "type": "charge.settled", "payment_id": other_id}),
+    ] {
+        let answer = read(client.post(shop.url("/webhooks/bank")).json(&reused)).await;
+        assert_eq!(answer.status, 422, "{reused}: {answer:?}");
+        assert!(
+            answer.problem_type().ends_with("event-id-reused"),
+            "{answer:?}"
+        );
+    }
+    let events = read(client.get(shop.url(&format!("/payments/{id}/events"))))
+        .await
+        .json();
+    assert_eq!(events["events"].as_array().unwrap().len(), 2, "{events}");
+    let untouched = read(client.get(shop.url(&format!("/payments/{other_id}/events"))))
+        .await
+        .json();
+    assert_eq!(
+        untouched["events"].as_array().unwrap().len(),
+        0,
+        "{untouched}"
+    );
+    let other = read(client.get(shop.url(&format!("/payments/{other_id}"))))
+        .await
+        .json();
+    assert_ne!(other["status"], "settled", "{other}");
+    // The first delivery's repeat is still a duplicate.
+    let again = read(client.post(shop.url("/webhooks/bank")).json(&event)).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.json()["status"], "duplicate");
 }
 
 async fn the_client_retries_a_timed_out_payment_into_a_replay(db: Db) {

@@ -451,3 +451,28 @@ async fn signed_webhooks_need_the_right_signature() {
     .await;
     assert_eq!(payment.json()["status"], "settled");
 }
+
+/// An empty webhook secret would let anyone sign (an HMAC with an empty key
+/// is anyone's to make): refused at start, from the flag or the
+/// environment, never taken for "unsigned".
+#[test]
+fn an_empty_webhook_secret_is_refused_at_start() {
+    let from_flag = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        // (`--db-connections 4` on an in-memory database is refused too,
+        // later: were the secret taken, shop would still stop.)
+        .args(["--database-url", "sqlite::memory:", "--db-connections", "4"])
+        .args(["--webhook-secret", ""])
+        .output()
+        .unwrap();
+    assert!(!from_flag.status.success());
+    let from_env = std::process::Command::new(env!("CARGO_BIN_EXE_shop"))
+        .args(["--database-url", "sqlite::memory:", "--db-connections", "4"])
+        .env("SHOP_WEBHOOK_SECRET", "")
+        .output()
+        .unwrap();
+    assert!(!from_env.status.success());
+    for refused in [&from_flag, &from_env] {
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains("webhook-secret"), "{stderr}");
+    }
+}

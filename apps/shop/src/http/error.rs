@@ -26,6 +26,7 @@ pub(crate) const SHOP_PROBLEMS: &[(&str, &str)] = &[
     ("order-already-paid", "The order is paid, or being paid, under another <code>Idempotency-Key</code>."),
     ("corrupt-order", "A stored order is unreadable: a failure of ours."),
     ("bad-signature", "The webhook's <code>X-Bank-Signature</code> is missing or wrong."),
+    ("event-id-reused", "The webhook's event id was processed before for another type or payment; nothing was done."),
     ("bank-unavailable", "The bank could not be reached (or <code>X-Simulate: bank-error</code>); nothing was charged."),
     ("database-unavailable", "The database is unavailable; retry after <code>Retry-After</code>."),
     ("busy", "Too many payments are in progress on this instance (<code>--claim-tx-limit</code>); nothing was claimed or charged: retry after <code>Retry-After</code> with the same key."),

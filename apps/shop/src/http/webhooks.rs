@@ -4,7 +4,9 @@
 //! Providers send no `Idempotency-Key` and no bearer token: the event id is
 //! the key. The event row is created with [`create_once`](crate::db::create_once) in the same
 //! transaction as its effect, so a delivery repeated any number of times
-//! acts once and answers `200` every time.
+//! acts once and answers `200` every time. An event id sent again with
+//! another type or payment is not a repeat: it is `422` (`event-id-reused`),
+//! as a reused `Idempotency-Key` with another body is, and changes nothing.
 //!
 //! With `--webhook-secret` (`SHOP_WEBHOOK_SECRET`), an event must carry
 //! `X-Bank-Signature: sha256=<hex HMAC-SHA256 of the raw body>` made with
@@ -76,6 +78,16 @@ enum Outcome {
     Duplicate,
 }
 
+/// What the event's transaction found.
+enum Staged {
+    /// Processed now, or a repeat of one processed before.
+    Done(Outcome),
+    /// No payment with the event's id (yet).
+    NoPayment,
+    /// The event id was processed before for another type or payment.
+    Reused,
+}
+
 /// The answer to an event.
 #[derive(Debug, Serialize, ToSchema)]
 struct Receipt {
@@ -122,6 +134,7 @@ fn signature_valid(secret: &[u8], body: &[u8], signature: &str) -> bool {
         (status = 401, description = "The signature is missing or wrong (with --webhook-secret)", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 404, description = "No such payment (yet): the bank retries later", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 422, description = "The event id was processed before for another type or payment: nothing done", body = ProblemDoc, content_type = "application/problem+json"),
     )
 )]
 async fn bank_event(
@@ -161,7 +174,7 @@ async fn bank_event(
         )
         .await?;
         if exists.is_none() {
-            return Ok(None);
+            return Ok(Staged::NoPayment);
         }
         let recorded = db::create_once(
             &mut *tx,
@@ -172,12 +185,19 @@ async fn bank_event(
                 (&event.payment_id).into(),
                 now.into(),
             ],
-            "SELECT event_id FROM shop_bank_events WHERE event_id = $1",
+            "SELECT type, payment_id FROM shop_bank_events WHERE event_id = $1",
             &[(&event.event_id).into()],
         )
         .await?;
-        if !recorded.is_created() {
-            return Ok(Some(Outcome::Duplicate));
+        if let idem_sql::Created::Existing(first) = recorded {
+            // The same event again, or another under its id.
+            let same = first.text("type")? == event.kind
+                && first.text("payment_id")? == event.payment_id;
+            return Ok(if same {
+                Staged::Done(Outcome::Duplicate)
+            } else {
+                Staged::Reused
+            });
         }
         if event.kind == SETTLED {
             let moved =
@@ -187,7 +207,7 @@ async fn bank_event(
                 tracing::warn!(payment = %event.payment_id, %current, "settlement for a payment in another state");
             }
         }
-        Ok::<_, sqlx::Error>(Some(Outcome::Processed))
+        Ok::<_, sqlx::Error>(Staged::Done(Outcome::Processed))
     }
     .await;
     let outcome = match staged {
@@ -201,13 +221,23 @@ async fn bank_event(
         }
     };
     match outcome {
-        Some(status) => Ok(Json(Receipt {
+        Staged::Done(status) => Ok(Json(Receipt {
             event_id: event.event_id,
             status,
         })),
         // The bank may send an event before our payment commits: it retries
         // later rather than the event being dropped.
-        None => Err(no_such_payment(event.payment_id)),
+        Staged::NoPayment => Err(no_such_payment(event.payment_id)),
+        Staged::Reused => Err(Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "event-id-reused",
+            "This event id was processed before for another type or payment",
+        )
+        .detail(format!(
+            "event {} is already recorded with other contents; nothing was done",
+            event.event_id
+        ))
+        .into()),
     }
 }
 
