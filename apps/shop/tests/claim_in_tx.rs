@@ -214,3 +214,56 @@ async fn a_slow_bank_cannot_drain_the_pool_that_reads_and_healthz_need() {
     let retry = read(pay(&client, &shop, Some("slow-13"), BODY)).await;
     assert!(retry.status == 201 || retry.replayed, "{retry:?}");
 }
+
+/// While a slow payment holds every turn of the bulkhead, a repeat of a
+/// finished payment (its replay, `422` for another body) is answered from
+/// the key's record at once: not after the slow payment, nor `503` `busy`
+/// after the wait. (A duplicate of the one in flight still waits: in this
+/// mode only the row's lock says it is held, and the claim reads that.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeats_are_answered_without_a_turn_of_the_bulkhead() {
+    let db = Db::postgres().await;
+    let shop = Shop::start(
+        &db,
+        &[
+            IN_TX,
+            "--claim-tx-limit",
+            "1",
+            "--claim-tx-wait-ms",
+            "60000",
+            "--lease-ms",
+            "60000",
+        ],
+    )
+    .await;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let done = read(pay(&client, &shop, Some("done"), BODY)).await;
+    assert_eq!(done.status, 201, "{done:?}");
+    // The bank charges at once and answers 10 s later: once the charge
+    // shows, the slow payment holds the one turn for the rest of them.
+    let slow = tokio::spawn(read(
+        pay(&client, &shop, Some("slow"), BODY).header("x-simulate", "bank-delay=10000"),
+    ));
+    while account(&client, &shop, "acc_1").await["bank_charges"] != 2 {
+        assert!(!slow.is_finished(), "the slow payment ended early");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let replay = read(pay(&client, &shop, Some("done"), BODY)).await;
+    assert_eq!(replay.status, 201, "{replay:?}");
+    assert!(replay.replayed, "{replay:?}");
+    assert_eq!(replay.body, done.body);
+    let other = BODY.replace("1000", "1001");
+    let reused = read(pay(&client, &shop, Some("done"), &other)).await;
+    assert_eq!(reused.status, 422, "{reused:?}");
+    assert!(
+        !slow.is_finished(),
+        "the repeats waited for the slow payment's turn"
+    );
+    let slow = slow.await.unwrap();
+    assert_eq!(slow.status, 201, "{slow:?}");
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(acc["bank_charges"], 2, "{acc}");
+}

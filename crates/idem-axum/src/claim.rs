@@ -47,19 +47,25 @@ where
     };
     idem_once::claim_until_decided(policy, fingerprint, timed_attempt)
         .await
-        .map_err(|refusal| match refusal {
-            Refusal::Replay(record) => replay(&record, policy),
-            Refusal::Mismatch => {
-                info!("key reused with a different request");
-                count(Outcome::Mismatch);
-                IdempotencyRejection::KeyReused.into_response()
-            }
-            Refusal::InFlight { retry_after } => {
-                debug!(?retry_after, "request with this key is in flight");
-                conflict(retry_after)
-            }
-            Refusal::Unavailable(e) => store_unavailable(&e),
-        })
+        .map_err(|refusal| refused(refusal, policy))
+}
+
+/// The answer to a request a claim refused: the replay, `422`, `409` or
+/// `503`.
+pub(crate) fn refused(refusal: Refusal, policy: &Policy) -> Response {
+    match refusal {
+        Refusal::Replay(record) => replay(&record, policy),
+        Refusal::Mismatch => {
+            info!("key reused with a different request");
+            count(Outcome::Mismatch);
+            IdempotencyRejection::KeyReused.into_response()
+        }
+        Refusal::InFlight { retry_after } => {
+            debug!(?retry_after, "request with this key is in flight");
+            conflict(retry_after)
+        }
+        Refusal::Unavailable(e) => store_unavailable(&e),
+    }
 }
 
 /// Counts and logs a claim that is ours.

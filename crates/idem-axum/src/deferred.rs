@@ -7,9 +7,13 @@ use axum::extract::FromRequestParts;
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use http::StatusCode;
-use idem_core::{ClaimInTransaction, ClaimRequest, Fingerprint, Policy, TxClaimOutcome};
+use idem_core::{
+    on_arrival, Arrival, ClaimInTransaction, ClaimRequest, Fingerprint, Policy, Store,
+    TxClaimOutcome, UnixMillis,
+};
+use idem_once::Refusal;
 
-use crate::claim::{claim_until_decided, claimed, Found};
+use crate::claim::{claim_until_decided, claimed, refused, Found};
 use crate::extract::Idempotency;
 use crate::rejection::IdempotencyRejection;
 
@@ -116,6 +120,47 @@ impl DeferredClaim {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// The answer the key's record gives without a claim, if it gives one:
+    /// the replay of a completed request, `422` for a key bound to another
+    /// request, or `409` while another request holds it under a live lease.
+    /// One read of `store` (the store the layer uses); nothing is written,
+    /// claimed or begun.
+    ///
+    /// For a handler that must wait for a turn before [`begin`](Self::begin)
+    /// (a bulkhead on the transactions it holds open): repeats are answered
+    /// without waiting behind new requests. `None` (no record, one past its
+    /// lease or retention, a policy that waits for the holder's answer, or
+    /// a store that could not be read): go on to `begin`, which decides.
+    /// On PostgreSQL a claim held by a transaction commits with its lease
+    /// already run out (the transaction is its lease), so a duplicate of
+    /// one in flight gets `None` here, and `begin`'s `409`.
+    pub async fn answered_by_record<S>(&self, store: &S) -> Option<ClaimRefused>
+    where
+        S: Store + ?Sized,
+    {
+        let request = &self.inner.request;
+        let Ok(Some(record)) = store.get(&request.scope, &request.key).await else {
+            return None;
+        };
+        let policy = &self.inner.policy;
+        let refusal = match on_arrival(
+            policy,
+            Some(&record),
+            &request.fingerprint,
+            UnixMillis::now(),
+        ) {
+            Arrival::Replay => Refusal::Replay(record),
+            Arrival::Mismatch => Refusal::Mismatch,
+            Arrival::Conflict { retry_after } => Refusal::InFlight { retry_after },
+            // A wait for the holder's answer, a takeover, or a new key: the
+            // claim decides.
+            Arrival::Wait { .. } | Arrival::TakeOver | Arrival::Run => return None,
+        };
+        Some(ClaimRefused {
+            response: refused(refusal, policy),
+        })
     }
 
     /// Claims the key on `store` (the store the layer uses) and begins the

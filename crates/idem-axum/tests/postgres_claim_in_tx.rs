@@ -38,6 +38,20 @@ async fn create(
     let delay: u64 = header(&headers, "x-delay-ms")
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
+    if header(&headers, "x-peek").is_some() {
+        // What the key's record answers alone; 204 when it leaves it to
+        // the claim.
+        return match pending.answered_by_record(&store).await {
+            Some(answered) => {
+                let mut response = answered.into_response();
+                response
+                    .headers_mut()
+                    .insert("x-peeked", "answered".parse().unwrap());
+                response
+            }
+            None => StatusCode::NO_CONTENT.into_response(),
+        };
+    }
     let (mut tx, idem) = match pending.begin(&store).await {
         Ok(held) => held,
         Err(answered) => {
@@ -342,4 +356,65 @@ async fn a_handler_that_commits_without_completing_is_completed_by_the_layer() {
     assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!(again, body);
     assert_eq!(effects(&store).await.len(), 1, "the handler ran once");
+}
+
+/// `answered_by_record` answers what the key's record decides alone (a
+/// replay, `422`) with one read, writing nothing, and leaves the rest to
+/// the claim: a new key, and one in flight (whose committed lease has run
+/// out in this mode: the transaction's lock holds it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_alone_answers_repeats_of_finished_requests() {
+    let (app, store, _schema) = setup(Policy::default()).await;
+    let peek = |key: &str, body: &'static str| {
+        req(key)
+            .header("x-peek", "1")
+            .body(Body::from(body))
+            .unwrap()
+    };
+    let (status, _, _) = send(&app, peek("p", "{}")).await;
+    assert_eq!(
+        status,
+        StatusCode::NO_CONTENT,
+        "a new key: the claim decides"
+    );
+    assert!(
+        store.get("t", "p").await.unwrap().is_none(),
+        "nothing written"
+    );
+
+    let (status, _, body) = send(&app, req("p").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, headers, again) = send(&app, peek("p", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["x-peeked"], "answered");
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(again, body);
+    let (status, headers, _) = send(&app, peek("p", r#"{"x":1}"#)).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(headers["x-peeked"], "answered");
+
+    // In flight: the record's lease ran out at its commit; only the claim
+    // (which reads the row's lock) can tell it is held, so the record
+    // alone answers nothing, and the holder is left alone.
+    let holder = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            send(
+                &app,
+                req("q")
+                    .header("x-delay-ms", "3000")
+                    .body(Body::from("{}"))
+                    .unwrap(),
+            )
+            .await
+        })
+    };
+    while store.get("t", "q").await.unwrap().is_none() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (status, _, _) = send(&app, peek("q", "{}")).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, _, _) = holder.await.unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(effects(&store).await.len(), 2, "one effect per key");
 }

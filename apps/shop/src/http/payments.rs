@@ -240,12 +240,22 @@ async fn create_payment_in_tx(
     // The bulkhead: each payment here holds a connection for the whole bank
     // call. Past the limit, wait for a turn holding no connection, then
     // answer rather than drain the pool every other request (and the
-    // claims) need.
-    let slot = tokio::time::timeout(
-        state.claim_tx_wait,
-        state.claim_tx_slots.clone().acquire_owned(),
-    )
-    .await;
+    // claims) need. A repeat of a finished payment (a replay, or 422 for
+    // another body) needs no turn: while every turn is taken, the key's
+    // record answers it, without waiting behind the slow ones.
+    let slot = match state.claim_tx_slots.clone().try_acquire_owned() {
+        Ok(slot) => Ok(Ok(slot)),
+        Err(_) => {
+            if let Some(answered) = deferred.answered_by_record(&*state.records).await {
+                return Ok(answered.into_response());
+            }
+            tokio::time::timeout(
+                state.claim_tx_wait,
+                state.claim_tx_slots.clone().acquire_owned(),
+            )
+            .await
+        }
+    };
     let Ok(Ok(_slot)) = slot else {
         return Err(Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
