@@ -255,6 +255,7 @@ async fn a_webhook_delivered_three_times_acts_once(db: Db) {
         serde_json::json!({"event_id": "evt-2", "type": "charge.settled", "payment_id": id}),
         serde_json::json!({"event_id": "evt-2", "type": "charge.note", "payment_id": other_id}),
         serde_json::json!({"event_id": "evt-1", "type": "charge.settled", "payment_id": other_id}),
+        serde_json::json!({"event_id": "evt-1", "type": "charge.settled", "payment_id": "pay_nope"}),
     ] {
         let answer = read(client.post(shop.url("/webhooks/bank")).json(&reused)).await;
         assert_eq!(answer.status, 422, "{reused}: {answer:?}");

@@ -367,15 +367,15 @@ fn hpack(fields: &[(&str, &str)]) -> Vec<u8> {
     out
 }
 
-/// Opens an HTTP/2 connection to `addr` and starts a `CreatePayment` call
-/// whose message never finishes: its frame says 100 bytes, one is sent.
-async fn stalled_grpc_call(addr: &str) -> TcpStream {
+/// Opens an HTTP/2 connection to `addr`: the preface and empty SETTINGS
+/// sent, then the server's first SETTINGS read (not yet acknowledged);
+/// gives the connection and that frame's parameters (identifier, value).
+async fn h2_connect(addr: &str) -> (TcpStream, Vec<(u16, u32)>) {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
         .await
         .unwrap();
     s.write_all(&h2_frame(4, 0, 0, &[])).await.unwrap();
-    // The server's SETTINGS, acknowledged.
     loop {
         let mut head = [0u8; 9];
         s.read_exact(&mut head).await.unwrap();
@@ -383,9 +383,25 @@ async fn stalled_grpc_call(addr: &str) -> TcpStream {
         let mut payload = vec![0u8; len];
         s.read_exact(&mut payload).await.unwrap();
         if head[3] == 4 && head[4] & 1 == 0 {
-            break;
+            let settings = payload
+                .chunks_exact(6)
+                .map(|p| {
+                    (
+                        u16::from_be_bytes([p[0], p[1]]),
+                        u32::from_be_bytes([p[2], p[3], p[4], p[5]]),
+                    )
+                })
+                .collect();
+            return (s, settings);
         }
     }
+}
+
+/// Opens an HTTP/2 connection to `addr` and starts a `CreatePayment` call
+/// whose message never finishes: its frame says 100 bytes, one is sent.
+async fn stalled_grpc_call(addr: &str) -> TcpStream {
+    let (mut s, _) = h2_connect(addr).await;
+    // The server's SETTINGS, acknowledged.
     s.write_all(&h2_frame(4, 1, 0, &[])).await.unwrap();
     let headers = hpack(&[
         (":method", "POST"),
@@ -766,41 +782,16 @@ async fn an_older_database_is_upgraded_by_two_instances_starting_at_once(db: Db)
     assert!(again.replayed, "{again:?}");
 }
 
-/// Reads the server's first SETTINGS frame on a new HTTP/2 connection to
-/// `addr` and gives its parameters (identifier, value).
-async fn server_settings(addr: &str) -> Vec<(u16, u32)> {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-        .await
-        .unwrap();
-    s.write_all(&h2_frame(4, 0, 0, &[])).await.unwrap();
-    loop {
-        let mut head = [0u8; 9];
-        s.read_exact(&mut head).await.unwrap();
-        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-        let mut payload = vec![0u8; len];
-        s.read_exact(&mut payload).await.unwrap();
-        if head[3] == 4 && head[4] & 1 == 0 {
-            return payload
-                .chunks_exact(6)
-                .map(|p| {
-                    (
-                        u16::from_be_bytes([p[0], p[1]]),
-                        u32::from_be_bytes([p[2], p[3], p[4], p[5]]),
-                    )
-                })
-                .collect();
-        }
-    }
-}
-
 /// One gRPC connection cannot open calls without end (each would hold a
 /// database connection): the server says its cap in its first SETTINGS.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grpc_connection_is_told_how_many_calls_it_may_open_at_once() {
     let db = Db::sqlite();
     let shop = Shop::start(&db, &["--grpc-listen", "127.0.0.1:0"]).await;
-    let settings = server_settings(&grpc_addr(&shop)).await;
+    let (_connection, settings) =
+        tokio::time::timeout(Duration::from_secs(20), h2_connect(&grpc_addr(&shop)))
+            .await
+            .expect("the server's SETTINGS within 20 s");
     // SETTINGS_MAX_CONCURRENT_STREAMS
     let cap = settings.iter().find(|(id, _)| *id == 3).map(|(_, v)| *v);
     assert_eq!(cap, Some(100), "{settings:?}");

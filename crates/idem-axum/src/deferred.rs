@@ -12,6 +12,7 @@ use idem_core::{
     TxClaimOutcome, UnixMillis,
 };
 use idem_once::Refusal;
+use tracing::debug;
 
 use crate::claim::{claim_until_decided, claimed, refused, Found};
 use crate::extract::Idempotency;
@@ -123,26 +124,30 @@ impl DeferredClaim {
     }
 
     /// The answer the key's record gives without a claim, if it gives one:
-    /// the replay of a completed request, `422` for a key bound to another
-    /// request, or `409` while another request holds it under a live lease.
-    /// One read of `store` (the store the layer uses); nothing is written,
-    /// claimed or begun.
+    /// the replay of a completed request, or `422` for a key bound to
+    /// another request. One read of `store` (the store the layer uses);
+    /// nothing is written, claimed or begun.
     ///
     /// For a handler that must wait for a turn before [`begin`](Self::begin)
-    /// (a bulkhead on the transactions it holds open): repeats are answered
-    /// without waiting behind new requests. `None` (no record, one past its
-    /// lease or retention, a policy that waits for the holder's answer, or
-    /// a store that could not be read): go on to `begin`, which decides.
-    /// On PostgreSQL a claim held by a transaction commits with its lease
-    /// already run out (the transaction is its lease), so a duplicate of
-    /// one in flight gets `None` here, and `begin`'s `409`.
+    /// (a bulkhead on the transactions it holds open): repeats of finished
+    /// requests are answered without waiting behind new ones. `None` (no
+    /// record, or none past its retention; one in flight, whose lease only
+    /// the store's clock and, on PostgreSQL, the holding transaction's lock
+    /// decide; or a store that could not be read): go on to `begin`, which
+    /// decides. Bound the wait yourself: this read has no time limit of its
+    /// own beyond the store's.
     pub async fn answered_by_record<S>(&self, store: &S) -> Option<ClaimRefused>
     where
         S: Store + ?Sized,
     {
         let request = &self.inner.request;
-        let Ok(Some(record)) = store.get(&request.scope, &request.key).await else {
-            return None;
+        let record = match store.get(&request.scope, &request.key).await {
+            Ok(Some(record)) => record,
+            Ok(None) => return None,
+            Err(e) => {
+                debug!(error = %e, "the key's record could not be read; the claim decides");
+                return None;
+            }
         };
         let policy = &self.inner.policy;
         let refusal = match on_arrival(
@@ -153,10 +158,13 @@ impl DeferredClaim {
         ) {
             Arrival::Replay => Refusal::Replay(record),
             Arrival::Mismatch => Refusal::Mismatch,
-            Arrival::Conflict { retry_after } => Refusal::InFlight { retry_after },
-            // A wait for the holder's answer, a takeover, or a new key: the
-            // claim decides.
-            Arrival::Wait { .. } | Arrival::TakeOver | Arrival::Run => return None,
+            // In flight, or a lease to take over: this process's clock is
+            // not the store's, which decides leases (and, on PostgreSQL, the
+            // lock of the transaction holding it): the claim decides, as it
+            // does a new key.
+            Arrival::Conflict { .. } | Arrival::Wait { .. } | Arrival::TakeOver | Arrival::Run => {
+                return None
+            }
         };
         Some(ClaimRefused {
             response: refused(refusal, policy),

@@ -402,7 +402,7 @@ async fn the_record_alone_answers_repeats_of_finished_requests() {
             send(
                 &app,
                 req("q")
-                    .header("x-delay-ms", "3000")
+                    .header("x-delay-ms", "5000")
                     .body(Body::from("{}"))
                     .unwrap(),
             )
@@ -410,10 +410,16 @@ async fn the_record_alone_answers_repeats_of_finished_requests() {
         })
     };
     while store.get("t", "q").await.unwrap().is_none() {
+        assert!(
+            !holder.is_finished(),
+            "the holder ended before its claim showed"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let (status, _, _) = send(&app, peek("q", "{}")).await;
     assert_eq!(status, StatusCode::NO_CONTENT);
+    // (Its 5 s are the margin: the peek came while it held the key.)
+    assert!(!holder.is_finished(), "the holder ended before the peek");
     let (status, _, _) = holder.await.unwrap();
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(effects(&store).await.len(), 2, "one effect per key");

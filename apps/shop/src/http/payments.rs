@@ -242,18 +242,17 @@ async fn create_payment_in_tx(
     // answer rather than drain the pool every other request (and the
     // claims) need. A repeat of a finished payment (a replay, or 422 for
     // another body) needs no turn: while every turn is taken, the key's
-    // record answers it, without waiting behind the slow ones.
+    // record answers it, without waiting behind the slow ones. The read
+    // and the wait together take at most --claim-tx-wait-ms.
     let slot = match state.claim_tx_slots.clone().try_acquire_owned() {
         Ok(slot) => Ok(Ok(slot)),
         Err(_) => {
-            if let Some(answered) = deferred.answered_by_record(&*state.records).await {
+            let until = tokio::time::Instant::now() + state.claim_tx_wait;
+            let record = deferred.answered_by_record(&*state.records);
+            if let Ok(Some(answered)) = tokio::time::timeout_at(until, record).await {
                 return Ok(answered.into_response());
             }
-            tokio::time::timeout(
-                state.claim_tx_wait,
-                state.claim_tx_slots.clone().acquire_owned(),
-            )
-            .await
+            tokio::time::timeout_at(until, state.claim_tx_slots.clone().acquire_owned()).await
         }
     };
     let Ok(Ok(_slot)) = slot else {

@@ -174,7 +174,19 @@ async fn bank_event(
         )
         .await?;
         if exists.is_none() {
-            return Ok(Staged::NoPayment);
+            // An event id already recorded (for a payment that exists) is
+            // not this event: the bank's retry of it would never succeed.
+            let recorded = db::fetch_optional(
+                &mut *tx,
+                "SELECT event_id FROM shop_bank_events WHERE event_id = $1",
+                &[(&event.event_id).into()],
+            )
+            .await?;
+            return Ok(if recorded.is_some() {
+                Staged::Reused
+            } else {
+                Staged::NoPayment
+            });
         }
         let recorded = db::create_once(
             &mut *tx,
