@@ -46,6 +46,14 @@ cleanup() {
   if [ -f "$out/databases" ]; then
     while read -r d; do mysql -h127.0.0.1 -uroot -e "DROP DATABASE IF EXISTS $d" || true; done < "$out/databases"
   fi
+  # The records the run left in Redis (kept a day otherwise): shop's under
+  # this run's prefixes, and the peers' under theirs (idem-trivial's
+  # `trivial-<uuid>`, the Rust peers' `peer-<uuid>`, the Node peer's
+  # `node-idempotency`), walked with SCAN, deleted a batch at a time.
+  for pattern in "bench-$$:*" "bench2-$$:*" 'trivial-*' 'peer-*' 'node-idempotency*'; do
+    redis-cli -u "$REDIS" --scan --pattern "$pattern" 2>/dev/null \
+      | xargs -r -n 500 redis-cli -u "$REDIS" del > /dev/null 2>&1 || true
+  done
   rm -rf "$out"
 }
 trap cleanup EXIT
