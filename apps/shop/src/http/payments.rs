@@ -245,17 +245,18 @@ async fn create_payment_in_tx(
     // record answers it, without waiting behind the slow ones. The read
     // and the wait together take at most --claim-tx-wait-ms.
     let slot = match state.claim_tx_slots.clone().try_acquire_owned() {
-        Ok(slot) => Ok(Ok(slot)),
+        Ok(slot) => Some(slot),
         Err(_) => {
             let until = tokio::time::Instant::now() + state.claim_tx_wait;
             let record = deferred.answered_by_record(&*state.records);
             if let Ok(Some(answered)) = tokio::time::timeout_at(until, record).await {
                 return Ok(answered.into_response());
             }
-            tokio::time::timeout_at(until, state.claim_tx_slots.clone().acquire_owned()).await
+            let turn = state.claim_tx_slots.clone().acquire_owned();
+            tokio::time::timeout_at(until, turn).await.ok().and_then(Result::ok)
         }
     };
-    let Ok(Ok(_slot)) = slot else {
+    let Some(_slot) = slot else {
         return Err(Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "busy",

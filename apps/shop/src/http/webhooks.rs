@@ -43,6 +43,10 @@ pub(super) fn router() -> OpenApiRouter<AppState> {
 /// The event type with an effect; others are recorded and acknowledged.
 const SETTLED: &str = "charge.settled";
 
+/// A recorded event by its id: what it was, to tell a repeat from another
+/// event sent under the same id.
+const EVENT_BY_ID: &str = "SELECT type, payment_id FROM shop_bank_events WHERE event_id = $1";
+
 /// An event the bank sends.
 #[derive(Debug, Deserialize, ToSchema)]
 struct Event {
@@ -176,11 +180,7 @@ async fn bank_event(
         if exists.is_none() {
             // An event id already recorded (for a payment that exists) is
             // not this event: the bank's retry of it would never succeed.
-            let recorded = db::fetch_optional(
-                &mut *tx,
-                "SELECT event_id FROM shop_bank_events WHERE event_id = $1",
-                &[(&event.event_id).into()],
-            )
+            let recorded = db::fetch_optional(&mut *tx, EVENT_BY_ID, &[(&event.event_id).into()])
             .await?;
             return Ok(if recorded.is_some() {
                 Staged::Reused
@@ -197,7 +197,7 @@ async fn bank_event(
                 (&event.payment_id).into(),
                 now.into(),
             ],
-            "SELECT type, payment_id FROM shop_bank_events WHERE event_id = $1",
+            EVENT_BY_ID,
             &[(&event.event_id).into()],
         )
         .await?;
