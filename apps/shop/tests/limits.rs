@@ -714,9 +714,10 @@ async fn a_second_instance_starts_beside_open_transactions_on_postgres() {
 on_both_backends!(an_older_database_is_upgraded_by_two_instances_starting_at_once);
 
 /// A database made before charges named their merchant and carried a
-/// reference, and before checkouts kept their key: two instances starting
-/// at once add the columns (one of them; neither fails on the other's),
-/// and a payment and a checkout then work.
+/// reference, before checkouts kept their key, and before emails were
+/// indexed by payment: two instances starting at once add the columns and
+/// the index (one of them; neither fails on the other's), and a payment and
+/// a checkout then work.
 async fn an_older_database_is_upgraded_by_two_instances_starting_at_once(db: Db) {
     drop(Shop::start(&db, &[]).await);
     let older: &[&str] = match db {
@@ -730,15 +731,28 @@ async fn an_older_database_is_upgraded_by_two_instances_starting_at_once(db: Db)
             "DROP TABLE shop_checkouts",
             "CREATE TABLE shop_checkouts (order_id TEXT PRIMARY KEY, client_id TEXT NOT NULL,
                  operation_id TEXT NOT NULL, created_at BIGINT NOT NULL)",
+            "DROP INDEX shop_emails_payment",
         ],
         Db::Mysql(_) => &[
             "ALTER TABLE bank_charges DROP INDEX bank_charges_reference, DROP COLUMN reference",
             "ALTER TABLE shop_checkouts DROP COLUMN idempotency_key",
+            "ALTER TABLE shop_emails DROP INDEX shop_emails_payment",
         ],
         Db::Postgres(_) | Db::PostgresAt(_) => &[
             "ALTER TABLE bank_charges DROP COLUMN reference, DROP COLUMN client_id",
             "ALTER TABLE shop_checkouts DROP COLUMN idempotency_key",
+            "DROP INDEX shop_emails_payment",
         ],
+    };
+    // Each fails where the index is missing.
+    let indexed = match db {
+        Db::Sqlite(..) => {
+            "SELECT id FROM shop_emails INDEXED BY shop_emails_payment WHERE payment_id = 'p'"
+        }
+        Db::Mysql(_) => {
+            "SELECT id FROM shop_emails FORCE INDEX (shop_emails_payment) WHERE payment_id = 'p'"
+        }
+        Db::Postgres(_) | Db::PostgresAt(_) => "SELECT 'shop_emails_payment'::regclass",
     };
     for sql in older {
         db.execute(sql).await;
@@ -748,6 +762,7 @@ async fn an_older_database_is_upgraded_by_two_instances_starting_at_once(db: Db)
     for shop in [&first, &second] {
         assert_eq!(read(client.get(shop.url("/healthz"))).await.status, 200);
     }
+    db.execute(indexed).await;
     let paid = read(common::pay(
         &client,
         &first,

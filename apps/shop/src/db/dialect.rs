@@ -339,6 +339,19 @@ impl ShopDialect for idem_sql::MySql {
                     .execute(&mut *conn)
                     .await?;
                 }
+                // A database made before emails were read from payments.
+                let has_payment_index: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM information_schema.statistics
+                     WHERE table_schema = DATABASE() AND table_name = 'shop_emails'
+                       AND index_name = 'shop_emails_payment'",
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                if has_payment_index == 0 {
+                    sqlx::query("ALTER TABLE shop_emails ADD INDEX shop_emails_payment (payment_id)")
+                        .execute(&mut *conn)
+                        .await?;
+                }
                 // A database made before checkouts kept their key.
                 let has_key: i64 = sqlx::query_scalar(
                     "SELECT count(*) FROM information_schema.columns
@@ -386,6 +399,7 @@ mod tests {
             "shop_stock",
             "shop_emails",
             "shop_emails_account",
+            "shop_emails_payment",
         ] {
             assert!(names.contains(&name), "{name}: {names:?}");
         }

@@ -88,3 +88,5 @@ CREATE TABLE IF NOT EXISTS shop_emails (
     created_at BIGINT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS shop_emails_account ON shop_emails (account_id);
+-- A client's emails are read from its payments (see `queries::EMAILS`).
+CREATE INDEX IF NOT EXISTS shop_emails_payment ON shop_emails (payment_id);

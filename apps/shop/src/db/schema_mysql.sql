@@ -88,5 +88,7 @@ CREATE TABLE IF NOT EXISTS shop_emails (
     account_id VARBINARY(255) NOT NULL,
     subject    BLOB           NOT NULL,
     created_at BIGINT         NOT NULL,
-    INDEX shop_emails_account (account_id)
+    INDEX shop_emails_account (account_id),
+    -- A client's emails are read from its payments (see `queries::EMAILS`).
+    INDEX shop_emails_payment (payment_id)
 ) ENGINE = InnoDB;
