@@ -6,7 +6,9 @@
 //! - [`NatsConsumer`]: a durable pull consumer with explicit acks. A handler
 //!   error naks with a delay; past `max_deliveries` the message is copied to
 //!   the dead-letter subject `<subject>.dlq` and terminated, so a poison
-//!   message never blocks the ones behind it. Pair the handler with the
+//!   message never blocks the ones behind it. The consumer counts the
+//!   deliveries, not the server (which would drop a message whose last
+//!   delivery never settled, with no copy). Pair the handler with the
 //!   inbox so that redeliveries act once.
 //!
 //! ```no_run
@@ -79,8 +81,9 @@ pub enum NatsError {
     /// deliver it again after the ack wait.
     #[error("NATS: a message could not be acknowledged")]
     Ack(#[source] Source),
-    /// Copying a message to the dead-letter subject failed; it was not
-    /// terminated, so it will be delivered again.
+    /// Copying a message to the dead-letter subject failed. (The consumer
+    /// logs it and goes on: the message was not terminated, and comes
+    /// again.)
     #[error("NATS: a message could not be dead-lettered to {subject:?}")]
     DeadLetter {
         /// The dead-letter subject.
@@ -289,6 +292,34 @@ impl Consumer for NatsConsumer {
     }
 }
 
+/// Copies `incoming` (its headers but the message id, which gets a
+/// `.dlq` suffix) to `subject`, acknowledged by JetStream.
+async fn dead_letter(
+    js: &jetstream::Context,
+    subject: &str,
+    incoming: &Delivery,
+) -> Result<(), NatsError> {
+    let mut copy = jetstream::message::PublishMessage::build().payload(incoming.payload.clone());
+    if let Some(id) = &incoming.message_id {
+        copy = copy.message_id(format!("{id}.dlq"));
+    }
+    for (name, value) in &incoming.headers {
+        if !name.eq_ignore_ascii_case("Nats-Msg-Id") {
+            copy = copy.header(name.as_str(), value.as_str());
+        }
+    }
+    let failed = |e: Source| NatsError::DeadLetter {
+        subject: subject.to_owned(),
+        source: e,
+    };
+    js.send_publish(subject.to_owned(), copy)
+        .await
+        .map_err(|e| failed(e.into()))?
+        .await
+        .map_err(|e| failed(e.into()))?;
+    Ok(())
+}
+
 /// How long a consumer waits after a failed pull before it pulls again.
 const PULL_AGAIN_AFTER: Duration = Duration::from_millis(250);
 
@@ -317,8 +348,14 @@ pub struct NatsConsumer {
 
 impl NatsConsumer {
     /// Connects and creates (or reuses) the durable consumer `durable`,
-    /// which allows `max_deliveries` and redelivers a message not acked
-    /// within 5 s.
+    /// which redelivers a message not acked within 5 s. A message is
+    /// handled at most `max_deliveries` times; failed the last time, or
+    /// delivered again after it (its last delivery never settled: a crash,
+    /// a stop), it is copied to the dead-letter subject and terminated. The
+    /// server itself sets no limit (an existing consumer is updated to
+    /// none), so a message is never dropped without that copy. A
+    /// `max_deliveries` below 1 is no limit: a failing message comes back
+    /// for ever.
     pub async fn connect(
         url: &str,
         spec: &StreamSpec,
@@ -346,23 +383,40 @@ impl NatsConsumer {
             })?;
         let js = jetstream::new(client);
         let stream = spec.declare(&js).await?;
-        let consumer = stream
-            .get_or_create_consumer(
-                durable,
-                pull::Config {
-                    durable_name: Some(durable.to_owned()),
-                    filter_subject: spec.subject.clone(),
-                    ack_policy: AckPolicy::Explicit,
-                    ack_wait,
-                    max_deliver: max_deliveries,
-                    ..Default::default()
-                },
-            )
+        let consumer_failed = |e: Source| NatsError::Consumer {
+            durable: durable.to_owned(),
+            source: e,
+        };
+        // The server delivers without limit: this consumer counts the
+        // deliveries and dead-letters past `max_deliveries` itself. A limit
+        // of the server's would end a message whose last allowed delivery
+        // never settled (a crash, a stop with it still buffered, a
+        // dead-letter copy the server did not take) with no copy anywhere.
+        let config = pull::Config {
+            durable_name: Some(durable.to_owned()),
+            filter_subject: spec.subject.clone(),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait,
+            max_deliver: -1,
+            ..Default::default()
+        };
+        let mut consumer = stream
+            .get_or_create_consumer(durable, config.clone())
             .await
-            .map_err(|e| NatsError::Consumer {
-                durable: durable.to_owned(),
-                source: e.into(),
-            })?;
+            .map_err(|e| consumer_failed(e.into()))?;
+        let kept = &consumer.cached_info().config;
+        if kept.max_deliver != config.max_deliver || kept.ack_wait != config.ack_wait {
+            // Made by an earlier version, or with another ack wait: both
+            // are fields JetStream lets an existing consumer change.
+            info!(
+                durable,
+                "updating the durable consumer's delivery limit and ack wait"
+            );
+            consumer = stream
+                .create_consumer(config)
+                .await
+                .map_err(|e| consumer_failed(e.into()))?;
+        }
         Ok(Self {
             js,
             consumer,
@@ -484,49 +538,47 @@ impl NatsConsumer {
             );
             let (max_deliveries, retry_delay) = (self.max_deliveries, self.retry_delay);
             in_flight.spawn(async move {
-                match handler(incoming.clone()).await {
-                    Ok(()) => message.ack().await.map_err(NatsError::Ack)?,
-                    Err(e) if delivered >= max_deliveries => {
-                        warn!(error = %e, delivered, "handler failed for the last time; dead-lettering");
-                        let mut copy = jetstream::message::PublishMessage::build()
-                            .payload(incoming.payload.clone());
-                        if let Some(id) = &incoming.message_id {
-                            copy = copy.message_id(format!("{id}.dlq"));
+                // Later each time: a database restarting for a few seconds
+                // does not use up the deliveries at once.
+                let wait = retry_delay
+                    .saturating_mul(1 << (delivered - 1).clamp(0, 16))
+                    .min(Duration::from_secs(30));
+                // (A limit below 1 is none: never dead-lettered.)
+                let limited = max_deliveries >= 1;
+                if limited && delivered > max_deliveries {
+                    // Its last allowed delivery never settled: the process
+                    // stopped or crashed with it, or the dead-letter copy
+                    // failed. It has had its runs (one that crashes the
+                    // process each time must not run for ever): copied to
+                    // the dead-letter subject as it is.
+                    warn!(delivered, "delivered past its last allowed delivery; dead-lettering without handling it again");
+                } else {
+                    match handler(incoming.clone()).await {
+                        Ok(()) => return message.ack().await.map_err(NatsError::Ack),
+                        Err(e) if limited && delivered == max_deliveries => {
+                            warn!(error = %e, delivered, "handler failed for the last time; dead-lettering");
                         }
-                        for (name, value) in &incoming.headers {
-                            if !name.eq_ignore_ascii_case("Nats-Msg-Id") {
-                                copy = copy.header(name.as_str(), value.as_str());
-                            }
+                        Err(e) => {
+                            warn!(error = %e, delivered, ?wait, "handler failed; retrying later");
+                            return message
+                                .ack_with(AckKind::Nak(Some(wait)))
+                                .await
+                                .map_err(NatsError::Ack);
                         }
-                        let dead_letter_failed = |e: Source| NatsError::DeadLetter {
-                            subject: dead_letter_subject.clone(),
-                            source: e,
-                        };
-                        js
-                            .send_publish(dead_letter_subject.clone(), copy)
-                            .await
-                            .map_err(|e| dead_letter_failed(e.into()))?
-                            .await
-                            .map_err(|e| dead_letter_failed(e.into()))?;
-                        message
-                            .ack_with(AckKind::Term)
-                            .await
-                            .map_err(NatsError::Ack)?;
                     }
+                }
+                match dead_letter(&js, &dead_letter_subject, &incoming).await {
+                    Ok(()) => message.ack_with(AckKind::Term).await.map_err(NatsError::Ack),
                     Err(e) => {
-                        // Later each time: a database restarting for a few
-                        // seconds does not use up the deliveries at once.
-                        let wait = retry_delay
-                            .saturating_mul(1 << (delivered - 1).clamp(0, 16))
-                            .min(Duration::from_secs(30));
-                        warn!(error = %e, delivered, ?wait, "handler failed; retrying later");
+                        // Not terminated: the server delivers it again (it
+                        // sets no limit), and the copy is tried again then.
+                        warn!(error = %e, ?wait, "the dead-letter copy failed; the message comes back");
                         message
                             .ack_with(AckKind::Nak(Some(wait)))
                             .await
-                            .map_err(NatsError::Ack)?;
+                            .map_err(NatsError::Ack)
                     }
                 }
-                Ok(())
             });
         }
     }

@@ -401,3 +401,99 @@ async fn what_the_server_never_takes_is_a_refusal() {
         .expect_err("not taken");
     assert_eq!(nowhere.kind(), PublishErrorKind::BrokerDown, "{nowhere}");
 }
+
+/// A message whose last allowed delivery never settles (the process
+/// handling it dies) is not dropped: the server delivers it again, and it
+/// is dead-lettered then, without running the handler once more. A durable
+/// an earlier version made, with the server's own delivery limit, is
+/// updated to none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_delivery_that_never_settled_is_dead_lettered_not_dropped() {
+    use async_nats::jetstream::consumer::{pull, AckPolicy};
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Instant;
+    let s = jetstream(2).await;
+    // As an earlier version made it: the server stops after 2 deliveries.
+    let stream = s
+        .publisher
+        .context()
+        .get_stream(s.spec.stream())
+        .await
+        .unwrap();
+    stream
+        .create_consumer(pull::Config {
+            durable_name: Some("test-consumer".to_owned()),
+            filter_subject: s.spec.subject().to_owned(),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(1),
+            max_deliver: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let first = s.durable(Duration::from_secs(1)).await;
+    let limit = stream
+        .consumer_info("test-consumer")
+        .await
+        .unwrap()
+        .config
+        .max_deliver;
+    assert_eq!(limit, -1, "the server's own limit is lifted");
+
+    let m = idem_outbox::outbox::OutgoingMessage::new("m-last", s.spec.subject(), "x");
+    assert!(s
+        .publisher
+        .publish(std::slice::from_ref(&m))
+        .await
+        .confirmed("m-last"));
+    // Fails the first time; the second (the last allowed) never ends.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let on_message = handler(move |_: Delivery| {
+        let counted = counted.clone();
+        async move {
+            if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Err("the database is away".into());
+            }
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let (_stop, stopped) = watch::channel(false);
+    let crashing = tokio::spawn(Box::new(first).consume(on_message, stopped));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while runs.load(Ordering::SeqCst) < 2 {
+        assert!(Instant::now() < deadline, "the second delivery never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The process dies with the last delivery in its hands.
+    crashing.abort();
+    let _ = crashing.await;
+    assert_eq!(s.dead_lettered().await, 0);
+
+    let after = Arc::new(AtomicUsize::new(0));
+    let counted = after.clone();
+    let on_message = handler(move |_: Delivery| {
+        let counted = counted.clone();
+        async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    });
+    let (stop, stopped) = watch::channel(false);
+    let consuming = tokio::spawn(
+        Box::new(s.durable(Duration::from_secs(1)).await).consume(on_message, stopped),
+    );
+    // Delivered again once the ack wait is over: dead-lettered.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.dead_lettered().await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the message was dropped: no dead-letter copy after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.send(true).unwrap();
+    consuming.await.unwrap().unwrap();
+    assert_eq!(after.load(Ordering::SeqCst), 0, "not handled a third time");
+}
