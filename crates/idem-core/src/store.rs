@@ -88,7 +88,10 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
 
     /// Completes the claimed record with its response, if the record still
     /// carries `claim.token` and is in progress; otherwise
-    /// [`StoreError::ClaimLost`].
+    /// [`StoreError::ClaimLost`]. A record this claim already completed with
+    /// the same response is `Ok` too: the same completion sent again, after
+    /// its answer was lost on the way back (a time-out, a connection
+    /// dropped after the commit), stands rather than reads as a takeover.
     fn complete<'a>(
         &'a self,
         claim: &'a Claim,

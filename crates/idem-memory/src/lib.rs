@@ -34,7 +34,15 @@ use idem_core::{
 };
 
 /// The records by scope, then by key.
-type Records = HashMap<String, HashMap<String, Record>>;
+type Records = HashMap<String, HashMap<String, Entry>>;
+
+/// A record, and the token of its last claim (a completed record keeps it,
+/// so that its holder's completion, sent again, is known as its own).
+#[derive(Debug)]
+struct Entry {
+    record: Record,
+    token: FencingToken,
+}
 
 /// An in-memory store; see the crate-level docs.
 #[derive(Debug, Default)]
@@ -72,11 +80,18 @@ impl MemoryStore {
         let stored = records
             .get_mut(req.scope.as_str())
             .and_then(|scoped| scoped.get_mut(req.key.as_str()));
-        let arrival = on_arrival(&DECIDING, stored.as_deref(), &req.fingerprint, now);
+        let arrival = on_arrival(
+            &DECIDING,
+            stored.as_ref().map(|e| &e.record),
+            &req.fingerprint,
+            now,
+        );
         let locked_until = now.plus(req.lease);
         let token = FencingToken::generate();
         let record = match (arrival, stored) {
-            (Arrival::TakeOver, Some(record)) => {
+            (Arrival::TakeOver, Some(entry)) => {
+                entry.token = token;
+                let record = &mut entry.record;
                 record.state = RecordState::InProgress {
                     token,
                     locked_until,
@@ -112,7 +127,7 @@ impl MemoryStore {
                 | Arrival::Wait { .. }
                 | Arrival::Mismatch,
                 Some(existing),
-            ) => return ClaimOutcome::Existing(existing.clone()),
+            ) => return ClaimOutcome::Existing(existing.record.clone()),
         };
         let claim = Claim {
             scope: req.scope.clone(),
@@ -122,12 +137,13 @@ impl MemoryStore {
             locked_until,
             takeover: false,
         };
+        let entry = Entry { record, token };
         match records.get_mut(req.scope.as_str()) {
             Some(scoped) => {
-                scoped.insert(req.key.clone(), record);
+                scoped.insert(req.key.clone(), entry);
             }
             None => {
-                let scoped = HashMap::from([(req.key.clone(), record)]);
+                let scoped = HashMap::from([(req.key.clone(), entry)]);
                 records.insert(req.scope.clone(), scoped);
             }
         }
@@ -146,9 +162,9 @@ impl MemoryStore {
             .get_mut(claim.scope.as_str())
             .and_then(|scoped| scoped.get_mut(claim.key.as_str()));
         match held {
-            Some(r) if matches!(r.state, RecordState::InProgress { token, .. } if token == claim.token) =>
+            Some(e) if matches!(e.record.state, RecordState::InProgress { token, .. } if token == claim.token) =>
             {
-                f(r, now);
+                f(&mut e.record, now);
                 Ok(())
             }
             _ => Err(StoreError::ClaimLost),
@@ -174,12 +190,30 @@ impl Store for MemoryStore {
         claim: &'a Claim,
         response: &'a StoredResponse,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let result = self.with_held(claim, |r, now| {
-            r.state = RecordState::Completed {
-                response: response.clone(),
-                completed_at: now,
-            };
-        });
+        let result = self
+            .with_held(claim, |r, now| {
+                r.state = RecordState::Completed {
+                    response: response.clone(),
+                    completed_at: now,
+                };
+            })
+            .or_else(|lost| {
+                // The same completion again (as every store, though in
+                // memory none is lost on its way back): it stands.
+                let records = self.lock();
+                let entry = records
+                    .get(claim.scope.as_str())
+                    .and_then(|scoped| scoped.get(claim.key.as_str()));
+                match entry {
+                    Some(e)
+                        if e.token == claim.token
+                            && matches!(&e.record.state, RecordState::Completed { response: stored, .. } if stored == response) =>
+                    {
+                        Ok(())
+                    }
+                    _ => Err(lost),
+                }
+            });
         Box::pin(async move { result })
     }
 
@@ -202,6 +236,7 @@ impl Store for MemoryStore {
             .lock()
             .get(scope)
             .and_then(|scoped| scoped.get(key))
+            .map(|e| &e.record)
             .filter(|r| !r.is_expired(now))
             .cloned();
         Box::pin(async move { Ok(record) })
@@ -212,8 +247,8 @@ impl Store for MemoryStore {
         let mut records = self.lock();
         let mut swept = 0;
         for scoped in records.values_mut() {
-            scoped.retain(|_, r| {
-                let sweep = swept < batch && r.is_expired(now);
+            scoped.retain(|_, e| {
+                let sweep = swept < batch && e.record.is_expired(now);
                 swept += usize::from(sweep);
                 !sweep
             });

@@ -403,7 +403,8 @@ enum Claimed<T, E> {
 
 /// Completes `claim` with `stored`, trying again (with a growing pause)
 /// while the store fails and the lease lasts: the work ran, and a
-/// completion is fenced, so trying again is safe and spares a re-run.
+/// completion is fenced, so trying again is safe and spares a re-run (one
+/// that landed though its answer was lost stands: see `Store::complete`).
 pub(crate) async fn complete_retrying<S: Store + ?Sized>(
     store: &S,
     claim: &Claim,

@@ -78,9 +78,10 @@ impl RedisConfig {
     /// (best effort) and answered as
     /// [`StoreError::Unavailable`](idem_core::StoreError::Unavailable): the request
     /// does not run (`503`). A completion they did not acknowledge is
-    /// reported the same way: its claim stays until its lease ends, so a
-    /// retry after a failover that lost the completion takes the claim over
-    /// under the same operation id. `WAIT` holds the connection it runs on,
+    /// reported the same way, though the primary holds it (and replays
+    /// it); the same completion sent again stands and waits again. A
+    /// failover that loses it leaves the replica's copy of the claim, which
+    /// a retry takes over after its lease under the same operation id. `WAIT` holds the connection it runs on,
     /// so keep `timeout` below [`timeout`](Self::timeout). On a Redis
     /// Cluster the script and its `WAIT` go together to the primary of the
     /// key's slot. What remains open: `WAIT` is not a consensus; a replica

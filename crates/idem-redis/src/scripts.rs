@@ -97,13 +97,19 @@ return {'existing', tostring(now), cmsgpack.pack(r)}
 "
 );
 
-/// Completes a record if it is in progress under the caller's token.
+/// Completes a record if it is in progress under the caller's token; a
+/// record it already completed with the same response (the completion sent
+/// again: its reply was lost, or `WAIT` fell short) stands too.
 /// KEYS[1]: the record. ARGV: token, status, headers, body. Returns 1 or 0.
 pub(crate) const COMPLETE: &str = with_load!(
     r"
 local r = load()
 if r and r.err then
   return r
+end
+if r and r[7] == 'c' and r[6] == ARGV[1] and r[12] == tonumber(ARGV[2])
+    and r[13] == ARGV[3] and r[14] == ARGV[4] then
+  return 1
 end
 if not r or r[7] ~= 'p' or r[6] ~= ARGV[1] then
   return 0

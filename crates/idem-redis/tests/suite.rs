@@ -314,3 +314,39 @@ async fn on_a_cluster_a_claim_no_replica_acknowledged_is_refused_and_released() 
         }
     }
 }
+
+/// A completion fewer replicas acknowledged than asked is reported
+/// unavailable, though the primary has it: sent again by its holder (as
+/// idem-once does), it stands, and is reported unavailable again while the
+/// replicas lag, never as a claim lost. The same completion from a store
+/// that does not wait is then simply done, and the record replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_sent_again_after_wait_fell_short_stands() {
+    let (plain, _guard) = redis().await;
+    // More replicas than any server here has.
+    let waiting = RedisStore::connect(
+        RedisConfig::new(redis_url())
+            .prefix(plain.prefix())
+            .wait_replicas(64, Duration::from_millis(20)),
+    )
+    .await
+    .unwrap();
+    let claim = match plain.claim(&req("w")).await.unwrap() {
+        ClaimOutcome::Acquired(claim) => claim,
+        ClaimOutcome::Existing(r) => panic!("a new key, yet {r:?}"),
+    };
+    for attempt in 1..=2 {
+        match waiting.complete(&claim, &ok()).await {
+            Err(StoreError::Unavailable(e)) => assert!(
+                e.downcast_ref::<idem_redis::NotReplicated>().is_some(),
+                "attempt {attempt}: {e}"
+            ),
+            other => panic!("attempt {attempt}: not replicated, yet {other:?}"),
+        }
+    }
+    plain.complete(&claim, &ok()).await.unwrap();
+    match plain.get("s", "w").await.unwrap().map(|r| r.state) {
+        Some(idem_core::RecordState::Completed { response, .. }) => assert_eq!(response, ok()),
+        other => panic!("completed, not {other:?}"),
+    }
+}

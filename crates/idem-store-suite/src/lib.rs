@@ -211,12 +211,20 @@ pub async fn complete_then_replay<S: Store>(store: S) {
         }
         other => panic!("expected completed, got {other:?}"),
     }
-    assert_eq!(store.get("scope-a", "k2").await.unwrap(), Some(rec));
-    // completing twice is refused: the claim is spent
+    assert_eq!(store.get("scope-a", "k2").await.unwrap(), Some(rec.clone()));
+    // The same completion sent again (its answer was lost on the way back,
+    // and the holder tried again) stands: it landed. Nothing changes.
+    store
+        .complete(&claim, &response(r#"{"id":"p1"}"#))
+        .await
+        .unwrap();
+    assert_eq!(store.get("scope-a", "k2").await.unwrap(), Some(rec.clone()));
+    // Another response under the spent claim is refused.
     assert!(matches!(
         store.complete(&claim, &response("{}")).await,
         Err(StoreError::ClaimLost)
     ));
+    assert_eq!(store.get("scope-a", "k2").await.unwrap(), Some(rec));
 }
 
 /// A claim with another fingerprint does not touch the record.

@@ -82,6 +82,7 @@ struct RecordSql<D> {
     select: Statement<D>,
     get: Statement<D>,
     complete: Statement<D>,
+    completed: Statement<D>,
     release: Statement<D>,
     sweep: Statement<D>,
     stats: Statement<D>,
@@ -114,6 +115,7 @@ impl<D: RecordDialect> RecordSql<D> {
             select: prepare(t.select)?,
             get: prepare(t.get)?,
             complete: prepare(t.complete)?,
+            completed: prepare(t.completed)?,
             release: prepare(t.release)?,
             sweep: prepare(t.sweep)?,
             stats: prepare(t.stats)?,
@@ -595,7 +597,14 @@ impl<D: RecordDialect> Store for SqlStore<D> {
     ) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             let mut conn = self.writers.acquire().await.map_err(store_error)?;
-            self.complete_in(&mut conn, claim, response).await
+            match self.complete_in(&mut conn, claim, response).await {
+                // Sent again after it landed (the commit's answer was lost,
+                // and the caller tried again): it stands.
+                Err(StoreError::ClaimLost) if self.landed(&mut conn, claim, response).await? => {
+                    Ok(())
+                }
+                done => done,
+            }
         })
     }
 

@@ -34,6 +34,29 @@ impl<D: RecordDialect> SqlStore<D> {
         ];
         fenced(D::execute(conn, &self.sql.complete, &args).await)
     }
+
+    /// Whether the record already stands completed under `claim`'s token
+    /// with `response`: a completion that landed, sent again.
+    pub(crate) async fn landed(
+        &self,
+        conn: &mut Conn<D>,
+        claim: &Claim,
+        response: &StoredResponse,
+    ) -> Result<bool, StoreError> {
+        let headers = response.encode_headers();
+        let args = [
+            Arg::Text(&claim.scope),
+            Arg::Text(&claim.key),
+            Arg::Int(claim.token.0),
+            Arg::Int(i64::from(response.status)),
+            Arg::Bytes(&headers),
+            Arg::Bytes(&response.body),
+        ];
+        let row = D::fetch_optional(conn, &self.sql.completed, &args)
+            .await
+            .map_err(store_error)?;
+        Ok(row.is_some())
+    }
 }
 
 impl<D: RecordDialect> TransactionalStore<Conn<D>> for SqlStore<D> {

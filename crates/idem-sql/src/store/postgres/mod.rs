@@ -69,6 +69,7 @@ impl RecordDialect for Postgres {
         select: include_str!("../../../sql/postgres/select.sql"),
         get: include_str!("../../../sql/postgres/get.sql"),
         complete: include_str!("../../../sql/postgres/complete.sql"),
+        completed: include_str!("../../../sql/postgres/completed.sql"),
         release: include_str!("../../../sql/postgres/release.sql"),
         sweep: include_str!("../../../sql/postgres/sweep.sql"),
         stats: include_str!("../../../sql/postgres/stats.sql"),
