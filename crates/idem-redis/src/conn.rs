@@ -200,13 +200,17 @@ pub(crate) fn glob_escaped(s: &str) -> String {
 
 /// Counts (and with `delete`, deletes) the keys under `prefix` on one server.
 pub(crate) async fn scan(conn: &mut Conn, prefix: &str, delete: bool) -> Result<u64, StoreError> {
+    // A record's key exactly (see `RedisStore::record_key`): `prefix:*`
+    // would also match the keys of a prefix that starts with this one and
+    // a colon (`shop` and `shop:eu`).
+    let pattern = format!("{}:{{{}}}", glob_escaped(prefix), "[0-9a-f]".repeat(64));
     let mut cursor: u64 = 0;
     let mut total = 0;
     loop {
         let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
             .arg(cursor)
             .arg("MATCH")
-            .arg(format!("{}:*", glob_escaped(prefix)))
+            .arg(&pattern)
             .arg("COUNT")
             .arg(500)
             .query_async(conn)

@@ -350,3 +350,30 @@ async fn a_completion_sent_again_after_wait_fell_short_stands() {
         other => panic!("completed, not {other:?}"),
     }
 }
+
+/// Clearing (or counting) a prefix leaves the records of a prefix that
+/// begins with it and a colon (`shop` and `shop:eu`): made new again, its
+/// keys would run their effects again.
+#[tokio::test]
+async fn clearing_a_prefix_leaves_a_longer_prefix_that_starts_with_it() {
+    let base = format!("idem-nested-{}", uuid::Uuid::new_v4().simple());
+    let url = redis_url();
+    let outer = RedisStore::connect(RedisConfig::new(&url).prefix(base.clone()))
+        .await
+        .unwrap();
+    let inner = RedisStore::connect(RedisConfig::new(&url).prefix(format!("{base}:eu")))
+        .await
+        .unwrap();
+    let _guards = (Prefix(outer.clone()), Prefix(inner.clone()));
+    outer.claim(&req("a")).await.unwrap();
+    inner.claim(&req("b")).await.unwrap();
+    assert_eq!(outer.count_keys().await.unwrap(), 1);
+    assert_eq!(outer.clear().await.unwrap(), 1);
+    assert_eq!(
+        inner.count_keys().await.unwrap(),
+        1,
+        "the longer prefix's key stays"
+    );
+    assert!(inner.get("s", "b").await.unwrap().is_some());
+    assert_eq!(inner.clear().await.unwrap(), 1);
+}
