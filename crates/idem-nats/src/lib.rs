@@ -348,14 +348,13 @@ pub struct NatsConsumer {
 
 impl NatsConsumer {
     /// Connects and creates (or reuses) the durable consumer `durable`,
-    /// which redelivers a message not acked within 5 s. A message is
-    /// handled at most `max_deliveries` times; failed the last time, or
-    /// delivered again after it (its last delivery never settled: a crash,
-    /// a stop), it is copied to the dead-letter subject and terminated. The
-    /// server itself sets no limit (an existing consumer is updated to
-    /// none), so a message is never dropped without that copy. A
-    /// `max_deliveries` below 1 is no limit: a failing message comes back
-    /// for ever.
+    /// which redelivers a message not acked within 5 s. A message whose
+    /// handler fails on its `max_deliveries`th delivery, or any later one
+    /// (the last allowed one never settled: a crash, a stop), is copied to
+    /// the dead-letter subject and terminated. The server itself sets no
+    /// limit (an existing consumer is updated to none), so a message is
+    /// never dropped without that copy. A `max_deliveries` below 1 is no
+    /// limit: a failing message comes back for ever.
     pub async fn connect(
         url: &str,
         spec: &StreamSpec,
@@ -543,28 +542,22 @@ impl NatsConsumer {
                 let wait = retry_delay
                     .saturating_mul(1 << (delivered - 1).clamp(0, 16))
                     .min(Duration::from_secs(30));
-                // (A limit below 1 is none: never dead-lettered.)
-                let limited = max_deliveries >= 1;
-                if limited && delivered > max_deliveries {
-                    // Its last allowed delivery never settled: the process
-                    // stopped or crashed with it, or the dead-letter copy
-                    // failed. It has had its runs (one that crashes the
-                    // process each time must not run for ever): copied to
-                    // the dead-letter subject as it is.
-                    warn!(delivered, "delivered past its last allowed delivery; dead-lettering without handling it again");
-                } else {
-                    match handler(incoming.clone()).await {
-                        Ok(()) => return message.ack().await.map_err(NatsError::Ack),
-                        Err(e) if limited && delivered == max_deliveries => {
-                            warn!(error = %e, delivered, "handler failed for the last time; dead-lettering");
-                        }
-                        Err(e) => {
-                            warn!(error = %e, delivered, ?wait, "handler failed; retrying later");
-                            return message
-                                .ack_with(AckKind::Nak(Some(wait)))
-                                .await
-                                .map_err(NatsError::Ack);
-                        }
+                // (A limit below 1 is none: never dead-lettered.) Past the
+                // limit, a delivery whose last one never settled (a crash,
+                // a stop, a dead-letter copy that failed) runs once more:
+                // done since, it is a duplicate the inbox acks.
+                let last = max_deliveries >= 1 && delivered >= max_deliveries;
+                match handler(incoming.clone()).await {
+                    Ok(()) => return message.ack().await.map_err(NatsError::Ack),
+                    Err(e) if last => {
+                        warn!(error = %e, delivered, "handler failed for the last time; dead-lettering");
+                    }
+                    Err(e) => {
+                        warn!(error = %e, delivered, ?wait, "handler failed; retrying later");
+                        return message
+                            .ack_with(AckKind::Nak(Some(wait)))
+                            .await
+                            .map_err(NatsError::Ack);
                     }
                 }
                 match dead_letter(&js, &dead_letter_subject, &incoming).await {
