@@ -25,7 +25,11 @@ use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, AckKind};
+use async_nats::jetstream::{
+    self,
+    consumer::{pull, AckPolicy, DeliverPolicy},
+    AckKind,
+};
 use futures_core::Stream;
 use idem_core::BoxFuture;
 use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler, InFlight};
@@ -100,16 +104,51 @@ pub struct StreamSpec {
     stream: String,
     subject: String,
     duplicate_window: Duration,
+    replay_horizon: Duration,
 }
+
+/// How far back a durable consumer made anew starts by default: the
+/// inbox's retention, less an hour for clocks that differ.
+pub const DEFAULT_REPLAY_HORIZON: Duration =
+    Duration::from_secs(idem_outbox::inbox::DEFAULT_RETENTION.as_secs() - 3600);
 
 impl StreamSpec {
     /// Stream `stream` capturing `subject` and `subject.dlq`, with a
-    /// two-minute duplicate window.
+    /// two-minute duplicate window, whose consumers made anew start
+    /// [`DEFAULT_REPLAY_HORIZON`] back.
     pub fn new(stream: impl Into<String>, subject: impl Into<String>) -> Self {
         Self {
             stream: stream.into(),
             subject: subject.into(),
             duplicate_window: Duration::from_secs(120),
+            replay_horizon: DEFAULT_REPLAY_HORIZON,
+        }
+    }
+
+    /// How far back a durable consumer starts when it is made (the first
+    /// time, or again after it was deleted): keep it below the retention
+    /// of the inbox its handler writes to. A consumer made again reads the
+    /// stream from there, not from its start: a message older than the
+    /// inbox remembers would otherwise act a second time. (Messages older
+    /// than it that this consumer never handled are not delivered to it.)
+    pub fn replay_horizon(mut self, horizon: Duration) -> Self {
+        self.replay_horizon = horizon;
+        self
+    }
+
+    /// Where a durable consumer made now starts: [`replay_horizon`]
+    /// back (the start of the stream if that time cannot be written).
+    ///
+    /// [`replay_horizon`]: Self::replay_horizon
+    fn fresh_start(&self) -> DeliverPolicy {
+        let back = std::time::SystemTime::now()
+            .checked_sub(self.replay_horizon)
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .and_then(|t| i128::try_from(t.as_nanos()).ok())
+            .and_then(|nanos| async_nats::datetime::from_nanos(nanos).ok());
+        match back {
+            Some(start_time) => DeliverPolicy::ByStartTime { start_time },
+            None => DeliverPolicy::All,
         }
     }
 
@@ -391,28 +430,41 @@ impl NatsConsumer {
         // of the server's would end a message whose last allowed delivery
         // never settled (a crash, a stop with it still buffered, a
         // dead-letter copy the server did not take) with no copy anywhere.
+        // Made now (the first time, or again after someone deleted it),
+        // it starts at the replay horizon: from the stream's start, it
+        // would act again on every message the inbox no longer remembers.
         let config = pull::Config {
             durable_name: Some(durable.to_owned()),
             filter_subject: spec.subject.clone(),
             ack_policy: AckPolicy::Explicit,
             ack_wait,
             max_deliver: -1,
+            deliver_policy: spec.fresh_start(),
             ..Default::default()
         };
-        let mut consumer = stream
-            .get_or_create_consumer(durable, config.clone())
-            .await
-            .map_err(|e| consumer_failed(e.into()))?;
+        let mut consumer = match stream.get_or_create_consumer(durable, config.clone()).await {
+            Ok(consumer) => consumer,
+            // Another instance made it first (with its own start time).
+            Err(e) => stream
+                .get_consumer(durable)
+                .await
+                .map_err(|_| consumer_failed(e.into()))?,
+        };
         let kept = &consumer.cached_info().config;
         if kept.max_deliver != config.max_deliver || kept.ack_wait != config.ack_wait {
             // Made by an earlier version, or with another ack wait: both
-            // are fields JetStream lets an existing consumer change.
+            // are fields JetStream lets an existing consumer change (where
+            // it starts is not: that one is kept).
             info!(
                 durable,
                 "updating the durable consumer's delivery limit and ack wait"
             );
+            let update = pull::Config {
+                deliver_policy: kept.deliver_policy,
+                ..config
+            };
             consumer = stream
-                .create_consumer(config)
+                .create_consumer(update)
                 .await
                 .map_err(|e| consumer_failed(e.into()))?;
         }

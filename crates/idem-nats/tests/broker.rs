@@ -500,3 +500,54 @@ async fn a_last_delivery_that_never_settled_is_dead_lettered_not_dropped() {
         "handled a third time, once"
     );
 }
+
+/// A durable consumer made anew (the first time, or again after someone
+/// deleted it) starts at the stream's replay horizon, not at its start: a
+/// message older than the inbox remembers would act a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_made_anew_starts_at_the_replay_horizon() {
+    use std::time::Instant;
+    let mut s = jetstream(5).await;
+    s.spec = s.spec.clone().replay_horizon(Duration::from_secs(2));
+    let publish = |id: &'static str| {
+        let m = idem_outbox::outbox::OutgoingMessage::new(id, s.spec.subject(), id);
+        let publisher = s.publisher.clone();
+        async move {
+            assert!(publisher
+                .publish(std::slice::from_ref(&m))
+                .await
+                .confirmed(id));
+        }
+    };
+    publish("m-old").await;
+    // Older than the horizon by the time the consumer is made (and only
+    // older, however slow this machine is).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let on_message = {
+        let seen = seen.clone();
+        handler(move |d: Delivery| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().unwrap().push(d.message_id.unwrap_or_default());
+                Ok(())
+            }
+        })
+    };
+    let consumer = s.durable(Duration::from_secs(5)).await;
+    publish("m-new").await;
+    let (stop, stopped) = watch::channel(false);
+    let consuming = tokio::spawn(Box::new(consumer).consume(on_message, stopped));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !seen.lock().unwrap().contains(&"m-new".to_owned()) {
+        assert!(Instant::now() < deadline, "m-new never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(true).unwrap();
+    consuming.await.unwrap().unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        ["m-new"],
+        "m-old is before the horizon"
+    );
+}
