@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_core::BoxFuture;
 use tokio::sync::{mpsc, oneshot, watch};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::consumer::{ConsumeError, Consumer, Delivery, Handler, InFlight};
 use crate::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
@@ -36,6 +36,13 @@ impl InProcessDelivery {
     pub fn fail(self, reason: impl Into<String>) {
         let _ = self.done.send(Err(reason.into()));
     }
+
+    /// Whether the publisher stopped waiting for this delivery (its batch
+    /// ran out of time): the relay publishes the message again, so this
+    /// copy need not be handled.
+    pub fn is_abandoned(&self) -> bool {
+        self.done.is_closed()
+    }
 }
 
 /// Channels per destination; see the [module docs](self).
@@ -55,14 +62,16 @@ impl Default for InProcess {
 }
 
 impl InProcess {
-    /// A transport with no destinations yet, waiting up to 10 s for each
-    /// acknowledgement.
+    /// A transport with no destinations yet, waiting up to 10 s for a
+    /// batch's acknowledgements.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Waits up to `timeout` for each acknowledgement (then the publish
-    /// fails and the row is retried later).
+    /// Waits up to `timeout` for a batch's acknowledgements, all together:
+    /// the messages acknowledged by then are published, the others fail
+    /// and are retried later. Keep it under half the relay's lease (the
+    /// relay gives up on a whole batch then, acknowledged messages too).
     pub fn ack_timeout(mut self, timeout: Duration) -> Self {
         self.ack_timeout = timeout;
         self
@@ -107,7 +116,11 @@ impl Publisher for InProcess {
                 })
                 .collect()
         };
-        let timeout = self.ack_timeout;
+        // One deadline for the batch: a slow consumer gets the batch's
+        // time, not each message's (a batch of 500 would otherwise wait up
+        // to 500 times it, and the relay give up on the whole batch,
+        // acknowledged messages too).
+        let deadline = tokio::time::Instant::now() + self.ack_timeout;
         Box::pin(async move {
             let mut published = Published::default();
             for (m, p) in batch.iter().zip(pending) {
@@ -115,7 +128,7 @@ impl Publisher for InProcess {
                     &m.message_id,
                     match p {
                         Err(e) => Err(e),
-                        Ok(acked) => match tokio::time::timeout(timeout, acked).await {
+                        Ok(acked) => match tokio::time::timeout_at(deadline, acked).await {
                             Ok(Ok(Ok(()))) => Ok(()),
                             Ok(Ok(Err(reason))) => {
                                 Err(PublishError::new(PublishErrorKind::Rejected, reason))
@@ -190,6 +203,13 @@ impl Consumer for InProcessConsumer {
                 let Some(delivery) = next else {
                     return in_flight.drain().await;
                 };
+                if delivery.is_abandoned() {
+                    // Its batch ran out of time: the relay sends it again.
+                    // Skipped, the copies a slow consumer's backlog holds
+                    // drain at once rather than each being handled.
+                    debug!(destination = %self.destination, message_id = %delivery.message.message_id, "skipping a delivery its publisher no longer waits for");
+                    continue;
+                }
                 let m = &delivery.message;
                 let seen = Delivery {
                     message_id: Some(m.message_id.clone()),
@@ -294,6 +314,74 @@ mod tests {
             }
         });
         assert_eq!(run(transport, consumer, N, on_message).await, N);
+    }
+
+    /// A consumer slower than the batch: what it acknowledged by the ack
+    /// timeout is published, the rest fail (one deadline for the batch, not
+    /// one per message), and the copies it has not reached are skipped
+    /// rather than handled, since the relay sends them again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_consumer_gets_one_deadline_per_batch_and_skips_what_was_given_up() {
+        let transport = Arc::new(InProcess::new().ack_timeout(Duration::from_secs(1)));
+        let consumer = transport.consumer("d");
+        let handled = Arc::new(Mutex::new(Vec::<String>::new()));
+        let seen = handled.clone();
+        let on_message = handler(move |d: Delivery| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().unwrap().push(d.message_id.unwrap_or_default());
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Ok(())
+            }
+        });
+        let (stop_tx, stop) = watch::channel(false);
+        let task = tokio::spawn(Box::new(consumer).consume(on_message, stop));
+        // 20 messages of 200 ms each, one at a time: 4 s of work.
+        let slow = batch("d", 20);
+        let published = transport.publish(&slow).await;
+        let confirmed: Vec<&str> = slow
+            .iter()
+            .map(|m| m.message_id.as_str())
+            .filter(|id| published.confirmed(id))
+            .collect();
+        assert!(
+            !confirmed.is_empty(),
+            "the first ones were acknowledged in time"
+        );
+        assert!(
+            confirmed.len() < 20,
+            "not all 20 within one second: {confirmed:?}"
+        );
+        // A later message comes after every copy left in the channel: once
+        // it is acknowledged, the consumer has been through them all.
+        let last = OutgoingMessage {
+            message_id: "last".to_owned(),
+            ..slow[0].clone()
+        };
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while !transport
+            .publish(std::slice::from_ref(&last))
+            .await
+            .confirmed("last")
+        {
+            assert!(
+                std::time::Instant::now() < until,
+                "the consumer never caught up"
+            );
+        }
+        stop_tx.send(true).unwrap();
+        task.await.unwrap().unwrap();
+        let handled: Vec<String> = handled
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|id| *id != "last")
+            .cloned()
+            .collect();
+        assert!(
+            handled.len() <= confirmed.len() + 1,
+            "only the acknowledged ones and the one in hand at the deadline: {handled:?}"
+        );
     }
 
     /// A failed handler's delivery goes back to the relay; the others are
