@@ -110,7 +110,9 @@ pub(crate) struct Config {
     /// and one call to the idempotency store, may take, in milliseconds.
     /// Past it the request is answered 503 with Retry-After instead of
     /// waiting for a network partition to heal; the claim it may hold is
-    /// left to its lease. Keep it well below the lease.
+    /// left to its lease. Keep it well below the lease. A consumer's inbox
+    /// transaction is bounded step by step the same way (a step past it
+    /// fails the event, which comes again).
     #[arg(long, env = "SHOP_STATEMENT_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub(crate) statement_timeout_ms: u64,
 

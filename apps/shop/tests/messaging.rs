@@ -355,3 +355,66 @@ async fn over_nats_jetstream() {
             .await;
     }
 }
+
+/// A consumer whose handler waits on a lock (another transaction holds the
+/// stock row it updates) fails that message after the statement timeout
+/// instead of waiting as long as the lock is held: the events behind it go
+/// on, and the stuck one is processed, once, when it comes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_stuck_on_a_lock_fails_its_message_in_time_and_goes_on() {
+    let db = Db::postgres().await;
+    let shop = Shop::start(
+        &db,
+        &[
+            "--consumer-concurrency",
+            "1",
+            "--statement-timeout-ms",
+            "500",
+        ],
+    )
+    .await;
+    let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
+    sqlx::query("INSERT INTO shop_stock (sku, reserved) VALUES ('tea', 0)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut held = pool.begin().await.unwrap();
+    sqlx::query("SELECT reserved FROM shop_stock WHERE sku = 'tea' FOR UPDATE")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let client = common::signed_in();
+    for (reference, sku) in [("stuck", "tea"), ("behind", "cup")] {
+        let placed = read(
+            client
+                .post(shop.url("/orders"))
+                .header("authorization", "Bearer client-1")
+                .header("content-type", "application/json")
+                .body(format!(
+                    r#"{{"customer_id":"cust-9","client_reference":"{reference}","items":[{{"sku":"{sku}","qty":2}}]}}"#
+                )),
+        )
+        .await;
+        assert_eq!(placed.status, 201, "{placed:?}");
+    }
+    let stock = |sku: &'static str| {
+        let (client, url) = (client.clone(), shop.url(&format!("/stock/{sku}")));
+        async move {
+            read(client.get(url)).await.json()["reserved"]
+                .as_i64()
+                .unwrap()
+        }
+    };
+    eventually("the event behind the stuck one", async || {
+        stock("cup").await == 2
+    })
+    .await;
+    held.rollback().await.unwrap();
+    eventually("the stuck event, once the lock is gone", async || {
+        stock("tea").await == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(stock("tea").await, 2, "reserved once");
+    pool.close().await;
+}

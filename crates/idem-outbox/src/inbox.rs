@@ -8,6 +8,7 @@
 //! race on the same key; PostgreSQL and MySQL make the second wait for the
 //! first to commit, SQLite has one writer at a time: one effect.
 
+use std::future::Future;
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use idem_sql::dialect::{Arg, Statement};
 use idem_sql::{Dialect, Driver, ErrorClass, InvalidIdentifier, MigrateError, TableName};
 
 use crate::db::OutboxDialect;
+use tracing::warn;
 
 /// What happened to a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,10 +63,16 @@ fn now_ms() -> i64 {
 /// assert_eq!(InboxTable::default().name().qualified(), r#""idem_inbox""#);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InboxTable(TableName);
+pub struct InboxTable {
+    name: TableName,
+    /// How long each step of [`InboxTable::process`] may take.
+    timeout: Option<Duration>,
+}
 
-static DEFAULT: LazyLock<InboxTable> =
-    LazyLock::new(|| InboxTable(TableName::new(None, DEFAULT_TABLE).unwrap_or_default()));
+static DEFAULT: LazyLock<InboxTable> = LazyLock::new(|| InboxTable {
+    name: TableName::new(None, DEFAULT_TABLE).unwrap_or_default(),
+    timeout: None,
+});
 
 impl Default for InboxTable {
     fn default() -> Self {
@@ -77,24 +85,40 @@ impl InboxTable {
     /// `search_path` finds it). SQLite has no schemas: a table with one is
     /// refused there, by each call.
     pub fn new(schema: Option<&str>, table: &str) -> Result<Self, InvalidIdentifier> {
-        TableName::with_max_len(schema, table, crate::outbox::MAX_TABLE_NAME).map(Self)
+        TableName::with_max_len(schema, table, crate::outbox::MAX_TABLE_NAME).map(|name| Self {
+            name,
+            timeout: None,
+        })
+    }
+
+    /// Bounds each step of [`process`](Self::process) by `timeout`: the
+    /// transaction's begin, the mark, the handler, the commit. A step past
+    /// it fails with [`InboxError::Database`] (a time-out) instead of
+    /// holding the message for as long as the database does not answer (a
+    /// network partition that resets nothing): the transaction is rolled
+    /// back on a task of its own (itself bounded), and the message is
+    /// delivered again. A commit past it may still land, in the
+    /// background: the message then comes again as a duplicate.
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
     }
 
     /// The table.
     pub fn name(&self) -> &TableName {
-        &self.0
+        &self.name
     }
 
     /// The name of the primary key whose violation means "processed before".
     pub fn key(&self) -> String {
-        format!("{}_pkey", self.0.table())
+        format!("{}_pkey", self.name.table())
     }
 
     /// Whether `e`, from the commit, is the violation of this inbox's key:
     /// the message was processed before. PostgreSQL names the constraint;
     /// SQLite names the key's columns.
     fn is_duplicate(&self, e: &sqlx::Error) -> bool {
-        let t = self.0.table();
+        let t = self.name.table();
         idem_sql::DuplicateKey::of(e).is_some_and(|d| {
             let c = d.constraint.as_str();
             c.strip_prefix(t) == Some("_pkey")
@@ -111,7 +135,7 @@ impl InboxTable {
     {
         crate::db::migrate(
             pool,
-            &self.0,
+            &self.name,
             <DB::Dialect as OutboxDialect>::INBOX.migrations,
         )
         .await
@@ -131,10 +155,61 @@ impl InboxTable {
         DB::Dialect: OutboxDialect,
         F: AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
     {
-        let tx = DB::Dialect::begin_write(pool)
+        let tx = self
+            .bounded(DB::Dialect::begin_write(pool))
             .await
             .map_err(InboxError::Database)?;
         self.process_in(tx, consumer, message_id, handler).await
+    }
+
+    /// `work`, within the statement timeout if one is set.
+    async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, sqlx::Error> {
+        match self.timeout {
+            None => work.await,
+            Some(t) => tokio::time::timeout(t, work)
+                .await
+                .unwrap_or_else(|_| Err(timed_out(t))),
+        }
+    }
+
+    /// Rolls `tx` back, waited for within the statement timeout if one is
+    /// set (on a task of its own, so that one cut by it still ends by
+    /// itself when the database answers, never half-way).
+    async fn rollback<DB: Driver>(&self, tx: sqlx::Transaction<'static, DB>) {
+        let Some(t) = self.timeout else {
+            let _ = tx.rollback().await;
+            return;
+        };
+        let ending = tokio::spawn(tx.rollback());
+        if tokio::time::timeout(t, ending).await.is_err() {
+            warn!(
+                timeout_ms = t.as_millis(),
+                "an inbox rollback got no answer in time; it ends when the database answers"
+            );
+        }
+    }
+
+    /// Commits `tx`, within the statement timeout if one is set (on a task
+    /// of its own: a commit is never cut half-way; past the time-out its
+    /// outcome is unknown, and the message comes again, a duplicate if it
+    /// landed).
+    async fn commit<DB: Driver>(
+        &self,
+        tx: sqlx::Transaction<'static, DB>,
+    ) -> Result<(), sqlx::Error> {
+        let Some(t) = self.timeout else {
+            return tx.commit().await;
+        };
+        match tokio::time::timeout(t, tokio::spawn(tx.commit())).await {
+            Ok(Ok(committed)) => committed,
+            Ok(Err(e)) => Err(sqlx::Error::Io(std::io::Error::other(format!(
+                "the task committing an inbox transaction failed: {e}"
+            )))),
+            Err(_) => Err(timed_out(t)),
+        }
     }
 
     /// Marks the message processed in `tx`, runs `handler` in it and
@@ -155,11 +230,11 @@ impl InboxTable {
     {
         let mark = match Statement::<DB::Dialect>::prepare(
             <DB::Dialect as OutboxDialect>::INBOX.mark,
-            &self.0,
+            &self.name,
         ) {
             Ok(sql) => sql,
             Err(e) => {
-                let _ = tx.rollback().await;
+                self.rollback(tx).await;
                 return Err(InboxError::Database(e));
             }
         };
@@ -168,27 +243,40 @@ impl InboxTable {
             Arg::Text(message_id),
             Arg::Int(now_ms()),
         ];
-        match DB::Dialect::execute(&mut tx, &mark, &args).await {
+        match self
+            .bounded(DB::Dialect::execute(&mut tx, &mark, &args))
+            .await
+        {
             Ok(_) => {}
             // The mark is the transaction's first write, to the inbox's
             // table alone, whose one unique key is the message's.
             Err(e) if DB::Dialect::classify(&e) == ErrorClass::UniqueViolation => {
-                tx.rollback().await.map_err(InboxError::Database)?;
+                self.rollback(tx).await;
                 return Ok(Handled::Duplicate);
             }
             Err(e) => {
-                let _ = tx.rollback().await;
+                self.rollback(tx).await;
                 return Err(InboxError::Database(e));
             }
         }
-        let value = match handler(&mut *tx).await {
-            Ok(value) => value,
-            Err(e) => {
-                let _ = tx.rollback().await;
+        let handled = match self.timeout {
+            None => Ok(handler(&mut *tx).await),
+            Some(t) => tokio::time::timeout(t, handler(&mut *tx))
+                .await
+                .map_err(|_| timed_out(t)),
+        };
+        let value = match handled {
+            Ok(Ok(value)) => value,
+            Ok(Err(e)) => {
+                self.rollback(tx).await;
                 return Err(InboxError::Handler(e));
             }
+            Err(e) => {
+                self.rollback(tx).await;
+                return Err(InboxError::Database(e));
+            }
         };
-        match tx.commit().await {
+        match self.commit(tx).await {
             Ok(()) => Ok(Handled::Processed(value)),
             // A commit that meets the key (a racing consumer committed first).
             Err(e) if self.is_duplicate(&e) => Ok(Handled::Duplicate),
@@ -211,7 +299,7 @@ impl InboxTable {
         let cutoff = now_ms() - i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
         let sweep = Statement::<DB::Dialect>::prepare(
             <DB::Dialect as OutboxDialect>::INBOX.sweep,
-            &self.0,
+            &self.name,
         )?;
         crate::db::write_once::<DB>(pool, &sweep, &[Arg::Int(cutoff), Arg::Int(batch)]).await
     }
@@ -273,4 +361,15 @@ where
     F: AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
 {
     DEFAULT.process(pool, consumer, message_id, handler).await
+}
+
+/// The error a step past the inbox's statement timeout fails with.
+fn timed_out(timeout: Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "no answer from the database within {} ms",
+            timeout.as_millis()
+        ),
+    ))
 }

@@ -76,6 +76,76 @@ async fn a_redelivered_message_acts_once() {
     assert_eq!(effects(&pool).await, 3);
 }
 
+/// With a statement timeout, an inbox step the database does not answer
+/// (the mark waiting on a lock another transaction holds, a handler that
+/// hangs) fails in time, leaving nothing: the message is processed once
+/// it comes again. Without one, the consumer would wait as long as the
+/// database does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_inbox_step_past_its_statement_timeout_fails_in_time_and_leaves_nothing() {
+    let (pool, _s) = pg().await;
+    let bounded = inbox::InboxTable::default().statement_timeout(Duration::from_millis(300));
+    // Another transaction holds the message's mark, uncommitted.
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let (held, holding) = tokio::sync::oneshot::channel::<()>();
+    let blocker = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            inbox::process(&pool, "c", "m-held", async move |_tx| {
+                let _ = held.send(());
+                let _ = released.await;
+                Err::<(), _>("let go")
+            })
+            .await
+        })
+    };
+    holding.await.unwrap();
+    let waited = tokio::time::timeout(
+        Duration::from_secs(20),
+        bounded.process(&pool, "c", "m-held", async |_tx| Ok::<_, sqlx::Error>(())),
+    )
+    .await
+    .expect("the mark's wait is cut by the statement timeout");
+    assert!(
+        matches!(waited, Err(inbox::InboxError::Database(_))),
+        "{waited:?}"
+    );
+    release.send(()).unwrap();
+    assert!(matches!(
+        blocker.await.unwrap(),
+        Err(inbox::InboxError::Handler("let go"))
+    ));
+    // A handler that hangs.
+    let hung = tokio::time::timeout(
+        Duration::from_secs(20),
+        bounded.process(&pool, "c", "m-hung", async |_tx| {
+            std::future::pending::<()>().await;
+            Ok::<_, sqlx::Error>(())
+        }),
+    )
+    .await
+    .expect("the handler is cut by the statement timeout");
+    assert!(
+        matches!(hung, Err(inbox::InboxError::Database(_))),
+        "{hung:?}"
+    );
+    // Nothing was kept of either: both are processed when they come again.
+    for id in ["m-held", "m-hung"] {
+        let again = bounded
+            .process(&pool, "c", id, async move |tx| {
+                sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await
+                    .map(drop)
+            })
+            .await
+            .unwrap();
+        assert_eq!(again, Handled::Processed(()), "{id}");
+    }
+    assert_eq!(effects(&pool).await, 2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn racing_consumers_act_once() {
     let (pool, _s) = pg().await;

@@ -399,14 +399,19 @@ impl<D: ShopDialect> ShopDb for Db<D> {
         work: Work,
     ) -> BoxFuture<'a, Result<Handled<()>, String>> {
         Box::pin(async move {
-            inbox::process(
-                self.store.writers(),
-                consumer,
-                message_id,
-                async move |conn| act::<D>(conn, work).await,
-            )
-            .await
-            .map_err(|e| e.to_string())
+            // Bounded like every statement: a database that stops
+            // answering fails the message in time (it comes again) instead
+            // of holding it, unacknowledged, for as long as it is away.
+            inbox::InboxTable::default()
+                .statement_timeout(self.timeout)
+                .process(
+                    self.store.writers(),
+                    consumer,
+                    message_id,
+                    async move |conn| act::<D>(conn, work).await,
+                )
+                .await
+                .map_err(|e| e.to_string())
         })
     }
 
