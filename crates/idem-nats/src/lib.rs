@@ -453,16 +453,20 @@ impl NatsConsumer {
         let kept = &consumer.cached_info().config;
         if kept.max_deliver != config.max_deliver || kept.ack_wait != config.ack_wait {
             // Made by an earlier version, or with another ack wait: both
-            // are fields JetStream lets an existing consumer change (where
-            // it starts is not: that one is kept).
+            // are fields JetStream lets an existing consumer change.
             info!(
                 durable,
                 "updating the durable consumer's delivery limit and ack wait"
             );
-            let update = pull::Config {
-                deliver_policy: kept.deliver_policy,
-                ..config
-            };
+            // Every other setting (where it starts, an operator's own
+            // limits) is kept as it is.
+            let mut update =
+                <pull::Config as jetstream::consumer::FromConsumer>::try_from_consumer_config(
+                    kept.clone(),
+                )
+                .map_err(&consumer_failed)?;
+            update.max_deliver = config.max_deliver;
+            update.ack_wait = config.ack_wait;
             consumer = stream
                 .create_consumer(update)
                 .await

@@ -426,18 +426,16 @@ async fn a_last_delivery_that_never_settled_is_dead_lettered_not_dropped() {
             ack_policy: AckPolicy::Explicit,
             ack_wait: Duration::from_secs(1),
             max_deliver: 2,
+            // An operator's own setting, which the update keeps.
+            max_ack_pending: 77,
             ..Default::default()
         })
         .await
         .unwrap();
     let first = s.durable(Duration::from_secs(1)).await;
-    let limit = stream
-        .consumer_info("test-consumer")
-        .await
-        .unwrap()
-        .config
-        .max_deliver;
-    assert_eq!(limit, -1, "the server's own limit is lifted");
+    let kept = stream.consumer_info("test-consumer").await.unwrap().config;
+    assert_eq!(kept.max_deliver, -1, "the server's own limit is lifted");
+    assert_eq!(kept.max_ack_pending, 77, "the rest is kept");
 
     let m = idem_outbox::outbox::OutgoingMessage::new("m-last", s.spec.subject(), "x");
     assert!(s

@@ -57,6 +57,10 @@ pub struct InboxSql {
     pub(crate) mark: &'static str,
     /// $1 cut-off (ms), $2 batch.
     pub(crate) sweep: &'static str,
+    /// Where the database can bound the transaction's statements itself
+    /// (so that one past the time-out stops holding its connection too):
+    /// $1 the time-out in ms, as text.
+    pub(crate) bound: Option<&'static str>,
 }
 
 /// A database the outbox and the inbox run on: SQLite, PostgreSQL or
@@ -181,6 +185,7 @@ impl OutboxDialect for idem_sql::Postgres {
         sweep: "DELETE FROM {table} WHERE (consumer, message_id) IN (
                     SELECT consumer, message_id FROM {table}
                     WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)",
+        bound: Some("SELECT set_config('statement_timeout', $1, true)"),
     };
 
     fn wakeups(pool: &Pool<Self>) -> BoxFuture<'_, Option<Box<dyn Wakeups>>> {
@@ -232,6 +237,7 @@ impl OutboxDialect for idem_sql::Sqlite {
         sweep: "DELETE FROM {table} WHERE rowid IN (
                     SELECT rowid FROM {table}
                     WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)",
+        bound: None,
     };
 }
 
@@ -272,6 +278,7 @@ impl OutboxDialect for idem_sql::MySql {
         }],
         mark: MARK,
         sweep: "DELETE FROM {table} WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2",
+        bound: None,
     };
 }
 

@@ -98,7 +98,12 @@ impl InboxTable {
     /// network partition that resets nothing): the transaction is rolled
     /// back on a task of its own (itself bounded), and the message is
     /// delivered again. A commit past it may still land, in the
-    /// background: the message then comes again as a duplicate.
+    /// background: the message then comes again as a duplicate. On
+    /// PostgreSQL the transaction's `statement_timeout` is set to it too
+    /// (one statement more per message), so a statement waiting on a lock
+    /// is cancelled by the server and frees its connection; elsewhere a
+    /// statement cut here goes on waiting on its connection until the
+    /// database answers.
     pub fn statement_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self
@@ -238,6 +243,25 @@ impl InboxTable {
                 return Err(InboxError::Database(e));
             }
         };
+        if let (Some(t), Some(bound)) = (self.timeout, <DB::Dialect as OutboxDialect>::INBOX.bound)
+        {
+            // The database's own bound as well (PostgreSQL, for this
+            // transaction): a statement past it is cancelled there, and its
+            // connection freed, rather than waiting on after this side
+            // stopped waiting.
+            let ms = t.as_millis().to_string();
+            let bounded = match Statement::<DB::Dialect>::prepare(bound, &self.name) {
+                Ok(sql) => {
+                    self.bounded(DB::Dialect::execute(&mut tx, &sql, &[Arg::Text(&ms)]))
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = bounded {
+                self.rollback(tx).await;
+                return Err(InboxError::Database(e));
+            }
+        }
         let args = [
             Arg::Text(consumer),
             Arg::Text(message_id),

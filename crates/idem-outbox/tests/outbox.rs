@@ -83,7 +83,19 @@ async fn a_redelivered_message_acts_once() {
 /// database does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_inbox_step_past_its_statement_timeout_fails_in_time_and_leaves_nothing() {
-    let (pool, _s) = pg().await;
+    let (pool, schema) = pg().await;
+    // The bounded consumer's connections, told apart by their name.
+    let name = format!("inbox-{}", uuid::Uuid::new_v4().simple());
+    let own = sqlx::postgres::PgPoolOptions::new()
+        .connect_with(
+            schema
+                .url()
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .unwrap()
+                .application_name(&name),
+        )
+        .await
+        .unwrap();
     let bounded = inbox::InboxTable::default().statement_timeout(Duration::from_millis(300));
     // Another transaction holds the message's mark, uncommitted.
     let (release, released) = tokio::sync::oneshot::channel::<()>();
@@ -102,7 +114,7 @@ async fn an_inbox_step_past_its_statement_timeout_fails_in_time_and_leaves_nothi
     holding.await.unwrap();
     let waited = tokio::time::timeout(
         Duration::from_secs(20),
-        bounded.process(&pool, "c", "m-held", async |_tx| Ok::<_, sqlx::Error>(())),
+        bounded.process(&own, "c", "m-held", async |_tx| Ok::<_, sqlx::Error>(())),
     )
     .await
     .expect("the mark's wait is cut by the statement timeout");
@@ -110,6 +122,27 @@ async fn an_inbox_step_past_its_statement_timeout_fails_in_time_and_leaves_nothi
         matches!(waited, Err(inbox::InboxError::Database(_))),
         "{waited:?}"
     );
+    // The server cancelled the mark too: no connection of the bounded
+    // consumer still waits on the lock (it would, cut on this side only).
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(&name)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "a cut statement still waits on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     release.send(()).unwrap();
     assert!(matches!(
         blocker.await.unwrap(),
@@ -118,7 +151,7 @@ async fn an_inbox_step_past_its_statement_timeout_fails_in_time_and_leaves_nothi
     // A handler that hangs.
     let hung = tokio::time::timeout(
         Duration::from_secs(20),
-        bounded.process(&pool, "c", "m-hung", async |_tx| {
+        bounded.process(&own, "c", "m-hung", async |_tx| {
             std::future::pending::<()>().await;
             Ok::<_, sqlx::Error>(())
         }),

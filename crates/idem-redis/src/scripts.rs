@@ -109,6 +109,10 @@ if r and r.err then
 end
 if r and r[7] == 'c' and r[6] == ARGV[1] and r[12] == tonumber(ARGV[2])
     and r[13] == ARGV[3] and r[14] == ARGV[4] then
+  -- Written again, unchanged: a WAIT after it (on a connection that may
+  -- be a new one, with no write of its own yet) then counts the replicas
+  -- that have the record, the first write included.
+  redis.call('SET', KEYS[1], cmsgpack.pack(r), 'KEEPTTL')
   return 1
 end
 if not r or r[7] ~= 'p' or r[6] ~= ARGV[1] then

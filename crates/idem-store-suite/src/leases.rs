@@ -71,6 +71,14 @@ pub async fn stale_token_cannot_complete_or_release<S: Store>(store: S) {
         RecordState::Completed { response: got, .. } => assert_eq!(got.body, r#"{"fresh":true}"#),
         other => panic!("expected completed, got {other:?}"),
     }
+    // Nor complete it with the very response its successor stored: a
+    // completion stands again only under the token that made it.
+    assert!(matches!(
+        store
+            .complete(&zombie, &response(r#"{"fresh":true}"#))
+            .await,
+        Err(StoreError::ClaimLost)
+    ));
     // and the zombie cannot release a completed record either
     assert!(matches!(
         store.release(&zombie).await,

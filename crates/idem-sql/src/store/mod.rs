@@ -600,7 +600,13 @@ impl<D: RecordDialect> Store for SqlStore<D> {
             match self.complete_in(&mut conn, claim, response).await {
                 // Sent again after it landed (the commit's answer was lost,
                 // and the caller tried again): it stands.
-                Err(StoreError::ClaimLost) if self.landed(&mut conn, claim, response).await? => {
+                // (A lookup that fails leaves the answer a takeover.)
+                Err(StoreError::ClaimLost)
+                    if self
+                        .landed(&mut conn, claim, response)
+                        .await
+                        .unwrap_or(false) =>
+                {
                     Ok(())
                 }
                 done => done,
