@@ -406,14 +406,18 @@ async fn keep_consuming(
     let mut delay = RESTART_FIRST;
     loop {
         let started = Instant::now();
-        let ended = consumer.consume(on_message.clone(), stop.clone()).await;
+        // On a task of its own: a handler's panic (resumed by the consumer)
+        // ends that task, not this loop, and the consumer is opened again
+        // like one that failed (its message comes again).
+        let ended = tokio::spawn(consumer.consume(on_message.clone(), stop.clone())).await;
         if *stop.borrow() {
             return;
         }
         running(false);
         match ended {
-            Ok(()) => warn!(event, "consumer ended; opening another"),
-            Err(e) => warn!(event, error = %e, "consumer failed; opening another"),
+            Ok(Ok(())) => warn!(event, "consumer ended; opening another"),
+            Ok(Err(e)) => warn!(event, error = %e, "consumer failed; opening another"),
+            Err(e) => warn!(event, error = %e, "consumer panicked; opening another"),
         }
         if started.elapsed() >= RESTART_MAX {
             delay = RESTART_FIRST;
@@ -603,5 +607,81 @@ mod credentials_tests {
             without_credentials("nats://127.0.0.1:4222"),
             "nats://127.0.0.1:4222"
         );
+    }
+}
+
+#[cfg(test)]
+mod restart_tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idem_core::BoxFuture;
+    use idem_outbox::consumer::{handler, ConsumeError, Consumer, Delivery, Handler};
+    use tokio::sync::watch;
+
+    use super::{keep_consuming, OpenConsumer};
+
+    /// A consumer that panics, as one does when its handler panicked.
+    struct Panics;
+
+    impl Consumer for Panics {
+        fn consume(
+            self: Box<Self>,
+            _: Handler,
+            _: watch::Receiver<bool>,
+        ) -> BoxFuture<'static, Result<(), ConsumeError>> {
+            Box::pin(async { panic!("a handler panicked") })
+        }
+    }
+
+    /// A consumer that counts its runs and waits for the stop.
+    struct Runs(Arc<AtomicUsize>);
+
+    impl Consumer for Runs {
+        fn consume(
+            self: Box<Self>,
+            _: Handler,
+            mut stop: watch::Receiver<bool>,
+        ) -> BoxFuture<'static, Result<(), ConsumeError>> {
+            Box::pin(async move {
+                self.0.fetch_add(1, Ordering::SeqCst);
+                let _ = stop.wait_for(|stop| *stop).await;
+                Ok(())
+            })
+        }
+    }
+
+    /// A consumer that panicked is opened again, as one that failed is.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_consumer_that_panicked_is_opened_again() {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        let open: OpenConsumer = Arc::new(move || {
+            let counted = counted.clone();
+            Box::pin(async move { Ok(Box::new(Runs(counted)) as Box<dyn Consumer>) })
+        });
+        let (stop, stopped) = watch::channel(false);
+        let on_message = handler(|_: Delivery| async { Ok(()) });
+        let supervising = tokio::spawn(keep_consuming(
+            Box::new(Panics),
+            open,
+            on_message,
+            stopped,
+            "test",
+        ));
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while runs.load(Ordering::SeqCst) == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the consumer was not opened again"
+            );
+            assert!(!supervising.is_finished(), "the supervisor died with it");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        stop.send(true).unwrap();
+        supervising.await.unwrap();
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 }
