@@ -530,54 +530,52 @@ async fn execute(
             }
         }
     };
-    let ran = async {
-        // The command's exit ends the run, not the end of its stdout: a
-        // process it left running in the background may hold the pipe open
-        // long after. Once it exited, what is already in the pipe is read
-        // for a moment more, then the pipe is let go.
+    let deadline = tokio::time::Instant::now() + lease;
+    let status = {
         let mut copy = std::pin::pin!(copy);
         let mut copied = false;
-        let status = tokio::select! {
-            status = child.wait() => status,
-            () = &mut copy => {
-                copied = true;
-                child.wait().await
+        // Until the command exits, its lease and a stop are watched; the
+        // end of its stdout alone ends nothing (a process it left running
+        // in the background may hold the pipe open long after).
+        let status = loop {
+            tokio::select! {
+                status = child.wait() => break status,
+                () = &mut copy, if !copied => copied = true,
+                () = tokio::time::sleep_until(deadline) => {
+                    kill_group(group, exit::LEASE_RAN_OUT);
+                    progress.ended(exit::LEASE_RAN_OUT);
+                    return Err(not_run(NotRun::LeaseRanOut));
+                }
+                number = progress.stopped() => {
+                    let status = u8::try_from(128 + number).unwrap_or(1);
+                    kill_group(group, status);
+                    progress.ended(status);
+                    return Err(not_run(NotRun::Stopped(number)));
+                }
             }
         };
+        let status = status.map_err(|e| {
+            progress.ended(exit::NOT_STARTED);
+            not_run(NotRun::NotStarted(e.to_string()))
+        })?;
+        // It exited: its status stands, whatever comes now (a signal is
+        // then given the time to store it). What is already in the pipe is
+        // read for a moment more, never past the lease, then the pipe is
+        // let go.
+        progress.ended(exit_status(status));
         if !copied {
-            let _ = tokio::time::timeout(STDOUT_AFTER_EXIT, &mut copy).await;
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let _ = tokio::time::timeout(STDOUT_AFTER_EXIT.min(left), &mut copy).await;
         }
         status
     };
-    let status = tokio::select! {
-        status = ran => status,
-        () = tokio::time::sleep(lease) => {
-            kill_group(group, exit::LEASE_RAN_OUT);
-            progress.ended(exit::LEASE_RAN_OUT);
-            return Err(not_run(NotRun::LeaseRanOut));
-        }
-        number = progress.stopped() => {
-            let status = u8::try_from(128 + number).unwrap_or(1);
-            kill_group(group, status);
-            progress.ended(status);
-            return Err(not_run(NotRun::Stopped(number)));
-        }
-    };
-    let status = status.map_err(|e| {
-        progress.ended(exit::NOT_STARTED);
-        not_run(NotRun::NotStarted(e.to_string()))
-    })?;
-    let code = status.code().unwrap_or_else(|| {
-        use std::os::unix::process::ExitStatusExt;
-        128 + status.signal().unwrap_or(0)
-    });
-    progress.ended(u8::try_from(code & 0xff).unwrap_or(1));
+    let code = exit_status(status);
     let stdout = (captured.len() <= MAX_STDOUT).then(|| match String::from_utf8(captured) {
         Ok(text) => Captured::Text(text),
         Err(e) => Captured::Bytes(e.into_bytes()),
     });
     let ran = Ran {
-        status: u8::try_from(code & 0xff).unwrap_or(1),
+        status: code,
         stdout,
         stdout_bytes: total,
     };
@@ -586,6 +584,16 @@ async fn execute(
     } else {
         Err(fail(Failed::Exited(ran)))
     }
+}
+
+/// The exit status a shell would report: the command's code, or 128 plus
+/// the signal that ended it.
+fn exit_status(status: std::process::ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    let code = status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+    u8::try_from(code & 0xff).unwrap_or(1)
 }
 
 /// Kills the command's process group (the command and whatever it

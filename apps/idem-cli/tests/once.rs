@@ -65,6 +65,7 @@ fn text(b: &[u8]) -> String {
 /// The whole of `idem once`'s contract on the store `url` names.
 fn exercise(url: &str) {
     a_background_process_does_not_hold_the_run(url);
+    a_signal_while_the_output_drains_keeps_the_result(url);
     let dir = tempfile::tempdir().unwrap();
     let cmd = counting(dir.path(), "report done");
     let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
@@ -386,6 +387,54 @@ fn the_command_never_outlives_the_claim(url: &str) {
     }
     let out = rerun.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(124), "{}", text(&out.stderr));
+}
+
+/// SIGTERM after the command exited, while `idem once` still reads what a
+/// background process left in the pipe: the command's exit stands (stored,
+/// `idem once` exits with it), rather than being taken for a command killed
+/// (whose key is let go, so that the next run would run it again).
+fn a_signal_while_the_output_drains_keeps_the_result(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (pid_file, exited) = (dir.path().join("background.pid"), dir.path().join("exited"));
+    let script = format!(
+        "sleep 60 2>/dev/null & echo $! > '{}'; echo started; touch '{}'",
+        pid_file.display(),
+        exited.display()
+    );
+    let url_only = url.split('#').next().unwrap();
+    let args = [
+        "once", "--scope", "cron", "--key", "drained", "--", "sh", "-c", &script,
+    ];
+    let mut run = idem(url, &args)
+        .env("DATABASE_URL", url_only)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !exited.exists() {
+        assert!(Instant::now() < deadline, "the command never ran");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The shell exits right after the file is made; `idem once` then reads
+    // the pipe the background `sleep` holds for a second.
+    std::thread::sleep(Duration::from_millis(200));
+    let _ = Command::new("kill")
+        .args(["-TERM", &run.id().to_string()])
+        .status();
+    let out = run.wait_with_output().unwrap();
+    if let Ok(pid) = std::fs::read_to_string(&pid_file) {
+        let _ = Command::new("kill").arg(pid.trim()).status();
+    }
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "started\n");
+    let again = once(url, "drained", &[], &["sh", "-c", &script]);
+    assert_eq!(again.status.code(), Some(0), "{}", text(&again.stderr));
+    assert!(
+        text(&again.stderr).contains("replayed"),
+        "stored, not run again: {}",
+        text(&again.stderr)
+    );
 }
 
 /// A command that leaves a process running in the background, which
