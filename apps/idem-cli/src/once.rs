@@ -371,30 +371,45 @@ impl Progress {
 /// key released: a store call or two) once a signal says stop.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
-/// SIGTERM, SIGINT and SIGHUP, watched from before the claim to the end.
+/// Every signal whose default is to end the process (SIGTERM, SIGINT,
+/// SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM), watched from before the
+/// claim to the end: `idem once` never dies of one with the command still
+/// running in its own process group (another host would start it beside
+/// it once the lease ran out). SIGKILL alone cannot be watched.
 struct Signals {
-    term: tokio::signal::unix::Signal,
-    int: tokio::signal::unix::Signal,
-    hup: tokio::signal::unix::Signal,
+    watched: Vec<(tokio::signal::unix::Signal, i32)>,
 }
 
 impl Signals {
     fn watch() -> std::io::Result<Self> {
         use tokio::signal::unix::{signal, SignalKind};
-        Ok(Self {
-            term: signal(SignalKind::terminate())?,
-            int: signal(SignalKind::interrupt())?,
-            hup: signal(SignalKind::hangup())?,
-        })
+        let kinds = [
+            SignalKind::terminate(),
+            SignalKind::interrupt(),
+            SignalKind::hangup(),
+            SignalKind::quit(),
+            SignalKind::user_defined1(),
+            SignalKind::user_defined2(),
+            SignalKind::alarm(),
+        ];
+        let watched = kinds
+            .into_iter()
+            .map(|kind| Ok((signal(kind)?, kind.as_raw_value())))
+            .collect::<std::io::Result<_>>()?;
+        Ok(Self { watched })
     }
 
     /// The next one's number.
     async fn next(&mut self) -> i32 {
-        tokio::select! {
-            _ = self.term.recv() => 15,
-            _ = self.int.recv() => 2,
-            _ = self.hup.recv() => 1,
-        }
+        std::future::poll_fn(|cx| {
+            for (signal, number) in &mut self.watched {
+                if signal.poll_recv(cx).is_ready() {
+                    return std::task::Poll::Ready(*number);
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await
     }
 }
 

@@ -387,6 +387,48 @@ fn the_command_never_outlives_the_claim(url: &str) {
     }
     let out = rerun.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(124), "{}", text(&out.stderr));
+
+    // SIGQUIT (or any signal that would end `idem once`): the command is
+    // killed too, never left running in its own process group.
+    let pid_file = dir.path().join("quit.pid");
+    let script = format!("echo $$ > '{}'; sleep 30", pid_file.display());
+    let running = idem(
+        url,
+        &[
+            "once", "--scope", "cron", "--key", "quit", "--", "sh", "-c", &script,
+        ],
+    )
+    .env("DATABASE_URL", &url_only)
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let pid = loop {
+        match std::fs::read_to_string(&pid_file) {
+            Ok(pid) if pid.ends_with('\n') => break pid.trim().to_owned(),
+            _ => {
+                assert!(Instant::now() < deadline, "the command never started");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    };
+    let quit = Command::new("kill")
+        .args(["-QUIT", &running.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(quit.success());
+    let out = running.wait_with_output().unwrap();
+    let alive = Command::new("kill")
+        .args(["-0", &pid])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap()
+        .success();
+    if alive {
+        let _ = Command::new("kill").arg(&pid).status();
+    }
+    assert!(!alive, "the command outlived idem once");
+    assert_eq!(out.status.code(), Some(128 + 3), "{}", text(&out.stderr));
 }
 
 /// SIGTERM after the command exited, while `idem once` still reads what a
