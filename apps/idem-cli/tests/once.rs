@@ -447,7 +447,7 @@ fn a_signal_while_the_output_drains_keeps_the_result(url: &str) {
     let args = [
         "once", "--scope", "cron", "--key", "drained", "--", "sh", "-c", &script,
     ];
-    let mut run = idem(url, &args)
+    let run = idem(url, &args)
         .env("DATABASE_URL", url_only)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
