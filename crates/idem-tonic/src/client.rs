@@ -216,7 +216,9 @@ impl<S> fmt::Debug for IdempotentRetry<S> {
 /// Whether a call that ended with `code` is sent again
 /// (`RESOURCE_EXHAUSTED` only when the answer names a pushback,
 /// `grpc-retry-pushback-ms`: without one it is a limit the same message
-/// meets again, such as its size).
+/// meets again, such as its size). `CANCELLED` is how a tonic server's own
+/// time limit (`Server::timeout`) ends a call whose handler may go on: sent
+/// again under its key, it finds that handler in flight, then its answer.
 pub fn is_retryable_code(code: Code) -> bool {
     matches!(
         code,
@@ -226,6 +228,7 @@ pub fn is_retryable_code(code: Code) -> bool {
             | Code::Internal
             | Code::Unknown
             | Code::DeadlineExceeded
+            | Code::Cancelled
     )
 }
 

@@ -97,7 +97,12 @@
 //!
 //! Leases, takeover and fencing are those of every idem store: a holder
 //! that crashed frees the key when its lease runs out, and an attempt
-//! whose claim was taken over cannot store its answer.
+//! whose claim was taken over cannot store its answer. The handler's own
+//! writes are not fenced, and the answer is stored after the handler (not
+//! in its transaction): make the effect idempotent on the operation id (a
+//! unique constraint on it). A handler whose outcome is unknown (a
+//! downstream call timed out) cannot keep the key held yet: the statuses
+//! that release it let a retry run the call again at once.
 //!
 //! # The client
 //!

@@ -155,6 +155,15 @@ impl tonic::server::UnaryService<Charge> for ChargeCall {
 
 /// A server on a port of its own, with the layer over `store`.
 async fn serve(store: Arc<dyn Store>, policy: Policy) -> (SocketAddr, Arc<Ledger>) {
+    serve_with_limit(store, policy, None).await
+}
+
+/// [`serve`], with tonic's own time limit for a call (outside the layer).
+async fn serve_with_limit(
+    store: Arc<dyn Store>,
+    policy: Policy,
+    limit: Option<Duration>,
+) -> (SocketAddr, Arc<Ledger>) {
     let ledger = Arc::new(Ledger::default());
     let layer = IdempotencyLayer::new(store, policy, MetadataScope::new("x-client-id"))
         .unary_checked(CHARGE, |_, charge: &Charge| {
@@ -168,8 +177,12 @@ async fn serve(store: Arc<dyn Store>, policy: Policy) -> (SocketAddr, Arc<Ledger
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let bank = Bank(ledger.clone());
+    let mut builder = Server::builder();
+    if let Some(limit) = limit {
+        builder = builder.timeout(limit);
+    }
     tokio::spawn(
-        Server::builder()
+        builder
             .layer(layer)
             .add_service(bank)
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
@@ -767,6 +780,35 @@ async fn the_client_layer_keeps_one_key_across_retries() {
         .unwrap_err();
     assert_eq!(r.code(), Code::NotFound);
     assert_eq!(ledger.runs("not-found").len(), 1);
+}
+
+/// A server whose own time limit (`Server::timeout`, outside the layer)
+/// cuts a slow call answers `CANCELLED` while the handler goes on: the
+/// client layer sends the call again under its key, waits out the call in
+/// flight, and gets its answer, run once.
+#[tokio::test]
+async fn the_client_layer_retries_a_call_the_servers_time_limit_cancelled() {
+    let (addr, ledger) = serve_with_limit(
+        memory(),
+        Policy::default(),
+        Some(Duration::from_millis(200)),
+    )
+    .await;
+    let retrying = tower::ServiceBuilder::new()
+        .layer(
+            IdempotentRetryLayer::builder()
+                .method(CHARGE)
+                .base_delay(Duration::from_millis(10))
+                .build(),
+        )
+        .service(channel(addr).await);
+    let r = call(retrying, CHARGE, "c1", None, charge("slow-600", 5))
+        .await
+        .unwrap();
+    assert_eq!(ledger.runs("slow-600").len(), 1, "run once");
+    let outcome = r.extensions().get::<RetryOutcome>().unwrap();
+    assert!(outcome.attempts >= 2, "{outcome:?}");
+    assert!(outcome.replayed, "{outcome:?}");
 }
 
 #[tokio::test]
