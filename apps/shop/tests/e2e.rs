@@ -15,6 +15,7 @@ on_both_backends!(
     a_crash_before_the_bank_call_leaves_nothing_charged,
     every_row_of_the_contract_over_tcp,
     sigterm_shuts_down_gracefully,
+    sigterm_waits_for_a_handler_whose_client_went_away,
 );
 
 async fn forty_racing_identical_requests_make_one_payment_and_one_charge(db: Db) {
@@ -364,6 +365,42 @@ async fn sigterm_shuts_down_gracefully(db: Db) {
     assert_eq!(slow.await.unwrap().status, 201);
     let status = shop.wait_exit(Duration::from_secs(10));
     assert!(status.success(), "{status:?}");
+}
+
+/// SIGTERM while a handler whose client gave up still runs (its connection
+/// closed): the shop waits for it too, so its answer is stored, and the
+/// retry, after a restart, is its replay. Before, the last connection's
+/// close ended the wait, and the process exited with the handler cut.
+async fn sigterm_waits_for_a_handler_whose_client_went_away(db: Db) {
+    let mut shop = Shop::start(&db, &[]).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let gave_up = impatient
+        .post(shop.url("/payments"))
+        .header("authorization", "Bearer client-1")
+        .header("content-type", "application/json")
+        .header("idempotency-key", "k-gone")
+        .header("x-simulate", "bank-delay=1500")
+        .body(BODY)
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the client gave up: {gave_up:?}");
+    let killed = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(shop.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = shop.wait_exit(Duration::from_secs(20));
+    assert!(status.success(), "{status:?}");
+    drop(shop);
+    let shop = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    let again = read(pay(&client, &shop, Some("k-gone"), BODY)).await;
+    assert_eq!(again.status, 201, "{again:?}");
+    assert!(again.replayed, "stored before the exit: {again:?}");
 }
 
 #[tokio::test]

@@ -102,7 +102,9 @@ where
     // times out) does not cancel it half-way, so its answer is stored and
     // the client's retry gets the replay. If the task itself is dropped or
     // panics, the guard releases the claim.
+    let counted = crate::detached::Running::enter();
     let run = async move {
+        let _counted = counted;
         let guard = ReleaseGuard::watching(config.store.clone(), &handle);
         let result = inner
             .call(Request::from_parts(parts, Body::from(bytes)))
@@ -133,7 +135,9 @@ where
     parts.extensions.insert(deferred.clone());
     let watched = deferred.clone();
     let finish_config = config.clone();
+    let counted = crate::detached::Running::enter();
     let run = async move {
+        let _counted = counted;
         let result = inner
             .call(Request::from_parts(parts, Body::from(bytes)))
             .await;

@@ -15,7 +15,9 @@
 //!   connection is closed at once, so stalled sockets cannot starve the
 //!   rest for long (each is cut after its own timeouts);
 //! - on shutdown the listener closes, in-flight requests finish within
-//!   `grace`, and then the process exits whatever is still open.
+//!   `grace` (the handlers the idempotency layer runs on tasks of their
+//!   own included, when their clients went away: their answers are still
+//!   stored), and then the process exits whatever is still open.
 //!
 //! ```no_run
 //! # async fn run(app: axum::Router) -> std::io::Result<()> {
@@ -120,9 +122,25 @@ pub async fn serve(
     }
     drop(listener);
     info!(grace = ?limits.grace, "no longer accepting; letting in-flight requests finish");
+    // The connections, then the handlers the layer runs on tasks of their
+    // own (one whose client went away runs on, its answer to be stored).
+    let drained = async {
+        graceful.shutdown().await;
+        info!("every connection closed");
+        if crate::detached::running() > 0 {
+            info!(
+                handlers = crate::detached::running(),
+                "waiting for handlers whose clients went away"
+            );
+            crate::detached::idle().await;
+        }
+    };
     tokio::select! {
-        () = graceful.shutdown() => info!("every connection closed"),
-        () = tokio::time::sleep(limits.grace) => warn!("grace period over; exiting with connections still open"),
+        () = drained => info!("every request finished"),
+        () = tokio::time::sleep(limits.grace) => warn!(
+            handlers = crate::detached::running(),
+            "grace period over; exiting with requests still running"
+        ),
     }
 }
 
