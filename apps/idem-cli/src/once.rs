@@ -371,11 +371,12 @@ impl Progress {
 /// key released: a store call or two) once a signal says stop.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
-/// Every signal whose default is to end the process (SIGTERM, SIGINT,
-/// SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM), watched from before the
-/// claim to the end: `idem once` never dies of one with the command still
-/// running in its own process group (another host would start it beside
-/// it once the lease ran out). SIGKILL alone cannot be watched.
+/// The signals that stop a job (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1,
+/// SIGUSR2, SIGALRM), watched from before the claim to the end: `idem once`
+/// does not die of one with the command still running in its own process
+/// group (another host would start it beside it once the lease ran out).
+/// Others that end a process (SIGKILL, which cannot be watched; SIGPROF,
+/// SIGXCPU and their kind) are not.
 struct Signals {
     watched: Vec<(tokio::signal::unix::Signal, i32)>,
 }
@@ -554,6 +555,8 @@ async fn execute(
         // in the background may hold the pipe open long after).
         let status = loop {
             tokio::select! {
+                // The exit first: one seen as the lease ends stands.
+                biased;
                 status = child.wait() => break status,
                 () = &mut copy, if !copied => copied = true,
                 () = tokio::time::sleep_until(deadline) => {

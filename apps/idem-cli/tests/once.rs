@@ -418,16 +418,21 @@ fn the_command_never_outlives_the_claim(url: &str) {
         .unwrap();
     assert!(quit.success());
     let out = running.wait_with_output().unwrap();
-    let alive = Command::new("kill")
-        .args(["-0", &pid])
-        .stderr(Stdio::null())
-        .status()
-        .unwrap()
-        .success();
-    if alive {
-        let _ = Command::new("kill").arg(&pid).status();
+    // Gone, or a zombie no one reaped yet (killed either way).
+    let alive = || {
+        Path::new(&format!("/proc/{pid}")).exists()
+            && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .unwrap_or_default()
+                .contains(") Z ")
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive() {
+        if Instant::now() >= deadline {
+            let _ = Command::new("kill").arg(&pid).status();
+            panic!("the command {pid} outlived idem once");
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(!alive, "the command outlived idem once");
     assert_eq!(out.status.code(), Some(128 + 3), "{}", text(&out.stderr));
 }
 
@@ -437,11 +442,14 @@ fn the_command_never_outlives_the_claim(url: &str) {
 /// (whose key is let go, so that the next run would run it again).
 fn a_signal_while_the_output_drains_keeps_the_result(url: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let (pid_file, exited) = (dir.path().join("background.pid"), dir.path().join("exited"));
+    let (pid_file, shell) = (
+        dir.path().join("background.pid"),
+        dir.path().join("shell.pid"),
+    );
     let script = format!(
-        "sleep 60 2>/dev/null & echo $! > '{}'; echo started; touch '{}'",
+        "sleep 60 2>/dev/null & echo $! > '{}'; echo started; echo $$ > '{}'",
         pid_file.display(),
-        exited.display()
+        shell.display()
     );
     let url_only = url.split('#').next().unwrap();
     let args = [
@@ -453,14 +461,19 @@ fn a_signal_while_the_output_drains_keeps_the_result(url: &str) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // The shell's exit seen (reaped by `idem once`): it then reads the pipe
+    // the background `sleep` holds, for a second.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !exited.exists() {
-        assert!(Instant::now() < deadline, "the command never ran");
-        std::thread::sleep(Duration::from_millis(5));
+    let reaped = || {
+        std::fs::read_to_string(&shell)
+            .ok()
+            .filter(|pid| pid.ends_with('\n'))
+            .is_some_and(|pid| !Path::new(&format!("/proc/{}", pid.trim())).exists())
+    };
+    while !reaped() {
+        assert!(Instant::now() < deadline, "the command never ended");
+        std::thread::sleep(Duration::from_millis(2));
     }
-    // The shell exits right after the file is made; `idem once` then reads
-    // the pipe the background `sleep` holds for a second.
-    std::thread::sleep(Duration::from_millis(200));
     let _ = Command::new("kill")
         .args(["-TERM", &run.id().to_string()])
         .status();

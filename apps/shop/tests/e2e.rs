@@ -373,8 +373,9 @@ async fn sigterm_shuts_down_gracefully(db: Db) {
 /// close ended the wait, and the process exited with the handler cut.
 async fn sigterm_waits_for_a_handler_whose_client_went_away(db: Db) {
     let mut shop = Shop::start(&db, &[]).await;
+    // It gives up a second in (the claim made by then), the bank three.
     let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
+        .timeout(Duration::from_secs(1))
         .build()
         .unwrap();
     let gave_up = impatient
@@ -382,7 +383,7 @@ async fn sigterm_waits_for_a_handler_whose_client_went_away(db: Db) {
         .header("authorization", "Bearer client-1")
         .header("content-type", "application/json")
         .header("idempotency-key", "k-gone")
-        .header("x-simulate", "bank-delay=1500")
+        .header("x-simulate", "bank-delay=3000")
         .body(BODY)
         .send()
         .await;

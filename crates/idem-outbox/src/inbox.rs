@@ -243,13 +243,19 @@ impl InboxTable {
                 return Err(InboxError::Database(e));
             }
         };
-        if let (Some(t), Some(bound)) = (self.timeout, <DB::Dialect as OutboxDialect>::INBOX.bound)
+        // (A time-out beyond what PostgreSQL's setting holds, 2^31 - 1 ms,
+        // is left to this side alone.)
+        let server_side = self
+            .timeout
+            .map(|t| t.as_millis().max(1))
+            .filter(|&ms| ms <= i32::MAX as u128);
+        if let (Some(ms), Some(bound)) = (server_side, <DB::Dialect as OutboxDialect>::INBOX.bound)
         {
             // The database's own bound as well (PostgreSQL, for this
             // transaction): a statement past it is cancelled there, and its
             // connection freed, rather than waiting on after this side
             // stopped waiting.
-            let ms = t.as_millis().to_string();
+            let ms = ms.to_string();
             let bounded = match Statement::<DB::Dialect>::prepare(bound, &self.name) {
                 Ok(sql) => {
                     self.bounded(DB::Dialect::execute(&mut tx, &sql, &[Arg::Text(&ms)]))

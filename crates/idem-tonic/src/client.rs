@@ -90,8 +90,11 @@ struct Config {
 /// Retried: transport errors (refused, reset, closed before the answer),
 /// `UNAVAILABLE`, `ABORTED` (the first attempt is still in flight; the
 /// server's `grpc-retry-pushback-ms` says when to come back),
-/// `RESOURCE_EXHAUSTED`, `INTERNAL`, `UNKNOWN` and `DEADLINE_EXCEEDED`.
-/// Never any other status: the call itself is wrong (`INVALID_ARGUMENT`,
+/// `RESOURCE_EXHAUSTED`, `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED` and
+/// `CANCELLED` (a tonic server's own time limit ends a call so while its
+/// handler goes on). Each of these runs the call again if the server let
+/// its key go (as it does for the statuses it does not store). Never any
+/// other status: the call itself is wrong (`INVALID_ARGUMENT`,
 /// `FAILED_PRECONDITION` for a key reused with another message,
 /// `NOT_FOUND`, ...), and sending it again cannot help. Nor a replayed
 /// answer (`idempotent-replayed: true`), whatever its status: it is the

@@ -323,49 +323,13 @@ impl ShopDialect for idem_sql::MySql {
             }
             let created = async {
                 sqlx::Executor::execute(&mut *conn, Self::SQL.schema).await?;
-                // A database made before charges carried a reference.
-                let has_reference: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM information_schema.columns
-                     WHERE table_schema = DATABASE() AND table_name = 'bank_charges'
-                       AND column_name = 'reference'",
-                )
-                .fetch_one(&mut *conn)
-                .await?;
-                if has_reference == 0 {
-                    sqlx::query(
-                        "ALTER TABLE bank_charges ADD COLUMN reference VARBINARY(255) NOT NULL DEFAULT '',
-                         ADD INDEX bank_charges_reference (reference)",
-                    )
-                    .execute(&mut *conn)
-                    .await?;
-                }
-                // A database made before emails were read from payments.
-                let has_payment_index: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM information_schema.statistics
-                     WHERE table_schema = DATABASE() AND table_name = 'shop_emails'
-                       AND index_name = 'shop_emails_payment'",
-                )
-                .fetch_one(&mut *conn)
-                .await?;
-                if has_payment_index == 0 {
-                    sqlx::query("ALTER TABLE shop_emails ADD INDEX shop_emails_payment (payment_id)")
-                        .execute(&mut *conn)
+                for upgrade in MYSQL_UPGRADES {
+                    let present: i64 = sqlx::query_scalar(upgrade.present)
+                        .fetch_one(&mut *conn)
                         .await?;
-                }
-                // A database made before checkouts kept their key.
-                let has_key: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM information_schema.columns
-                     WHERE table_schema = DATABASE() AND table_name = 'shop_checkouts'
-                       AND column_name = 'idempotency_key'",
-                )
-                .fetch_one(&mut *conn)
-                .await?;
-                if has_key == 0 {
-                    sqlx::query(
-                        "ALTER TABLE shop_checkouts ADD COLUMN idempotency_key VARBINARY(255) NOT NULL DEFAULT ''",
-                    )
-                    .execute(&mut *conn)
-                    .await?;
+                    if present == 0 {
+                        sqlx::query(upgrade.add).execute(&mut *conn).await?;
+                    }
                 }
                 Ok::<_, sqlx::Error>(())
             }
@@ -378,6 +342,37 @@ impl ShopDialect for idem_sql::MySql {
         })
     }
 }
+
+/// What a MySQL database made by an earlier shop lacks: found missing by
+/// `present` (a count of 0), added by `add`.
+struct MysqlUpgrade {
+    present: &'static str,
+    add: &'static str,
+}
+
+/// In order: charges that carry a reference, emails read from payments,
+/// checkouts that keep their key.
+const MYSQL_UPGRADES: [MysqlUpgrade; 3] = [
+    MysqlUpgrade {
+        present: "SELECT count(*) FROM information_schema.columns
+                  WHERE table_schema = DATABASE() AND table_name = 'bank_charges'
+                    AND column_name = 'reference'",
+        add: "ALTER TABLE bank_charges ADD COLUMN reference VARBINARY(255) NOT NULL DEFAULT '',
+              ADD INDEX bank_charges_reference (reference)",
+    },
+    MysqlUpgrade {
+        present: "SELECT count(*) FROM information_schema.statistics
+                  WHERE table_schema = DATABASE() AND table_name = 'shop_emails'
+                    AND index_name = 'shop_emails_payment'",
+        add: "ALTER TABLE shop_emails ADD INDEX shop_emails_payment (payment_id)",
+    },
+    MysqlUpgrade {
+        present: "SELECT count(*) FROM information_schema.columns
+                  WHERE table_schema = DATABASE() AND table_name = 'shop_checkouts'
+                    AND column_name = 'idempotency_key'",
+        add: "ALTER TABLE shop_checkouts ADD COLUMN idempotency_key VARBINARY(255) NOT NULL DEFAULT ''",
+    },
+];
 
 #[cfg(test)]
 mod tests {

@@ -24,14 +24,7 @@ impl<D: RecordDialect> SqlStore<D> {
         response: &StoredResponse,
     ) -> Result<(), StoreError> {
         let headers = response.encode_headers();
-        let args = [
-            Arg::Text(&claim.scope),
-            Arg::Text(&claim.key),
-            Arg::Int(claim.token.0),
-            Arg::Int(i64::from(response.status)),
-            Arg::Bytes(&headers),
-            Arg::Bytes(&response.body),
-        ];
+        let args = completion_args(claim, response, &headers);
         fenced(D::execute(conn, &self.sql.complete, &args).await)
     }
 
@@ -44,19 +37,30 @@ impl<D: RecordDialect> SqlStore<D> {
         response: &StoredResponse,
     ) -> Result<bool, StoreError> {
         let headers = response.encode_headers();
-        let args = [
-            Arg::Text(&claim.scope),
-            Arg::Text(&claim.key),
-            Arg::Int(claim.token.0),
-            Arg::Int(i64::from(response.status)),
-            Arg::Bytes(&headers),
-            Arg::Bytes(&response.body),
-        ];
+        let args = completion_args(claim, response, &headers);
         let row = D::fetch_optional(conn, &self.sql.completed, &args)
             .await
             .map_err(store_error)?;
         Ok(row.is_some())
     }
+}
+
+/// A completion's arguments (`complete.sql`, `completed.sql`): $1 scope,
+/// $2 key, $3 token, $4 status, $5 headers (`headers`, the response's
+/// encoded), $6 body.
+fn completion_args<'a>(
+    claim: &'a Claim,
+    response: &'a StoredResponse,
+    headers: &'a [u8],
+) -> [Arg<'a>; 6] {
+    [
+        Arg::Text(&claim.scope),
+        Arg::Text(&claim.key),
+        Arg::Int(claim.token.0),
+        Arg::Int(i64::from(response.status)),
+        Arg::Bytes(headers),
+        Arg::Bytes(&response.body),
+    ]
 }
 
 impl<D: RecordDialect> TransactionalStore<Conn<D>> for SqlStore<D> {
