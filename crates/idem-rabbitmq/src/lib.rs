@@ -6,7 +6,11 @@
 //!   and routed it to a queue: it is published `mandatory`, so one whose
 //!   destination names no queue comes back and is a publish error
 //!   (`Rejected`, retried and then dead-lettered in the outbox), never
-//!   marked sent.
+//!   marked sent. A message the broker closes the channel over (over its
+//!   `max_message_size`; a header RabbitMQ reads itself, such as `CC` or
+//!   `BCC` sent as text) is refused for itself: when other confirms of its
+//!   batch fail with the channel, each is sent again alone, so the refusal
+//!   is never charged to a message that was only waiting beside it.
 //! - [`RabbitConsumer`]: a consumer with manual acks and a prefetch window.
 //!   A handler error requeues the message; the queue (a quorum queue with
 //!   `x-delivery-limit`) dead-letters it to `<queue>.dlq` after the allowed
@@ -208,12 +212,18 @@ impl RabbitPublisher {
     /// The link, opened again first if its channel was closed.
     async fn usable(&self) -> Result<tokio::sync::MutexGuard<'_, Link>, RabbitError> {
         let mut link = self.link.lock().await;
+        self.reopen_if_closed(&mut link).await?;
+        Ok(link)
+    }
+
+    /// Opens `link`'s channel again if it was closed.
+    async fn reopen_if_closed(&self, link: &mut Link) -> Result<(), RabbitError> {
         if !link.channel.status().connected() {
             link.reopen(&self.uri).await?;
             *self.current.lock().unwrap_or_else(|e| e.into_inner()) = link.channel.clone();
             info!("publishing channel opened again");
         }
-        Ok(link)
+        Ok(())
     }
 }
 
@@ -279,13 +289,89 @@ fn properties(m: &OutgoingMessage) -> BasicProperties {
         .with_headers(headers)
 }
 
+/// What one message's sending came to, before the batch's outcome is
+/// decided: a confirm that failed because the broker closed the channel
+/// over a message (`Rejected` kind) is kept apart, since it may be another
+/// message's refusal.
+enum Sent {
+    /// The message's outcome, known.
+    Done(Result<(), PublishError>),
+    /// Its confirm failed with the channel, closed over a message.
+    ChannelRefused(lapin::Error),
+}
+
+/// The outcome of one message's confirm (or of its publish failing).
+fn sent(m: &OutgoingMessage, confirm: Result<Confirmation, lapin::Error>) -> Sent {
+    Sent::Done(match confirm {
+        Ok(Confirmation::Ack(None)) => Ok(()),
+        // Acked, but returned first: no queue is bound to the destination,
+        // so nobody will ever read it.
+        Ok(Confirmation::Ack(Some(returned))) => Err(PublishError::new(
+            PublishErrorKind::Rejected,
+            format!(
+                "unroutable: no queue receives messages for {:?} (the broker returned it: {} {})",
+                m.destination, returned.reply_code, returned.reply_text
+            ),
+        )),
+        Ok(other) => Err(PublishError::new(
+            PublishErrorKind::Rejected,
+            format!("the broker did not ack: {other:?}"),
+        )),
+        Err(e) => match confirm_failure(&e) {
+            PublishErrorKind::Rejected => return Sent::ChannelRefused(e),
+            kind => Err(PublishError::new(kind, e.to_string())),
+        },
+    })
+}
+
+impl RabbitPublisher {
+    /// Sends `m` on the link's channel; the confirm to wait for.
+    async fn send(
+        &self,
+        link: &Link,
+        m: &OutgoingMessage,
+    ) -> Result<lapin::PublisherConfirm, lapin::Error> {
+        link.channel
+            .basic_publish(
+                "".into(),
+                m.destination.clone().into(),
+                // Mandatory: a message no queue receives comes back
+                // (basic.return) instead of being confirmed and dropped.
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &m.payload,
+                properties(m),
+            )
+            .await
+    }
+
+    /// Sends `m` alone on a channel of its own (opened again if the last
+    /// message closed it) and waits for its confirm: a channel closed now
+    /// was closed over `m` itself, its refusal.
+    async fn alone(&self, link: &mut Link, m: &OutgoingMessage) -> Result<(), PublishError> {
+        let down = |e: &dyn std::fmt::Display| {
+            PublishError::new(PublishErrorKind::BrokerDown, e.to_string())
+        };
+        self.reopen_if_closed(link).await.map_err(|e| down(&e))?;
+        let confirm = self.send(link, m).await.map_err(|e| down(&e))?;
+        match sent(m, confirm.await) {
+            Sent::Done(result) => result,
+            Sent::ChannelRefused(e) => {
+                Err(PublishError::new(PublishErrorKind::Rejected, e.to_string()))
+            }
+        }
+    }
+}
+
 impl Publisher for RabbitPublisher {
     /// Publishes the whole batch, then waits for every confirm: one round of
     /// confirms per batch, not per message.
     fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         Box::pin(async move {
             // One batch at a time, on a channel that works.
-            let link = match self.usable().await {
+            let mut link = match self.usable().await {
                 Ok(link) => link,
                 Err(e) => {
                     let mut published = Published::default();
@@ -309,69 +395,43 @@ impl Publisher for RabbitPublisher {
                     pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
                     continue;
                 }
-                let sent = link
-                    .channel
-                    .basic_publish(
-                        "".into(),
-                        m.destination.clone().into(),
-                        // Mandatory: a message no queue receives comes back
-                        // (basic.return) instead of being confirmed and dropped.
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..BasicPublishOptions::default()
-                        },
-                        &m.payload,
-                        properties(m),
-                    )
-                    .await;
-                pending.push(Ok(sent));
+                pending.push(Ok(self.send(&link, m).await));
             }
+            let mut outcomes = Vec::with_capacity(batch.len());
+            for (m, sent_now) in batch.iter().zip(pending) {
+                outcomes.push(match sent_now {
+                    Err(refused) => Sent::Done(Err(refused)),
+                    Ok(Ok(confirm)) => sent(m, confirm.await),
+                    Ok(Err(e)) => Sent::Done(Err(PublishError::new(
+                        PublishErrorKind::BrokerDown,
+                        e.to_string(),
+                    ))),
+                });
+            }
+            // The broker closes the channel over one message (a precondition
+            // failed, the content too large), and every confirm still
+            // pending on it fails the same way: the messages behind it, and
+            // those before it whose confirms had not come yet (a durable
+            // queue confirms once the message is on disk). Which one the
+            // broker refused is not said. One such failure is that message's
+            // own; of several, each is sent again alone, so the refusal
+            // (which uses up an attempt, and dead-letters in the end) is
+            // charged to the message that closes a channel by itself, never
+            // to one that was only waiting beside it.
+            let refused = outcomes
+                .iter()
+                .filter(|o| matches!(o, Sent::ChannelRefused(_)))
+                .count();
             let mut published = Published::default();
-            // The broker closes the channel over one message (too large, a
-            // precondition failed), and every confirm still pending on it
-            // fails the same way: only the first is that message's own
-            // refusal; the rest of the batch waits for the channel to be
-            // opened again, using up no attempt.
-            let mut refused_one = false;
-            for (m, sent) in batch.iter().zip(pending) {
-                published.record(
-                    &m.message_id,
-                    match sent {
-                        Err(refused) => Err(refused),
-                        Ok(Ok(confirm)) => match confirm.await {
-                            Ok(Confirmation::Ack(None)) => Ok(()),
-                            // Acked, but returned first: no queue is bound to
-                            // the destination, so nobody will ever read it.
-                            Ok(Confirmation::Ack(Some(returned))) => Err(PublishError::new(
-                                PublishErrorKind::Rejected,
-                                format!(
-                                    "unroutable: no queue receives messages for {:?} (the broker returned it: {} {})",
-                                    m.destination,
-                                    returned.reply_code,
-                                    returned.reply_text
-                                ),
-                            )),
-                            Ok(other) => Err(PublishError::new(
-                                PublishErrorKind::Rejected,
-                                format!("the broker did not ack: {other:?}"),
-                            )),
-                            Err(e) => {
-                                let mut kind = confirm_failure(&e);
-                                if kind == PublishErrorKind::Rejected {
-                                    if refused_one {
-                                        kind = PublishErrorKind::BrokerDown;
-                                    }
-                                    refused_one = true;
-                                }
-                                Err(PublishError::new(kind, e.to_string()))
-                            }
-                        },
-                        Ok(Err(e)) => Err(PublishError::new(
-                            PublishErrorKind::BrokerDown,
-                            e.to_string(),
-                        )),
-                    },
-                );
+            for (m, outcome) in batch.iter().zip(outcomes) {
+                let result = match outcome {
+                    Sent::Done(result) => result,
+                    Sent::ChannelRefused(e) if refused == 1 => {
+                        Err(PublishError::new(PublishErrorKind::Rejected, e.to_string()))
+                    }
+                    Sent::ChannelRefused(_) => self.alone(&mut link, m).await,
+                };
+                published.record(&m.message_id, result);
             }
             published
         })
