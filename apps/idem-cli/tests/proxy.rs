@@ -953,6 +953,7 @@ async fn flags_brought_within_the_lease_are_said_and_work() {
 /// An answer over `--max-response-body` whose status frees the key anyway
 /// (a 5xx, a 429) passes its status on and frees the key: the retry
 /// reaches the upstream again at once, where a 2xx that large holds it.
+/// The upstream's `Retry-After` is passed on with the status.
 #[tokio::test]
 async fn a_large_answer_that_frees_the_key_frees_it() {
     let records = records(Mode::Sqlite).await;
@@ -964,10 +965,12 @@ async fn a_large_answer_that_frees_the_key_frees_it() {
             let answer = post(p, &format!("/{key}"), "alice", key, "{}")
                 .header("x-test-status", status)
                 .header("x-test-body-bytes", "5000")
+                .header("x-test-retry-after", "7")
                 .send()
                 .await
                 .unwrap();
             assert_problem(&answer, status.parse().unwrap());
+            assert_eq!(header(&answer, "retry-after"), Some("7"), "{status}");
             assert_eq!(upstream.deliveries(&format!("/{key}")).await.len(), attempt);
         }
     }

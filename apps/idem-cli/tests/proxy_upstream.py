@@ -9,6 +9,7 @@ Headers it obeys:
   x-test-fail-first: N   the first N deliveries of an operation answer 503
   x-test-crash: 1        act, then close the connection without answering
   x-test-hop: 1          answer with a header named by Connection
+  x-test-retry-after: S  answer with Retry-After: S
 
 GET /_test/log answers {"deliveries": [...], "effects": {op: n}}.
 Prints "upstream listening on PORT" once it listens.
@@ -119,6 +120,8 @@ class Handler(BaseHTTPRequestHandler):
             ("Set-Cookie", "session=%s" % uuid.uuid4().hex),
             ("X-Request-Id", uuid.uuid4().hex),
         ]
+        if self.headers.get("x-test-retry-after"):
+            extra.append(("Retry-After", self.headers.get("x-test-retry-after")))
         if self.headers.get("x-test-hop"):
             # A header that belongs to this connection only (RFC 9110 7.6.1).
             extra += [("Connection", "X-Upstream-Hop"), ("X-Upstream-Hop", "1")]

@@ -267,8 +267,9 @@ impl Upstream {
                     && (parts.status.is_server_error() || RELEASED.contains(&parts.status.as_u16()))
                 {
                     // An answer that frees the key anyway: its status is
-                    // known, and passed on without its body.
-                    return Ended::Answered(problem(
+                    // known, and passed on without its body, with the
+                    // upstream's own `Retry-After` (when to come back).
+                    let mut answer = problem(
                         parts.status,
                         "upstream-answer-too-large",
                         "The upstream's answer is larger than the proxy passes on",
@@ -276,7 +277,13 @@ impl Upstream {
                             "it answered {} with more than --max-response-body ({} bytes); the key is free again",
                             parts.status, self.max_answer
                         ),
-                    ));
+                    );
+                    if let Some(wait) = parts.headers.get(header::RETRY_AFTER) {
+                        answer
+                            .headers_mut()
+                            .insert(header::RETRY_AFTER, wait.clone());
+                    }
+                    return Ended::Answered(answer);
                 }
                 return Ended::Unknown(if too_large {
                     format!(
