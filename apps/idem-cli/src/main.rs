@@ -112,7 +112,8 @@ enum Command {
     /// Run a command once per key, across hosts: a repeat prints the first
     /// run's stdout and exits with its status without running it (cron on
     /// many hosts, a deploy step). Exits 65 if the key was used with
-    /// another command line, 75 while another run holds it.
+    /// another command line, 75 while another run holds it (or when the
+    /// claim took over half the lease: nothing started).
     Once(Box<once::OnceArgs>),
     /// An HTTP gateway that gives the service behind it (in any language)
     /// the Idempotency-Key contract: duplicates reach it once, replays are

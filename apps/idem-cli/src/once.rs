@@ -139,6 +139,10 @@ enum NotRun {
     LeaseRanOut,
     /// `idem once` was told to stop (this signal): the command was killed.
     Stopped(i32),
+    /// The claim took so long (a slow store) that less than half the lease
+    /// was left (this many milliseconds): the command was not started,
+    /// rather than be killed midway.
+    ClaimSlow(u64),
 }
 
 /// The work's failure: a run that ended non-zero, or one that never gave
@@ -195,6 +199,7 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
         .collect();
     let store_failures = args.store_failures;
     let command = &args.command;
+    let lease = Duration::from_millis(args.lease_ms);
     let signals = match Signals::watch() {
         Ok(signals) => signals,
         Err(e) => {
@@ -204,7 +209,7 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
     };
     let progress = Progress::default();
     let run = runner.run(&args.scope, &args.key, &input, async |op| {
-        execute(op, command, store_failures, &progress).await
+        execute(op, command, store_failures, &progress, lease).await
     });
     let result = match until_stopped(run, &progress, signals).await {
         Ok(result) => result,
@@ -269,6 +274,17 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
                 "stopped by signal {number}: the command's process group was killed and the key released"
             ));
             u8::try_from(128 + number).unwrap_or(1)
+        }
+        Err(RunError::Failed(Failed::NotRun(NotRun::ClaimSlow(left))))
+        | Err(RunError::Final {
+            error: Failed::NotRun(NotRun::ClaimSlow(left)),
+            ..
+        }) => {
+            say(format!(
+                "the store took so long to claim the key that {left} ms of the lease ({} ms) were left, less than half: the command was not started, and the key is released for the next run",
+                args.lease_ms
+            ));
+            exit::TEMPFAIL
         }
         Err(RunError::KeyReused) => {
             say(format!(
@@ -482,6 +498,7 @@ async fn execute(
     command: &[OsString],
     store_failures: bool,
     progress: &Progress,
+    lease: Duration,
 ) -> Result<Ran, Failure<Failed>> {
     use tokio::io::AsyncWriteExt;
 
@@ -496,6 +513,16 @@ async fn execute(
     let Some((program, rest)) = command.split_first() else {
         return Err(not_run(NotRun::NotStarted("no command".into())));
     };
+    // A claim that took most of the lease (a store slow to answer, a lock
+    // waited on) leaves the command too little time: it would be killed
+    // midway, its work half done. It is not started, and the key is let go
+    // for the next run.
+    let left = op.lease_left();
+    if left < lease / 2 {
+        return Err(not_run(NotRun::ClaimSlow(
+            u64::try_from(left.as_millis()).unwrap_or(u64::MAX),
+        )));
+    }
     // From here a signal is passed on to this function (which kills the
     // command, then lets the key go) rather than dropping the run.
     progress.phase.store(Progress::RUNNING, Ordering::SeqCst);

@@ -58,6 +58,11 @@ fn runs(dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// The PostgreSQL server's own URL (no schema).
+fn postgres_base() -> String {
+    idem_test_support::postgres::database_url()
+}
+
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
@@ -677,6 +682,74 @@ mod postgres {
         tokio::task::spawn_blocking(move || super::killed_run_is_taken_over(&url))
             .await
             .unwrap();
+    }
+    /// A claim that waits past half the lease (here on a lock the test
+    /// holds on the records table) starts nothing, rather than a command
+    /// that would be killed midway: exit 75, nothing ran, the key released,
+    /// and the next run executes the command.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_slow_claim_starts_nothing() {
+        use sqlx::{Connection, PgConnection};
+        use std::time::{Duration, Instant};
+        let (url, schema) = url().await;
+        let dir = tempfile::tempdir().unwrap();
+        let u = url.clone();
+        let made = tokio::task::spawn_blocking(move || super::once(&u, "made", &[], &["true"]))
+            .await
+            .unwrap();
+        assert!(made.status.success(), "{}", super::text(&made.stderr));
+        let mut conn = PgConnection::connect(&url).await.unwrap();
+        let mut lock = conn.begin().await.unwrap();
+        sqlx::query("LOCK TABLE idem_records IN EXCLUSIVE MODE")
+            .execute(&mut *lock)
+            .await
+            .unwrap();
+        let (u, d) = (url.clone(), dir.path().to_owned());
+        let run = tokio::task::spawn_blocking(move || {
+            let command = super::counting(&d, "slow");
+            let command: Vec<&str> = command.iter().map(String::as_str).collect();
+            super::once(&u, "slow", &["--lease-ms", "2000"], &command)
+        });
+        // The claim waits on the lock; then more than half its lease goes by.
+        let mut watch = PgConnection::connect(&super::postgres_base())
+            .await
+            .unwrap();
+        let waiting = format!(
+            "SELECT count(*) FROM pg_locks WHERE relation = '\"{}\".idem_records'::regclass AND NOT granted",
+            schema.name()
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while sqlx::query_scalar::<_, i64>(&waiting)
+            .fetch_one(&mut watch)
+            .await
+            .unwrap()
+            == 0
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the claim never waited on the lock"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        lock.commit().await.unwrap();
+        let slow = run.await.unwrap();
+        let said = super::text(&slow.stderr);
+        assert_eq!(slow.status.code(), Some(75), "{said}");
+        assert!(said.contains("not started"), "{said}");
+        assert!(super::runs(dir.path()).is_empty(), "the command ran");
+        let u = url.clone();
+        let d = dir.path().to_owned();
+        let next = tokio::task::spawn_blocking(move || {
+            let command = super::counting(&d, "slow");
+            let command: Vec<&str> = command.iter().map(String::as_str).collect();
+            super::once(&u, "slow", &["--lease-ms", "2000"], &command)
+        })
+        .await
+        .unwrap();
+        assert!(next.status.success(), "{}", super::text(&next.stderr));
+        assert_eq!(super::text(&next.stdout), "slow\n");
+        assert_eq!(super::runs(dir.path()).len(), 1);
     }
     #[tokio::test(flavor = "multi_thread")]
     async fn lease_and_signals() {
