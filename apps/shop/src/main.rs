@@ -239,6 +239,18 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
                 grpc.abort();
             }
         }
+        // Then the handlers whose callers went away, which run on tasks of
+        // their own, their answers still to be stored (the HTTP server
+        // waited for those that had begun before it returned).
+        if tokio::time::timeout(limits.grace, idem_once::detached::idle())
+            .await
+            .is_err()
+        {
+            warn!(
+                handlers = idem_once::detached::running(),
+                "handlers still running after the shutdown grace: cut"
+            );
+        }
     }
     sweeper.abort();
     upkeep.abort();

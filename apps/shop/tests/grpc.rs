@@ -343,6 +343,50 @@ async fn grpc_crash_after_bank(mode: Mode, db: Db) {
     assert_eq!(acc["charged_total"], 42, "{acc}");
 }
 
+/// SIGTERM while a gRPC handler whose caller gave up still runs (the call
+/// cancelled by its deadline; the handler runs on, on a task of its own):
+/// shop waits for it, so its answer is stored, and the retry after a
+/// restart is its replay. Before, the gRPC server's drain ended with the
+/// call, and the process exited with the handler cut and its claim held.
+async fn grpc_sigterm_waits_for_a_handler_whose_caller_went_away(mode: Mode, db: Db) {
+    let prefix = RedisPrefix::new("grpc-gone");
+    let mut shop = start(mode, &db, &prefix, &[]).await;
+    let mut c = client(&shop).await;
+    // It gives up a second in (the claim made by then), the bank three.
+    let mut call = with(
+        new_payment("acc_gone", 7),
+        &[
+            ("authorization", "Bearer client-1"),
+            ("idempotency-key", "gone"),
+            ("x-simulate", "bank-delay=3000"),
+        ],
+    );
+    call.set_timeout(Duration::from_secs(1));
+    let gave_up = c.create_payment(call).await;
+    assert!(gave_up.is_err(), "the caller gave up: {gave_up:?}");
+    let killed = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(shop.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = shop.wait_exit(Duration::from_secs(20));
+    assert!(status.success(), "{status:?}");
+    drop(shop);
+    let shop = start(mode, &db, &prefix, &[]).await;
+    let again = create(
+        &mut client(&shop).await,
+        Some("gone"),
+        new_payment("acc_gone", 7),
+        &[],
+    )
+    .await
+    .unwrap();
+    assert!(replayed(&again), "stored before the exit");
+    let acc = account(&signed_in(), &shop, "acc_gone").await;
+    assert_eq!(acc["bank_charges"], 1, "{acc}");
+}
+
 /// `--fault-injection off` refuses `x-simulate` over gRPC as over HTTP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_fault_injection_off_refuses_simulation() {
@@ -404,4 +448,8 @@ async fn grpc_messages_over_the_body_limit_are_refused_on_every_method() {
     assert_eq!(small.code(), Code::InvalidArgument, "{small:?}");
 }
 
-in_every_mode!(grpc_contract, grpc_crash_after_bank);
+in_every_mode!(
+    grpc_contract,
+    grpc_crash_after_bank,
+    grpc_sigterm_waits_for_a_handler_whose_caller_went_away
+);

@@ -102,7 +102,7 @@ where
     // times out) does not cancel it half-way, so its answer is stored and
     // the client's retry gets the replay. If the task itself is dropped or
     // panics, the guard releases the claim.
-    let counted = crate::detached::Running::enter();
+    let counted = idem_once::detached::Running::enter();
     let run = async move {
         let _counted = counted;
         let guard = ReleaseGuard::watching(config.store.clone(), &handle);
@@ -135,7 +135,7 @@ where
     parts.extensions.insert(deferred.clone());
     let watched = deferred.clone();
     let finish_config = config.clone();
-    let counted = crate::detached::Running::enter();
+    let counted = idem_once::detached::Running::enter();
     let run = async move {
         let _counted = counted;
         let result = inner

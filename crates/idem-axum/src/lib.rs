@@ -83,7 +83,6 @@ mod service;
 // (in the layer, or deferred to the handler's transaction), finishing.
 mod claim;
 mod deferred;
-mod detached;
 mod finish;
 mod handle;
 mod request;

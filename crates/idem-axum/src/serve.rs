@@ -127,18 +127,18 @@ pub async fn serve(
     let drained = async {
         graceful.shutdown().await;
         info!("every connection closed");
-        if crate::detached::running() > 0 {
+        if idem_once::detached::running() > 0 {
             info!(
-                handlers = crate::detached::running(),
+                handlers = idem_once::detached::running(),
                 "waiting for handlers whose clients went away"
             );
-            crate::detached::idle().await;
+            idem_once::detached::idle().await;
         }
     };
     tokio::select! {
         () = drained => info!("every request finished"),
         () = tokio::time::sleep(limits.grace) => warn!(
-            handlers = crate::detached::running(),
+            handlers = idem_once::detached::running(),
             "grace period over; exiting with requests still running"
         ),
     }

@@ -56,6 +56,7 @@
 
 mod bounded;
 mod claim;
+pub mod detached;
 mod operation;
 mod run;
 

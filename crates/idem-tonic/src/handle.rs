@@ -287,7 +287,11 @@ where
     let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
     let store = config.store.clone();
     let held = claim.clone();
+    // Counted while it runs, so that a graceful shutdown waits for it
+    // (`idem_once::detached::idle`) even once its caller has gone.
+    let counted = idem_once::detached::Running::enter();
     let run = async move {
+        let _counted = counted;
         // Should this task panic or be dropped while the caller is gone
         // (it no longer awaits it), the guard still frees the key.
         let mut guard = ReleaseOnDrop(Some((config.store.clone(), claim.clone())));

@@ -94,6 +94,11 @@
 //!   ([`Idempotency`]): its operation id, the same across retries and
 //!   takeovers, is the key to pass to anything downstream.
 //! - The store failing before anything ran: `UNAVAILABLE`.
+//! - The handler runs on a task of its own: a caller that goes away does
+//!   not cancel it half-way, and its answer is still stored for the retry.
+//!   Such handlers are counted process-wide: after your server's graceful
+//!   shutdown returns, await [`idem_once::detached::idle`] within your
+//!   grace, so that the process does not exit under them.
 //!
 //! Leases, takeover and fencing are those of every idem store: a holder
 //! that crashed frees the key when its lease runs out, and an attempt
