@@ -2,8 +2,8 @@
 //! and fingerprinted, the claim, the handler on a task of its own, and
 //! the answer stored or the claim released.
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
@@ -25,13 +25,32 @@ use crate::layer::{Config, Guarded};
 pub const IDEMPOTENCY_KEY: &str = idem_core::IDEMPOTENCY_KEY_HEADER;
 
 /// What the handler of a guarded call finds in its request's extensions
-/// (`request.extensions().get::<Idempotency>()`): the claim it runs under.
+/// (`request.extensions().get::<Idempotency>()`): the claim it runs under,
+/// and how the layer is to settle it once the handler answers.
 #[derive(Debug, Clone)]
 pub struct Idempotency {
     scope: String,
     key: String,
     operation_id: OperationId,
     takeover: bool,
+    /// When the winning claim was sent: its lease counts from then.
+    claimed_at: Instant,
+    lease: Duration,
+    settle: Arc<Mutex<Settle>>,
+}
+
+/// How the layer settles the claim once the handler answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settle {
+    /// By the answer's status: stored, or released (see the crate docs).
+    ByAnswer,
+    /// The outcome is unknown: neither stored nor released, until the
+    /// lease runs out.
+    Kept,
+    /// The answer is not the call's outcome: released whatever its status.
+    Released,
+    /// The claim was lost (its lease ran out): nothing stored or released.
+    Lost,
 }
 
 impl Idempotency {
@@ -58,6 +77,70 @@ impl Idempotency {
     pub fn is_takeover(&self) -> bool {
         self.takeover
     }
+
+    /// How much of the claim's lease is left, on this process's clock
+    /// (counted from when the claim was sent): past it a retry may take
+    /// the key over. Bound a downstream call by it.
+    pub fn lease_left(&self) -> Duration {
+        (self.claimed_at + self.lease).saturating_duration_since(Instant::now())
+    }
+
+    /// Tells the layer that this call's outcome is unknown (a downstream
+    /// call timed out, or its connection broke after the request was
+    /// sent): whatever the handler answers (`UNAVAILABLE`,
+    /// `DEADLINE_EXCEEDED`) is passed on but neither stored nor releases
+    /// the claim, which stays until its lease runs out. A retry before then
+    /// gets `ABORTED`; one after it takes the claim over under the same
+    /// operation id, so the effect is never attempted twice at once.
+    ///
+    /// Call it **before** starting an effect whose outcome may be lost, and
+    /// [`settle_by_answer`](Self::settle_by_answer) once the outcome is
+    /// known: if the handler panics or its task is dropped in between (a
+    /// process shutting down), the claim is kept rather than released, so
+    /// no retry runs beside an effect that may still be going on.
+    pub fn keep_claim(&self) {
+        self.set(Settle::Kept);
+    }
+
+    /// Tells the layer that the answer is not the call's outcome (a rate
+    /// limit met downstream): the claim is released whatever the status,
+    /// so the retry runs again, under the same operation id.
+    pub fn release_claim(&self) {
+        self.set(Settle::Released);
+    }
+
+    /// Tells the layer that this attempt lost its claim (a step of
+    /// `idem-once` said its lease ran out): whatever the handler answers is
+    /// not stored, and the claim is neither completed nor released; the
+    /// retry takes it over after the lease and resumes. Answer `ABORTED`
+    /// so that the client retries.
+    pub fn abandon(&self) {
+        self.set(Settle::Lost);
+    }
+
+    /// Undoes [`keep_claim`](Self::keep_claim) or
+    /// [`release_claim`](Self::release_claim): the answer is stored or
+    /// releases the claim by its status, as usual.
+    pub fn settle_by_answer(&self) {
+        let mut settle = self.settle.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*settle, Settle::Kept | Settle::Released) {
+            *settle = Settle::ByAnswer;
+        }
+    }
+
+    fn set(&self, to: Settle) {
+        *self.settle.lock().unwrap_or_else(|e| e.into_inner()) = to;
+    }
+
+    fn settle(&self) -> Settle {
+        *self.settle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a handler that did not answer (it failed, panicked or was
+    /// dropped) leaves the claim to its lease rather than release it.
+    fn holds_on_failure(&self) -> bool {
+        matches!(self.settle(), Settle::Kept | Settle::Lost)
+    }
 }
 
 /// How a guarded call ended, the `outcome` of `idem_grpc_calls_total`.
@@ -74,6 +157,7 @@ enum Outcome {
     Replay,
     Released,
     ClaimLost,
+    Kept,
 }
 
 fn count(outcome: Outcome) {
@@ -89,6 +173,7 @@ fn count(outcome: Outcome) {
         Outcome::Replay => "replay",
         Outcome::Released => "released",
         Outcome::ClaimLost => "claim_lost",
+        Outcome::Kept => "kept",
     };
     metrics::counter!("idem_grpc_calls_total", "outcome" => label).increment(1);
 }
@@ -199,27 +284,49 @@ where
             lease: config.policy.lease(),
             retention: config.policy.retention(),
         };
-        let claim = match claim(&config, &claim_request).await {
-            Ok(claim) => claim,
+        let (claim, claimed_at) = match claim(&config, &claim_request).await {
+            Ok(claimed) => claimed,
             Err(answer) => return Ok(answer),
         };
-        run_claimed(config, inner, parts, bytes, claim, scope, key).await
+        let claimed = Claimed {
+            claim,
+            claimed_at,
+            scope,
+            key,
+        };
+        run_claimed(config, inner, parts, bytes, claimed).await
     }
     .instrument(span)
     .await
 }
 
-/// Claims until the claim is ours, or the answer to send instead.
-async fn claim(config: &Config, request: &ClaimRequest) -> Result<Claim, Response<Body>> {
+/// A claim won, and what the handler is told of it.
+struct Claimed {
+    claim: Claim,
+    /// When the winning claim was sent.
+    claimed_at: Instant,
+    scope: String,
+    key: IdempotencyKey,
+}
+
+/// Claims until the claim is ours (with when it was sent), or the answer
+/// to send instead.
+async fn claim(
+    config: &Config,
+    request: &ClaimRequest,
+) -> Result<(Claim, Instant), Response<Body>> {
     let store = &config.store;
+    let sent = Mutex::new(Instant::now());
     let found = idem_once::claim_until_decided(&config.policy, &request.fingerprint, || async {
+        *sent.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
         Ok(match store.claim(request).await? {
             ClaimOutcome::Acquired(claim) => Found::Acquired(claim),
             ClaimOutcome::Existing(record) => Found::Existing(record),
         })
     })
     .await;
-    found.map_err(|refusal| match refusal {
+    let sent = *sent.lock().unwrap_or_else(|e| e.into_inner());
+    found.map(|claim| (claim, sent)).map_err(|refusal| match refusal {
         Refusal::Replay(record) => match &record.state {
             RecordState::Completed { response, .. } => {
                 count(Outcome::Replay);
@@ -258,9 +365,7 @@ async fn run_claimed<S, B>(
     mut inner: S,
     mut parts: http::request::Parts,
     bytes: Bytes,
-    claim: Claim,
-    scope: String,
-    key: IdempotencyKey,
+    claimed: Claimed,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<B>> + Send + 'static,
@@ -269,39 +374,61 @@ where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let Claimed {
+        claim,
+        claimed_at,
+        scope,
+        key,
+    } = claimed;
     count(if claim.takeover {
         Outcome::Takeover
     } else {
         Outcome::Fresh
     });
     debug!(operation_id = %claim.operation_id, takeover = claim.takeover, "claimed");
-    parts.extensions.insert(Idempotency {
+    let handle = Idempotency {
         scope,
         key: key.into_string(),
         operation_id: claim.operation_id,
         takeover: claim.takeover,
-    });
+        claimed_at,
+        lease: config.policy.lease(),
+        settle: Arc::new(Mutex::new(Settle::ByAnswer)),
+    };
+    parts.extensions.insert(handle.clone());
     // The answer is stored as sent and replayed to any client: it must not
     // be compressed with an encoding only this caller accepts.
     parts.headers.remove("grpc-accept-encoding");
     let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
     let store = config.store.clone();
     let held = claim.clone();
+    let watched = handle.clone();
     // Counted while it runs, so that a graceful shutdown waits for it
     // (`idem_once::detached::idle`) even once its caller has gone.
     let counted = idem_once::detached::Running::enter();
     let run = async move {
         let _counted = counted;
         // Should this task panic or be dropped while the caller is gone
-        // (it no longer awaits it), the guard still frees the key.
-        let mut guard = ReleaseOnDrop(Some((config.store.clone(), claim.clone())));
+        // (it no longer awaits it), the guard still frees the key (unless
+        // the handler said to keep it).
+        let mut guard = ReleaseOnDrop(Some((config.store.clone(), claim.clone(), handle.clone())));
         let result = inner.call(request).await;
-        let finished = finish(&config, &claim, result).await;
+        let finished = finish(&config, &claim, &handle, result).await;
         guard.0 = None;
         finished
     };
     match tokio::spawn(run.in_current_span()).await {
         Ok(result) => result,
+        Err(e) if watched.holds_on_failure() => {
+            count(Outcome::Kept);
+            warn!(
+                panicked = e.is_panic(),
+                "the handler did not finish, its outcome unknown; the claim stays until its lease runs out"
+            );
+            Ok(answer::refuse(Status::unavailable(
+                "the handler failed before answering, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
+            )))
+        }
         Err(e) => {
             count(Outcome::Released);
             warn!(
@@ -316,10 +443,13 @@ where
     }
 }
 
-/// After the handler: store its answer, or release the claim.
+/// After the handler: store its answer, release the claim, or leave it to
+/// its lease, as the answer's status and the handler's word
+/// ([`Idempotency::keep_claim`] and the like) say.
 async fn finish<B, E>(
     config: &Config,
     claim: &Claim,
+    handle: &Idempotency,
     result: Result<Response<B>, E>,
 ) -> Result<Response<Body>, E>
 where
@@ -329,8 +459,13 @@ where
     let response = match result {
         Ok(response) => response,
         Err(e) => {
-            count(Outcome::Released);
-            release(&*config.store, claim).await;
+            if handle.holds_on_failure() {
+                count(Outcome::Kept);
+                warn!("the handler failed, its outcome unknown; the claim stays until its lease runs out");
+            } else {
+                count(Outcome::Released);
+                release(&*config.store, claim).await;
+            }
             return Err(e);
         }
     };
@@ -338,6 +473,13 @@ where
     let collected = body.collect().await.map_err(|e| e.into().to_string());
     let collected = match collected {
         Ok(collected) => collected,
+        Err(e) if handle.holds_on_failure() => {
+            warn!(error = %e, "the handler's answer failed, its outcome unknown; the claim stays until its lease runs out");
+            count(Outcome::Kept);
+            return Ok(answer::refuse(Status::unavailable(
+                "the handler's answer failed, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
+            )));
+        }
         Err(e) => {
             warn!(error = %e, "the handler's answer failed; releasing the claim");
             count(Outcome::Released);
@@ -350,27 +492,54 @@ where
     let trailers = collected.trailers().cloned();
     let data = collected.to_bytes();
     let code = answer::code_of(parts.status, &parts.headers, trailers.as_ref());
-    if answer::is_stored(code, config.policy.store_client_errors()) {
-        let stored = answer::stored(&parts.headers, trailers.as_ref(), data.clone(), |name| {
-            config.replays(name)
-        });
-        match config.store.complete(claim, &stored).await {
-            Ok(()) => debug!(?code, "stored the answer"),
-            Err(StoreError::ClaimLost) => {
-                count(Outcome::ClaimLost);
-                warn!("the claim was taken over while the handler ran; its answer is not stored")
-            }
-            // The effect happened but its record did not complete: keep
-            // the claim, so that only a retry after the lease runs out runs
-            // again, under the same operation id.
-            Err(e) => {
-                warn!(error = %e, "could not store the answer; the claim stays until its lease runs out")
+    match handle.settle() {
+        Settle::Kept => {
+            count(Outcome::Kept);
+            info!(
+                ?code,
+                "the handler's outcome is unknown; the claim stays until its lease runs out"
+            );
+        }
+        Settle::Lost => {
+            count(Outcome::ClaimLost);
+            info!(
+                ?code,
+                "the handler lost its claim; its answer is not stored"
+            );
+        }
+        Settle::Released => {
+            count(Outcome::Released);
+            info!(
+                ?code,
+                "the handler's answer is not the call's outcome; releasing the claim"
+            );
+            release(&*config.store, claim).await;
+        }
+        Settle::ByAnswer if answer::is_stored(code, config.policy.store_client_errors()) => {
+            let stored = answer::stored(&parts.headers, trailers.as_ref(), data.clone(), |name| {
+                config.replays(name)
+            });
+            match config.store.complete(claim, &stored).await {
+                Ok(()) => debug!(?code, "stored the answer"),
+                Err(StoreError::ClaimLost) => {
+                    count(Outcome::ClaimLost);
+                    warn!(
+                        "the claim was taken over while the handler ran; its answer is not stored"
+                    )
+                }
+                // The effect happened but its record did not complete: keep
+                // the claim, so that only a retry after the lease runs out
+                // runs again, under the same operation id.
+                Err(e) => {
+                    warn!(error = %e, "could not store the answer; the claim stays until its lease runs out")
+                }
             }
         }
-    } else {
-        count(Outcome::Released);
-        info!(?code, "the handler failed; releasing the claim");
-        release(&*config.store, claim).await;
+        Settle::ByAnswer => {
+            count(Outcome::Released);
+            info!(?code, "the handler failed; releasing the claim");
+            release(&*config.store, claim).await;
+        }
     }
     Ok(Response::from_parts(
         parts,
@@ -379,14 +548,18 @@ where
 }
 
 /// Releases its claim when dropped armed: the handler's task panicked or
-/// was dropped before it finished.
-struct ReleaseOnDrop(Option<(Arc<dyn Store>, Claim)>);
+/// was dropped before it finished (unless the handler said to keep it).
+struct ReleaseOnDrop(Option<(Arc<dyn Store>, Claim, Idempotency)>);
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        let Some((store, claim)) = self.0.take() else {
+        let Some((store, claim, handle)) = self.0.take() else {
             return;
         };
+        if handle.holds_on_failure() {
+            warn!("the handler did not finish, its outcome unknown; the claim stays until its lease runs out");
+            return;
+        }
         warn!("the handler did not finish; releasing the claim");
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move { release(&*store, &claim).await });

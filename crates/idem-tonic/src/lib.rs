@@ -105,9 +105,15 @@
 //! whose claim was taken over cannot store its answer. The handler's own
 //! writes are not fenced, and the answer is stored after the handler (not
 //! in its transaction): make the effect idempotent on the operation id (a
-//! unique constraint on it). A handler whose outcome is unknown (a
-//! downstream call timed out) cannot keep the key held yet: the statuses
-//! that release it let a retry run the call again at once.
+//! unique constraint on it). A handler whose outcome may be unknown (a
+//! downstream call that can time out) calls [`Idempotency::keep_claim`]
+//! before it: whatever it then answers (or if it panics), the key stays
+//! held until its lease runs out, and the retry after it takes the key over
+//! under the same operation id; [`Idempotency::settle_by_answer`] undoes
+//! it once the outcome is known. [`Idempotency::release_claim`] frees the
+//! key whatever the status (an answer that is not the call's outcome), and
+//! [`Idempotency::abandon`] neither stores nor releases (a step's lease
+//! ran out). [`Idempotency::lease_left`] bounds a downstream call.
 //!
 //! # The client
 //!

@@ -108,9 +108,9 @@ impl tonic::server::UnaryService<Charge> for ChargeCall {
     fn call(&mut self, request: Request<Charge>) -> Self::Future {
         let ledger = self.0 .0.clone();
         Box::pin(async move {
-            let operation = request
-                .extensions()
-                .get::<Idempotency>()
+            let idem = request.extensions().get::<Idempotency>().cloned();
+            let operation = idem
+                .as_ref()
                 .map(|i| i.operation_id().to_string())
                 .unwrap_or_default();
             let key = request
@@ -136,6 +136,34 @@ impl tonic::server::UnaryService<Charge> for ChargeCall {
                 "panics-once" if attempt == 1 => panic!("the handler panicked"),
                 _ => {}
             }
+            // Handlers that settle their claim themselves, on their first
+            // attempt.
+            if let Some(idem) = idem.as_ref().filter(|_| attempt == 1) {
+                match account.as_str() {
+                    "unknown-once" => {
+                        idem.keep_claim();
+                        return Err(Status::unavailable("the downstream call timed out"));
+                    }
+                    "unknown-panics-once" => {
+                        idem.keep_claim();
+                        panic!("the handler panicked mid-call");
+                    }
+                    "known-after-all-once" => {
+                        idem.keep_claim();
+                        idem.settle_by_answer();
+                        return Err(Status::unavailable("refused before anything was sent"));
+                    }
+                    "rate-limited-once" => {
+                        idem.release_claim();
+                        return Err(Status::resource_exhausted("the downstream's rate limit"));
+                    }
+                    "lost-once" => {
+                        idem.abandon();
+                        return Err(Status::aborted("this attempt's lease ran out"));
+                    }
+                    _ => {}
+                }
+            }
             let id = ledger.ids.fetch_add(1, Ordering::SeqCst);
             let mut response = Response::new(Receipt {
                 id: format!("rcpt_{id}"),
@@ -148,6 +176,12 @@ impl tonic::server::UnaryService<Charge> for ChargeCall {
             response
                 .metadata_mut()
                 .insert("x-trace", "per-call".parse().unwrap());
+            if let Some(idem) = &idem {
+                let left = idem.lease_left().as_millis().to_string();
+                response
+                    .metadata_mut()
+                    .insert("x-lease-left-ms", left.parse().unwrap());
+            }
             Ok(response)
         })
     }
@@ -524,6 +558,78 @@ async fn unavailable_and_a_panic_release_the_key_and_not_found_is_stored() {
     assert_eq!(again.message(), "no such account");
     assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
     assert_eq!(ledger.runs("not-found").len(), 1);
+}
+
+/// A handler that cannot know its outcome (`keep_claim`) leaves the key
+/// held whatever it answers, even a status that would release it, and
+/// even when it panics: a retry is `ABORTED` until the lease runs out, then
+/// takes the key over under the same operation id. `settle_by_answer`
+/// undoes it; `release_claim` frees the key whatever the status (a status
+/// that would be stored); `abandon` neither stores nor releases.
+#[tokio::test]
+async fn a_handler_keeps_releases_or_abandons_its_claim() {
+    let lease = Duration::from_millis(1500);
+    let policy = Policy::builder().lease(lease).build().unwrap();
+    let (addr, ledger) = serve(memory(), policy).await;
+    let ch = channel(addr).await;
+    let send =
+        |account: &'static str| call(ch.clone(), CHARGE, "c1", Some(account), charge(account, 1));
+
+    for (account, first) in [
+        ("unknown-once", Code::Unavailable),
+        ("unknown-panics-once", Code::Unavailable),
+        ("lost-once", Code::Aborted),
+    ] {
+        let failed = send(account).await.unwrap_err();
+        assert_eq!(failed.code(), first, "{account}: {failed:?}");
+        // Held: neither stored nor released.
+        let held = send(account).await.unwrap_err();
+        assert_eq!(held.code(), Code::Aborted, "{account}: {held:?}");
+        assert!(held.message().contains("in flight"), "{account}: {held:?}");
+        assert_eq!(ledger.runs(account).len(), 1, "{account}");
+    }
+    // After the lease, each is taken over under the same operation id.
+    tokio::time::sleep(lease).await;
+    for account in ["unknown-once", "unknown-panics-once", "lost-once"] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let took_over = loop {
+            match send(account).await {
+                Err(s) if s.code() == Code::Aborted && std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                other => break other.unwrap(),
+            }
+        };
+        assert!(!replayed(&took_over), "{account}");
+        let runs = ledger.runs(account);
+        assert_eq!(runs.len(), 2, "{account}");
+        assert_eq!(runs[0].0, runs[1].0, "{account}: one operation id");
+        let left: u64 = took_over
+            .metadata()
+            .get("x-lease-left-ms")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(left > 0 && left <= 1500, "{account}: {left} ms left");
+    }
+
+    // Kept, then settled by the answer: UNAVAILABLE releases as usual.
+    let failed = send("known-after-all-once").await.unwrap_err();
+    assert_eq!(failed.code(), Code::Unavailable);
+    let ran = send("known-after-all-once").await.unwrap();
+    assert!(!replayed(&ran));
+    assert_eq!(ledger.runs("known-after-all-once").len(), 2);
+
+    // Released whatever the status: RESOURCE_EXHAUSTED, stored otherwise.
+    let limited = send("rate-limited-once").await.unwrap_err();
+    assert_eq!(limited.code(), Code::ResourceExhausted);
+    let ran = send("rate-limited-once").await.unwrap();
+    assert!(!replayed(&ran));
+    let again = send("rate-limited-once").await.unwrap();
+    assert!(replayed(&again), "the answer after the release is stored");
+    assert_eq!(ledger.runs("rate-limited-once").len(), 2);
 }
 
 #[tokio::test]
