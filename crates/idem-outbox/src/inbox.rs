@@ -160,10 +160,25 @@ impl InboxTable {
         DB::Dialect: OutboxDialect,
         F: AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
     {
-        let tx = self
-            .bounded(DB::Dialect::begin_write(pool))
-            .await
-            .map_err(InboxError::Database)?;
+        // The database's own bound as well where it has one (PostgreSQL,
+        // set with the transaction's `BEGIN`): a statement past it is
+        // cancelled there, and its connection freed, rather than waiting on
+        // after this side stopped waiting. (A time-out beyond what
+        // PostgreSQL's setting holds, 2^31 - 1 ms, is left to this side.)
+        let server_side = self
+            .timeout
+            .and_then(|t| i32::try_from(t.as_millis().max(1)).ok())
+            .and_then(|ms| u32::try_from(ms).ok());
+        let begin = match (
+            server_side,
+            <DB::Dialect as OutboxDialect>::INBOX.bounded_begin,
+        ) {
+            (Some(ms), Some(bounded_begin)) => {
+                idem_sql::dialect::begin_detached(pool, Some(bounded_begin(ms).into()))
+            }
+            _ => DB::Dialect::begin_write(pool),
+        };
+        let tx = self.bounded(begin).await.map_err(InboxError::Database)?;
         self.process_in(tx, consumer, message_id, handler).await
     }
 
@@ -243,31 +258,6 @@ impl InboxTable {
                 return Err(InboxError::Database(e));
             }
         };
-        // (A time-out beyond what PostgreSQL's setting holds, 2^31 - 1 ms,
-        // is left to this side alone.)
-        let server_side = self
-            .timeout
-            .map(|t| t.as_millis().max(1))
-            .filter(|&ms| ms <= i32::MAX as u128);
-        if let (Some(ms), Some(bound)) = (server_side, <DB::Dialect as OutboxDialect>::INBOX.bound)
-        {
-            // The database's own bound as well (PostgreSQL, for this
-            // transaction): a statement past it is cancelled there, and its
-            // connection freed, rather than waiting on after this side
-            // stopped waiting.
-            let ms = ms.to_string();
-            let bounded = match Statement::<DB::Dialect>::prepare(bound, &self.name) {
-                Ok(sql) => {
-                    self.bounded(DB::Dialect::execute(&mut tx, &sql, &[Arg::Text(&ms)]))
-                        .await
-                }
-                Err(e) => Err(e),
-            };
-            if let Err(e) = bounded {
-                self.rollback(tx).await;
-                return Err(InboxError::Database(e));
-            }
-        }
         let args = [
             Arg::Text(consumer),
             Arg::Text(message_id),

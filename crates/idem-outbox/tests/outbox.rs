@@ -177,6 +177,31 @@ async fn an_inbox_step_past_its_statement_timeout_fails_in_time_and_leaves_nothi
         assert_eq!(again, Handled::Processed(()), "{id}");
     }
     assert_eq!(effects(&pool).await, 2);
+    // The bound is the transaction's alone: the connection goes back to
+    // the pool with the server's own setting, for whatever runs on it next.
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&schema.url())
+        .await
+        .unwrap();
+    let before: String = sqlx::query_scalar("SHOW statement_timeout")
+        .fetch_one(&one)
+        .await
+        .unwrap();
+    let seen = bounded
+        .process(&one, "c", "m-after", async |tx| {
+            sqlx::query_scalar::<_, String>("SHOW statement_timeout")
+                .fetch_one(&mut *tx)
+                .await
+        })
+        .await
+        .unwrap();
+    assert_eq!(seen, Handled::Processed("300ms".to_owned()));
+    let after: String = sqlx::query_scalar("SHOW statement_timeout")
+        .fetch_one(&one)
+        .await
+        .unwrap();
+    assert_eq!(after, before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

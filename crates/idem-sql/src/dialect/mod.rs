@@ -272,7 +272,7 @@ pub trait Dialect:
 /// a transaction nobody took is dropped, which rolls it back.
 pub fn begin_detached<DB: sqlx::Database>(
     pool: &sqlx::Pool<DB>,
-    statement: Option<&'static str>,
+    statement: Option<std::borrow::Cow<'static, str>>,
 ) -> BoxFuture<'static, Result<sqlx::Transaction<'static, DB>, sqlx::Error>> {
     let pool = pool.clone();
     let begin = async move {

@@ -152,7 +152,7 @@ impl Dialect for MySql {
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::MySql>, sqlx::Error>> {
         super::begin_detached(
             pool,
-            Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"),
+            Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION".into()),
         )
     }
 

@@ -85,7 +85,7 @@ impl Dialect for Sqlite {
     fn begin_write(
         pool: &sqlx::SqlitePool,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error>> {
-        super::begin_detached(pool, Some("BEGIN IMMEDIATE"))
+        super::begin_detached(pool, Some("BEGIN IMMEDIATE".into()))
     }
 
     /// Under the write lock (`BEGIN IMMEDIATE`), in one transaction: the
