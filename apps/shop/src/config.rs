@@ -112,7 +112,9 @@ pub(crate) struct Config {
     /// waiting for a network partition to heal; the claim it may hold is
     /// left to its lease. Keep it well below the lease. A consumer's inbox
     /// transaction is bounded step by step the same way (a step past it
-    /// fails the event, which comes again).
+    /// fails the event, which comes again). On PostgreSQL a write
+    /// transaction's statements are bounded by the server as well
+    /// (`statement_timeout`), so one cut here stops waiting there too.
     #[arg(long, env = "SHOP_STATEMENT_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub(crate) statement_timeout_ms: u64,
 

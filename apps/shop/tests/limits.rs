@@ -711,6 +711,55 @@ async fn a_second_instance_starts_beside_open_transactions_on_postgres() {
     pool.close().await;
 }
 
+/// A payment whose statement waits on a lock past `--statement-timeout-ms`
+/// is answered `503`, and on PostgreSQL the statement is cancelled by the
+/// server too (the transaction's own `statement_timeout`): nothing of shop's
+/// still waits on the lock, holding a connection and a place in the lock's
+/// queue, once the client has its answer. Before, it waited on until the
+/// lock was let go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_cut_by_its_timeout_stops_waiting_on_postgres() {
+    let db = Db::postgres().await;
+    let Db::Postgres(schema) = &db else {
+        unreachable!()
+    };
+    let shop = Shop::start(&db, &["--statement-timeout-ms", "500"]).await;
+    let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE shop_payments IN EXCLUSIVE MODE")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let client = common::signed_in();
+    let paid = read(
+        client
+            .post(shop.url("/payments"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", "k-locked")
+            .body(common::BODY),
+    )
+    .await;
+    assert_eq!(paid.status, 503, "{paid:?}");
+    let waiting = format!(
+        "SELECT count(*) FROM pg_locks WHERE relation = '\"{}\".shop_payments'::regclass AND NOT granted",
+        schema.name()
+    );
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 = sqlx::query_scalar(&waiting).fetch_one(&pool).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "a statement shop gave up on still waits on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    open.rollback().await.unwrap();
+    pool.close().await;
+}
+
 on_both_backends!(an_older_database_is_upgraded_by_two_instances_starting_at_once);
 
 /// A database made before charges named their merchant and carried a

@@ -57,12 +57,6 @@ pub struct InboxSql {
     pub(crate) mark: &'static str,
     /// $1 cut-off (ms), $2 batch.
     pub(crate) sweep: &'static str,
-    /// Where the database can bound the transaction's statements itself
-    /// (so that one past the time-out stops holding its connection too):
-    /// the statement that begins a transaction so bounded, given the
-    /// time-out in milliseconds (sent as one simple query with the `BEGIN`,
-    /// no round trip of its own).
-    pub(crate) bounded_begin: Option<fn(u32) -> String>,
 }
 
 /// A database the outbox and the inbox run on: SQLite, PostgreSQL or
@@ -187,7 +181,6 @@ impl OutboxDialect for idem_sql::Postgres {
         sweep: "DELETE FROM {table} WHERE (consumer, message_id) IN (
                     SELECT consumer, message_id FROM {table}
                     WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)",
-        bounded_begin: Some(|ms| format!("BEGIN; SET LOCAL statement_timeout = {ms}")),
     };
 
     fn wakeups(pool: &Pool<Self>) -> BoxFuture<'_, Option<Box<dyn Wakeups>>> {
@@ -239,7 +232,6 @@ impl OutboxDialect for idem_sql::Sqlite {
         sweep: "DELETE FROM {table} WHERE rowid IN (
                     SELECT rowid FROM {table}
                     WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2)",
-        bounded_begin: None,
     };
 }
 
@@ -280,7 +272,6 @@ impl OutboxDialect for idem_sql::MySql {
         }],
         mark: MARK,
         sweep: "DELETE FROM {table} WHERE processed_at <= $1 ORDER BY processed_at LIMIT $2",
-        bounded_begin: None,
     };
 }
 

@@ -160,23 +160,12 @@ impl InboxTable {
         DB::Dialect: OutboxDialect,
         F: AsyncFnOnce(&mut DB::Connection) -> Result<T, E>,
     {
-        // The database's own bound as well where it has one (PostgreSQL,
-        // set with the transaction's `BEGIN`): a statement past it is
-        // cancelled there, and its connection freed, rather than waiting on
-        // after this side stopped waiting. (A time-out beyond what
-        // PostgreSQL's setting holds, 2^31 - 1 ms, is left to this side.)
-        let server_side = self
-            .timeout
-            .and_then(|t| i32::try_from(t.as_millis().max(1)).ok())
-            .and_then(|ms| u32::try_from(ms).ok());
-        let begin = match (
-            server_side,
-            <DB::Dialect as OutboxDialect>::INBOX.bounded_begin,
-        ) {
-            (Some(ms), Some(bounded_begin)) => {
-                idem_sql::dialect::begin_detached(pool, Some(bounded_begin(ms).into()))
-            }
-            _ => DB::Dialect::begin_write(pool),
+        // The database's own bound as well where it has one (PostgreSQL):
+        // a statement past it is cancelled there, and its connection freed,
+        // rather than waiting on after this side stopped waiting.
+        let begin = match self.timeout {
+            Some(t) => DB::Dialect::begin_write_bounded(pool, t),
+            None => DB::Dialect::begin_write(pool),
         };
         let tx = self.bounded(begin).await.map_err(InboxError::Database)?;
         self.process_in(tx, consumer, message_id, handler).await

@@ -357,7 +357,14 @@ impl<D: ShopDialect> ShopDb for Db<D> {
 
     fn begin(&self) -> BoxFuture<'_, Result<Box<dyn ShopTx>, sqlx::Error>> {
         Box::pin(async move {
-            let tx = bounded(self.timeout, D::begin_write(self.store.writers())).await?;
+            // Bounded on the server too where it can be (PostgreSQL): a
+            // statement cut here is cancelled there, its locks and
+            // connection freed, not left waiting.
+            let tx = bounded(
+                self.timeout,
+                D::begin_write_bounded(self.store.writers(), self.timeout),
+            )
+            .await?;
             Ok(Box::new(Tx::<D> {
                 tx,
                 store: self.store.clone(),

@@ -203,6 +203,23 @@ pub trait Dialect:
         pool: &sqlx::Pool<Self::Database>,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, Self::Database>, sqlx::Error>>;
 
+    /// [`begin_write`](Self::begin_write), where the database can bound
+    /// the transaction's statements itself with each one bounded by
+    /// `timeout` on the server too (PostgreSQL: `SET LOCAL
+    /// statement_timeout`, sent with the `BEGIN` as one simple query, no
+    /// round trip of its own): a statement past it is cancelled there, its
+    /// locks and connection freed, rather than left waiting after its
+    /// caller stopped. The setting ends with the transaction. Elsewhere (and
+    /// for a time-out beyond what PostgreSQL's setting holds, 2^31 - 1 ms)
+    /// the same as `begin_write`: bound the statements on the caller's side.
+    fn begin_write_bounded(
+        pool: &sqlx::Pool<Self::Database>,
+        timeout: std::time::Duration,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, Self::Database>, sqlx::Error>> {
+        let _ = timeout;
+        Self::begin_write(pool)
+    }
+
     /// Applies `migrations` to `table`, once each, refusing an applied one
     /// whose text has changed; see [`crate::migrate`].
     fn migrate<'a>(

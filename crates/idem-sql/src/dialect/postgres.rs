@@ -70,6 +70,21 @@ impl Dialect for Postgres {
         super::begin_detached(pool, None)
     }
 
+    fn begin_write_bounded(
+        pool: &sqlx::PgPool,
+        timeout: std::time::Duration,
+    ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error>> {
+        // At least a millisecond (0 would turn the bound off), at most what
+        // the setting holds.
+        match i32::try_from(timeout.as_millis().max(1)) {
+            Ok(ms) => super::begin_detached(
+                pool,
+                Some(format!("BEGIN; SET LOCAL statement_timeout = {ms}").into()),
+            ),
+            Err(_) => super::begin_detached(pool, None),
+        }
+    }
+
     /// In one transaction, under an advisory lock per schema (creating the
     /// schema and the version table is shared by every table of it: two
     /// first deployments racing on them would otherwise meet a unique
