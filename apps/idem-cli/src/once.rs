@@ -1,7 +1,7 @@
 //! `idem once`: run a command once per `(scope, key)`, across hosts.
 //!
-//! The first run executes the command (with `IDEM_OPERATION_ID` in its
-//! environment), streams its stdout and stderr through, stores its exit
+//! The first run executes the command (with `IDEM_OPERATION_ID` and
+//! `IDEM_TAKEOVER` in its environment), streams its stdout and stderr through, stores its exit
 //! status and its stdout, and exits with its status. A repeat prints the
 //! stored stdout and exits with the stored status without running it.
 //! Built on [`idem_once::Runner`]: the claim is fenced, and a run killed
@@ -538,6 +538,9 @@ async fn execute(
     let mut child = tokio::process::Command::new(program)
         .args(rest)
         .env("IDEM_OPERATION_ID", op.id().to_string())
+        // 1 when an earlier run of this key was killed, ran out of its
+        // lease or failed: the command may find its work begun.
+        .env("IDEM_TAKEOVER", if op.is_takeover() { "1" } else { "0" })
         .stdin(stdin)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -216,7 +216,7 @@ fn killed_run_is_taken_over(url: &str) {
     let url_only = url.split('#').next().unwrap().to_owned();
     // The command outlives no lease: it stops by itself after 1 s.
     let cmd = format!(
-        "echo \"$IDEM_OPERATION_ID\" >> '{}/runs'; sleep 1",
+        "echo \"$IDEM_OPERATION_ID $IDEM_TAKEOVER\" >> '{}/runs'; sleep 1",
         dir.path().display()
     );
     let args = [
@@ -268,11 +268,19 @@ fn killed_run_is_taken_over(url: &str) {
     assert!(second.status.success(), "{}", text(&second.stderr));
     let seen = runs(dir.path());
     assert!((2..=3).contains(&seen.len()), "{seen:?}");
+    let ids: Vec<&str> = seen.iter().map(|s| s.split(' ').next().unwrap()).collect();
     assert!(
-        seen.iter().all(|s| *s == seen[0]),
+        ids.iter().all(|s| *s == ids[0]),
         "taken over under the same operation id: {seen:?}"
     );
-    assert!(uuid::Uuid::parse_str(&seen[0]).is_ok(), "{seen:?}");
+    assert!(uuid::Uuid::parse_str(ids[0]).is_ok(), "{seen:?}");
+    // The command is told whether an earlier run may have begun its work.
+    let takeovers: Vec<&str> = seen
+        .iter()
+        .map(|s| s.split(' ').nth(1).unwrap_or(""))
+        .collect();
+    assert_eq!(takeovers[0], "0", "{seen:?}");
+    assert!(takeovers[1..].iter().all(|t| *t == "1"), "{seen:?}");
 }
 
 /// A command past its lease is killed with everything it started (exit
