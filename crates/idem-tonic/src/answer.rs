@@ -44,10 +44,13 @@ pub(crate) fn refuse(status: Status) -> http::Response<Body> {
 /// `ABORTED`: the key is in flight; retry after `retry_after`, which the
 /// metadata says twice, as gRPC's pushback and as seconds.
 pub(crate) fn in_flight(retry_after: Duration) -> http::Response<Body> {
-    let mut response = refuse(Status::aborted(format!(
-        "a call with this idempotency-key is in flight; retry after {} ms with the same key",
-        retry_after.as_millis()
-    )));
+    let mut response = refuse(crate::LayerRefusal::InFlight.status(
+        Code::Aborted,
+        format!(
+            "a call with this idempotency-key is in flight; retry after {} ms with the same key",
+            retry_after.as_millis()
+        ),
+    ));
     let headers = response.headers_mut();
     headers.insert(
         RETRY_PUSHBACK,

@@ -46,7 +46,7 @@ impl FrameError {
             FrameError::Malformed(_) | FrameError::Decompress(_) => Code::InvalidArgument,
             FrameError::Encoding(_) => Code::Unimplemented,
         };
-        let mut status = Status::new(code, self.to_string());
+        let mut status = crate::LayerRefusal::MessageUnreadable.status(code, self.to_string());
         if code == Code::Unimplemented {
             // What the client may send instead, as gRPC's compression spec
             // asks of a server that cannot read the encoding.

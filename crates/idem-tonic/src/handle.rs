@@ -13,13 +13,14 @@ use idem_core::{
     MissingKey, OperationId, RecordState, Store, StoreError,
 };
 use idem_once::{Found, Refusal};
-use tonic::{body::Body, Status};
+use tonic::{body::Body, Code};
 use tower::Service;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::answer::{self, Buffered};
 use crate::frame;
 use crate::layer::{Config, Guarded};
+use crate::refusal::LayerRefusal;
 
 /// The request metadata carrying the key.
 pub const IDEMPOTENCY_KEY: &str = idem_core::IDEMPOTENCY_KEY_HEADER;
@@ -208,11 +209,14 @@ where
     } else {
         match config.scope.scope(&parts) {
             Ok(scope) if scope.len() > idem_core::MAX_SCOPE_LEN => {
-                return Ok(answer::refuse(tonic::Status::unauthenticated(format!(
-                    "the call's scope is {} bytes long; at most {} are kept",
-                    scope.len(),
-                    idem_core::MAX_SCOPE_LEN
-                ))))
+                return Ok(answer::refuse(LayerRefusal::ScopeTooLong.status(
+                    Code::Unauthenticated,
+                    format!(
+                        "the call's scope is {} bytes long; at most {} are kept",
+                        scope.len(),
+                        idem_core::MAX_SCOPE_LEN
+                    ),
+                )))
             }
             Ok(scope) => scope,
             Err(status) => return Ok(answer::refuse(status)),
@@ -227,17 +231,21 @@ where
             }
             MissingKey::Reject => {
                 count(Outcome::MissingKey);
-                return Ok(answer::refuse(Status::invalid_argument(format!(
-                    "{} requires idempotency-key metadata: one key per intended call (1 to 255 visible ASCII characters), sent again with every retry",
-                    parts.uri.path()
-                ))));
+                return Ok(answer::refuse(LayerRefusal::KeyMissing.status(
+                    Code::InvalidArgument,
+                    format!(
+                        "{} requires idempotency-key metadata: one key per intended call (1 to 255 visible ASCII characters), sent again with every retry",
+                        parts.uri.path()
+                    ),
+                )));
             }
         },
         Err(e) => {
             count(Outcome::InvalidKey);
-            return Ok(answer::refuse(Status::invalid_argument(format!(
-                "the idempotency-key metadata is invalid: {e}"
-            ))));
+            return Ok(answer::refuse(LayerRefusal::KeyInvalid.status(
+                Code::InvalidArgument,
+                format!("the idempotency-key metadata is invalid: {e}"),
+            )));
         }
     };
     let span = tracing::info_span!("idempotency", method = parts.uri.path(), scope = ?scope, key = ?key.as_str());
@@ -338,7 +346,8 @@ async fn claim(
         Refusal::Mismatch => {
             count(Outcome::Mismatch);
             info!("key reused with another message");
-            answer::refuse(Status::failed_precondition(
+            answer::refuse(LayerRefusal::KeyReused.status(
+                Code::FailedPrecondition,
                 "this idempotency-key was first used with another request message or method; a new call needs a new key",
             ))
         }
@@ -350,7 +359,8 @@ async fn claim(
         Refusal::Unavailable(e) => {
             count(Outcome::StoreUnavailable);
             warn!(error = %e, "idempotency store unavailable");
-            answer::refuse(Status::unavailable(
+            answer::refuse(LayerRefusal::StoreUnavailable.status(
+                Code::Unavailable,
                 "the idempotency store is unavailable; nothing ran: retry with the same idempotency-key",
             ))
         }
@@ -425,7 +435,8 @@ where
                 panicked = e.is_panic(),
                 "the handler did not finish, its outcome unknown; the claim stays until its lease runs out"
             );
-            Ok(answer::refuse(Status::unavailable(
+            Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
+                Code::Unavailable,
                 "the handler failed before answering, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
             )))
         }
@@ -436,7 +447,8 @@ where
                 "the handler did not finish; releasing the claim"
             );
             release(&*store, &held).await;
-            Ok(answer::refuse(Status::internal(
+            Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
+                Code::Internal,
                 "the handler failed before answering; nothing was stored: retry with the same idempotency-key",
             )))
         }
@@ -476,7 +488,8 @@ where
         Err(e) if handle.holds_on_failure() => {
             warn!(error = %e, "the handler's answer failed, its outcome unknown; the claim stays until its lease runs out");
             count(Outcome::Kept);
-            return Ok(answer::refuse(Status::unavailable(
+            return Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
+                Code::Unavailable,
                 "the handler's answer failed, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
             )));
         }
@@ -484,7 +497,8 @@ where
             warn!(error = %e, "the handler's answer failed; releasing the claim");
             count(Outcome::Released);
             release(&*config.store, claim).await;
-            return Ok(answer::refuse(Status::internal(
+            return Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
+                Code::Internal,
                 "the handler's answer failed; nothing was stored: retry with the same idempotency-key",
             )));
         }

@@ -209,7 +209,10 @@ impl IdempotencyLayer {
     {
         let read = move |parts: &Parts, bytes: &[u8]| {
             let message = M::decode(bytes).map_err(|e| {
-                Status::invalid_argument(format!("the request message does not decode: {e}"))
+                crate::LayerRefusal::MessageUnreadable.status(
+                    tonic::Code::InvalidArgument,
+                    format!("the request message does not decode: {e}"),
+                )
             })?;
             check(parts, &message)?;
             Ok(message.encode_to_vec())

@@ -94,6 +94,12 @@
 //!   ([`Idempotency`]): its operation id, the same across retries and
 //!   takeovers, is the key to pass to anything downstream.
 //! - The store failing before anything ran: `UNAVAILABLE`.
+//! - Every status the layer answers itself (a missing, invalid or reused
+//!   key, one in flight, a message it cannot read, the store away, a
+//!   handler that failed before answering) carries a `google.rpc.ErrorInfo`
+//!   in its details, domain `idem`, reason `IDEMPOTENCY_…`
+//!   ([`LayerRefusal::of`] reads it): a client tells them from the
+//!   handler's own statuses with the same codes, which carry none.
 //! - The handler runs on a task of its own: a caller that goes away does
 //!   not cancel it half-way, and its answer is still stored for the retry.
 //!   Such handlers are counted process-wide: after your server's graceful
@@ -126,6 +132,7 @@ mod client;
 mod frame;
 mod handle;
 mod layer;
+mod refusal;
 mod service;
 
 pub use answer::{IDEMPOTENT_REPLAYED, RETRY_AFTER, RETRY_PUSHBACK};
@@ -135,4 +142,5 @@ pub use client::{
 };
 pub use handle::{Idempotency, IDEMPOTENCY_KEY};
 pub use layer::{IdempotencyLayer, MetadataScope, ScopeExtractor, SingleScope};
+pub use refusal::{LayerRefusal, ERROR_DOMAIN};
 pub use service::{IdempotencyService, ResponseFuture};

@@ -373,7 +373,73 @@ async fn a_key_reused_with_another_message_is_failed_precondition() {
         "{}",
         other.message()
     );
+    // The layer's refusal says so in its details (`google.rpc.ErrorInfo`),
+    // which a handler's own FAILED_PRECONDITION does not.
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&other),
+        Some(idem_tonic::LayerRefusal::KeyReused)
+    );
+    let info = error_info(&other).expect("an ErrorInfo detail");
+    assert_eq!(
+        (info.reason.as_str(), info.domain.as_str()),
+        ("IDEMPOTENCY_KEY_REUSED", "idem")
+    );
     assert_eq!(ledger.runs("acc").len(), 1);
+    // A handler's own status (stored, replayed) carries no such detail.
+    for _ in 0..2 {
+        let own = call(
+            ch.clone(),
+            CHARGE,
+            "c1",
+            Some("own"),
+            charge("conflicted", 1),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(own.code(), Code::Aborted);
+        assert_eq!(idem_tonic::LayerRefusal::of(&own), None, "{own:?}");
+    }
+}
+
+/// `google.rpc.Status` and `google.rpc.ErrorInfo`, as a client decodes
+/// them.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RpcStatus {
+    #[prost(int32, tag = "1")]
+    code: i32,
+    #[prost(string, tag = "2")]
+    message: String,
+    #[prost(message, repeated, tag = "3")]
+    details: Vec<Any>,
+}
+
+/// `google.protobuf.Any`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct Any {
+    #[prost(string, tag = "1")]
+    type_url: String,
+    #[prost(bytes = "vec", tag = "2")]
+    value: Vec<u8>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ErrorInfo {
+    #[prost(string, tag = "1")]
+    reason: String,
+    #[prost(string, tag = "2")]
+    domain: String,
+}
+
+/// The `ErrorInfo` of `status`'s details, decoded as any gRPC client
+/// would, checked against the status itself.
+fn error_info(status: &Status) -> Option<ErrorInfo> {
+    use prost::Message;
+    let rpc = RpcStatus::decode(status.details()).ok()?;
+    assert_eq!(rpc.code, status.code() as i32);
+    assert_eq!(rpc.message, status.message());
+    let any = rpc.details.first()?;
+    assert_eq!(any.type_url, "type.googleapis.com/google.rpc.ErrorInfo");
+    ErrorInfo::decode(any.value.as_slice()).ok()
 }
 
 #[tokio::test]
@@ -389,6 +455,10 @@ async fn keys_are_required_checked_and_other_methods_pass_through() {
         "{}",
         missing.message()
     );
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&missing),
+        Some(idem_tonic::LayerRefusal::KeyMissing)
+    );
     let long = "x".repeat(256);
     let invalid = call(ch.clone(), CHARGE, "c1", Some(&long), charge("acc", 100))
         .await
@@ -398,6 +468,10 @@ async fn keys_are_required_checked_and_other_methods_pass_through() {
         invalid.message().contains("idempotency-key"),
         "{}",
         invalid.message()
+    );
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&invalid),
+        Some(idem_tonic::LayerRefusal::KeyInvalid)
     );
     // refused before the claim: the handler never ran
     assert_eq!(ledger.runs("acc").len(), 0);
@@ -475,6 +549,10 @@ async fn a_duplicate_while_the_first_runs_is_aborted_with_a_retry_hint() {
         .await
         .unwrap_err();
     assert_eq!(dup.code(), Code::Aborted);
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&dup),
+        Some(idem_tonic::LayerRefusal::InFlight)
+    );
     let pushback: u64 = dup
         .metadata()
         .get("grpc-retry-pushback-ms")
