@@ -9,8 +9,10 @@
 //!   marked sent. A message the broker closes the channel over (over its
 //!   `max_message_size`; a header RabbitMQ reads itself, such as `CC` or
 //!   `BCC` sent as text) is refused for itself: when other confirms of its
-//!   batch fail with the channel, each is sent again alone, so the refusal
-//!   is never charged to a message that was only waiting beside it.
+//!   batch fail with the channel, they are sent again, half of them at a
+//!   time, until the one that closes a channel by itself stands alone, so
+//!   the refusal is never charged to a message that was only waiting
+//!   beside it.
 //! - [`RabbitConsumer`]: a consumer with manual acks and a prefetch window.
 //!   A handler error requeues the message; the queue (a quorum queue with
 //!   `x-delivery-limit`) dead-letters it to `<queue>.dlq` after the allowed
@@ -127,7 +129,9 @@ impl QueueSpec {
 ///
 /// A channel the broker closed (a message over its `max_message_size`, a
 /// broker restart) or a lost connection is opened again before the next
-/// batch: the relay's next round publishes again by itself.
+/// batch (and within a batch, while the message a channel was closed over
+/// is told apart from the rest): the relay's next round publishes again by
+/// itself.
 #[derive(Debug)]
 pub struct RabbitPublisher {
     uri: String,
@@ -298,6 +302,9 @@ enum Sent {
     Done(Result<(), PublishError>),
     /// Its confirm failed with the channel, closed over a message.
     ChannelRefused(lapin::Error),
+    /// It was not sent: the channel failed (or was closing) as it was
+    /// published.
+    NotSent(lapin::Error),
 }
 
 /// The outcome of one message's confirm (or of its publish failing).
@@ -347,34 +354,67 @@ impl RabbitPublisher {
             .await
     }
 
-    /// Sends `m` alone on a channel of its own (opened again if the last
-    /// message closed it) and waits for its confirm: a channel closed now
-    /// was closed over `m` itself, its refusal.
-    async fn alone(&self, link: &mut Link, m: &OutgoingMessage) -> Result<(), PublishError> {
-        let down = |e: &dyn std::fmt::Display| {
-            PublishError::new(PublishErrorKind::BrokerDown, e.to_string())
-        };
-        self.reopen_if_closed(link).await.map_err(|e| down(&e))?;
-        let confirm = self.send(link, m).await.map_err(|e| down(&e))?;
-        match sent(m, confirm.await) {
-            Sent::Done(result) => result,
-            Sent::ChannelRefused(e) => {
-                Err(PublishError::new(PublishErrorKind::Rejected, e.to_string()))
-            }
+    /// Sends the messages of `batch` at `which` on the link's channel
+    /// (opened again first if a message closed it), all of them before
+    /// any confirm is awaited, then waits for their confirms: one round of
+    /// confirms, in `which`'s order.
+    async fn send_all(
+        &self,
+        link: &mut Link,
+        batch: &[OutgoingMessage],
+        which: &[usize],
+    ) -> Vec<Sent> {
+        if let Err(e) = self.reopen_if_closed(link).await {
+            return which
+                .iter()
+                .map(|_| {
+                    Sent::Done(Err(PublishError::new(
+                        PublishErrorKind::BrokerDown,
+                        format!("cannot open a channel: {e}"),
+                    )))
+                })
+                .collect();
         }
+        let mut pending = Vec::with_capacity(which.len());
+        for &i in which {
+            let m = &batch[i];
+            // Refused here rather than panicking in the AMQP library: one
+            // such row must not stop the relay.
+            if let Some(why) = unsendable(m, self.max_payload) {
+                pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
+                continue;
+            }
+            pending.push(Ok(self.send(link, m).await));
+        }
+        let mut outcomes = Vec::with_capacity(which.len());
+        for (&i, sent_now) in which.iter().zip(pending) {
+            outcomes.push(match sent_now {
+                Err(refused) => Sent::Done(Err(refused)),
+                Ok(Ok(confirm)) => sent(&batch[i], confirm.await),
+                Ok(Err(e)) => Sent::NotSent(e),
+            });
+        }
+        outcomes
     }
 }
+
+/// How long a batch may spend sending again the messages whose confirms
+/// failed with a channel closed over one of them, to find which: past it,
+/// those not yet told apart wait for the next round as for a broker down
+/// (using up no attempt), well within the relay's wait for a batch (half
+/// its lease).
+const ISOLATE_WITHIN: Duration = Duration::from_secs(5);
 
 impl Publisher for RabbitPublisher {
     /// Publishes the whole batch, then waits for every confirm: one round of
     /// confirms per batch, not per message.
     fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         Box::pin(async move {
+            let mut published = Published::default();
             // One batch at a time, on a channel that works.
             let mut link = match self.usable().await {
                 Ok(link) => link,
                 Err(e) => {
-                    let mut published = Published::default();
                     for m in batch {
                         published.record(
                             &m.message_id,
@@ -387,55 +427,95 @@ impl Publisher for RabbitPublisher {
                     return published;
                 }
             };
-            let mut pending = Vec::with_capacity(batch.len());
-            for m in batch {
-                // Refused here rather than panicking in the AMQP library:
-                // one such row must not stop the relay.
-                if let Some(why) = unsendable(m, self.max_payload) {
-                    pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
-                    continue;
-                }
-                pending.push(Ok(self.send(&link, m).await));
-            }
-            let mut outcomes = Vec::with_capacity(batch.len());
-            for (m, sent_now) in batch.iter().zip(pending) {
-                outcomes.push(match sent_now {
-                    Err(refused) => Sent::Done(Err(refused)),
-                    Ok(Ok(confirm)) => sent(m, confirm.await),
-                    Ok(Err(e)) => Sent::Done(Err(PublishError::new(
-                        PublishErrorKind::BrokerDown,
-                        e.to_string(),
-                    ))),
-                });
-            }
             // The broker closes the channel over one message (a precondition
             // failed, the content too large), and every confirm still
             // pending on it fails the same way: the messages behind it, and
             // those before it whose confirms had not come yet (a durable
-            // queue confirms once the message is on disk). Which one the
-            // broker refused is not said. One such failure is that message's
-            // own; of several, each is sent again alone, so the refusal
-            // (which uses up an attempt, and dead-letters in the end) is
-            // charged to the message that closes a channel by itself, never
-            // to one that was only waiting beside it.
-            let refused = outcomes
-                .iter()
-                .filter(|o| matches!(o, Sent::ChannelRefused(_)))
-                .count();
-            let mut published = Published::default();
-            for (m, outcome) in batch.iter().zip(outcomes) {
-                let result = match outcome {
-                    Sent::Done(result) => result,
-                    Sent::ChannelRefused(e) if refused == 1 => {
-                        Err(PublishError::new(PublishErrorKind::Rejected, e.to_string()))
+            // queue confirms once the message is on disk); the messages
+            // still being published then are not sent at all. Which one the
+            // broker refused is not said. Of the confirms failed so, one is
+            // that message's own; of several, each half is sent again (as a
+            // batch, its confirms awaited together), and so on until each
+            // failure stands alone; those not sent are sent again too. The
+            // refusal (which uses up an attempt, and dead-letters in the
+            // end) is charged to a message that closes a channel by itself,
+            // never to one that was only waiting beside it. One culprit
+            // among n takes about 2 log2(n) rounds.
+            let mut groups: Vec<Vec<usize>> = vec![(0..batch.len()).collect()];
+            let deadline = tokio::time::Instant::now() + ISOLATE_WITHIN;
+            let mut first = true;
+            while let Some(group) = groups.pop() {
+                if !first && tokio::time::Instant::now() >= deadline {
+                    for i in group {
+                        published.record(
+                            &batch[i].message_id,
+                            Err(PublishError::new(
+                                PublishErrorKind::BrokerDown,
+                                "not told apart in time from a message the channel was closed over: sent again next round",
+                            )),
+                        );
                     }
-                    Sent::ChannelRefused(_) => self.alone(&mut link, m).await,
-                };
-                published.record(&m.message_id, result);
+                    continue;
+                }
+                first = false;
+                let outcomes = self.send_all(&mut link, batch, &group).await;
+                let (refused, not_sent) = settle(batch, &group, outcomes, &mut published);
+                match refused.as_slice() {
+                    [] => {
+                        // No channel closed over a message: what was not
+                        // sent waits for the next round (the broker away).
+                        for (i, e) in not_sent {
+                            published.record(
+                                &batch[i].message_id,
+                                Err(PublishError::new(
+                                    PublishErrorKind::BrokerDown,
+                                    e.to_string(),
+                                )),
+                            );
+                        }
+                        continue;
+                    }
+                    [(i, e)] => published.record(
+                        &batch[*i].message_id,
+                        Err(PublishError::new(PublishErrorKind::Rejected, e.to_string())),
+                    ),
+                    several => {
+                        let (front, back) = several.split_at(several.len() / 2);
+                        for half in [back, front] {
+                            groups.push(half.iter().map(|(i, _)| *i).collect());
+                        }
+                    }
+                }
+                if !not_sent.is_empty() {
+                    groups.push(not_sent.into_iter().map(|(i, _)| i).collect());
+                }
             }
             published
         })
     }
+}
+
+/// The messages of a round still to be settled, with their errors.
+type Unsettled = Vec<(usize, lapin::Error)>;
+
+/// Records in `published` the outcomes of `which` that are known, and
+/// returns those whose confirms failed with a channel closed over a message
+/// (still to be told apart), and those not sent.
+fn settle(
+    batch: &[OutgoingMessage],
+    which: &[usize],
+    outcomes: Vec<Sent>,
+    published: &mut Published,
+) -> (Unsettled, Unsettled) {
+    let (mut refused, mut not_sent) = (Vec::new(), Vec::new());
+    for (&i, outcome) in which.iter().zip(outcomes) {
+        match outcome {
+            Sent::Done(result) => published.record(&batch[i].message_id, result),
+            Sent::ChannelRefused(e) => refused.push((i, e)),
+            Sent::NotSent(e) => not_sent.push((i, e)),
+        }
+    }
+    (refused, not_sent)
 }
 
 /// The text-valued entries of an AMQP header table.

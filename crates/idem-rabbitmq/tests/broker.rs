@@ -368,9 +368,10 @@ async fn a_message_the_broker_closes_the_channel_over_refuses_only_itself() {
 /// The messages before one the broker closes the channel over may still
 /// wait for their confirms (a durable queue confirms once the message is on
 /// disk) when the channel closes, and then fail with the same error as the
-/// culprit's. None of them is charged the refusal on a guess: each is sent
-/// again alone, so the one that closes the channel by itself is refused and
-/// every other is confirmed, whatever the timing of the broker's confirms.
+/// culprit's, as do all the messages behind it. None of them is charged the
+/// refusal on a guess: they are sent again, half at a time, until each
+/// message that closes a channel by itself stands alone. Two such messages
+/// in one batch are each refused, and every other message is confirmed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_refusal_is_charged_to_the_message_that_closed_the_channel() {
     use idem_outbox::outbox::{OutgoingMessage, PublishErrorKind};
@@ -380,28 +381,32 @@ async fn the_refusal_is_charged_to_the_message_that_closed_the_channel() {
         .unwrap()
         .max_payload(usize::MAX);
     let to = r.spec.name().to_owned();
-    let mut batch: Vec<OutgoingMessage> = (0..50)
-        .map(|i| OutgoingMessage::new(format!("m-before-{i}"), to.clone(), vec![b'x'; 4096]))
+    let mut batch: Vec<OutgoingMessage> = (0..200)
+        .map(|i| OutgoingMessage::new(format!("m-{i}"), to.clone(), vec![b'x'; 4096]))
         .collect();
     // RabbitMQ reads `CC` as a list of routing keys; as text it closes the
     // channel at once (PRECONDITION_FAILED), while the confirms of the
     // messages before it are still on their way.
-    let mut bad = OutgoingMessage::new("m-cc", to.clone(), "x");
-    bad.headers.push(("CC".to_owned(), "elsewhere".to_owned()));
-    batch.push(bad);
-    let published = publisher.publish(&batch).await;
-    let big = published
-        .get("m-cc")
-        .unwrap()
-        .as_ref()
-        .expect_err("refused");
-    assert_eq!(big.kind(), PublishErrorKind::Rejected, "{big}");
-    for m in &batch[..50] {
-        assert!(
-            published.confirmed(&m.message_id),
-            "{}: {:?}",
-            m.message_id,
-            published.get(&m.message_id)
-        );
+    for at in [60, 150] {
+        let mut bad = OutgoingMessage::new(format!("m-cc-{at}"), to.clone(), "x");
+        bad.headers.push(("CC".to_owned(), "elsewhere".to_owned()));
+        batch.insert(at, bad);
     }
+    let published = publisher.publish(&batch).await;
+    for m in &batch {
+        let got = published.get(&m.message_id).unwrap();
+        if m.message_id.starts_with("m-cc-") {
+            let e = got.as_ref().expect_err("refused");
+            assert_eq!(
+                e.kind(),
+                PublishErrorKind::Rejected,
+                "{}: {e}",
+                m.message_id
+            );
+        } else {
+            assert!(got.is_ok(), "{}: {got:?}", m.message_id);
+        }
+    }
+    let again = [OutgoingMessage::new("m-again", to, "x")];
+    assert!(publisher.publish(&again).await.confirmed("m-again"));
 }
