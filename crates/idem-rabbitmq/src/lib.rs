@@ -304,7 +304,7 @@ enum Sent {
     ChannelRefused(lapin::Error),
     /// It was not sent: the channel failed (or was closing) as it was
     /// published.
-    NotSent(lapin::Error),
+    Unsent(lapin::Error),
 }
 
 /// The outcome of one message's confirm (or of its publish failing).
@@ -391,7 +391,7 @@ impl RabbitPublisher {
             outcomes.push(match sent_now {
                 Err(refused) => Sent::Done(Err(refused)),
                 Ok(Ok(confirm)) => sent(&batch[i], confirm.await),
-                Ok(Err(e)) => Sent::NotSent(e),
+                Ok(Err(e)) => Sent::Unsent(e),
             });
         }
         outcomes
@@ -512,7 +512,7 @@ fn settle(
         match outcome {
             Sent::Done(result) => published.record(&batch[i].message_id, result),
             Sent::ChannelRefused(e) => refused.push((i, e)),
-            Sent::NotSent(e) => not_sent.push((i, e)),
+            Sent::Unsent(e) => not_sent.push((i, e)),
         }
     }
     (refused, not_sent)
