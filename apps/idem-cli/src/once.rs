@@ -539,7 +539,8 @@ async fn execute(
         .args(rest)
         .env("IDEM_OPERATION_ID", op.id().to_string())
         // 1 when an earlier run of this key was killed, ran out of its
-        // lease or failed: the command may find its work begun.
+        // lease, failed or let the key go unstarted: the command may find
+        // its work begun.
         .env("IDEM_TAKEOVER", if op.is_takeover() { "1" } else { "0" })
         .stdin(stdin)
         .stdout(Stdio::piped())

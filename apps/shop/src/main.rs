@@ -222,15 +222,27 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     // Tests and scripts read this line to learn the port (with --listen …:0).
     println!("shop listening on http://{addr}");
 
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        let _ = stop.send(true);
-    });
+    // When the stop came: every wait of the shutdown ends within one grace
+    // from it, the HTTP server's, the gRPC server's and the handlers' alike.
+    let stopped_at = Arc::new(std::sync::OnceLock::new());
+    {
+        let stopped_at = stopped_at.clone();
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = stopped_at.set(tokio::time::Instant::now());
+            let _ = stop.send(true);
+        });
+    }
     idem_axum::serve::serve(listener, app, limits, stopped(stopping)).await;
+    let deadline = stopped_at
+        .get()
+        .copied()
+        .unwrap_or_else(tokio::time::Instant::now)
+        + limits.grace;
     if let Some(mut grpc) = grpc {
         // It drains beside the HTTP server, within the same grace; calls
         // still open after it (a stalled client) are cut, as over HTTP.
-        match tokio::time::timeout(limits.grace, &mut grpc).await {
+        match tokio::time::timeout_at(deadline, &mut grpc).await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(e))) => warn!(error = %e, "the gRPC server failed"),
             Ok(Err(e)) => warn!(error = %e, "the gRPC server's task failed"),
@@ -242,7 +254,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         // Then the handlers whose callers went away, which run on tasks of
         // their own, their answers still to be stored (the HTTP server
         // waited for those that had begun before it returned).
-        if tokio::time::timeout(limits.grace, idem_once::detached::idle())
+        if tokio::time::timeout_at(deadline, idem_once::detached::idle())
             .await
             .is_err()
         {

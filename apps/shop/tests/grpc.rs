@@ -352,16 +352,17 @@ async fn grpc_sigterm_waits_for_a_handler_whose_caller_went_away(mode: Mode, db:
     let prefix = RedisPrefix::new("grpc-gone");
     let mut shop = start(mode, &db, &prefix, &[]).await;
     let mut c = client(&shop).await;
-    // It gives up a second in (the claim made by then), the bank three.
+    // It gives up three seconds in (the claim made by then, even on a busy
+    // machine), the bank six.
     let mut call = with(
         new_payment("acc_gone", 7),
         &[
             ("authorization", "Bearer client-1"),
             ("idempotency-key", "gone"),
-            ("x-simulate", "bank-delay=3000"),
+            ("x-simulate", "bank-delay=6000"),
         ],
     );
-    call.set_timeout(Duration::from_secs(1));
+    call.set_timeout(Duration::from_secs(3));
     let gave_up = c.create_payment(call).await;
     assert!(gave_up.is_err(), "the caller gave up: {gave_up:?}");
     let killed = std::process::Command::new("kill")

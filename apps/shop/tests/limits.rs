@@ -461,6 +461,51 @@ async fn a_stalled_grpc_call_never_keeps_the_process_alive_past_the_grace_period
     terminated_within_grace(&mut shop);
 }
 
+/// A stalled upload and a stalled gRPC call at once: the process exits
+/// within one grace of SIGTERM, not one grace per server (the HTTP
+/// server's drain, then the gRPC server's, then the handlers' each waited
+/// a grace of their own before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_calls_on_both_servers_share_one_grace_period() {
+    let db = Db::sqlite();
+    let grace = Duration::from_secs(3);
+    let mut shop = Shop::start(
+        &db,
+        &[
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--shutdown-grace-secs",
+            "3",
+            "--body-timeout-secs",
+            "600",
+        ],
+    )
+    .await;
+    let _grpc = stalled_grpc_call(&grpc_addr(&shop)).await;
+    let mut http = TcpStream::connect(addr(&shop)).await.unwrap();
+    http.write_all(
+        b"POST /payments HTTP/1.1\r\nHost: shop\r\nAuthorization: Bearer a\r\n\
+          Content-Type: application/json\r\nIdempotency-Key: k-both\r\n\
+          Content-Length: 100\r\n\r\n{",
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sent = std::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(shop.pid().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let signalled = Instant::now();
+    let status = shop.wait_exit(Duration::from_secs(30));
+    assert!(status.success(), "{status:?}");
+    // One grace, with a second grace's margin for a loaded machine: two
+    // graces in a row cannot fit.
+    let took = signalled.elapsed();
+    assert!(took < 2 * grace, "exited {took:?} after SIGTERM");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_grpc_body_fails_its_call_within_the_body_timeout() {
     let db = Db::sqlite();

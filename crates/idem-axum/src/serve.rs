@@ -15,9 +15,11 @@
 //!   connection is closed at once, so stalled sockets cannot starve the
 //!   rest for long (each is cut after its own timeouts);
 //! - on shutdown the listener closes, in-flight requests finish within
-//!   `grace` (the handlers the idempotency layer runs on tasks of their
+//!   `grace` (the handlers the idempotency layers run on tasks of their
 //!   own included, when their clients went away: their answers are still
-//!   stored), and then the process exits whatever is still open.
+//!   stored; the count is the process's, `idem_once::detached`, so a
+//!   tonic server's guarded handlers in the same process are waited for
+//!   too), and then the process exits whatever is still open.
 //!
 //! ```no_run
 //! # async fn run(app: axum::Router) -> std::io::Result<()> {
@@ -122,8 +124,9 @@ pub async fn serve(
     }
     drop(listener);
     info!(grace = ?limits.grace, "no longer accepting; letting in-flight requests finish");
-    // The connections, then the handlers the layer runs on tasks of their
-    // own (one whose client went away runs on, its answer to be stored).
+    // The connections, then the handlers the layers run on tasks of their
+    // own, in this process (one whose client went away runs on, its answer
+    // to be stored), gRPC ones included.
     let drained = async {
         graceful.shutdown().await;
         info!("every connection closed");

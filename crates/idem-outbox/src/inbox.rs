@@ -100,7 +100,7 @@ impl InboxTable {
     /// delivered again. A commit past it may still land, in the
     /// background: the message then comes again as a duplicate. On
     /// PostgreSQL the transaction's `statement_timeout` is set to it too
-    /// (one statement more per message), so a statement waiting on a lock
+    /// (with its `BEGIN`, no round trip of its own), so a statement waiting on a lock
     /// is cancelled by the server and frees its connection; elsewhere a
     /// statement cut here goes on waiting on its connection until the
     /// database answers.

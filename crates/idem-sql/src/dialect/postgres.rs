@@ -75,7 +75,10 @@ impl Dialect for Postgres {
         timeout: std::time::Duration,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error>> {
         // At least a millisecond (0 would turn the bound off), at most what
-        // the setting holds.
+        // the setting holds. (An integer: nothing else reaches the text.
+        // Should the `SET` ever fail after the `BEGIN` succeeded, sqlx
+        // would not count the transaction it left open; with a valid
+        // integer it cannot fail.)
         match i32::try_from(timeout.as_millis().max(1)) {
             Ok(ms) => super::begin_detached(
                 pool,
