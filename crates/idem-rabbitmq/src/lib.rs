@@ -142,6 +142,9 @@ pub struct RabbitPublisher {
     current: std::sync::Mutex<Channel>,
     /// The largest payload sent; a larger message is refused for itself.
     max_payload: usize,
+    /// How long a batch may spend telling apart the message a channel was
+    /// closed over.
+    isolate_within: Duration,
 }
 
 /// A connection and its publishing channel, confirms on.
@@ -192,6 +195,7 @@ impl RabbitPublisher {
             current: std::sync::Mutex::new(link.channel.clone()),
             link: Mutex::new(link),
             max_payload: DEFAULT_MAX_PAYLOAD,
+            isolate_within: DEFAULT_ISOLATE_WITHIN,
         })
     }
 
@@ -202,6 +206,19 @@ impl RabbitPublisher {
     #[must_use]
     pub fn max_payload(mut self, bytes: usize) -> Self {
         self.max_payload = bytes;
+        self
+    }
+
+    /// How long a batch may spend sending again the messages whose confirms
+    /// failed with a channel the broker closed over one of them, to find
+    /// which (default [`DEFAULT_ISOLATE_WITHIN`]): past it, those not yet
+    /// told apart are answered as for a broker down (using up no attempt)
+    /// and go out in the relay's next round. Keep it well below the relay's
+    /// wait for a batch (half its lease), which otherwise gives up on the
+    /// whole batch, the messages confirmed included.
+    #[must_use]
+    pub fn isolate_within(mut self, within: Duration) -> Self {
+        self.isolate_within = within;
         self
     }
 
@@ -398,12 +415,9 @@ impl RabbitPublisher {
     }
 }
 
-/// How long a batch may spend sending again the messages whose confirms
-/// failed with a channel closed over one of them, to find which: past it,
-/// those not yet told apart wait for the next round as for a broker down
-/// (using up no attempt), well within the relay's wait for a batch (half
-/// its lease).
-const ISOLATE_WITHIN: Duration = Duration::from_secs(5);
+/// The default [`RabbitPublisher::isolate_within`]: 5 s, a third of the
+/// relay's default wait for a batch (half its 30 s lease).
+pub const DEFAULT_ISOLATE_WITHIN: Duration = Duration::from_secs(5);
 
 impl Publisher for RabbitPublisher {
     /// Publishes the whole batch, then waits for every confirm: one round of
@@ -442,23 +456,39 @@ impl Publisher for RabbitPublisher {
             // never to one that was only waiting beside it. One culprit
             // among n takes about 2 log2(n) rounds.
             let mut groups: Vec<Vec<usize>> = vec![(0..batch.len()).collect()];
-            let deadline = tokio::time::Instant::now() + ISOLATE_WITHIN;
+            let deadline = tokio::time::Instant::now() + self.isolate_within;
             let mut first = true;
-            while let Some(group) = groups.pop() {
-                if !first && tokio::time::Instant::now() >= deadline {
-                    for i in group {
-                        published.record(
-                            &batch[i].message_id,
-                            Err(PublishError::new(
-                                PublishErrorKind::BrokerDown,
-                                "not told apart in time from a message the channel was closed over: sent again next round",
-                            )),
-                        );
-                    }
-                    continue;
+            let late = |published: &mut Published, group: Vec<usize>| {
+                for i in group {
+                    published.record(
+                        &batch[i].message_id,
+                        Err(PublishError::new(
+                            PublishErrorKind::BrokerDown,
+                            "not told apart in time from a message the channel was closed over: sent again next round",
+                        )),
+                    );
                 }
-                first = false;
-                let outcomes = self.send_all(&mut link, batch, &group).await;
+            };
+            while let Some(group) = groups.pop() {
+                // The first round is the batch's own, bounded by the
+                // relay's wait; those after it, by the deadline.
+                let outcomes = if first {
+                    first = false;
+                    self.send_all(&mut link, batch, &group).await
+                } else if tokio::time::Instant::now() >= deadline {
+                    late(&mut published, group);
+                    continue;
+                } else {
+                    match tokio::time::timeout_at(deadline, self.send_all(&mut link, batch, &group))
+                        .await
+                    {
+                        Ok(outcomes) => outcomes,
+                        Err(_) => {
+                            late(&mut published, group);
+                            continue;
+                        }
+                    }
+                };
                 let (refused, not_sent) = settle(batch, &group, outcomes, &mut published);
                 match refused.as_slice() {
                     [] => {

@@ -92,10 +92,13 @@ impl ScopeExtractor for MetadataScope {
         idem_core::single_visible_value(values.map(http::HeaderValue::as_bytes))
             .map(str::to_owned)
             .ok_or_else(|| {
-                Status::unauthenticated(format!(
-                    "the {} metadata (set by authentication) is missing or invalid",
-                    self.0
-                ))
+                crate::LayerRefusal::ScopeMissing.status(
+                    tonic::Code::Unauthenticated,
+                    format!(
+                        "the {} metadata (set by authentication) is missing or invalid",
+                        self.0
+                    ),
+                )
             })
     }
 }

@@ -96,7 +96,8 @@
 //! - The store failing before anything ran: `UNAVAILABLE`.
 //! - Every status the layer answers itself (a missing, invalid or reused
 //!   key, one in flight, a message it cannot read, the store away, a
-//!   handler that failed before answering) carries a `google.rpc.ErrorInfo`
+//!   handler that failed before answering, [`MetadataScope`]'s missing
+//!   scope) carries a `google.rpc.ErrorInfo`
 //!   in its details, domain `idem`, reason `IDEMPOTENCY_…`
 //!   ([`LayerRefusal::of`] reads it): a client tells them from the
 //!   handler's own statuses with the same codes, which carry none.

@@ -47,6 +47,10 @@ pub enum LayerRefusal {
     /// The call's scope is longer than a store keeps (`UNAUTHENTICATED`);
     /// reason `IDEMPOTENCY_SCOPE_TOO_LONG`.
     ScopeTooLong,
+    /// [`MetadataScope`](crate::MetadataScope)'s metadata is missing or
+    /// invalid (`UNAUTHENTICATED`); reason `IDEMPOTENCY_SCOPE_MISSING`. (A
+    /// scope extractor of your own answers with its own status.)
+    ScopeMissing,
     /// The message cannot be read: larger than the policy allows
     /// (`RESOURCE_EXHAUSTED`), malformed (`INVALID_ARGUMENT`), in an
     /// encoding the layer does not read (`UNIMPLEMENTED`), or cut off
@@ -60,13 +64,14 @@ pub enum LayerRefusal {
 }
 
 impl LayerRefusal {
-    const ALL: [LayerRefusal; 8] = [
+    const ALL: [LayerRefusal; 9] = [
         LayerRefusal::KeyMissing,
         LayerRefusal::KeyInvalid,
         LayerRefusal::KeyReused,
         LayerRefusal::InFlight,
         LayerRefusal::StoreUnavailable,
         LayerRefusal::ScopeTooLong,
+        LayerRefusal::ScopeMissing,
         LayerRefusal::MessageUnreadable,
         LayerRefusal::HandlerFailed,
     ];
@@ -80,6 +85,7 @@ impl LayerRefusal {
             LayerRefusal::InFlight => "IDEMPOTENCY_KEY_IN_FLIGHT",
             LayerRefusal::StoreUnavailable => "IDEMPOTENCY_STORE_UNAVAILABLE",
             LayerRefusal::ScopeTooLong => "IDEMPOTENCY_SCOPE_TOO_LONG",
+            LayerRefusal::ScopeMissing => "IDEMPOTENCY_SCOPE_MISSING",
             LayerRefusal::MessageUnreadable => "IDEMPOTENCY_MESSAGE_UNREADABLE",
             LayerRefusal::HandlerFailed => "IDEMPOTENCY_HANDLER_FAILED",
         }

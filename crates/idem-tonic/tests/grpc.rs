@@ -502,6 +502,20 @@ async fn a_scope_longer_than_the_stores_keep_is_unauthenticated() {
         "{}",
         refused.message()
     );
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&refused),
+        Some(idem_tonic::LayerRefusal::ScopeTooLong)
+    );
+    // No scope at all (`MetadataScope`'s metadata empty): refused as well,
+    // and said to be the layer's.
+    let unscoped = call(ch.clone(), CHARGE, "", Some("k"), charge("acc", 5))
+        .await
+        .unwrap_err();
+    assert_eq!(unscoped.code(), Code::Unauthenticated);
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&unscoped),
+        Some(idem_tonic::LayerRefusal::ScopeMissing)
+    );
     assert_eq!(ledger.runs("acc").len(), 0);
     assert_eq!(store.get(&long, "k").await.unwrap(), None);
     let longest = "c".repeat(idem_core::MAX_SCOPE_LEN);
