@@ -348,16 +348,6 @@ async fn every_row_of_the_contract_over_tcp(db: Db) {
     assert_eq!(theirs["bank_charges"], 1, "{theirs}");
 }
 
-/// Sends SIGTERM to `shop`.
-fn terminate(shop: &Shop) {
-    let killed = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(shop.pid().to_string())
-        .status()
-        .unwrap();
-    assert!(killed.success());
-}
-
 async fn sigterm_shuts_down_gracefully(db: Db) {
     let mut shop = Shop::start(&db, &[]).await;
     let client = reqwest::Client::new();
@@ -366,7 +356,7 @@ async fn sigterm_shuts_down_gracefully(db: Db) {
         pay(&client, &shop, Some("k-term"), BODY).header("x-simulate", "bank-delay=500"),
     ));
     tokio::time::sleep(Duration::from_millis(150)).await;
-    terminate(&shop);
+    shop.terminate();
     assert_eq!(slow.await.unwrap().status, 201);
     let status = shop.wait_exit(Duration::from_secs(10));
     assert!(status.success(), "{status:?}");
@@ -388,7 +378,7 @@ async fn sigterm_waits_for_a_handler_whose_client_went_away(db: Db) {
         .send()
         .await;
     assert!(gave_up.is_err(), "the client gave up: {gave_up:?}");
-    terminate(&shop);
+    shop.terminate();
     let status = shop.wait_exit(Duration::from_secs(20));
     assert!(status.success(), "{status:?}");
     drop(shop);

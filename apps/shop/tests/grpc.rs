@@ -365,12 +365,7 @@ async fn grpc_sigterm_waits_for_a_handler_whose_caller_went_away(mode: Mode, db:
     call.set_timeout(Duration::from_secs(3));
     let gave_up = c.create_payment(call).await;
     assert!(gave_up.is_err(), "the caller gave up: {gave_up:?}");
-    let killed = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(shop.pid().to_string())
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    shop.terminate();
     let status = shop.wait_exit(Duration::from_secs(20));
     assert!(status.success(), "{status:?}");
     drop(shop);

@@ -57,12 +57,7 @@ async fn open_once_one_closed(sockets: &mut [TcpStream]) -> usize {
 /// with a grace of 1 s; the rest of the wait is margin for a loaded
 /// machine).
 fn terminated_within_grace(shop: &mut Shop) {
-    let sent = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(shop.pid().to_string())
-        .status()
-        .unwrap();
-    assert!(sent.success());
+    shop.terminate();
     let status = shop.wait_exit(Duration::from_secs(20));
     assert!(status.success(), "{status:?}");
 }
@@ -493,12 +488,7 @@ async fn stalled_calls_on_both_servers_share_one_grace_period() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Timed from before the signal is sent: the exit can only seem later.
     let signalled = Instant::now();
-    let sent = std::process::Command::new("kill")
-        .arg("-TERM")
-        .arg(shop.pid().to_string())
-        .status()
-        .unwrap();
-    assert!(sent.success());
+    shop.terminate();
     let status = shop.wait_exit(Duration::from_secs(30));
     assert!(status.success(), "{status:?}");
     // One grace (3 s), with half a grace's margin for a loaded machine:

@@ -124,6 +124,16 @@ impl Shop {
         self.child.id()
     }
 
+    /// Sends the process SIGTERM (a graceful shutdown).
+    pub fn terminate(&self) {
+        let sent = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill");
+        assert!(sent.success());
+    }
+
     /// Whether the process has exited (crashed, or was killed).
     pub fn exited(&mut self) -> bool {
         !matches!(self.child.try_wait(), Ok(None))
