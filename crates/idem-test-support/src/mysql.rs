@@ -71,6 +71,23 @@ impl Drop for TestDatabase {
                 .execute(&mut conn)
                 .await
                 .ok()?;
+            // The test's own connections still open in it (a pool not yet
+            // closed, a transaction left open on a busy machine) would hold
+            // the drop on their metadata locks until it gives up, leaving
+            // the database behind: they are ended first.
+            let open: Vec<i64> = sqlx::query_scalar(
+                "SELECT CAST(id AS SIGNED) FROM information_schema.processlist WHERE db = ? AND id <> CONNECTION_ID()",
+            )
+            .bind(&name)
+            .fetch_all(&mut conn)
+            .await
+            .ok()?;
+            for id in open {
+                // (One that ended meanwhile is no error worth stopping for.)
+                let _ = sqlx::raw_sql(&format!("KILL {id}"))
+                    .execute(&mut conn)
+                    .await;
+            }
             sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS `{name}`"))
                 .execute(&mut conn)
                 .await
@@ -80,5 +97,35 @@ impl Drop for TestDatabase {
         if !dropped {
             eprintln!("warning: could not drop test database {}", self.name);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection left inside an open transaction on one of the
+    /// database's tables does not keep the database from being dropped.
+    #[tokio::test]
+    async fn a_database_is_dropped_under_an_open_transaction() {
+        let db = TestDatabase::create("idem_drop").await;
+        let name = db.name().to_owned();
+        let mut held = MySqlConnection::connect(&db.url()).await.unwrap();
+        sqlx::raw_sql("CREATE TABLE t (id INT PRIMARY KEY); BEGIN; INSERT INTO t VALUES (1)")
+            .execute(&mut held)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        drop(db);
+        let mut conn = MySqlConnection::connect(&mysql_url()).await.unwrap();
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM information_schema.schemata WHERE schema_name = ?",
+        )
+        .bind(&name)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        assert_eq!(left, 0, "left behind after {:?}", started.elapsed());
+        drop(held);
     }
 }
