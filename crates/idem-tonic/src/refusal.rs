@@ -154,34 +154,35 @@ fn error_info_reason(status: &[u8]) -> Option<String> {
         if tag != 3 || found.is_some() {
             return Some(());
         }
-        let mut type_url = None;
-        let mut info = None;
-        fields(value, |tag, value| {
-            match tag {
-                1 => type_url = Some(value),
-                2 => info = Some(value),
-                _ => {}
-            }
-            Some(())
-        })?;
+        let (type_url, info) = fields_1_and_2(value)?;
         if type_url != Some(ERROR_INFO.as_bytes()) {
             return Some(());
         }
-        let (mut reason, mut domain) = (None, None);
-        fields(info.unwrap_or_default(), |tag, value| {
-            match tag {
-                1 => reason = Some(value),
-                2 => domain = Some(value),
-                _ => {}
-            }
-            Some(())
-        })?;
+        let (reason, domain) = fields_1_and_2(info.unwrap_or_default())?;
         if domain == Some(ERROR_DOMAIN.as_bytes()) {
             found = reason.and_then(|r| std::str::from_utf8(r).ok().map(str::to_owned));
         }
         Some(())
     })?;
     found
+}
+
+/// A length-delimited field's bytes, if the message has it.
+type Field<'a> = Option<&'a [u8]>;
+
+/// The length-delimited fields 1 and 2 of `message` (the last of each);
+/// `None` if the encoding is malformed.
+fn fields_1_and_2(message: &[u8]) -> Option<(Field<'_>, Field<'_>)> {
+    let (mut one, mut two) = (None, None);
+    fields(message, |tag, value| {
+        match tag {
+            1 => one = Some(value),
+            2 => two = Some(value),
+            _ => {}
+        }
+        Some(())
+    })?;
+    Some((one, two))
 }
 
 /// Calls `each` with every length-delimited field of `message` (tag,
