@@ -78,7 +78,10 @@
 //! begins the caller's transaction and locks the claim's row in it (`FOR
 //! UPDATE NOWAIT`, fenced by the token; a lock, not an update, so claimers'
 //! unique checks never wait on it), setting the transaction's
-//! `idle_in_transaction_session_timeout` to the lease. The deciding
+//! `idle_in_transaction_session_timeout` to the lease, and its
+//! `statement_timeout` too unless the session's own is shorter: a holder
+//! idle, or stuck in one statement, longer than the lease loses the
+//! transaction and with it the key. The deciding
 //! statement looks for the row with `FOR UPDATE SKIP LOCKED`, so a duplicate
 //! never waits on a holder:
 //!

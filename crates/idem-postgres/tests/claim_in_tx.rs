@@ -79,11 +79,15 @@ fn decision(record: &Record, req: &ClaimRequest) -> Arrival {
 }
 
 async fn effect(tx: &mut Tx, effects: &str, claim: &Claim) {
+    effect_result(tx, effects, claim).await.unwrap();
+}
+
+async fn effect_result(tx: &mut Tx, effects: &str, claim: &Claim) -> Result<(), sqlx::Error> {
     sqlx::query(&format!("INSERT INTO {effects} VALUES ('k', $1)"))
         .bind(claim.operation_id.to_string())
         .execute(&mut **tx)
         .await
-        .unwrap();
+        .map(drop)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -326,6 +330,90 @@ async fn a_holder_idle_past_its_lease_loses_its_connection_and_the_key() {
         .await
         .unwrap();
     tx.commit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_statement_waiting_past_its_lease_is_cancelled_and_frees_the_key() {
+    let (store, _schema, effects) = fresh().await;
+    let lease = Duration::from_millis(1000);
+    let req = request(lease);
+    let (claim, mut tx) = acquire(&store, &req).await;
+    // Another session holds the table the handler writes to, for longer
+    // than the test waits: the handler's statement waits on its lock.
+    let mut blocker = store.pool().begin().await.unwrap();
+    sqlx::query(&format!("LOCK TABLE {effects} IN ACCESS EXCLUSIVE MODE"))
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let waited = tokio::time::timeout(
+        Duration::from_secs(30),
+        effect_result(&mut tx, &effects, &claim),
+    )
+    .await;
+    let took = started.elapsed();
+    let Ok(result) = waited else {
+        panic!("the holder's statement still waited after 30 s: nothing bounds it by the lease");
+    };
+    let Err(sqlx::Error::Database(e)) = result else {
+        panic!("expected the statement cancelled, got {result:?}");
+    };
+    assert_eq!(e.code().as_deref(), Some("57014"), "{e}");
+    assert!(
+        took >= lease - Duration::from_millis(50),
+        "cancelled after {took:?}, before the lease"
+    );
+    tx.rollback().await.unwrap();
+
+    // The key is free at once, for the same request under the same
+    // operation id, while the table is still locked.
+    let (retry, mut tx) = acquire(&store, &req).await;
+    assert_eq!(retry.operation_id, claim.operation_id);
+    let bound: String = sqlx::query_scalar("SHOW statement_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(bound, "1s");
+    tx.rollback().await.unwrap();
+    blocker.rollback().await.unwrap();
+    assert_eq!(count(&store, &effects).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_statement_timeout_shorter_than_the_lease_is_kept() {
+    let schema = TestSchema::create("idem_in_tx").await;
+    let table = TableName::new(Some(schema.name()), "idem_records").unwrap();
+    // (session's statement_timeout, lease) -> the bound inside the holder's transaction
+    let cases = [
+        ("200ms", 30_000, "200ms"),
+        ("1min", 1_000, "1s"),
+        ("0", 1_500, "1500ms"),
+    ];
+    for (i, (session, lease_ms, want)) in cases.into_iter().enumerate() {
+        let url = format!(
+            "{}?options=-c%20statement_timeout%3D{session}",
+            database_url()
+        );
+        let store = PostgresStore::connect_with(&url, table.clone())
+            .await
+            .expect("connect");
+        let mut req = request(Duration::from_millis(lease_ms));
+        req.key = format!("k{i}");
+        let (_, mut tx) = acquire(&store, &req).await;
+        let bound: String = sqlx::query_scalar("SHOW statement_timeout")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        tx.rollback().await.unwrap();
+        assert_eq!(bound, want, "session {session}, lease {lease_ms} ms");
+        // The session's own setting is back once the transaction ended.
+        let after: String = sqlx::query_scalar("SHOW statement_timeout")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(after, session, "after the transaction");
+        store.pool().close().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,8 +85,9 @@ impl SqlStore<Postgres> {
         Err(kept_racing())
     }
 
-    /// Begins the holder's transaction and locks the claimed row in it.
-    /// `None`: another attempt took the claim over in between.
+    /// Begins the holder's transaction and locks the claimed row in it,
+    /// bounding the transaction's idle time and each of its statements by
+    /// the lease (`hold.sql`). `None`: another attempt took the claim over in between.
     async fn hold(
         &self,
         claim: &Claim,
@@ -95,15 +96,16 @@ impl SqlStore<Postgres> {
         let mut tx = crate::dialect::begin_detached(&self.pool, None)
             .await
             .map_err(store_error)?;
-        // The idle timeout is an int of milliseconds; 0 would mean "none".
-        let idle_ms = i64::try_from(lease.as_millis())
+        // The idle and statement timeouts are ints of milliseconds; 0
+        // would mean "none".
+        let lease_ms = i64::try_from(lease.as_millis())
             .unwrap_or(i64::MAX)
             .clamp(1, i64::from(i32::MAX));
         let held = sqlx::query(&self.extra.sql.hold)
             .bind(&claim.scope)
             .bind(&claim.key)
             .bind(claim.token.0)
-            .bind(idle_ms.to_string())
+            .bind(lease_ms.to_string())
             .fetch_optional(&mut *tx)
             .await;
         match held {
