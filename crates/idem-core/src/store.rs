@@ -92,6 +92,9 @@ pub trait Store: Send + Sync + std::fmt::Debug + 'static {
     /// the same response is `Ok` too: the same completion sent again, after
     /// its answer was lost on the way back (a time-out, a connection
     /// dropped after the commit), stands rather than reads as a takeover.
+    /// Where telling the two apart takes a second look that fails, that
+    /// failure is the answer, not [`StoreError::ClaimLost`]: a caller that
+    /// retries an unavailable store finds out which it was.
     fn complete<'a>(
         &'a self,
         claim: &'a Claim,

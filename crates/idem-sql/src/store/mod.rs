@@ -599,16 +599,14 @@ impl<D: RecordDialect> Store for SqlStore<D> {
             let mut conn = self.writers.acquire().await.map_err(store_error)?;
             match self.complete_in(&mut conn, claim, response).await {
                 // Sent again after it landed (the commit's answer was lost,
-                // and the caller tried again): it stands.
-                // (A lookup that fails leaves the answer a takeover.)
-                Err(StoreError::ClaimLost)
-                    if self
-                        .landed(&mut conn, claim, response)
-                        .await
-                        .unwrap_or(false) =>
-                {
-                    Ok(())
-                }
+                // and the caller tried again): it stands. A lookup that
+                // fails says so: whether the claim was lost is not known,
+                // and a caller retrying an unavailable store finds out.
+                Err(StoreError::ClaimLost) => match self.landed(&mut conn, claim, response).await {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(StoreError::ClaimLost),
+                    Err(e) => Err(e),
+                },
                 done => done,
             }
         })
