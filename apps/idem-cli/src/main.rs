@@ -967,6 +967,9 @@ fn inspection_json(seen: &Inspection, show_body: bool) -> serde_json::Value {
         "age_ms": r.created_at.until(seen.now).as_millis() as u64,
         "expires_at": time::rfc3339(r.expires_at),
         "past_retention": r.is_expired(seen.now),
+        // the shortest retention any claim of the key asked for (null: a
+        // record made before idem kept it)
+        "shortest_retention_ms": r.shortest_retention.map(|d| d.as_millis() as u64),
     });
     match &r.state {
         RecordState::InProgress {

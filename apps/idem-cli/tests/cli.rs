@@ -144,6 +144,7 @@ async fn exercise(url: &str, store: Arc<dyn Store>) {
     .unwrap();
     assert_eq!(held_json["state"], "in_progress");
     assert!(held_json["token"].as_i64().is_some());
+    assert_eq!(held_json["shortest_retention_ms"], 6_000_000);
 
     let old = stdout(&idem(&[
         "inspect",

@@ -70,6 +70,7 @@ fn benches(c: &mut Criterion) {
         operation_id: OperationId::generate(),
         created_at: UnixMillis(0),
         expires_at: UnixMillis(i64::MAX),
+        shortest_retention: None,
         state: RecordState::InProgress {
             token: FencingToken(1),
             locked_until: UnixMillis(i64::MAX),

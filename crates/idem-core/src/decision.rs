@@ -158,6 +158,7 @@ mod tests {
             operation_id: OperationId::generate(),
             created_at: UnixMillis(0),
             expires_at,
+            shortest_retention: None,
             state,
         }
     }

@@ -168,6 +168,13 @@ pub struct Record {
     pub created_at: UnixMillis,
     /// When the record stops counting (creation plus retention).
     pub expires_at: UnixMillis,
+    /// The shortest retention any claim of this record asked for: its first
+    /// claim's, lowered by a takeover that asked for less (a takeover keeps
+    /// the record for at least its own retention, so
+    /// `expires_at - created_at` can only grow). What an operation's
+    /// records made by any of its attempts are kept for at least. `None`:
+    /// not known (a record an idem before this field wrote).
+    pub shortest_retention: Option<Duration>,
     /// In progress or completed.
     pub state: RecordState,
 }
@@ -208,6 +215,8 @@ pub struct RecordRow {
     pub created_at: i64,
     /// End of retention, ms.
     pub expires_at: i64,
+    /// The shortest retention any claim asked for, ms (unknown: `None`).
+    pub shortest_retention: Option<i64>,
     /// Completion, ms (completed).
     pub completed_at: Option<i64>,
     /// The stored status (completed).
@@ -236,6 +245,7 @@ impl RecordRow {
             locked_until: self.locked_until,
             created_at: self.created_at,
             expires_at: self.expires_at,
+            shortest_retention: self.shortest_retention,
             completed_at: self.completed_at,
             status: self.status,
             headers: self.headers.as_deref(),
@@ -271,6 +281,8 @@ pub struct RecordParts<'a> {
     pub created_at: i64,
     /// End of retention, ms.
     pub expires_at: i64,
+    /// The shortest retention any claim asked for, ms (unknown: `None`).
+    pub shortest_retention: Option<i64>,
     /// Completion, ms (completed).
     pub completed_at: Option<i64>,
     /// The stored status (completed).
@@ -317,6 +329,14 @@ impl RecordParts<'_> {
             }
             other => return Err(CorruptRecord(format!("unknown state {other:?}"))),
         };
+        let shortest_retention = match self.shortest_retention {
+            None => None,
+            Some(ms) => {
+                Some(Duration::from_millis(u64::try_from(ms).map_err(|_| {
+                    CorruptRecord(format!("shortest retention {ms} ms"))
+                })?))
+            }
+        };
         Ok(Record {
             scope: self.scope,
             key: self.key,
@@ -324,6 +344,7 @@ impl RecordParts<'_> {
             operation_id,
             created_at: UnixMillis(self.created_at),
             expires_at: UnixMillis(self.expires_at),
+            shortest_retention,
             state,
         })
     }
@@ -423,6 +444,20 @@ mod tests {
             };
             assert!(fine.into_record().is_ok(), "{status}");
         }
+        assert_eq!(record.shortest_retention, None);
+        let kept = RecordRow {
+            shortest_retention: Some(1500),
+            ..row.clone()
+        };
+        assert_eq!(
+            kept.into_record().unwrap().shortest_retention,
+            Some(Duration::from_millis(1500))
+        );
+        let negative = RecordRow {
+            shortest_retention: Some(-1),
+            ..row.clone()
+        };
+        assert!(negative.into_record().unwrap_err().0.contains("retention"));
         let bad_state = RecordRow {
             state: "weird".into(),
             ..row.clone()

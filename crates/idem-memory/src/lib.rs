@@ -100,6 +100,9 @@ impl MemoryStore {
                 // takeover completes late is kept, not lost with a record
                 // already due to expire.
                 record.expires_at = record.expires_at.max(now.plus(req.retention));
+                record.shortest_retention = record
+                    .shortest_retention
+                    .map(|kept| kept.min(req.retention));
                 return ClaimOutcome::Acquired(Claim {
                     scope: req.scope.clone(),
                     key: req.key.clone(),
@@ -116,6 +119,7 @@ impl MemoryStore {
                 operation_id: OperationId::generate(),
                 created_at: now,
                 expires_at: now.plus(req.retention),
+                shortest_retention: Some(req.retention),
                 state: RecordState::InProgress {
                     token,
                     locked_until,

@@ -617,7 +617,9 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
     /// trusted to mean the step never completed if no record of the step
     /// can have expired yet: a record of it was made no earlier than the
     /// step before it completed (or the run's record was made, for the
-    /// first step), and is kept a retention at least. A step before it that
+    /// first step), and is kept a retention at least: the shortest any
+    /// attempt of the run claimed it with (the run's record keeps it), not
+    /// this attempt's, which a change of policy may have made longer. A step before it that
     /// this run claimed had not completed before, so no attempt got past
     /// it: nothing to check. Otherwise a record made a retention after that
     /// (this fresh one, or one a refusal left) is refused for good: the
@@ -631,24 +633,33 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         name: &str,
         index: usize,
     ) -> Result<(), StepError<E>> {
-        let since = match before {
+        let completed_at = match before {
             // (Skipped never gets here: `before_step` refused it.)
             Before::Claimed | Before::CompletedHere | Before::Skipped => return Ok(()),
-            Before::CompletedAt(at) => at,
-            Before::Nothing => match self.store.get(&self.claim.scope, &self.claim.key).await {
-                Ok(Some(run)) if run.operation_id == self.claim.operation_id => run.created_at,
-                Ok(_) => {
-                    // The run's record expired or was made anew: this run
-                    // no longer holds it.
-                    self.release_claim(claim, name).await;
-                    return Err(StepError::LeaseLost);
-                }
-                Err(e) => {
-                    self.release_claim(claim, name).await;
-                    return Err(StepError::Store(e));
-                }
-            },
+            Before::CompletedAt(at) => Some(at),
+            Before::Nothing => None,
         };
+        // The run's record: when it began, and the shortest retention any
+        // attempt of it claimed it with. Each attempt kept the records it
+        // made (its steps') for its own retention, so the shortest is what
+        // they are all kept for at least; this attempt's may be longer.
+        let run = match self.store.get(&self.claim.scope, &self.claim.key).await {
+            Ok(Some(run)) if run.operation_id == self.claim.operation_id => run,
+            Ok(_) => {
+                // The run's record expired or was made anew: this run no
+                // longer holds it.
+                self.release_claim(claim, name).await;
+                return Err(StepError::LeaseLost);
+            }
+            Err(e) => {
+                self.release_claim(claim, name).await;
+                return Err(StepError::Store(e));
+            }
+        };
+        let since = completed_at.unwrap_or(run.created_at);
+        let retention = run
+            .shortest_retention
+            .map_or(self.retention, |kept| kept.min(self.retention));
         let made = if claim.takeover {
             match self.store.get(&request.scope, &request.key).await {
                 Ok(Some(step)) => step.created_at,
@@ -670,8 +681,8 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                     .saturating_sub(i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX)),
             )
         };
-        let margin = CLOCK_MARGIN.min(self.retention / 20);
-        if made.plus(margin) < since.plus(self.retention) {
+        let margin = CLOCK_MARGIN.min(retention / 20);
+        if made.plus(margin) < since.plus(retention) {
             return Ok(());
         }
         warn!(

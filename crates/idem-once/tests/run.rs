@@ -427,6 +427,61 @@ macro_rules! run_suite {
             assert_eq!(*refusals.lock().unwrap(), [(0, "charge".to_owned()), (0, "charge".to_owned())]);
         }
 
+        /// The retention raised between two attempts: the first kept its
+        /// step's record for its own, shorter retention, and the second
+        /// kept the run's record for its longer one. A third, past the
+        /// first's retention, finds no record of the step: it may have
+        /// run (it did), so it is refused, although the retention the
+        /// third runs under has not passed.
+        #[tokio::test]
+        async fn a_step_kept_for_a_shorter_retention_than_the_run_is_not_run_again() {
+            let (store, _guard) = $make.await;
+            let store = Arc::new(store);
+            let short = Runner::new(store.clone(), step_retention());
+            let long = Runner::new(
+                store,
+                Policy::builder()
+                    .lease(Duration::from_millis(200))
+                    .retention(STEP_RETENTION * 30)
+                    .build()
+                    .unwrap(),
+            );
+            let charges = AtomicU32::new(0);
+            let attempt = AtomicU32::new(0);
+            let work = async |op: &idem_once::Operation<'_, _>| -> Result<u8, Failure<String>> {
+                let n = attempt.fetch_add(1, Ordering::SeqCst);
+                let charged = op
+                    .step("charge", async |_| -> Result<u8, String> {
+                        charges.fetch_add(1, Ordering::SeqCst);
+                        Ok(1)
+                    })
+                    .await;
+                let charged = match charged {
+                    Err(StepError::Forgotten { .. }) => return Err(Failure::Final("forgotten".to_owned())),
+                    other => other.map_err(|e| e.to_string())?,
+                };
+                if n < 2 {
+                    // Dies after the step: the run stays in progress until
+                    // its lease ends.
+                    std::future::pending::<()>().await;
+                }
+                Ok(charged)
+            };
+            let start = std::time::Instant::now();
+            assert!(tokio::time::timeout(Duration::from_millis(100), short.run("t", "k", &1, work)).await.is_err());
+            // Half the short retention later, with the long one: a takeover
+            // that keeps the run's record for the long retention.
+            tokio::time::sleep(STEP_RETENTION / 2 - start.elapsed()).await;
+            assert!(tokio::time::timeout(Duration::from_millis(100), long.run("t", "k", &1, work)).await.is_err());
+            assert_eq!(charges.load(Ordering::SeqCst), 1);
+            // Past the short retention: the charge's record is gone, the
+            // run's is not.
+            tokio::time::sleep((STEP_RETENTION + STEP_RETENTION / 4).saturating_sub(start.elapsed())).await;
+            let third = long.run("t", "k", &1, work).await;
+            assert_eq!(charges.load(Ordering::SeqCst), 1, "the charge ran a second time: {third:?}");
+            assert!(matches!(third, Err(RunError::Final { ref error, .. }) if error == "forgotten"), "{third:?}");
+        }
+
         /// In a run kept past its retention, a step whose record is absent
         /// is still run when the step before it was made less than a
         /// retention ago: had it run, its record would be there.

@@ -417,6 +417,31 @@ async fn a_session_statement_timeout_shorter_than_the_lease_is_kept() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_keeps_the_shortest_retention_any_claim_asked_for() {
+    let (store, _schema, _effects) = fresh().await;
+    let minute = Duration::from_secs(60);
+    let lease = Duration::from_secs(30);
+    let kept = async || {
+        store
+            .get("s", "k")
+            .await
+            .unwrap()
+            .expect("the record")
+            .shortest_retention
+    };
+    let (first, tx) = acquire(&store, &request_with("{}", lease, minute)).await;
+    tx.rollback().await.unwrap();
+    assert_eq!(kept().await, Some(minute));
+    let (longer, tx) = acquire(&store, &request_with("{}", lease, minute * 60)).await;
+    tx.rollback().await.unwrap();
+    assert_eq!(longer.operation_id, first.operation_id);
+    assert_eq!(kept().await, Some(minute), "raised by a longer retention");
+    let (_, tx) = acquire(&store, &request_with("{}", lease, minute / 2)).await;
+    tx.rollback().await.unwrap();
+    assert_eq!(kept().await, Some(minute / 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn different_keys_do_not_block_each_other() {
     let (store, _schema, _effects) = fresh().await;
     let mut other = request(Duration::from_secs(30));

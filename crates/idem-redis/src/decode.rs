@@ -112,6 +112,8 @@ pub(crate) fn decode(fields: &[Value]) -> Result<Record, StoreError> {
         locked_until: num(f.lu),
         created_at: num(f.ca).ok_or_else(|| StoreError::Corrupt("created_at is missing".into()))?,
         expires_at: num(f.ea).ok_or_else(|| StoreError::Corrupt("expires_at is missing".into()))?,
+        // (the hash layout predates it: not known)
+        shortest_retention: None,
         completed_at: num(f.co),
         status: num(f.sc),
         headers: f.hd.map(<[u8]>::to_vec),

@@ -44,6 +44,7 @@ impl RedisStore {
             status: 0,
             headers: b"",
             body: b"",
+            shortest_retention: None,
         });
         let mut conn = self.conn.clone();
         let () = redis::cmd("SET")

@@ -42,7 +42,8 @@ local function load()
       return redis.error_reply('idem: a claim counted from its key expiry, unreadable')
     end
     local created = expires - math.max(lease, retention, 1)
-    r[1], r[8], r[9], r[10] = 1, created + lease, created, created + retention
+    -- made by its one SET and never taken over: its retention is the shortest
+    r[1], r[8], r[9], r[10], r[15] = 1, created + lease, created, created + retention, retention
   end
   if type(r) ~= 'table' or r[1] ~= 1 then
     return redis.error_reply('idem: a record of a layout this version does not know')
@@ -75,7 +76,7 @@ local lease_until = now + tonumber(ARGV[6])
 local function fresh()
   local expires = now + tonumber(ARGV[7])
   redis.call('SET', KEYS[1], cmsgpack.pack({1, ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], 'p',
-    lease_until, now, expires, 0, 0, '', ''}), 'PXAT', math.max(expires, lease_until))
+    lease_until, now, expires, 0, 0, '', '', tonumber(ARGV[7])}), 'PXAT', math.max(expires, lease_until))
   return {'won', ARGV[4], tostring(lease_until), '0'}
 end
 if not r then
@@ -90,6 +91,11 @@ if r[7] == 'p' and r[8] <= now and r[4] == ARGV[3] then
   r[6] = ARGV[5]
   r[8] = lease_until
   r[10] = math.max(r[10], now + tonumber(ARGV[7]))
+  -- the shortest retention any claim asked for; not known (absent: a value
+  -- an idem before field 15 wrote) stays not known
+  if r[15] then
+    r[15] = math.min(r[15], tonumber(ARGV[7]))
+  end
   redis.call('SET', KEYS[1], cmsgpack.pack(r), 'PXAT', math.max(r[10], lease_until))
   return {'won', r[5], tostring(lease_until), '1'}
 end

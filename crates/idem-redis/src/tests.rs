@@ -111,6 +111,7 @@ fn the_first_look_decides_only_what_needs_no_write() {
         operation_id: OperationId::generate(),
         created_at: UnixMillis(0),
         expires_at: UnixMillis(expires_at),
+        shortest_retention: None,
         state,
     };
     let completed = || RecordState::Completed {

@@ -21,6 +21,13 @@
 //! | 12 | status | `0` | integer |
 //! | 13 | headers | `""` | bytes |
 //! | 14 | body | `""` | bytes |
+//! | 15 | shortest retention (ms) | integer | integer |
+//!
+//! Field 15, the shortest retention any claim of the record asked for (what
+//! run-once's steps rely on their records being kept for), is absent from a
+//! value an idem before it wrote: it is then not known. An idem before it
+//! refuses a value that has it (a rolling upgrade's older instances answer
+//! such keys with an error until they are replaced; none misreads one).
 //!
 //! Layout 2 is a claim made by one plain `SET … NX` (the first look), which
 //! cannot read Redis's clock before it writes: the same fields, but in
@@ -95,6 +102,7 @@ impl NewClaim {
                 status: 0,
                 headers: b"",
                 body: b"",
+                shortest_retention: Some(retention),
             },
         );
         Self {
@@ -114,7 +122,10 @@ impl NewClaim {
 }
 
 /// The fields of [`LAYOUT`].
-const FIELDS: usize = 14;
+const FIELDS: usize = 15;
+
+/// The fields of a value written before field 15 (the shortest retention).
+const FIELDS_BEFORE: usize = 14;
 
 /// One decoded MessagePack item.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -141,6 +152,8 @@ pub(crate) struct Parts<'a> {
     pub(crate) status: i64,
     pub(crate) headers: &'a [u8],
     pub(crate) body: &'a [u8],
+    /// The shortest retention any claim asked for (ms), if known.
+    pub(crate) shortest_retention: Option<i64>,
 }
 
 fn put_int(out: &mut Vec<u8>, v: i64) {
@@ -184,17 +197,22 @@ pub(crate) fn encode(p: &Parts<'_>) -> Vec<u8> {
 fn encode_layout(layout: i64, p: &Parts<'_>) -> Vec<u8> {
     // Beside the strings' own bytes, at most: the array's head and the
     // layout (1 + 9), eight strings' heads (8 × 5), the token's digits (20),
-    // the state (1), five integers (5 × 9): 116 bytes. The value is then
+    // the state (1), six integers (6 × 9): 125 bytes. The value is then
     // written without growing.
     let mut out = Vec::with_capacity(
-        116 + p.scope.len()
+        125 + p.scope.len()
             + p.key.len()
             + p.fingerprint.len()
             + p.operation_id.len()
             + p.headers.len()
             + p.body.len(),
     );
-    out.push(0x90 | FIELDS as u8);
+    let fields = if p.shortest_retention.is_some() {
+        FIELDS
+    } else {
+        FIELDS_BEFORE
+    };
+    out.push(0x90 | fields as u8);
     put_int(&mut out, layout);
     put_str(&mut out, p.scope.as_bytes());
     put_str(&mut out, p.key.as_bytes());
@@ -209,6 +227,9 @@ fn encode_layout(layout: i64, p: &Parts<'_>) -> Vec<u8> {
     put_int(&mut out, p.status);
     put_str(&mut out, p.headers);
     put_str(&mut out, p.body);
+    if let Some(ms) = p.shortest_retention {
+        put_int(&mut out, ms);
+    }
     out
 }
 
@@ -237,6 +258,9 @@ pub(crate) fn encode_record(record: &Record) -> Option<Vec<u8>> {
         status: i64::from(response.status),
         headers: &headers,
         body: &response.body,
+        shortest_retention: record
+            .shortest_retention
+            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
     }))
 }
 
@@ -368,10 +392,11 @@ fn decode_with(
         return Err(corrupt("an empty array"));
     }
     let layout = int(r.item()?, "the layout version")?;
-    if !(layout == LAYOUT || layout == NEW_CLAIM) || n != FIELDS {
+    if !(layout == LAYOUT || layout == NEW_CLAIM) || !(n == FIELDS || n == FIELDS_BEFORE) {
         return Err(StoreError::Corrupt(format!(
             "a stored record has layout {layout} with {n} fields; this idem reads layouts \
-             {LAYOUT} and {NEW_CLAIM} ({FIELDS} fields): was it written by a newer version?"
+             {LAYOUT} and {NEW_CLAIM} ({FIELDS_BEFORE} or {FIELDS} fields): was it written by a \
+             newer version?"
         )));
     }
     let scope = text(r.item()?, "the scope")?;
@@ -393,6 +418,9 @@ fn decode_with(
     let mut locked_until = int(r.item()?, "the lease's end")?;
     let mut created_at = int(r.item()?, "created_at")?;
     let mut expires_at = int(r.item()?, "expires_at")?;
+    // A claim of NEW_CLAIM was made by its one `SET … NX` and never taken
+    // over (a script rewrites it as LAYOUT): its retention is the shortest.
+    let mut claimed_retention = None;
     if layout == NEW_CLAIM {
         let clock =
             clock.ok_or_else(|| corrupt("a claim counted from its key's expiry, unread"))?;
@@ -410,11 +438,17 @@ fn decode_with(
         expires_at = created_at
             .checked_add(retention)
             .ok_or_else(|| corrupt("the retention's length"))?;
+        claimed_retention = Some(retention);
     }
     let completed_at = int(r.item()?, "completed_at")?;
     let status = int(r.item()?, "the status")?;
     let headers = bytes(r.item()?, "the headers")?;
     let stored_body = bytes(r.item()?, "the body")?;
+    let shortest_retention = if n == FIELDS {
+        Some(int(r.item()?, "the shortest retention")?)
+    } else {
+        None
+    };
     let parts = RecordParts {
         scope,
         key,
@@ -429,6 +463,7 @@ fn decode_with(
         locked_until: (!completed).then_some(locked_until),
         created_at,
         expires_at,
+        shortest_retention: claimed_retention.or(shortest_retention),
         completed_at: completed.then_some(completed_at),
         status: completed.then_some(status),
         headers: completed.then_some(headers),
@@ -451,6 +486,7 @@ mod tests {
             operation_id: OperationId::generate(),
             created_at: UnixMillis(1_700_000_000_000),
             expires_at: UnixMillis(1_700_086_400_000),
+            shortest_retention: Some(std::time::Duration::from_millis(86_400_000)),
             state: RecordState::Completed {
                 response: StoredResponse {
                     status: 201,
@@ -502,10 +538,11 @@ mod tests {
                     status: 599,
                     headers: text.as_bytes(),
                     body: text.as_bytes(),
+                    shortest_retention: Some(i64::MAX),
                 };
                 let value = encode(&p);
                 // The room `encode` makes: no more is ever written.
-                let room = 116 + 5 * long + 32;
+                let room = 125 + 5 * long + 32;
                 assert!(value.len() <= room, "{token}, strings of {long}");
             }
         }
@@ -548,6 +585,7 @@ mod tests {
             status: 0,
             headers: b"",
             body: b"",
+            shortest_retention: None,
         };
         let record = decode(&encode(&p), None).unwrap();
         assert_eq!(

@@ -17,7 +17,9 @@
 //! next time, so idem's MySQL migrations are written to be re-run
 //! (`CREATE TABLE IF NOT EXISTS`, indexes inside it), and a later one that
 //! adds an index holds that one `CREATE INDEX`, whose duplicate-name error
-//! on a re-run counts as applied (MySQL 8 has no `IF NOT EXISTS` there).
+//! on a re-run counts as applied (MySQL 8 has no `IF NOT EXISTS` there), and
+//! one that adds a column holds that one `ALTER TABLE … ADD COLUMN`, whose
+//! duplicate-column error counts likewise.
 //!
 //! On PostgreSQL and MySQL a migration's statement waits at most 10 s for
 //! the transactions using its table (`lock_timeout`, once the runners'
@@ -216,7 +218,7 @@ pub(crate) async fn apply<D: Dialect>(
                     Ok(()) => {}
                     // Only a migration of that one statement: of several,
                     // those after it would never run.
-                    Err(e) if is_one_create_index(m.sql) && D::already_applied(&e) => {}
+                    Err(e) if is_one_rerunnable_ddl(m.sql) && D::already_applied(&e) => {}
                     Err(e) => return Err(db(e)),
                 }
                 let args = [Arg::Text(name), Arg::Int(m.version), Arg::Text(&now)];
@@ -227,9 +229,10 @@ pub(crate) async fn apply<D: Dialect>(
     Ok(())
 }
 
-/// Whether `sql` is one `CREATE INDEX` statement (comment lines aside,
-/// one `;` at most, at its end).
-fn is_one_create_index(sql: &str) -> bool {
+/// Whether `sql` is one `CREATE INDEX` or one `ALTER TABLE … ADD COLUMN`
+/// statement (comment lines aside, one `;` at most, at its end): one change
+/// whose duplicate error on a re-run means it was made.
+fn is_one_rerunnable_ddl(sql: &str) -> bool {
     let code: String = sql
         .lines()
         .filter(|line| !line.trim_start().starts_with("--"))
@@ -237,10 +240,15 @@ fn is_one_create_index(sql: &str) -> bool {
         .join("\n");
     let code = code.trim();
     let code = code.strip_suffix(';').unwrap_or(code);
-    !code.contains(';')
-        && code
-            .get(..b"CREATE INDEX ".len())
-            .is_some_and(|head| head.eq_ignore_ascii_case("CREATE INDEX "))
+    if code.contains(';') {
+        return false;
+    }
+    let words: Vec<&str> = code.split_whitespace().take(5).collect();
+    let said = |at: usize, word: &str| words.get(at).is_some_and(|w| w.eq_ignore_ascii_case(word));
+    (said(0, "CREATE") && said(1, "INDEX"))
+        || (said(0, "ALTER") && said(1, "TABLE") && said(3, "ADD") && said(4, "COLUMN")
+            // the table, then one change: no second clause after a comma
+            && !code.contains(','))
 }
 
 pub(crate) fn misconfigured(table: &TableName, e: sqlx::Error) -> MigrateError {
@@ -258,20 +266,32 @@ pub(crate) fn misconfigured(table: &TableName, e: sqlx::Error) -> MigrateError {
 
 #[cfg(test)]
 mod tests {
-    use super::is_one_create_index;
+    use super::is_one_rerunnable_ddl;
 
     #[test]
-    fn only_a_lone_create_index_counts_as_one() {
-        assert!(is_one_create_index(
+    fn only_a_lone_create_index_or_add_column_counts_as_one() {
+        assert!(is_one_rerunnable_ddl(
             "-- why\nCREATE INDEX `t_x` ON {table} (x)"
         ));
-        assert!(is_one_create_index("create index t_x on t (x);\n"));
-        assert!(!is_one_create_index(
+        assert!(is_one_rerunnable_ddl("create index t_x on t (x);\n"));
+        assert!(!is_one_rerunnable_ddl(
             "CREATE INDEX t_x ON t (x); ALTER TABLE t ADD y INT"
         ));
-        assert!(!is_one_create_index(
+        assert!(!is_one_rerunnable_ddl(
             "CREATE TABLE IF NOT EXISTS t (x INT, INDEX t_x (x))"
         ));
-        assert!(!is_one_create_index("CREATE UNIQUE INDEX t_x ON t (x)"));
+        assert!(!is_one_rerunnable_ddl("CREATE UNIQUE INDEX t_x ON t (x)"));
+        assert!(is_one_rerunnable_ddl(
+            "-- why\nALTER TABLE {table} ADD COLUMN y BIGINT\n"
+        ));
+        assert!(is_one_rerunnable_ddl("alter table t add column y int;"));
+        assert!(!is_one_rerunnable_ddl(
+            "ALTER TABLE t ADD COLUMN y INT, ADD COLUMN z INT"
+        ));
+        assert!(!is_one_rerunnable_ddl(
+            "ALTER TABLE t ADD COLUMN y INT; DROP TABLE u"
+        ));
+        assert!(!is_one_rerunnable_ddl("ALTER TABLE t DROP COLUMN y"));
+        assert!(!is_one_rerunnable_ddl("ALTER TABLE t ADD INDEX t_y (y)"));
     }
 }

@@ -36,6 +36,12 @@ where
             locked_until: row.try_get("locked_until")?,
             created_at: row.try_get("created_at")?,
             expires_at: row.try_get("expires_at")?,
+            // Absent from a row selected without it (a query written
+            // before the column): not known.
+            shortest_retention: match row.try_get("shortest_retention_ms") {
+                Err(sqlx::Error::ColumnNotFound(_)) => None,
+                other => other?,
+            },
             completed_at: row.try_get("completed_at")?,
             status: row.try_get("status")?,
             headers: row.try_get("headers")?,

@@ -187,6 +187,55 @@ pub async fn a_takeover_keeps_the_record_another_retention<S: Store>(store: S) {
     assert_eq!(replay.operation_id, first.operation_id);
 }
 
+/// The record keeps the shortest retention any claim of it asked for: a
+/// takeover asking for more keeps the record longer but not that; one
+/// asking for less lowers it; a record replaced whole past its retention
+/// starts again from its new claim's.
+pub async fn the_shortest_retention_any_claim_asked_for_is_kept<S: Store>(store: S) {
+    let kept = async |key: &str| {
+        let record = store.get("scope-r", key).await.unwrap();
+        record.expect("the record is there").shortest_retention
+    };
+    let minute = Duration::from_secs(60);
+    let claim = |key: &str, lease: Duration, retention: Duration| {
+        request("scope-r", key, r#"{"amount":1}"#, lease, retention)
+    };
+    let first = acquired(store.claim(&claim("k", LONG, minute)).await.unwrap());
+    assert_eq!(kept("k").await, Some(minute));
+    store.release(&first).await.unwrap();
+    let longer = acquired(store.claim(&claim("k", LONG, minute * 60)).await.unwrap());
+    assert!(longer.takeover);
+    assert_eq!(
+        kept("k").await,
+        Some(minute),
+        "raised by a longer retention"
+    );
+    store.release(&longer).await.unwrap();
+    let shorter = acquired(store.claim(&claim("k", LONG, minute / 2)).await.unwrap());
+    assert!(shorter.takeover);
+    assert_eq!(kept("k").await, Some(minute / 2));
+    store.complete(&shorter, &response("{}")).await.unwrap();
+    assert_eq!(
+        kept("k").await,
+        Some(minute / 2),
+        "changed by the completion"
+    );
+
+    let short = Duration::from_millis(400);
+    let old = acquired(
+        store
+            .claim(&claim("k2", Duration::from_millis(100), short))
+            .await
+            .unwrap(),
+    );
+    store.complete(&old, &response("{}")).await.unwrap();
+    tokio::time::sleep(short + Duration::from_millis(200)).await;
+    let anew = acquired(store.claim(&claim("k2", LONG, minute)).await.unwrap());
+    assert!(!anew.takeover);
+    assert_ne!(anew.operation_id, old.operation_id);
+    assert_eq!(kept("k2").await, Some(minute), "a record made anew");
+}
+
 /// Sweep deletes expired records in bounded batches and nothing else.
 pub async fn sweep_removes_only_expired_in_batches<S: Store>(store: S) {
     let short = Duration::from_millis(400);

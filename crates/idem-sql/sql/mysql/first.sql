@@ -6,7 +6,8 @@
 -- itself (autocommit = 1). $1 scope, $2 key.
 SELECT CONVERT(r.scope USING utf8mb4) AS scope, CONVERT(r.`key` USING utf8mb4) AS `key`,
        r.fingerprint, r.operation_id, r.token, r.state, r.locked_until,
-       r.created_at, r.expires_at, r.completed_at, r.status, r.headers, r.body, clock.now,
+       r.created_at, r.expires_at, r.completed_at, r.status, r.headers, r.body,
+       r.shortest_retention_ms, clock.now,
        @@session.autocommit AS autocommit
 FROM (SELECT {now} AS now) AS clock
 LEFT JOIN {table} AS r

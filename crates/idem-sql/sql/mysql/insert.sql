@@ -6,7 +6,9 @@
 -- lease the caller reports is the one stored (and begins, if anything, a
 -- little before the row was written).
 -- $1 scope, $2 key, $3 fingerprint, $4 operation id, $5 token,
--- $6 locked_until, $7 created_at, $8 expires_at (ms of the database's clock).
+-- $6 locked_until, $7 created_at, $8 expires_at (ms of the database's clock),
+-- $9 the retention (ms).
 INSERT INTO {table}
-    (scope, `key`, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
-VALUES ($1, $2, $3, $4, $5, 'in_progress', $6, $7, $8)
+    (scope, `key`, fingerprint, operation_id, token, state, locked_until, created_at, expires_at,
+     shortest_retention_ms)
+VALUES ($1, $2, $3, $4, $5, 'in_progress', $6, $7, $8, $9)

@@ -3,9 +3,10 @@
 -- is safe under READ COMMITTED); the loser reads the record that beat it. Same binds as claim_first.sql.
 WITH claimed AS (
     INSERT INTO {table} AS r
-        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
+        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at,
+         shortest_retention_ms)
     VALUES ($1, $2, $3, $4::uuid, $5, 'in_progress',
-            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond')
+            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond', $7)
     ON CONFLICT (scope, key) DO UPDATE SET
         token        = excluded.token,
         locked_until = excluded.locked_until,
@@ -18,6 +19,12 @@ WITH claimed AS (
         operation_id = CASE WHEN r.expires_at <= now() THEN excluded.operation_id ELSE r.operation_id END,
         created_at   = CASE WHEN r.expires_at <= now() THEN excluded.created_at   ELSE r.created_at   END,
         expires_at   = greatest(r.expires_at, excluded.expires_at),
+        -- the shortest retention any claim asked for (unknown stays unknown:
+        -- a row an idem before the column wrote)
+        shortest_retention_ms = CASE
+            WHEN r.expires_at <= now() THEN excluded.shortest_retention_ms
+            WHEN r.shortest_retention_ms IS NULL THEN NULL
+            ELSE least(r.shortest_retention_ms, excluded.shortest_retention_ms) END,
         completed_at = NULL,
         status       = NULL,
         headers      = NULL,

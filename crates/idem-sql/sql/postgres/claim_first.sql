@@ -15,9 +15,10 @@ WITH seen AS (
 ),
 inserted AS (
     INSERT INTO {table}
-        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
+        (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at,
+         shortest_retention_ms)
     SELECT $1, $2, $3, $4::uuid, $5, 'in_progress',
-           now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond'
+           now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond', $7
     WHERE NOT EXISTS (SELECT 1 FROM seen)
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING {columns}

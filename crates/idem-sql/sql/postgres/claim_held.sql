@@ -26,6 +26,10 @@ claimed AS (
         operation_id = CASE WHEN r.expires_at <= now() THEN $4::uuid    ELSE r.operation_id END,
         created_at   = CASE WHEN r.expires_at <= now() THEN now()       ELSE r.created_at   END,
         expires_at   = greatest(r.expires_at, now() + $7 * interval '1 millisecond'),
+        shortest_retention_ms = CASE
+            WHEN r.expires_at <= now() THEN $7
+            WHEN r.shortest_retention_ms IS NULL THEN NULL
+            ELSE least(r.shortest_retention_ms, $7) END,
         completed_at = NULL,
         status       = NULL,
         headers      = NULL,
@@ -44,7 +48,7 @@ SELECT 'won' AS outcome, * FROM claimed
 UNION ALL
 SELECT 'existing', * FROM live_other WHERE NOT EXISTS (SELECT 1 FROM claimed)
 UNION ALL
-SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'busy', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM {table}
 WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
   AND NOT EXISTS (SELECT 1 FROM live_other)

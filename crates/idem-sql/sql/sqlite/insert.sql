@@ -8,6 +8,7 @@
 -- $1 scope, $2 key, $3 fingerprint, $4 operation id, $5 token,
 -- $6 lease (ms), $7 retention (ms).
 INSERT INTO {table}
-    (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at)
-VALUES ($1, $2, $3, $4, $5, 'in_progress', {now} + $6, {now}, {now} + $7)
+    (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at,
+         shortest_retention_ms)
+VALUES ($1, $2, $3, $4, $5, 'in_progress', {now} + $6, {now}, {now} + $7, $7)
 RETURNING locked_until

@@ -175,7 +175,8 @@ pub trait Dialect:
     /// Whether `e`, from a migration run again after it was cut off
     /// between its change and the row that records it (possible where DDL
     /// commits by itself: MySQL), says the change is already made. Asked
-    /// only of a migration that is one `CREATE INDEX`.
+    /// only of a migration that is one `CREATE INDEX` or one `ALTER TABLE
+    /// … ADD COLUMN`.
     fn already_applied(e: &sqlx::Error) -> bool {
         let _ = e;
         false

@@ -134,14 +134,15 @@ impl Dialect for MySql {
         }
     }
 
-    /// 1061, a duplicate index name: a migration of one `CREATE INDEX`
-    /// that ran before.
+    /// 1061, a duplicate index name, or 1060, a duplicate column name: a
+    /// migration of one `CREATE INDEX`, or of one `ALTER TABLE … ADD
+    /// COLUMN`, that ran before.
     fn already_applied(e: &sqlx::Error) -> bool {
         let sqlx::Error::Database(d) = e else {
             return false;
         };
         d.try_downcast_ref::<MySqlDatabaseError>()
-            .is_some_and(|my| my.number() == 1061)
+            .is_some_and(|my| matches!(my.number(), 1060 | 1061))
     }
 
     /// Under READ COMMITTED: a statement after a lock wait reads what

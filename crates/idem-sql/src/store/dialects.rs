@@ -58,7 +58,8 @@ pub(super) enum NewKeyTemplates {
         /// commits each statement by itself in `autocommit`; `$1` scope,
         /// `$2` key.
         first: &'static str,
-        /// The insert; `$6` locked_until, `$7` created_at, `$8` expires_at.
+        /// The insert; `$6` locked_until, `$7` created_at, `$8` expires_at,
+        /// `$9` the retention (ms).
         insert: &'static str,
     },
 }
@@ -112,10 +113,16 @@ pub trait RecordDialect: Dialect + sealed::Sealed {
 #[cfg(feature = "sqlite")]
 impl RecordDialect for crate::Sqlite {
     const RECORDS: RecordTemplates = RecordTemplates {
-        migrations: &[Migration {
-            version: 1,
-            sql: include_str!("../../sql/sqlite/records_0001.sql"),
-        }],
+        migrations: &[
+            Migration {
+                version: 1,
+                sql: include_str!("../../sql/sqlite/records_0001.sql"),
+            },
+            Migration {
+                version: 2,
+                sql: include_str!("../../sql/sqlite/records_0002.sql"),
+            },
+        ],
         claim: include_str!("../../sql/sqlite/claim.sql"),
         select: include_str!("../../sql/sqlite/select.sql"),
         get: include_str!("../../sql/sqlite/get.sql"),
@@ -144,10 +151,16 @@ impl RecordDialect for crate::Sqlite {
 #[cfg(feature = "mysql")]
 impl RecordDialect for crate::MySql {
     const RECORDS: RecordTemplates = RecordTemplates {
-        migrations: &[Migration {
-            version: 1,
-            sql: include_str!("../../sql/mysql/records_0001.sql"),
-        }],
+        migrations: &[
+            Migration {
+                version: 1,
+                sql: include_str!("../../sql/mysql/records_0001.sql"),
+            },
+            Migration {
+                version: 2,
+                sql: include_str!("../../sql/mysql/records_0002.sql"),
+            },
+        ],
         claim: include_str!("../../sql/mysql/claim.sql"),
         select: include_str!("../../sql/mysql/select.sql"),
         get: include_str!("../../sql/mysql/get.sql"),

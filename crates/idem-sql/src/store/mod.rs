@@ -406,6 +406,7 @@ impl<D: RecordDialect> SqlStore<D> {
             Arg::Int(locked_until),
             Arg::Int(clock.0),
             Arg::Int(clock.0.saturating_add(retention)),
+            Arg::Int(retention),
         ];
         match D::execute(conn, insert, &args).await {
             Ok(_) => Ok(Some(inserted_claim(

@@ -61,10 +61,16 @@ fn render(template: &str, table: &TableName) -> Result<String, sqlx::Error> {
 
 impl RecordDialect for Postgres {
     const RECORDS: RecordTemplates = RecordTemplates {
-        migrations: &[Migration {
-            version: 1,
-            sql: include_str!("../../../sql/postgres/records_0001.sql"),
-        }],
+        migrations: &[
+            Migration {
+                version: 1,
+                sql: include_str!("../../../sql/postgres/records_0001.sql"),
+            },
+            Migration {
+                version: 2,
+                sql: include_str!("../../../sql/postgres/records_0002.sql"),
+            },
+        ],
         claim: include_str!("../../../sql/postgres/claim.sql"),
         select: include_str!("../../../sql/postgres/select.sql"),
         get: include_str!("../../../sql/postgres/get.sql"),
