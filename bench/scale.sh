@@ -140,9 +140,9 @@ if wanted postgres; then
   fill_start=$(date +%s)
   PGOPTIONS="$PGOPTIONS -c search_path=scale_full_$$" psql "$PG" -q -v ON_ERROR_STOP=1 <<SQL
 INSERT INTO idem_records (scope, key, fingerprint, operation_id, token, state, locked_until,
-                          created_at, expires_at, completed_at, status, headers, body)
+                          created_at, expires_at, completed_at, status, headers, body, shortest_retention_ms)
 SELECT r.scope, gen_random_uuid()::text, r.fingerprint, gen_random_uuid(), g, 'completed', NULL,
-       now(), now() + interval '1 day', now(), r.status, r.headers, r.body
+       now(), now() + interval '1 day', now(), r.status, r.headers, r.body, r.shortest_retention_ms
 FROM generate_series(1, $ROWS) g, (SELECT * FROM idem_records WHERE state = 'completed' LIMIT 1) r;
 VACUUM ANALYZE idem_records;
 SQL
@@ -155,9 +155,9 @@ SQL
   # records past their retention, swept while claims arrive
   PGOPTIONS="$PGOPTIONS -c search_path=scale_full_$$" psql "$PG" -q -v ON_ERROR_STOP=1 <<SQL
 INSERT INTO idem_records (scope, key, fingerprint, operation_id, token, state, locked_until,
-                          created_at, expires_at, completed_at, status, headers, body)
+                          created_at, expires_at, completed_at, status, headers, body, shortest_retention_ms)
 SELECT r.scope, gen_random_uuid()::text, r.fingerprint, gen_random_uuid(), g, 'completed', NULL,
-       now() - interval '2 days', now() - interval '1 day', now() - interval '2 days', r.status, r.headers, r.body
+       now() - interval '2 days', now() - interval '1 day', now() - interval '2 days', r.status, r.headers, r.body, r.shortest_retention_ms
 FROM generate_series(1, $EXPIRED) g, (SELECT * FROM idem_records WHERE state = 'completed' LIMIT 1) r;
 ANALYZE idem_records;
 SQL
@@ -192,9 +192,9 @@ if wanted mysql; then
     chunk=$(( ROWS - done_rows < 1000000 ? ROWS - done_rows : 1000000 ))
     mysql -h127.0.0.1 -uroot "scale_full_$$" -e "
 INSERT INTO idem_records (scope, \`key\`, fingerprint, operation_id, token, state, locked_until,
-                          created_at, expires_at, completed_at, status, headers, body)
+                          created_at, expires_at, completed_at, status, headers, body, shortest_retention_ms)
 SELECT r.scope, UUID(), r.fingerprint, UUID(), $done_rows + g.n, 'completed', NULL,
-       r.created_at, r.created_at + 86400000, r.completed_at, r.status, r.headers, r.body
+       r.created_at, r.created_at + 86400000, r.completed_at, r.status, r.headers, r.body, r.shortest_retention_ms
 FROM ($(numbers "$chunk")) g, (SELECT * FROM idem_records WHERE state = 'completed' LIMIT 1) r;"
     done_rows=$(( done_rows + chunk ))
   done
@@ -208,10 +208,10 @@ FROM ($(numbers "$chunk")) g, (SELECT * FROM idem_records WHERE state = 'complet
   record "{\"db\": \"mysql\", \"scenario\": \"size\", \"records\": $n, \"table_bytes\": $table_bytes, \"index_bytes\": $index_bytes}"
   mysql -h127.0.0.1 -uroot "scale_full_$$" -e "
 INSERT INTO idem_records (scope, \`key\`, fingerprint, operation_id, token, state, locked_until,
-                          created_at, expires_at, completed_at, status, headers, body)
+                          created_at, expires_at, completed_at, status, headers, body, shortest_retention_ms)
 SELECT r.scope, UUID(), r.fingerprint, UUID(), g.n, 'completed', NULL,
        r.created_at - 172800000, r.created_at - 86400000, r.completed_at - 172800000,
-       r.status, r.headers, r.body
+       r.status, r.headers, r.body, r.shortest_retention_ms
 FROM ($(numbers "$EXPIRED")) g, (SELECT * FROM idem_records WHERE state = 'completed' LIMIT 1) r;
 ANALYZE TABLE idem_records;" >/dev/null
   expired=$(mysql -h127.0.0.1 -uroot -N "scale_full_$$" -e \

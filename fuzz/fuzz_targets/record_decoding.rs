@@ -86,6 +86,7 @@ impl RowReader<'_> {
             status: self.opt_int(),
             headers: self.opt_bytes(),
             body: self.opt_bytes(),
+            shortest_retention: self.opt_int(),
         }
     }
 }
@@ -112,6 +113,7 @@ struct Rec {
     operation_id: [u8; 16],
     created_at: i64,
     expires_at: i64,
+    shortest_retention: Option<u32>,
     state: RecState,
 }
 
@@ -141,6 +143,9 @@ fn to_row(record: &Record) -> RecordRow {
         operation_id: record.operation_id.0.to_string(),
         created_at: record.created_at.0,
         expires_at: record.expires_at.0,
+        shortest_retention: record
+            .shortest_retention
+            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
         ..RecordRow::default()
     };
     match &record.state {
@@ -182,6 +187,8 @@ fn check_row(row: RecordRow) {
         }
         _ => false,
     };
+    // A retention is never negative; absent, it is not known.
+    let common = common && row.shortest_retention.is_none_or(|ms| ms >= 0);
     let record = match result {
         Ok(record) => {
             assert!(common && state_ok, "accepted a malformed row: {row:?}");
@@ -201,6 +208,11 @@ fn check_row(row: RecordRow) {
     );
     assert_eq!(record.created_at, UnixMillis(row.created_at));
     assert_eq!(record.expires_at, UnixMillis(row.expires_at));
+    assert_eq!(
+        record.shortest_retention,
+        row.shortest_retention
+            .map(|ms| std::time::Duration::from_millis(ms as u64))
+    );
     match &record.state {
         RecordState::InProgress {
             token,
@@ -234,6 +246,9 @@ fn check_record(rec: Rec) {
         operation_id: OperationId(Uuid::from_bytes(rec.operation_id)),
         created_at: UnixMillis(rec.created_at),
         expires_at: UnixMillis(rec.expires_at),
+        shortest_retention: rec
+            .shortest_retention
+            .map(|ms| std::time::Duration::from_millis(u64::from(ms))),
         state: match rec.state {
             RecState::InProgress {
                 token,

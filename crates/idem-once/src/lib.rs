@@ -47,9 +47,9 @@
 //!   stored output back instead of calling again. Each step has a
 //!   [key](Step::key) of its own for the system it calls.
 //!   [`Operation::step_in_transaction`] commits the step's output with
-//!   its writes. A run retried for longer than its retention refuses a
-//!   step whose record may have expired ([`StepError::Forgotten`]) rather
-//!   than call it again.
+//!   its writes. A run retried for longer than its retention (the shortest
+//!   any of its attempts was claimed with) refuses a step whose record may
+//!   have expired ([`StepError::Forgotten`]) rather than call it again.
 //!
 //! Any [`Store`](idem_core::Store) serves: the step records live beside
 //! the run's, in the same table (or Redis), and are swept with them.

@@ -133,7 +133,9 @@ pub enum StepError<E> {
     /// The run was taken over after outliving its retention (retried for
     /// longer than records are kept), and this step has no record although
     /// the step before it completed (or, for the first step, the run
-    /// began) a retention ago or more: it may have run on an earlier
+    /// began) a retention ago or more (the shortest retention any attempt
+    /// of the run was claimed with, when its record says; else this
+    /// attempt's): it may have run on an earlier
     /// attempt and its record expired since, so it is not called. Nothing
     /// ran, and every later run of the operation gets this too: return it
     /// as [`Failure::Final`](crate::Failure::Final). Check the system the

@@ -138,6 +138,7 @@ enum Item<'a> {
 }
 
 /// What a record's parts are, to encode (the scripts write the same).
+#[derive(Clone, Copy)]
 pub(crate) struct Parts<'a> {
     pub(crate) scope: &'a str,
     pub(crate) key: &'a str,
@@ -258,9 +259,11 @@ pub(crate) fn encode_record(record: &Record) -> Option<Vec<u8>> {
         status: i64::from(response.status),
         headers: &headers,
         body: &response.body,
-        shortest_retention: record
-            .shortest_retention
-            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+        // Not kept in the copy: the tier answers replays from it, and the
+        // store behind it keeps the record whole (what a takeover or a
+        // step reads). Left out, the copy stays readable by an idem
+        // before field 15, so a rolling upgrade keeps its tier.
+        shortest_retention: None,
     }))
 }
 
@@ -486,7 +489,7 @@ mod tests {
             operation_id: OperationId::generate(),
             created_at: UnixMillis(1_700_000_000_000),
             expires_at: UnixMillis(1_700_086_400_000),
-            shortest_retention: Some(std::time::Duration::from_millis(86_400_000)),
+            shortest_retention: None,
             state: RecordState::Completed {
                 response: StoredResponse {
                     status: 201,
@@ -595,6 +598,26 @@ mod tests {
                 locked_until: UnixMillis(1_700_000_030_000)
             }
         );
+        assert_eq!(record.shortest_retention, None, "fourteen fields");
+        // Field 15, the shortest retention, in every integer form.
+        for ms in [0, 127, 128, 86_400_000, 3_155_760_000_000] {
+            let kept = Parts {
+                shortest_retention: Some(ms),
+                ..p
+            };
+            let record = decode(&encode(&kept), None).unwrap();
+            assert_eq!(
+                record.shortest_retention,
+                Some(std::time::Duration::from_millis(ms as u64)),
+                "{ms}"
+            );
+        }
+        // The tier's copy of a completed record leaves it out, so that an
+        // idem before field 15 reads the copy.
+        let mut copied = completed(3);
+        copied.shortest_retention = Some(std::time::Duration::from_secs(60));
+        let value = encode_record(&copied).unwrap();
+        assert_eq!(value[0], 0x90 | FIELDS_BEFORE as u8);
     }
 
     /// What Lua's cmsgpack writes for the same record: integers in their

@@ -7,8 +7,12 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 /// Decodes the record in `row`, selected with the columns `scope, key,
 /// fingerprint, operation_id, state, token, locked_until, created_at,
-/// expires_at, completed_at, status, headers, body` (times in Unix
-/// milliseconds, `operation_id` as text, integers as 64-bit).
+/// expires_at, completed_at, status, headers, body` and
+/// `shortest_retention_ms` (times and lengths in Unix milliseconds,
+/// `operation_id` as text, integers as 64-bit). A row selected without
+/// `shortest_retention_ms` (a query written before the column) decodes
+/// with it not known (`None`), which run-once's steps then judge by the
+/// attempt's own retention: select it.
 ///
 /// A row that does not decode, or decodes to an impossible record, is
 /// [`StoreError::Corrupt`].
