@@ -808,6 +808,35 @@ async fn headers_bodies_and_statuses_in_detail() {
     );
     assert_eq!(op_of(&tries[0]), op_of(&tries[1]));
 
+    // The upstream's own 409 with Retry-After ("this operation is still in
+    // flight", as when a retry after the lease reaches it while the first
+    // delivery runs): released too, so a later retry gets the outcome.
+    let busy = || {
+        post(p, "/busy", "alice", "busy-1", "{}")
+            .header("x-test-status", "409")
+            .header("x-test-retry-after", "2")
+    };
+    assert_eq!(busy().send().await.unwrap().status(), 409);
+    let again = busy().send().await.unwrap();
+    assert_eq!(again.status(), 409);
+    assert!(header(&again, "idempotent-replayed").is_none());
+    assert_eq!(header(&again, "retry-after"), Some("2"));
+    let tries = upstream.deliveries("/busy").await;
+    assert_eq!(
+        tries.len(),
+        2,
+        "released, so the retry reached the upstream"
+    );
+    assert_eq!(op_of(&tries[0]), op_of(&tries[1]));
+    // A 409 without Retry-After is a conflict, the request's outcome: stored.
+    let conflict =
+        || post(p, "/conflict", "alice", "conflict-1", "{}").header("x-test-status", "409");
+    assert_eq!(conflict().send().await.unwrap().status(), 409);
+    let replayed = conflict().send().await.unwrap();
+    assert_eq!(replayed.status(), 409);
+    assert_eq!(header(&replayed, "idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.deliveries("/conflict").await.len(), 1);
+
     // The credential is hashed: not in the records, in any form.
     drop(proxy);
     let dir = records._dir.as_ref().unwrap().path().to_owned();

@@ -200,7 +200,7 @@ impl Upstream {
         match ended {
             Ended::Answered(response) => {
                 count("answered");
-                if RELEASED.contains(&response.status().as_u16()) {
+                if releases(response.status(), response.headers()) {
                     // "Try again later" is not the request's outcome.
                     idem.release_claim();
                 } else {
@@ -264,7 +264,7 @@ impl Upstream {
                     .downcast_ref::<http_body_util::LengthLimitError>()
                     .is_some();
                 if too_large
-                    && (parts.status.is_server_error() || RELEASED.contains(&parts.status.as_u16()))
+                    && (parts.status.is_server_error() || releases(parts.status, &parts.headers))
                 {
                     // An answer that frees the key anyway: its status is
                     // known, and passed on without its body, with the
@@ -386,6 +386,18 @@ const MIN_ATTEMPT: Duration = Duration::from_millis(10);
 /// Upstream answers that release the key instead of being stored: they say
 /// "try again later", not what became of the request.
 const RELEASED: &[u16] = &[408, 425, 429];
+
+/// Whether an upstream answer of `status` with `headers` releases the key
+/// instead of being stored: one of [`RELEASED`], or a `409` that says when
+/// to come back (`Retry-After`): the upstream's own "this operation is
+/// still in flight", as after a takeover that reached it while the first
+/// delivery still ran. Stored, it would answer every retry with `409` for
+/// the whole retention, although the operation completes upstream. A `409`
+/// without `Retry-After` is a conflict, the request's outcome: stored.
+fn releases(status: StatusCode, headers: &HeaderMap) -> bool {
+    RELEASED.contains(&status.as_u16())
+        || (status == StatusCode::CONFLICT && headers.contains_key(header::RETRY_AFTER))
+}
 
 /// `Retry-After` in whole seconds, rounded up (at least one): a client that
 /// waits that long finds the key free.
