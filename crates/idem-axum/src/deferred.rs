@@ -114,6 +114,11 @@ impl DeferredClaim {
         &self.inner.request.fingerprint
     }
 
+    /// What the layer asked to claim (with the policy's lease).
+    pub(crate) fn request(&self) -> &ClaimRequest {
+        &self.inner.request
+    }
+
     /// The claim made so far, if any.
     pub(crate) fn claimed(&self) -> Option<Idempotency> {
         self.inner

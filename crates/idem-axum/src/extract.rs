@@ -204,6 +204,13 @@ impl Idempotency {
     /// known: if the handler panics or its task is dropped in between (a
     /// process shutting down), the claim is kept rather than released, so
     /// no retry runs beside an effect that may still be going on.
+    ///
+    /// With a claim held by the handler's transaction
+    /// ([`DeferredClaim`](crate::DeferredClaim)), the transaction is the
+    /// claim's lease: once it ends nothing holds the key, so the layer
+    /// takes the key over for a lease as the handler returns (or panics).
+    /// A retry arriving between the transaction's end and the handler's
+    /// return is not held off: end the transaction just before answering.
     pub fn keep_claim(&self) {
         self.set_completion(Completion::Kept);
     }

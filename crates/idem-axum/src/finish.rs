@@ -25,6 +25,14 @@ pub(crate) async fn finish_result<E>(
 ) -> Result<Response, E> {
     match result {
         Ok(response) => Ok(finish(config, handle, &mut guard, response).await),
+        // A claim the handler kept (its outcome unknown) stays kept, as
+        // when its task is dropped: the service failing says no more.
+        Err(e) if handle.completion() == Completion::Kept => {
+            count(Outcome::Kept);
+            guard.disarm();
+            config.store.settled(guard.claim()).await;
+            Err(e)
+        }
         Err(e) => {
             guard.release_now().await;
             Err(e)
@@ -100,9 +108,17 @@ async fn finish(
     let (parts, body) = response.into_parts();
     let bytes = match body.collect().await {
         Ok(c) => c.to_bytes(),
+        // The handler answered a status that is its outcome (a status
+        // that releases returned above): its effect may have happened, and
+        // only the body to store is missing. Keep the claim, as when the
+        // store cannot take the answer: only a retry after the lease runs
+        // again, under the same operation id. (Released at once, the retry
+        // would run beside or after an effect that happened.)
         Err(e) => {
-            warn!(error = %e, "the handler's response body failed; releasing the claim");
-            guard.release_now().await;
+            warn!(error = %e, status, "the handler's response body failed after it answered; the claim stays until its lease runs out");
+            count(Outcome::Kept);
+            guard.disarm();
+            config.store.settled(guard.claim()).await;
             return IdempotencyRejection::ResponseUnreadable.into_response();
         }
     };

@@ -77,34 +77,37 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
 {
-    let store = config.store.clone();
-    let found = claim_until_decided(
-        &config.policy,
-        &request.fingerprint,
-        store.kind(),
-        || async {
-            let sent = std::time::Instant::now();
-            Ok(match store.claim(&request).await? {
-                ClaimOutcome::Acquired(claim) => Found::Acquired((claim, sent)),
-                ClaimOutcome::Existing(record) => Found::Existing(record),
-            })
-        },
-    )
-    .await;
-    let (claim, claimed_at) = match found {
-        Ok(claim) => claim,
-        Err(answer) => return Ok(answer),
-    };
-    claimed(&claim, false);
-    let handle = Idempotency::new(claim.clone(), config.policy.clone(), claimed_at);
-    parts.extensions.insert(handle.clone());
-    // The handler runs on a task of its own: a client that disconnects (or
-    // times out) does not cancel it half-way, so its answer is stored and
-    // the client's retry gets the replay. If the task itself is dropped or
-    // panics, the guard releases the claim.
+    // The claim and the handler run on a task of their own: a client that
+    // disconnects (or times out) cancels neither half-way. Not the handler,
+    // so its answer is stored and the client's retry gets the replay; nor
+    // the claim, whose store may have committed it before its answer came
+    // back: dropped then, it would leave the key held for a lease by a
+    // handler that never runs. If the task itself is dropped or panics,
+    // the guard releases the claim.
     let counted = idem_once::detached::Running::enter();
     let run = async move {
         let _counted = counted;
+        let store = config.store.clone();
+        let found = claim_until_decided(
+            &config.policy,
+            &request.fingerprint,
+            store.kind(),
+            || async {
+                let sent = std::time::Instant::now();
+                Ok(match store.claim(&request).await? {
+                    ClaimOutcome::Acquired(claim) => Found::Acquired((claim, sent)),
+                    ClaimOutcome::Existing(record) => Found::Existing(record),
+                })
+            },
+        )
+        .await;
+        let (claim, claimed_at) = match found {
+            Ok(claim) => claim,
+            Err(answer) => return Ok(answer),
+        };
+        claimed(&claim, false);
+        let handle = Idempotency::new(claim.clone(), config.policy.clone(), claimed_at);
+        parts.extensions.insert(handle.clone());
         let guard = ReleaseGuard::watching(config.store.clone(), &handle);
         let result = inner
             .call(Request::from_parts(parts, Body::from(bytes)))
@@ -156,17 +159,48 @@ where
             warn!("the handler answered without completing its record in its transaction (Idempotency::complete_in); the layer completes it now");
         }
         let guard = ReleaseGuard::watching(finish_config.store.clone(), &handle);
-        finish_result(&finish_config, &handle, guard, result).await
+        let finished = finish_result(&finish_config, &handle, guard, result).await;
+        if handle.completion() == Completion::Kept {
+            hold_kept(&*finish_config.store, deferred.request()).await;
+        }
+        finished
     };
     match tokio::spawn(run.in_current_span()).await {
         Ok(result) => result,
         Err(e) => {
             // The handler's transaction rolled back with it; a claim it had
-            // committed is released.
+            // committed is released, unless the handler kept it.
             if let Some(handle) = watched.claimed() {
-                release(&*config.store, handle.claim()).await;
+                if handle.completion() == Completion::Kept {
+                    hold_kept(&*config.store, watched.request()).await;
+                } else {
+                    release(&*config.store, handle.claim()).await;
+                }
             }
             Ok(handler_failed(&e))
+        }
+    }
+}
+
+/// A claim held by the handler's transaction, which the handler kept (its
+/// outcome unknown, [`Idempotency::keep_claim`]): the committed claim's
+/// lease ended as it was made (the transaction was its lease), so once the
+/// transaction ended nothing holds the key, and a retry would run at once
+/// beside an effect that may still be going on. Taken over now for a
+/// lease, under the same operation id: a retry before it ends gets `409`,
+/// one after it runs, as in the default mode.
+async fn hold_kept(store: &dyn idem_core::Store, request: &ClaimRequest) {
+    match store.claim(request).await {
+        Ok(ClaimOutcome::Acquired(held)) => {
+            debug!(key = ?held.key, "the kept claim is held for its lease");
+        }
+        // A retry got in between the transaction's end and this: it runs
+        // (under the same operation id), or the record answers.
+        Ok(ClaimOutcome::Existing(_)) => {
+            warn!(key = ?request.key, "the kept claim could not be held: another attempt has the key");
+        }
+        Err(e) => {
+            warn!(key = ?request.key, error = %e, "the kept claim could not be held for its lease; a retry may run at once");
         }
     }
 }

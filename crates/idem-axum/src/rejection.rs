@@ -61,7 +61,9 @@ pub enum IdempotencyRejection {
     StoreUnavailable,
     /// `500`: the handler panicked or was dropped; its claim was released.
     HandlerFailed,
-    /// `500`: the handler's response body could not be read (or stored).
+    /// `500`: the handler's response body could not be read (or stored);
+    /// the claim is kept until its lease runs out (the effect may have
+    /// happened).
     ResponseUnreadable,
     /// `500`: [`DeferredClaim::begin`](crate::DeferredClaim::begin) was
     /// called again after it succeeded.

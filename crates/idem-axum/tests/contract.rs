@@ -19,6 +19,21 @@ use idem_core::{Policy, RecordState, Store};
 use idem_memory::MemoryStore;
 use tower::ServiceExt;
 
+/// A response body that fails at its first read.
+struct BrokenBody;
+
+impl http_body::Body for BrokenBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(Some(Err(std::io::Error::other("the body broke"))))
+    }
+}
+
 #[derive(Clone, Default)]
 struct Runs(Arc<AtomicUsize>);
 
@@ -52,6 +67,9 @@ async fn handler(
             if let Some(idem) = &idem {
                 idem.keep_claim();
             }
+        } else if part == "broken-body" {
+            // The effect happened; the answer's body fails on the way out.
+            return (status, Body::new(BrokenBody)).into_response();
         }
     }
     (
@@ -402,6 +420,129 @@ async fn a_kept_claim_is_neither_stored_nor_released_until_its_lease_ends() {
     assert_eq!(json(&again)["takeover"], true);
     assert_eq!(json(&again)["operation_id"], json(&first)["operation_id"]);
     assert_eq!(h.runs.get(), 2);
+}
+
+/// The handler answered a status that is its outcome, and then its body
+/// failed: the effect may have happened, so the claim is neither released
+/// (a retry would run again at once) nor stored (there is nothing to
+/// replay): it is kept until its lease ends, then taken over under the
+/// same operation id. A status that releases (5xx) still releases.
+#[tokio::test]
+async fn a_body_that_fails_after_the_answer_keeps_the_claim_for_its_lease() {
+    let lease = Duration::from_millis(1500);
+    let h = harness(Policy::builder().lease(lease).build().unwrap());
+    let started = std::time::Instant::now();
+    let (status, headers, body) = send(&h.app, req_with("k-broken", "{}", "broken-body")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(problem_type(&headers, &body).ends_with("response-unreadable"));
+    let (held, _, _) = send(&h.app, req("k-broken", "{}")).await;
+    assert!(
+        started.elapsed() < lease,
+        "the machine stalled past the case's margin"
+    );
+    assert_eq!(
+        held,
+        StatusCode::CONFLICT,
+        "released: the retry ran at once"
+    );
+    assert_eq!(h.runs.get(), 1);
+    tokio::time::sleep(lease.saturating_sub(started.elapsed()) + Duration::from_millis(50)).await;
+    let (status, _, again) = send(&h.app, req("k-broken", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(json(&again)["takeover"], true);
+    assert_eq!(h.runs.get(), 2);
+
+    // A 5xx whose body fails releases, as any 5xx (passed on as it is).
+    let failed = h
+        .app
+        .clone()
+        .oneshot(req_with("k-broken-5xx", "{}", "status=503,broken-body"))
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    drop(failed);
+    let (status, _, _) = send(&h.app, req("k-broken-5xx", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+}
+
+/// The memory store, whose claims answer late: the claim is made at once,
+/// its answer comes back 300 ms later (a slow network on the way back).
+#[derive(Debug)]
+struct SlowClaimAnswers(Arc<MemoryStore>);
+
+impl Store for SlowClaimAnswers {
+    fn claim<'a>(
+        &'a self,
+        request: &'a idem_core::ClaimRequest,
+    ) -> idem_core::BoxFuture<'a, Result<idem_core::ClaimOutcome, idem_core::StoreError>> {
+        Box::pin(async move {
+            let outcome = self.0.claim(request).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            outcome
+        })
+    }
+    fn complete<'a>(
+        &'a self,
+        claim: &'a idem_core::Claim,
+        response: &'a idem_core::StoredResponse,
+    ) -> idem_core::BoxFuture<'a, Result<(), idem_core::StoreError>> {
+        self.0.complete(claim, response)
+    }
+    fn release<'a>(
+        &'a self,
+        claim: &'a idem_core::Claim,
+    ) -> idem_core::BoxFuture<'a, Result<(), idem_core::StoreError>> {
+        self.0.release(claim)
+    }
+    fn get<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> idem_core::BoxFuture<'a, Result<Option<idem_core::Record>, idem_core::StoreError>> {
+        self.0.get(scope, key)
+    }
+    fn sweep(&self, batch: usize) -> idem_core::BoxFuture<'_, Result<u64, idem_core::StoreError>> {
+        self.0.sweep(batch)
+    }
+}
+
+/// A client that gives up while its claim's answer is on the way back: the
+/// claim was made, and the request goes on without the client (the handler
+/// runs, its answer is stored), so the retry gets the replay. Dropped with
+/// the client, the claim held the key for a lease (30 s) with no handler.
+#[tokio::test]
+async fn a_client_gone_while_its_claim_is_answered_still_gets_its_answer_stored() {
+    let runs = Runs::default();
+    let store = Arc::new(SlowClaimAnswers(Arc::new(MemoryStore::new())));
+    let layer = IdempotencyLayer::new(store, Policy::default(), by_client_header());
+    let app = Router::new()
+        .route("/things", post(handler))
+        .layer(layer)
+        .with_state(runs.clone());
+    let gone = tokio::time::timeout(
+        Duration::from_millis(100),
+        app.clone().oneshot(req("k-gone", "{}")),
+    )
+    .await;
+    assert!(gone.is_err(), "the client gave up first");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while runs.get() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the handler never ran: the claim was dropped with the client"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let replay = loop {
+        let (status, headers, body) = send(&app, req("k-gone", "{}")).await;
+        if status != StatusCode::CONFLICT {
+            break (status, headers, body);
+        }
+        assert!(std::time::Instant::now() < deadline, "still in flight");
+    };
+    assert_eq!(replay.0, StatusCode::CREATED);
+    assert_eq!(replay.1["idempotent-replayed"], "true");
+    assert_eq!(runs.get(), 1);
 }
 
 #[tokio::test]

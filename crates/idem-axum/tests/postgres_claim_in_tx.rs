@@ -69,6 +69,16 @@ async fn create(
         .execute(&mut *tx)
         .await
         .unwrap();
+    if let Some(how) = header(&headers, "x-keep") {
+        // A call whose outcome is lost: the claim is kept, the transaction
+        // ended as the docs ask, and the answer is a 504.
+        idem.keep_claim();
+        tx.rollback().await.unwrap();
+        if how == "panic" {
+            panic!("the handler panics after keeping its claim");
+        }
+        return StatusCode::GATEWAY_TIMEOUT.into_response();
+    }
     tokio::time::sleep(Duration::from_millis(delay)).await;
     match header(&headers, "x-fail").as_deref() {
         Some("500") => {
@@ -322,6 +332,51 @@ async fn a_holder_stalled_past_its_lease_cannot_commit_and_the_retry_runs() {
     let (status, _, _) = send(&app, req("s").body(Body::from("{}")).unwrap()).await;
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(effects(&store).await.len(), 1);
+}
+
+/// A handler that keeps its claim (its outcome unknown) and ends its
+/// transaction, as the docs ask: the transaction was the claim's lease, so
+/// the layer holds the key for a lease afterwards. A retry before it ends
+/// gets `409` and runs nothing; one after it runs under the same operation
+/// id. Also when the handler panics after keeping it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_claim_holds_the_key_for_a_lease_after_its_transaction_ends() {
+    let lease = Duration::from_millis(1500);
+    let (app, store, _schema) = setup(Policy::builder().lease(lease).build().unwrap()).await;
+    for (key, how) in [("kept", "answer"), ("kept-panic", "panic")] {
+        let started = std::time::Instant::now();
+        let (status, _, _) = send(
+            &app,
+            req(key)
+                .header("x-keep", how)
+                .body(Body::from("{}"))
+                .unwrap(),
+        )
+        .await;
+        let want = if how == "panic" {
+            StatusCode::INTERNAL_SERVER_ERROR
+        } else {
+            StatusCode::GATEWAY_TIMEOUT
+        };
+        assert_eq!(status, want, "{key}");
+        let (status, headers, body) = send(&app, req(key).body(Body::from("{}")).unwrap()).await;
+        assert!(
+            started.elapsed() < lease,
+            "the machine stalled past the case's margin"
+        );
+        assert_eq!(
+            status,
+            StatusCode::CONFLICT,
+            "{key}: a retry inside the lease ran: {headers:?} {body}"
+        );
+        let record = store.get("t", key).await.unwrap().unwrap();
+        assert!(matches!(record.state, RecordState::InProgress { .. }));
+        tokio::time::sleep(lease.saturating_sub(started.elapsed()) + Duration::from_millis(200))
+            .await;
+        let (status, _, body) = send(&app, req(key).body(Body::from("{}")).unwrap()).await;
+        assert_eq!(status, StatusCode::CREATED, "{key}: {body}");
+        assert_eq!(body, format!("op {}", record.operation_id), "{key}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
