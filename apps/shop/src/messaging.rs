@@ -217,12 +217,18 @@ impl Messaging {
                     let spec = idem_rabbitmq::QueueSpec::new(dest.clone()).max_deliveries(5);
                     spec.declare(&publisher.channel()).await?;
                     let url = url.to_owned();
+                    // The prefetch window no larger than the handlers: what
+                    // the broker sent and no handler took goes back to the
+                    // queue when the consumer stops, and a quorum queue
+                    // counts that return as a delivery (of the 5).
+                    let prefetch = u16::try_from(concurrency.get()).unwrap_or(u16::MAX);
                     let open: OpenConsumer = Arc::new(move || {
                         let (url, spec) = (url.clone(), spec.clone());
                         Box::pin(async move {
-                            let consumer = idem_rabbitmq::RabbitConsumer::connect(&url, spec, 32)
-                                .await?
-                                .concurrency(concurrency);
+                            let consumer =
+                                idem_rabbitmq::RabbitConsumer::connect(&url, spec, prefetch)
+                                    .await?
+                                    .concurrency(concurrency);
                             Ok(Box::new(consumer) as Box<dyn Consumer>)
                         })
                     });

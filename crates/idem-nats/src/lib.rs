@@ -274,45 +274,62 @@ fn unsendable(m: &OutgoingMessage) -> Option<String> {
     })
 }
 
+/// How many publishes a batch keeps waiting for their acks at once.
+/// async-nats lets a context wait for at most 5,000 acks (its
+/// `max_ack_inflight`): a send past that waits for an ack to be taken,
+/// which a batch that sends everything before it takes any never does.
+/// Well below it, so that publishers sharing one context fit too.
+const ACKS_AT_ONCE: usize = 1_000;
+
 impl Publisher for NatsPublisher {
-    /// Sends the whole batch, then waits for every ack.
+    /// Sends the batch a thousand messages at a time, each thousand's acks
+    /// waited for before the next is sent.
     fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
         Box::pin(async move {
-            let mut pending = Vec::with_capacity(batch.len());
-            for m in batch {
-                // Refused here rather than panicking in the NATS client:
-                // one such row must not stop the relay.
-                if let Some(why) = unsendable(m) {
-                    pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
-                    continue;
-                }
-                let mut message = jetstream::message::PublishMessage::build()
-                    .message_id(&m.message_id)
-                    .payload(m.payload.clone());
-                for (k, v) in &m.headers {
-                    message = message.header(k.as_str(), v.as_str());
-                }
-                pending.push(Ok(self
-                    .js
-                    .send_publish(m.destination.clone(), message)
-                    .await));
-            }
             let mut published = Published::default();
-            for (m, sent) in batch.iter().zip(pending) {
-                published.record(
-                    &m.message_id,
-                    match sent {
-                        Err(refused) => Err(refused),
-                        Ok(Ok(ack)) => ack
-                            .await
-                            .map(drop)
-                            .map_err(|e| PublishError::new(ack_failure(&e), e.to_string())),
-                        Ok(Err(e)) => Err(PublishError::new(send_failure(e.kind()), e.to_string())),
-                    },
-                );
+            for chunk in batch.chunks(ACKS_AT_ONCE) {
+                self.publish_chunk(chunk, &mut published).await;
             }
             published
         })
+    }
+}
+
+impl NatsPublisher {
+    /// Sends `chunk` whole, then waits for every ack, recording each.
+    async fn publish_chunk(&self, chunk: &[OutgoingMessage], published: &mut Published) {
+        let mut pending = Vec::with_capacity(chunk.len());
+        for m in chunk {
+            // Refused here rather than panicking in the NATS client: one
+            // such row must not stop the relay.
+            if let Some(why) = unsendable(m) {
+                pending.push(Err(PublishError::new(PublishErrorKind::Rejected, why)));
+                continue;
+            }
+            let mut message = jetstream::message::PublishMessage::build()
+                .message_id(&m.message_id)
+                .payload(m.payload.clone());
+            for (k, v) in &m.headers {
+                message = message.header(k.as_str(), v.as_str());
+            }
+            pending.push(Ok(self
+                .js
+                .send_publish(m.destination.clone(), message)
+                .await));
+        }
+        for (m, sent) in chunk.iter().zip(pending) {
+            published.record(
+                &m.message_id,
+                match sent {
+                    Err(refused) => Err(refused),
+                    Ok(Ok(ack)) => ack
+                        .await
+                        .map(drop)
+                        .map_err(|e| PublishError::new(ack_failure(&e), e.to_string())),
+                    Ok(Err(e)) => Err(PublishError::new(send_failure(e.kind()), e.to_string())),
+                },
+            );
+        }
     }
 }
 

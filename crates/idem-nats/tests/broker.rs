@@ -226,6 +226,27 @@ async fn a_message_nats_cannot_carry_is_refused_not_a_panic() {
     }
 }
 
+/// A batch larger than the acks the NATS client lets one context wait for
+/// at once (5,000): sent a thousand at a time, every message is confirmed.
+/// Sent whole before any ack is taken, the 5,001st send waited for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_past_the_client_s_acks_in_flight_is_confirmed_whole() {
+    use idem_outbox::outbox::OutgoingMessage;
+    let n = jetstream(3).await;
+    let to = n.spec.subject().to_owned();
+    let batch: Vec<OutgoingMessage> = (0..6_500)
+        .map(|i| OutgoingMessage::new(format!("big-{i}"), to.clone(), "x"))
+        .collect();
+    let published = tokio::time::timeout(Duration::from_secs(60), n.publisher.publish(&batch))
+        .await
+        .expect("the batch still waits after 60 s");
+    assert!(
+        published.all_confirmed(&batch),
+        "{} said of",
+        published.len()
+    );
+}
+
 /// A `nats-server` with JetStream of the test's own, on a free port, its
 /// store in `dir`; killed when dropped.
 struct OwnServer(std::process::Child);

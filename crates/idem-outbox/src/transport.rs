@@ -17,24 +17,43 @@ use tracing::{debug, warn};
 use crate::consumer::{ConsumeError, Consumer, Delivery, Handler, InFlight};
 use crate::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
 
+/// What became of a delivery, as its publisher learns it.
+#[derive(Debug)]
+enum Settled {
+    /// Processed.
+    Acked,
+    /// Its handler failed, for this reason.
+    Failed(String),
+    /// Never handed to a handler: the consumer stopped first.
+    Unhandled,
+}
+
 /// A message handed to an in-process subscriber, to acknowledge or fail.
 #[derive(Debug)]
 pub struct InProcessDelivery {
     /// The message.
     pub message: OutgoingMessage,
-    done: oneshot::Sender<Result<(), String>>,
+    done: oneshot::Sender<Settled>,
 }
 
 impl InProcessDelivery {
     /// The message was processed: the relay may mark it sent.
     pub fn ack(self) {
-        let _ = self.done.send(Ok(()));
+        let _ = self.done.send(Settled::Acked);
     }
 
     /// The message failed: the relay retries it later (and dead-letters it
-    /// after its attempts). Dropping a delivery unacknowledged fails it too.
+    /// after its attempts). Dropping a delivery unacknowledged fails it too
+    /// (a handler that panicked).
     pub fn fail(self, reason: impl Into<String>) {
-        let _ = self.done.send(Err(reason.into()));
+        let _ = self.done.send(Settled::Failed(reason.into()));
+    }
+
+    /// The consumer stopped before handing the message to its handler: the
+    /// relay sends it again later without counting an attempt (nothing
+    /// failed; a broker returning an unhandled message counts none either).
+    pub fn unhandled(self) {
+        let _ = self.done.send(Settled::Unhandled);
     }
 
     /// Whether the publisher stopped waiting for this delivery (its batch
@@ -90,7 +109,7 @@ impl InProcess {
 
 impl Publisher for InProcess {
     fn publish<'a>(&'a self, batch: &'a [OutgoingMessage]) -> BoxFuture<'a, Published> {
-        let pending: Vec<Result<oneshot::Receiver<Result<(), String>>, PublishError>> = {
+        let pending: Vec<Result<oneshot::Receiver<Settled>, PublishError>> = {
             let senders = self.senders.lock().unwrap_or_else(|e| e.into_inner());
             batch
                 .iter()
@@ -129,10 +148,16 @@ impl Publisher for InProcess {
                     match p {
                         Err(e) => Err(e),
                         Ok(acked) => match tokio::time::timeout_at(deadline, acked).await {
-                            Ok(Ok(Ok(()))) => Ok(()),
-                            Ok(Ok(Err(reason))) => {
+                            Ok(Ok(Settled::Acked)) => Ok(()),
+                            Ok(Ok(Settled::Failed(reason))) => {
                                 Err(PublishError::new(PublishErrorKind::Rejected, reason))
                             }
+                            // The consumer stopped first: as a broker that
+                            // is away, sent again, no attempt used up.
+                            Ok(Ok(Settled::Unhandled)) => Err(PublishError::new(
+                                PublishErrorKind::BrokerDown,
+                                "the consumer stopped before handling it",
+                            )),
                             Ok(Err(_)) => Err(PublishError::new(
                                 PublishErrorKind::Unconfirmed,
                                 "the consumer dropped the message unacknowledged",
@@ -173,6 +198,18 @@ pub struct InProcessConsumer {
     destination: String,
     rx: mpsc::UnboundedReceiver<InProcessDelivery>,
     concurrency: NonZeroUsize,
+}
+
+impl Drop for InProcessConsumer {
+    /// The deliveries still queued (the consumer stopped, or ended on an
+    /// error) go back unhandled: their publisher sends them again without
+    /// counting an attempt.
+    fn drop(&mut self) {
+        self.rx.close();
+        while let Ok(delivery) = self.rx.try_recv() {
+            delivery.unhandled();
+        }
+    }
 }
 
 impl InProcessConsumer {
@@ -275,6 +312,48 @@ mod tests {
         (0..n)
             .filter(|i| published.confirmed(&format!("m-{i}")))
             .count()
+    }
+
+    /// A consumer that stops with deliveries still queued gives them back
+    /// unhandled: their publisher is told what a broker that is away says
+    /// (sent again, no attempt used up), not a failure that counts one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deliveries_queued_when_the_consumer_stops_come_back_unhandled() {
+        let transport = Arc::new(InProcess::new().ack_timeout(Duration::from_secs(20)));
+        let consumer = transport.consumer("d");
+        let started = Arc::new(tokio::sync::Notify::new());
+        let s = started.clone();
+        let on_message = handler(move |_d: Delivery| {
+            let s = s.clone();
+            async move {
+                s.notify_one();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Ok(())
+            }
+        });
+        let (stop_tx, stop) = watch::channel(false);
+        let task = tokio::spawn(Box::new(consumer).consume(on_message, stop));
+        let t = transport.clone();
+        let publishing = tokio::spawn(async move { t.publish(&batch("d", 5)).await });
+        started.notified().await;
+        stop_tx.send(true).unwrap();
+        task.await.unwrap().unwrap();
+        let published = tokio::time::timeout(Duration::from_secs(20), publishing)
+            .await
+            .expect("every delivery settles")
+            .unwrap();
+        assert!(
+            published.confirmed("m-0"),
+            "the one in progress settles first"
+        );
+        for i in 1..5 {
+            let e = published
+                .get(&format!("m-{i}"))
+                .unwrap()
+                .as_ref()
+                .unwrap_err();
+            assert_eq!(e.kind(), PublishErrorKind::BrokerDown, "m-{i}: {e:?}");
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

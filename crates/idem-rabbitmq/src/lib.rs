@@ -41,7 +41,7 @@ use idem_core::BoxFuture;
 use idem_outbox::consumer::{ConsumeError, Consumer, Delivery, Handler, InFlight};
 use idem_outbox::outbox::{OutgoingMessage, PublishError, PublishErrorKind, Published, Publisher};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, BasicRejectOptions,
     ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -624,6 +624,14 @@ fn delivery_count(headers: Option<&FieldTable>) -> u32 {
 
 impl RabbitConsumer {
     /// Connects, declares the queues, and sets the prefetch window.
+    ///
+    /// Keep the window near the [`concurrency`](Self::concurrency):
+    /// deliveries the broker sent that no handler took yet go back to the
+    /// queue when the consumer stops (a deploy, a reconnect), and a quorum
+    /// queue counts such a return as a delivery (before RabbitMQ 4.3 every
+    /// return, from 4.3 a channel closed), so a window far above the
+    /// concurrency spends the delivery limit of messages that never ran on
+    /// every stop. `shop` sets it to its concurrency.
     pub async fn connect(uri: &str, spec: QueueSpec, prefetch: u16) -> Result<Self, RabbitError> {
         let connection = Connection::connect(uri, ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
@@ -737,12 +745,15 @@ impl RabbitConsumer {
                             _ = stopping.wait_for(|stop| *stop) => {}
                             () = closed => {}
                         }
+                        // `basic.reject`, not `basic.nack`: from RabbitMQ
+                        // 4.3 only a reject counts as a failed delivery
+                        // (`x-delivery-count`, what `x-delivery-limit`
+                        // dead-letters by); a nack is a return that counts
+                        // nothing, and a poison message would cycle for
+                        // ever. Older servers count both alike.
                         delivery
                             .acker
-                            .nack(BasicNackOptions {
-                                requeue: true,
-                                ..BasicNackOptions::default()
-                            })
+                            .reject(BasicRejectOptions { requeue: true })
                             .await?;
                     }
                 }
