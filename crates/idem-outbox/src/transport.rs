@@ -233,9 +233,13 @@ impl Consumer for InProcessConsumer {
             let mut in_flight = InFlight::<ConsumeError>::new(self.concurrency);
             loop {
                 in_flight.ready().await?;
+                // A stop first: once asked to stop, no new delivery is
+                // taken (those queued come back unhandled when the consumer
+                // is dropped).
                 let next = tokio::select! {
-                    d = self.rx.recv() => d,
+                    biased;
                     _ = stop.changed() => None,
+                    d = self.rx.recv() => d,
                 };
                 let Some(delivery) = next else {
                     return in_flight.drain().await;
@@ -327,7 +331,8 @@ mod tests {
             let s = s.clone();
             async move {
                 s.notify_one();
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // Long enough that the stop comes while the first runs.
+                tokio::time::sleep(Duration::from_secs(2)).await;
                 Ok(())
             }
         });
