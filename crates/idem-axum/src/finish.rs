@@ -29,8 +29,7 @@ pub(crate) async fn finish_result<E>(
         // when its task is dropped: the service failing says no more.
         Err(e) if handle.completion() == Completion::Kept => {
             count(Outcome::Kept);
-            guard.disarm();
-            config.store.settled(guard.claim()).await;
+            guard.leave().await;
             Err(e)
         }
         Err(e) => {
@@ -64,8 +63,7 @@ async fn finish(
             status,
             "the outcome is unknown; the claim is kept until its lease runs out"
         );
-        guard.disarm();
-        config.store.settled(guard.claim()).await;
+        guard.leave().await;
         return response;
     }
     // The layer's own "in flight" answer, returned by a handler (a step an
@@ -92,15 +90,13 @@ async fn finish(
     match handle.completion() {
         Completion::InTransaction => {
             debug!(status, "completed in the handler's transaction");
-            guard.disarm();
-            config.store.settled(guard.claim()).await;
+            guard.leave().await;
             return response;
         }
         Completion::Lost => {
             count(Outcome::ClaimLost);
             warn!("the handler's claim was taken over; nothing stored");
-            guard.disarm();
-            config.store.settled(guard.claim()).await;
+            guard.leave().await;
             return response;
         }
         Completion::ByLayer | Completion::Kept | Completion::Released => {}
@@ -117,8 +113,7 @@ async fn finish(
         Err(e) => {
             warn!(error = %e, status, "the handler's response body failed after it answered; the claim stays until its lease runs out");
             count(Outcome::Kept);
-            guard.disarm();
-            config.store.settled(guard.claim()).await;
+            guard.leave().await;
             return IdempotencyRejection::ResponseUnreadable.into_response();
         }
     };
@@ -189,6 +184,14 @@ impl ReleaseGuard {
 
     fn disarm(&mut self) {
         self.armed = false;
+    }
+
+    /// Leaves the claim as it stands (completed, kept, or lost to another
+    /// attempt): neither released nor completed here, and the store told
+    /// this process is done with it.
+    async fn leave(&mut self) {
+        self.armed = false;
+        self.store.settled(self.handle.claim()).await;
     }
 
     async fn release_now(&mut self) {

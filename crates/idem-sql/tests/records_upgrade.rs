@@ -34,6 +34,16 @@ fn now_ms() -> i64 {
     idem_core::UnixMillis::now().0
 }
 
+/// The insert of an old row as a version-1 idem wrote it on SQLite and
+/// MySQL (times in ms): in progress, its lease over, no shortest retention.
+/// Binds: fingerprint, operation id, locked_until, created_at, expires_at.
+fn old_row(key_column: &str) -> String {
+    format!(
+        "INSERT INTO idem_records (scope, {key_column}, fingerprint, operation_id, token, state, \
+         locked_until, created_at, expires_at) VALUES ('s', 'old', ?, ?, 7, 'in_progress', ?, ?, ?)"
+    )
+}
+
 /// What an upgraded table must do, `store` on it holding the old row `old`
 /// (in progress, its lease over, made without the column).
 async fn upgraded<D: RecordDialect>(store: SqlStore<D>) {
@@ -74,18 +84,15 @@ async fn sqlite_upgrades_a_table_made_before_the_shortest_retention() {
         .await
         .unwrap();
     let now = now_ms();
-    sqlx::query(
-        "INSERT INTO idem_records (scope, key, fingerprint, operation_id, token, state, \
-         locked_until, created_at, expires_at) VALUES ('s', 'old', ?, ?, 7, 'in_progress', ?, ?, ?)",
-    )
-    .bind(fingerprint().as_bytes().to_vec())
-    .bind(OPERATION)
-    .bind(now - 1000)
-    .bind(now - 2000)
-    .bind(now + 3_600_000)
-    .execute(&pool)
-    .await
-    .unwrap();
+    sqlx::query(&old_row("key"))
+        .bind(fingerprint().as_bytes().to_vec())
+        .bind(OPERATION)
+        .bind(now - 1000)
+        .bind(now - 2000)
+        .bind(now + 3_600_000)
+        .execute(&pool)
+        .await
+        .unwrap();
     pool.close().await;
     let store = SqlStore::<Sqlite>::connect(&url).await.unwrap();
     upgraded(store).await;
@@ -127,18 +134,15 @@ async fn mysql_upgrades_a_table_made_before_the_shortest_retention_also_after_a_
         .await
         .unwrap();
     let now = now_ms();
-    sqlx::query(
-        "INSERT INTO idem_records (scope, `key`, fingerprint, operation_id, token, state, \
-         locked_until, created_at, expires_at) VALUES ('s', 'old', ?, ?, 7, 'in_progress', ?, ?, ?)",
-    )
-    .bind(fingerprint().as_bytes().to_vec())
-    .bind(OPERATION)
-    .bind(now - 1000)
-    .bind(now - 2000)
-    .bind(now + 3_600_000)
-    .execute(&pool)
-    .await
-    .unwrap();
+    sqlx::query(&old_row("`key`"))
+        .bind(fingerprint().as_bytes().to_vec())
+        .bind(OPERATION)
+        .bind(now - 1000)
+        .bind(now - 2000)
+        .bind(now + 3_600_000)
+        .execute(&pool)
+        .await
+        .unwrap();
     // Version 2's change made, its row not recorded: a runner stopped
     // between the two (MySQL commits DDL by itself).
     let v2 = migrations
