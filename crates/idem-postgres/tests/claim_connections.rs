@@ -174,3 +174,72 @@ async fn a_small_pool_keeps_a_connection_for_the_application() {
         "both claim connections kept, none for the application: {conn:?}"
     );
 }
+
+/// A pool's `close` waits for every connection checked out; the ones the
+/// store keeps for its claims are handed back when it is called, so a
+/// shutdown that closes the pool ends. A claim after the close fails as
+/// an outage, never running on a kept connection.
+#[tokio::test]
+async fn closing_the_pool_hands_the_claim_connections_back() {
+    let schema = TestSchema::create("idem_claim_close").await;
+    let store = std::sync::Arc::new(store_on(small_pool(8).await, &schema).await);
+    // Claims at once, so that several connections are kept.
+    let claims: Vec<_> = (0..8)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&request(&format!("k{i}"))).await })
+        })
+        .collect();
+    for claim in claims {
+        assert!(matches!(
+            claim.await.unwrap().unwrap(),
+            ClaimOutcome::Acquired(_)
+        ));
+    }
+    assert!(
+        store.pool().size() > store.pool().num_idle() as u32,
+        "connections are kept for claims"
+    );
+
+    // Claims keep running while the pool closes: each either ran before
+    // the close or fails, and none keeps its connection past it.
+    let racing: Vec<_> = (0..4)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut outcomes = Vec::new();
+                for j in 0..50 {
+                    outcomes.push(store.claim(&request(&format!("r{i}-{j}"))).await);
+                }
+                outcomes
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    tokio::time::timeout(Duration::from_secs(30), store.pool().close())
+        .await
+        .expect("the pool's close ends although claims kept connections");
+    for racing in racing {
+        for outcome in racing.await.unwrap() {
+            if let Err(e) = outcome {
+                assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+            }
+        }
+    }
+    // (sqlx's close may return while a claim that was running still had
+    // its connection; that one is closed as it comes back.) Nothing is
+    // kept: every connection of the pool ends.
+    let ended = async {
+        while store.pool().size() > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), ended)
+        .await
+        .expect("no connection is kept past the close");
+    let after = store.claim(&request("after")).await;
+    assert!(
+        matches!(after, Err(StoreError::Unavailable(_))),
+        "a claim after the close: {after:?}"
+    );
+}

@@ -16,8 +16,14 @@
 //! claims kept checked out would otherwise hold the whole pool idle. (The
 //! bound is each store's: two stores on one small pool keep up to that many
 //! each.)
+//!
+//! A pool's `close` waits for every connection checked out, so the kept
+//! ones are handed back as soon as it is called: a task started with the
+//! first kept connection waits for the pool's close event, and once the
+//! pool is closed nothing is kept and no claim takes a kept one.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use sqlx::pool::PoolConnection;
@@ -34,10 +40,18 @@ use super::IDLE_CHECK_AFTER;
 /// a pool of this many or fewer keeps one less than it has for claims.
 pub const CLAIM_CONNECTIONS: usize = 4;
 
+type Idle = Mutex<Vec<(PoolConnection<Postgres>, Instant)>>;
+
 #[derive(Debug)]
 pub(crate) struct ClaimConnections {
     permits: Semaphore,
-    idle: Mutex<Vec<(PoolConnection<Postgres>, Instant)>>,
+    idle: Arc<Idle>,
+    /// Whether the task that hands the kept connections back when the pool
+    /// closes has started.
+    watching: AtomicBool,
+    /// Ends that task when the store goes (dropped with it).
+    _store_gone: tokio::sync::watch::Sender<()>,
+    store_gone: tokio::sync::watch::Receiver<()>,
 }
 
 /// A claim connection in use. [`Checkout::keep`] keeps it for the next
@@ -46,6 +60,7 @@ pub(crate) struct ClaimConnections {
 pub(crate) struct Checkout<'a> {
     conn: PoolConnection<Postgres>,
     home: &'a ClaimConnections,
+    pool: &'a PgPool,
     /// How many connections may be kept for claims: [`CLAIM_CONNECTIONS`],
     /// fewer in a pool too small to spare them.
     keep_at_most: usize,
@@ -59,26 +74,65 @@ impl Checkout<'_> {
 
     /// Keeps the connection for the next claim, or, if as many as the pool
     /// can spare are kept already, gives it back to the pool.
+    /// Nothing is kept once the pool is closed: the connection goes back,
+    /// so the pool's close is not left waiting for it.
     pub(crate) fn keep(self) {
-        if let Ok(mut idle) = self.home.idle.lock() {
-            if idle.len() < self.keep_at_most {
-                idle.push((self.conn, Instant::now()));
-            }
+        let Ok(mut idle) = self.home.idle.lock() else {
+            return;
+        };
+        // Checked under the lock the close's hand-back takes: either this
+        // sees the pool closed, or the hand-back, which locks after the
+        // pool is marked closed, finds the connection pushed here.
+        if self.pool.is_closed() || idle.len() >= self.keep_at_most {
+            return;
         }
+        if !self.home.watching.load(Ordering::Acquire)
+            && !self.home.watching.swap(true, Ordering::AcqRel)
+        {
+            self.home.watch(self.pool);
+        }
+        idle.push((self.conn, Instant::now()));
     }
 }
 
 impl ClaimConnections {
     pub(crate) fn new() -> Self {
+        let (store_gone_tx, store_gone) = tokio::sync::watch::channel(());
         Self {
             permits: Semaphore::new(CLAIM_CONNECTIONS),
-            idle: Mutex::new(Vec::new()),
+            idle: Arc::new(Mutex::new(Vec::new())),
+            watching: AtomicBool::new(false),
+            _store_gone: store_gone_tx,
+            store_gone,
         }
+    }
+
+    /// Starts the task that hands the kept connections back to `pool` when
+    /// it closes. The close event is taken here, before any connection is
+    /// kept, so a close from now on is not missed; the task holds neither
+    /// the pool nor the store, and ends when the store goes.
+    fn watch(&self, pool: &PgPool) {
+        let closed = pool.close_event();
+        let idle = Arc::downgrade(&self.idle);
+        let mut store_gone = self.store_gone.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = closed => {
+                    if let Some(idle) = idle.upgrade() {
+                        drop(take_all(&idle));
+                    }
+                }
+                _ = store_gone.changed() => {}
+            }
+        });
     }
 
     /// A connection for one claim: a kept one (checked if it sat idle), or
     /// a new one from the pool.
-    pub(crate) async fn checkout(&self, pool: &PgPool) -> Result<Checkout<'_>, sqlx::Error> {
+    pub(crate) async fn checkout<'a>(
+        &'a self,
+        pool: &'a PgPool,
+    ) -> Result<Checkout<'a>, sqlx::Error> {
         let timeout = pool.options().get_acquire_timeout();
         let spare = pool.options().get_max_connections().saturating_sub(1);
         let keep_at_most = CLAIM_CONNECTIONS.min(usize::try_from(spare).unwrap_or(usize::MAX));
@@ -87,6 +141,10 @@ impl ClaimConnections {
             .map_err(|_| sqlx::Error::PoolTimedOut)?
             .map_err(|_| sqlx::Error::PoolClosed)?;
         loop {
+            if pool.is_closed() {
+                drop(take_all(&self.idle));
+                return Err(sqlx::Error::PoolClosed);
+            }
             // The most recently used first: the likeliest to be alive.
             let kept = self.idle.lock().ok().and_then(|mut idle| idle.pop());
             let Some((mut conn, since)) = kept else {
@@ -94,6 +152,7 @@ impl ClaimConnections {
                 return Ok(Checkout {
                     conn,
                     home: self,
+                    pool,
                     keep_at_most,
                     _permit: permit,
                 });
@@ -102,6 +161,7 @@ impl ClaimConnections {
                 return Ok(Checkout {
                     conn,
                     home: self,
+                    pool,
                     keep_at_most,
                     _permit: permit,
                 });
@@ -110,4 +170,12 @@ impl ClaimConnections {
             // next.
         }
     }
+}
+
+/// Every kept connection, taken out under the lock; dropped by the caller
+/// outside it, each goes back to its pool.
+fn take_all(idle: &Idle) -> Vec<(PoolConnection<Postgres>, Instant)> {
+    idle.lock()
+        .map(|mut idle| std::mem::take(&mut *idle))
+        .unwrap_or_default()
 }
