@@ -8,8 +8,11 @@
 //! migration's text: each of idem's tables has its own list of versions,
 //! and an applied migration whose text has changed since is refused
 //! ([`MigrateError::Changed`]), as sqlx refuses one, rather than silently
-//! leaving a table that is not what the code expects. Concurrent runners
-//! (several instances starting at once) wait for each other.
+//! leaving a table that is not what the code expects; so is a table with a
+//! version applied that the code does not know ([`MigrateError::Newer`]: a
+//! newer idem migrated it, and this one would not keep what it added).
+//! Concurrent runners (several instances starting at once) wait for each
+//! other.
 //!
 //! On SQLite and PostgreSQL every migration runs in a transaction with the
 //! row that records it, so it is applied once or not at all. MySQL commits
@@ -83,6 +86,28 @@ pub enum MigrateError {
         applied: String,
         /// The checksum of its text now.
         now: String,
+    },
+    /// The table has versions applied that this code does not know: a
+    /// newer idem migrated it. Nothing was changed. This code would not
+    /// keep what those versions added (version 2 of the records, for one,
+    /// adds the shortest retention run-once judges by, which version 1
+    /// leaves as it is), so it refuses the table rather than use it
+    /// quietly: run the newer version (or one newer still). A deliberate
+    /// rollback that accepts the loss can match this error and go on when
+    /// `missing` is empty: every version this code knows is applied.
+    #[error(
+        "table {table} has migration(s) {newer:?} applied, which this build of idem does not          know (it knows up to {known}): a newer idem migrated it, and this one would not keep          what those versions added; run that version or a newer one"
+    )]
+    Newer {
+        /// The table.
+        table: String,
+        /// The applied versions this code does not know, ascending.
+        newer: Vec<i64>,
+        /// The highest version this code knows.
+        known: i64,
+        /// The versions this code knows that are not applied (none, unless
+        /// the table's history was edited by hand), ascending.
+        missing: Vec<i64>,
     },
     /// The table cannot live on this database (a schema on SQLite).
     #[error("table {table}: {reason}")]
@@ -172,7 +197,9 @@ impl<D: Dialect> VersionSql<D> {
 /// Applies what is missing of `migrations` to `table` on `conn`, which
 /// holds the migrations' lock (and, where DDL is transactional, a
 /// transaction). An applied version recorded without a checksum (by idem
-/// before checksums) adopts its current text's.
+/// before checksums) adopts its current text's. Every applied version's
+/// text is checked first, then that no applied version is unknown here
+/// ([`MigrateError::Newer`]); only then is anything applied.
 pub(crate) async fn apply<D: Dialect>(
     conn: &mut Conn<D>,
     sql: &VersionSql<D>,
@@ -195,18 +222,41 @@ pub(crate) async fn apply<D: Dialect>(
     }
     let mut ordered: Vec<&Migration> = migrations.iter().collect();
     ordered.sort_by_key(|m| m.version);
-    for m in ordered {
-        let now = m.checksum();
-        match applied.iter().find(|(v, _)| *v == m.version) {
-            Some((_, Some(was))) if *was == now => {}
-            Some((_, Some(was))) => {
+    for m in &ordered {
+        if let Some((_, Some(was))) = applied.iter().find(|(v, _)| *v == m.version) {
+            let now = m.checksum();
+            if *was != now {
                 return Err(MigrateError::Changed {
                     table: table.to_string(),
                     version: m.version,
                     applied: was.clone(),
                     now,
-                })
+                });
             }
+        }
+    }
+    let mut newer: Vec<i64> = applied
+        .iter()
+        .map(|(v, _)| *v)
+        .filter(|v| !ordered.iter().any(|m| m.version == *v))
+        .collect();
+    if !newer.is_empty() {
+        newer.sort_unstable();
+        return Err(MigrateError::Newer {
+            table: table.to_string(),
+            newer,
+            known: ordered.last().map_or(0, |m| m.version),
+            missing: ordered
+                .iter()
+                .map(|m| m.version)
+                .filter(|k| !applied.iter().any(|(v, _)| v == k))
+                .collect(),
+        });
+    }
+    for m in ordered {
+        let now = m.checksum();
+        match applied.iter().find(|(v, _)| *v == m.version) {
+            Some((_, Some(_))) => {}
             Some((_, None)) => {
                 let args = [Arg::Text(name), Arg::Int(m.version), Arg::Text(&now)];
                 D::execute(conn, &sql.adopt, &args).await.map_err(&db)?;

@@ -1,6 +1,7 @@
 //! The one migration runner, on the three databases: records, outbox and
 //! inbox share one version table; each migration applies once, also when
-//! runners race; an applied migration whose text changed is refused;
+//! runners race; an applied migration whose text changed is refused, and
+//! so is a table a newer idem migrated;
 //! SQLite's old version table is upgraded in place. And what each
 //! database's errors mean.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -280,6 +281,115 @@ async fn a_changed_migration_is_refused_on_every_database() {
             .await
             .unwrap_err(),
     );
+    my.close().await;
+}
+
+/// A table a newer idem migrated (a version this code does not know) is
+/// refused, on `pool`, and nothing is applied: not even a version this
+/// code knows that the table lacks. `t` must be new; `exists` says whether
+/// a table of that name is there.
+async fn a_newer_table_is_refused<DB: idem_sql::Driver>(
+    pool: &sqlx::Pool<DB>,
+    t: &TableName,
+    exists: impl AsyncFn(&str) -> bool,
+) {
+    let v = |version, sql| Migration { version, sql };
+    let newer: &[Migration] = &[
+        v(1, "CREATE TABLE {table} (id VARCHAR(10) PRIMARY KEY)"),
+        v(3, "CREATE TABLE {name}_three (id VARCHAR(10) PRIMARY KEY)"),
+    ];
+    migrate::<DB::Dialect>(pool, t, newer).await.unwrap();
+    // An older build: it knows 1 and 2, not 3.
+    let older: &[Migration] = &[
+        newer[0],
+        v(2, "CREATE TABLE {name}_two (id VARCHAR(10) PRIMARY KEY)"),
+    ];
+    let err = migrate::<DB::Dialect>(pool, t, older).await.unwrap_err();
+    let MigrateError::Newer {
+        newer: unknown,
+        known,
+        missing,
+        ..
+    } = &err
+    else {
+        panic!("expected Newer, got {err}");
+    };
+    assert_eq!(
+        (unknown.as_slice(), *known, missing.as_slice()),
+        (&[3][..], 2, &[2][..])
+    );
+    assert!(
+        err.to_string().contains("a newer idem migrated it"),
+        "{err}"
+    );
+    assert!(
+        !exists(&format!("{}_two", t.table())).await,
+        "version 2 was applied"
+    );
+    // The newer build itself goes on as before, and so does one that knows
+    // even more.
+    migrate::<DB::Dialect>(pool, t, newer).await.unwrap();
+    let newest: &[Migration] = &[
+        newer[0],
+        newer[1],
+        v(4, "CREATE TABLE {name}_four (id VARCHAR(10) PRIMARY KEY)"),
+    ];
+    migrate::<DB::Dialect>(pool, t, newest).await.unwrap();
+    assert!(exists(&format!("{}_four", t.table())).await);
+    // One that knows every applied version but an older text of one is
+    // told that first.
+    let changed: &[Migration] = &[v(1, "CREATE TABLE {table} (id VARCHAR(20) PRIMARY KEY)")];
+    let err = migrate::<DB::Dialect>(pool, t, changed).await.unwrap_err();
+    assert!(
+        matches!(err, MigrateError::Changed { version: 1, .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_a_newer_idem_migrated_is_refused_on_every_database() {
+    let lite = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+    let exists = async |name: &str| -> bool {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM sqlite_master WHERE name = $1")
+            .bind(name.to_owned())
+            .fetch_one(&lite)
+            .await
+            .unwrap()
+            > 0
+    };
+    a_newer_table_is_refused(&lite, &table(None, "n"), exists).await;
+    lite.close().await;
+
+    let schema = TestSchema::create("idem_newer").await;
+    let pg = sqlx::PgPool::connect(&schema.url()).await.unwrap();
+    let exists = async |name: &str| -> bool {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM information_schema.tables WHERE table_schema = $1 AND table_name = $2",
+        )
+        .bind(schema.name())
+        .bind(name.to_owned())
+        .fetch_one(&pg)
+        .await
+        .unwrap()
+            > 0
+    };
+    a_newer_table_is_refused(&pg, &table(Some(schema.name()), "n"), exists).await;
+    pg.close().await;
+
+    let db = TestDatabase::create("idem_newer").await;
+    let my = sqlx::MySqlPool::connect(&db.url()).await.unwrap();
+    let exists = async |name: &str| -> bool {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM information_schema.tables WHERE table_schema = ? AND table_name = ?",
+        )
+        .bind(db.name())
+        .bind(name.to_owned())
+        .fetch_one(&my)
+        .await
+        .unwrap()
+            > 0
+    };
+    a_newer_table_is_refused(&my, &table(Some(db.name()), "n"), exists).await;
     my.close().await;
 }
 
