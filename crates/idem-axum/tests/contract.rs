@@ -17,6 +17,7 @@ use http_body_util::BodyExt;
 use idem_axum::{Idempotency, IdempotencyLayer, ScopeExtractor};
 use idem_core::{Policy, RecordState, Store};
 use idem_memory::MemoryStore;
+use idem_test_support::stores::SlowClaimAnswers;
 use tower::ServiceExt;
 
 /// A response body that fails at its first read.
@@ -465,47 +466,6 @@ async fn a_body_that_fails_after_the_answer_keeps_the_claim_for_its_lease() {
     assert_eq!(status, StatusCode::CREATED);
 }
 
-/// The memory store, whose claims answer late: the claim is made at once,
-/// its answer comes back 300 ms later (a slow network on the way back).
-#[derive(Debug)]
-struct SlowClaimAnswers(Arc<MemoryStore>);
-
-impl Store for SlowClaimAnswers {
-    fn claim<'a>(
-        &'a self,
-        request: &'a idem_core::ClaimRequest,
-    ) -> idem_core::BoxFuture<'a, Result<idem_core::ClaimOutcome, idem_core::StoreError>> {
-        Box::pin(async move {
-            let outcome = self.0.claim(request).await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            outcome
-        })
-    }
-    fn complete<'a>(
-        &'a self,
-        claim: &'a idem_core::Claim,
-        response: &'a idem_core::StoredResponse,
-    ) -> idem_core::BoxFuture<'a, Result<(), idem_core::StoreError>> {
-        self.0.complete(claim, response)
-    }
-    fn release<'a>(
-        &'a self,
-        claim: &'a idem_core::Claim,
-    ) -> idem_core::BoxFuture<'a, Result<(), idem_core::StoreError>> {
-        self.0.release(claim)
-    }
-    fn get<'a>(
-        &'a self,
-        scope: &'a str,
-        key: &'a str,
-    ) -> idem_core::BoxFuture<'a, Result<Option<idem_core::Record>, idem_core::StoreError>> {
-        self.0.get(scope, key)
-    }
-    fn sweep(&self, batch: usize) -> idem_core::BoxFuture<'_, Result<u64, idem_core::StoreError>> {
-        self.0.sweep(batch)
-    }
-}
-
 /// A client that gives up while its claim's answer is on the way back: the
 /// claim was made, and the request goes on without the client (the handler
 /// runs, its answer is stored), so the retry gets the replay. Dropped with
@@ -513,7 +473,10 @@ impl Store for SlowClaimAnswers {
 #[tokio::test]
 async fn a_client_gone_while_its_claim_is_answered_still_gets_its_answer_stored() {
     let runs = Runs::default();
-    let store = Arc::new(SlowClaimAnswers(Arc::new(MemoryStore::new())));
+    let store = Arc::new(SlowClaimAnswers {
+        inner: MemoryStore::new(),
+        delay: Duration::from_millis(300),
+    });
     let layer = IdempotencyLayer::new(store, Policy::default(), by_client_header());
     let app = Router::new()
         .route("/things", post(handler))

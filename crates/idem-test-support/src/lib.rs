@@ -11,7 +11,8 @@
 //! - [`faults`]: a TCP proxy that makes a link slow, partitions it (then
 //!   heals it) or cuts its connections;
 //! - [`messaging`]: the outbox and inbox fixtures the broker tests use (an
-//!   outbox in a fresh schema, messages, recorded effects).
+//!   outbox in a fresh schema, messages, recorded effects);
+//! - [`stores`]: stores that misbehave on purpose (claims answered late).
 //!
 //! A test that needs a server fails loudly when it cannot reach it.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -22,6 +23,7 @@ pub mod messaging;
 pub mod mysql;
 pub mod postgres;
 pub mod redis;
+pub mod stores;
 
 /// Runs the future `work` makes to its end, on a thread with a runtime of
 /// its own: how a `Drop` (outside async code) cleans up a server's test

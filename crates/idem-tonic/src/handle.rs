@@ -2,7 +2,7 @@
 //! and fingerprinted, the claim, the handler on a task of its own, and
 //! the answer stored or the claim released.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -292,27 +292,16 @@ where
             lease: config.policy.lease(),
             retention: config.policy.retention(),
         };
-        let (claim, claimed_at) = match claim(&config, &claim_request).await {
-            Ok(claimed) => claimed,
-            Err(answer) => return Ok(answer),
-        };
-        let claimed = Claimed {
-            claim,
-            claimed_at,
-            scope,
-            key,
-        };
-        run_claimed(config, inner, parts, bytes, claimed).await
+        let call = Call { scope, key };
+        run_claimed(config, inner, parts, bytes, claim_request, call).await
     }
     .instrument(span)
     .await
 }
 
-/// A claim won, and what the handler is told of it.
-struct Claimed {
-    claim: Claim,
-    /// When the winning claim was sent.
-    claimed_at: Instant,
+/// Whose call it is, and its key: what the handler is told beside the
+/// claim.
+struct Call {
     scope: String,
     key: IdempotencyKey,
 }
@@ -367,15 +356,20 @@ async fn claim(
     })
 }
 
-/// Runs the handler holding the claim, on a task of its own (a client
-/// that goes away does not cancel it half-way), then stores its answer or
-/// releases the claim.
+/// Claims the key, then runs the handler holding the claim, both on a
+/// task of their own, then stores its answer or releases the claim. A
+/// client that goes away (or whose deadline passes) cancels neither
+/// half-way: not the handler, so its answer is stored and the retry gets
+/// the replay; nor the claim, which the store may have committed before
+/// its answer came back: dropped then, it would leave the key held for a
+/// lease by a handler that never runs.
 async fn run_claimed<S, B>(
     config: Arc<Config>,
     mut inner: S,
     mut parts: http::request::Parts,
     bytes: Bytes,
-    claimed: Claimed,
+    request: ClaimRequest,
+    call: Call,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<B>> + Send + 'static,
@@ -384,43 +378,42 @@ where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let Claimed {
-        claim,
-        claimed_at,
-        scope,
-        key,
-    } = claimed;
-    count(if claim.takeover {
-        Outcome::Takeover
-    } else {
-        Outcome::Fresh
-    });
-    debug!(operation_id = %claim.operation_id, takeover = claim.takeover, "claimed");
-    let handle = Idempotency {
-        scope,
-        key: key.into_string(),
-        operation_id: claim.operation_id,
-        takeover: claim.takeover,
-        claimed_at,
-        lease: config.policy.lease(),
-        settle: Arc::new(Mutex::new(Settle::ByAnswer)),
-    };
-    parts.extensions.insert(handle.clone());
-    // The answer is stored as sent and replayed to any client: it must not
-    // be compressed with an encoding only this caller accepts.
-    parts.headers.remove("grpc-accept-encoding");
-    let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
     let store = config.store.clone();
-    let held = claim.clone();
-    let watched = handle.clone();
+    // The claim and its handle, once won: what a task that panicked held.
+    let won: Arc<OnceLock<(Claim, Idempotency)>> = Arc::default();
+    let watched = won.clone();
     // Counted while it runs, so that a graceful shutdown waits for it
     // (`idem_once::detached::idle`) even once its caller has gone.
     let counted = idem_once::detached::Running::enter();
     let run = async move {
         let _counted = counted;
-        // Should this task panic or be dropped while the caller is gone
-        // (it no longer awaits it), the guard still frees the key (unless
-        // the handler said to keep it).
+        let (claim, claimed_at) = match claim(&config, &request).await {
+            Ok(claimed) => claimed,
+            Err(answer) => return Ok(answer),
+        };
+        count(if claim.takeover {
+            Outcome::Takeover
+        } else {
+            Outcome::Fresh
+        });
+        debug!(operation_id = %claim.operation_id, takeover = claim.takeover, "claimed");
+        let handle = Idempotency {
+            scope: call.scope,
+            key: call.key.into_string(),
+            operation_id: claim.operation_id,
+            takeover: claim.takeover,
+            claimed_at,
+            lease: config.policy.lease(),
+            settle: Arc::new(Mutex::new(Settle::ByAnswer)),
+        };
+        let _ = won.set((claim.clone(), handle.clone()));
+        parts.extensions.insert(handle.clone());
+        // The answer is stored as sent and replayed to any client: it must
+        // not be compressed with an encoding only this caller accepts.
+        parts.headers.remove("grpc-accept-encoding");
+        let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
+        // Should this task panic, or be dropped with its runtime, the
+        // guard still frees the key (unless the handler said to keep it).
         let mut guard = ReleaseOnDrop(Some((config.store.clone(), claim.clone(), handle.clone())));
         let result = inner.call(request).await;
         let finished = finish(&config, &claim, &handle, result).await;
@@ -429,29 +422,41 @@ where
     };
     match tokio::spawn(run.in_current_span()).await {
         Ok(result) => result,
-        Err(e) if watched.holds_on_failure() => {
-            count(Outcome::Kept);
-            warn!(
-                panicked = e.is_panic(),
-                "the handler did not finish, its outcome unknown; the claim stays until its lease runs out"
-            );
-            Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
-                Code::Unavailable,
-                "the handler failed before answering, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
-            )))
-        }
-        Err(e) => {
-            count(Outcome::Released);
-            warn!(
-                panicked = e.is_panic(),
-                "the handler did not finish; releasing the claim"
-            );
-            release(&*store, &held).await;
-            Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
-                Code::Internal,
-                "the handler failed before answering; nothing was stored: retry with the same idempotency-key",
-            )))
-        }
+        Err(e) => match watched.get() {
+            Some((_, handle)) if handle.holds_on_failure() => {
+                count(Outcome::Kept);
+                warn!(
+                    panicked = e.is_panic(),
+                    "the handler did not finish, its outcome unknown; the claim stays until its lease runs out"
+                );
+                Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
+                    Code::Unavailable,
+                    "the handler failed before answering, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
+                )))
+            }
+            Some((claim, _)) => {
+                count(Outcome::Released);
+                warn!(
+                    panicked = e.is_panic(),
+                    "the handler did not finish; releasing the claim"
+                );
+                release(&*store, claim).await;
+                Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
+                    Code::Internal,
+                    "the handler failed before answering; nothing was stored: retry with the same idempotency-key",
+                )))
+            }
+            // The store's claim itself failed so: whether it took the key
+            // is unknown (if it did, the key frees when its lease runs out).
+            None => {
+                count(Outcome::StoreUnavailable);
+                warn!(panicked = e.is_panic(), "the claim did not finish");
+                Ok(answer::refuse(LayerRefusal::StoreUnavailable.status(
+                    Code::Unavailable,
+                    "the idempotency store failed while claiming the key; retry with the same idempotency-key",
+                )))
+            }
+        },
     }
 }
 
@@ -485,21 +490,21 @@ where
     let collected = body.collect().await.map_err(|e| e.into().to_string());
     let collected = match collected {
         Ok(collected) => collected,
-        Err(e) if handle.holds_on_failure() => {
-            warn!(error = %e, "the handler's answer failed, its outcome unknown; the claim stays until its lease runs out");
-            count(Outcome::Kept);
-            return Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
-                Code::Unavailable,
-                "the handler's answer failed, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
-            )));
-        }
-        Err(e) => {
+        Err(e) if releases_a_broken_answer(config, handle, &parts) => {
             warn!(error = %e, "the handler's answer failed; releasing the claim");
             count(Outcome::Released);
             release(&*config.store, claim).await;
             return Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
                 Code::Internal,
                 "the handler's answer failed; nothing was stored: retry with the same idempotency-key",
+            )));
+        }
+        Err(e) => {
+            warn!(error = %e, "the handler's answer failed, its outcome unknown; the claim stays until its lease runs out");
+            count(Outcome::Kept);
+            return Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
+                Code::Unavailable,
+                "the handler's answer failed, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
             )));
         }
     };
@@ -577,6 +582,33 @@ impl Drop for ReleaseOnDrop {
         warn!("the handler did not finish; releasing the claim");
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move { release(&*store, &claim).await });
+        }
+    }
+}
+
+/// Whether a claim whose handler answered, but whose answer's body then
+/// failed, is released. A gRPC status comes in the trailers, after the
+/// message: the handler ran and its outcome is unknown, so the claim stays
+/// until its lease runs out (released, a retry would run the handler again
+/// at once beside an effect that may be done), unless the handler said to
+/// release it, or the head already named a status that is not stored (a
+/// trailers-only failure, or an HTTP status other than `200`).
+fn releases_a_broken_answer(
+    config: &Config,
+    handle: &Idempotency,
+    head: &http::response::Parts,
+) -> bool {
+    match handle.settle() {
+        Settle::Released => true,
+        Settle::Kept | Settle::Lost => false,
+        Settle::ByAnswer => {
+            let named =
+                head.status != http::StatusCode::OK || head.headers.contains_key("grpc-status");
+            named
+                && !answer::is_stored(
+                    answer::code_of(head.status, &head.headers, None),
+                    config.policy.store_client_errors(),
+                )
         }
     }
 }

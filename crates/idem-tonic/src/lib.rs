@@ -86,10 +86,20 @@
 //!   and trailers named by [`IdempotencyLayer::replay_metadata`], marked
 //!   `idempotent-replayed: true`. Answers are stored uncompressed, so that
 //!   a replay reads for any client.
-//! - `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED`, a broken
-//!   answer and a panic release the claim: the retry runs again, under the
-//!   same operation id. Every other status is stored and replayed (with a
-//!   policy that does not store client errors, only `OK` is).
+//! - `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED` and a panic
+//!   release the claim: the retry runs again, under the same operation id.
+//!   Every other status is stored and replayed (with a policy that does not
+//!   store client errors, only `OK` is).
+//! - An answer whose body fails after the handler answered keeps the claim
+//!   until its lease runs out (the caller gets `UNAVAILABLE`): a gRPC
+//!   status comes after the message, so the handler's outcome is unknown,
+//!   and released, a retry would run it again at once beside an effect
+//!   that may be done. After the lease a retry takes it over under the
+//!   same operation id. (A head that already named a status that is not
+//!   stored releases, as that status would.)
+//! - The claim and the handler run on a task of their own: a caller that
+//!   goes away, or whose deadline passes, cancels neither half-way, so its
+//!   retry gets the answer stored.
 //! - The handler finds the claim in its request's extensions
 //!   ([`Idempotency`]): its operation id, the same across retries and
 //!   takeovers, is the key to pass to anything downstream.

@@ -1151,3 +1151,160 @@ async fn the_client_layer_keeps_to_the_callers_deadline() {
     assert!(micros.iter().all(|&us| us < 400_000), "{sent:?}");
     assert!(micros.windows(2).all(|w| w[1] < w[0]), "{sent:?}");
 }
+
+/// A request for the layer itself (no network): `Charge` for `account`,
+/// client `c1`, under `key`.
+fn layer_request(key: &str, account: &str) -> http::Request<Body> {
+    use prost::Message as _;
+    let message = charge(account, 1).encode_to_vec();
+    let mut frame = vec![0];
+    frame.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&message);
+    http::Request::builder()
+        .method("POST")
+        .uri(format!("http://idem.test{CHARGE}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("x-client-id", "c1")
+        .header("idempotency-key", key)
+        .body(Body::new(http_body_util::Full::new(bytes::Bytes::from(
+            frame,
+        ))))
+        .unwrap()
+}
+
+/// The `grpc-status` an answer of the layer's carries (in its head, or
+/// its trailers), and whether it is a replay.
+async fn status_of(answer: http::Response<Body>) -> (String, bool) {
+    use http_body_util::BodyExt;
+    let replayed = answer.headers().get("idempotent-replayed").is_some();
+    let head = answer.headers().get("grpc-status").cloned();
+    let collected = answer.into_body().collect().await.unwrap();
+    let status = head
+        .or_else(|| {
+            collected
+                .trailers()
+                .and_then(|t| t.get("grpc-status").cloned())
+        })
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (status, replayed)
+}
+
+/// The handler answered and its answer's body then failed: in gRPC the
+/// status comes after the message, so the outcome is unknown. The claim
+/// stays until its lease runs out (released, the client's retry of
+/// `UNAVAILABLE` ran the handler again at once, beside an effect that may
+/// be done), then a retry takes it over under the same operation id. A
+/// head that already named a status that is not stored releases, as it
+/// would whole.
+#[tokio::test]
+async fn an_answer_whose_body_fails_keeps_the_claim_for_its_lease() {
+    use http_body_util::StreamBody;
+    use tower::{Layer as _, ServiceExt as _};
+    let lease = Duration::from_millis(1500);
+    let policy = Policy::builder().lease(lease).build().unwrap();
+    let layer = IdempotencyLayer::new(memory(), policy, MetadataScope::new("x-client-id"))
+        .unary::<Charge>(CHARGE);
+    let runs: Arc<Mutex<Vec<String>>> = Arc::default();
+    let service = layer.layer(tower::service_fn({
+        let runs = runs.clone();
+        move |request: http::Request<Body>| {
+            let runs = runs.clone();
+            async move {
+                let idem = request.extensions().get::<Idempotency>().unwrap();
+                runs.lock().unwrap().push(idem.operation_id().to_string());
+                let mut head = http::Response::builder().header("content-type", "application/grpc");
+                if idem.key().ends_with("named-unavailable") {
+                    head = head.header("grpc-status", "14");
+                }
+                let frames: Vec<Result<http_body::Frame<bytes::Bytes>, std::io::Error>> = vec![
+                    Ok(http_body::Frame::data(bytes::Bytes::from_static(
+                        b"\0\0\0\0\0",
+                    ))),
+                    Err(std::io::Error::other(
+                        "the connection to the downstream reset",
+                    )),
+                ];
+                Ok::<_, Infallible>(
+                    head.body(StreamBody::new(tokio_stream::iter(frames)))
+                        .unwrap(),
+                )
+            }
+        }
+    }));
+    let send = |key: &str| service.clone().oneshot(layer_request(key, "acc"));
+
+    let started = std::time::Instant::now();
+    let (first, _) = status_of(send("broken").await.unwrap()).await;
+    assert_eq!(first, "14", "UNAVAILABLE: the outcome is unknown");
+    let (held, _) = status_of(send("broken").await.unwrap()).await;
+    assert!(
+        started.elapsed() < lease,
+        "the machine stalled past the case's margin"
+    );
+    assert_eq!(held, "10", "ABORTED while held; released, it ran again");
+    assert_eq!(runs.lock().unwrap().len(), 1);
+    tokio::time::sleep(lease.saturating_sub(started.elapsed()) + Duration::from_millis(50)).await;
+    let (again, _) = status_of(send("broken").await.unwrap()).await;
+    assert_eq!(again, "14");
+    {
+        let runs = runs.lock().unwrap();
+        assert_eq!(runs.len(), 2, "taken over after the lease");
+        assert_eq!(runs[0], runs[1], "under the same operation id");
+    }
+
+    // A head naming UNAVAILABLE already: released, the retry runs at once.
+    let (first, _) = status_of(send("named-unavailable").await.unwrap()).await;
+    assert_eq!(first, "13");
+    let (second, _) = status_of(send("named-unavailable").await.unwrap()).await;
+    assert_eq!(second, "13", "ran again, not held");
+    assert_eq!(runs.lock().unwrap().len(), 4);
+}
+
+/// A caller that gives up (its deadline, a disconnect) while its claim's
+/// answer is on the way back: the claim was made, and the call goes on
+/// without the caller (the handler runs, its answer is stored), so the
+/// retry gets the replay. Dropped with the caller, the claim held the key
+/// for a lease (30 s) with no handler.
+#[tokio::test]
+async fn a_caller_gone_while_its_claim_is_answered_still_gets_its_answer_stored() {
+    use tower::{Layer as _, ServiceExt as _};
+    let store: Arc<dyn Store> = Arc::new(idem_test_support::stores::SlowClaimAnswers {
+        inner: idem_memory::MemoryStore::new(),
+        delay: Duration::from_millis(300),
+    });
+    let layer = IdempotencyLayer::new(store, Policy::default(), MetadataScope::new("x-client-id"))
+        .unary::<Charge>(CHARGE);
+    let ledger = Arc::new(Ledger::default());
+    let service = layer.layer(Bank(ledger.clone()));
+    let gone = tokio::time::timeout(
+        Duration::from_millis(100),
+        service.clone().oneshot(layer_request("k-gone", "gone")),
+    )
+    .await;
+    assert!(gone.is_err(), "the caller gave up first");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while ledger.runs("gone").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the handler never ran: the claim was dropped with the caller"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let replay = loop {
+        let answer = service
+            .clone()
+            .oneshot(layer_request("k-gone", "gone"))
+            .await
+            .unwrap();
+        let (status, replayed) = status_of(answer).await;
+        if status != "10" {
+            break (status, replayed);
+        }
+        assert!(std::time::Instant::now() < deadline, "still in flight");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(replay, ("0".to_owned(), true));
+    assert_eq!(ledger.runs("gone").len(), 1);
+}
