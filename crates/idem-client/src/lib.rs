@@ -55,11 +55,11 @@
 //!
 //! Connection errors (refused, reset, closed before the answer) and
 //! time-outs; `5xx` except `501 Not Implemented`; `409 Conflict` (the
-//! original is still in flight; not a `409` the server replayed with
-//! `Idempotent-Replayed: true`, which is the handler's own stored answer
-//! and comes back the same every time); `429 Too Many Requests`. Never `400`,
-//! `401`, `403`, `404`, `422` or any other `4xx`: the request itself is
-//! wrong, and sending it again cannot help.
+//! original is still in flight); `429 Too Many Requests`. Never an answer
+//! the server replayed (`Idempotent-Replayed: true`), whatever its status:
+//! it is the handler's own stored answer and comes back the same every
+//! time. Never `400`, `401`, `403`, `404`, `422` or any other `4xx`: the
+//! request itself is wrong, and sending it again cannot help.
 //!
 //! # How long
 //!
@@ -340,9 +340,10 @@ enum Verdict {
 fn judge(result: reqwest_middleware::Result<Response>) -> Verdict {
     match result {
         // A stored answer replayed (`Idempotent-Replayed: true`): the same
-        // key gets it again on every attempt. A `409` replayed is the
-        // handler's own (a state conflict), not "still in flight".
-        Ok(r) if r.status() == StatusCode::CONFLICT && is_replayed(&r) => Verdict::Done(r),
+        // key gets it again on every attempt, whatever its status. A `409`
+        // replayed is the handler's own (a state conflict), not "still in
+        // flight"; a `429` replayed carries a `Retry-After` long stale.
+        Ok(r) if is_replayed(&r) => Verdict::Done(r),
         Ok(r) if is_retryable_status(r.status()) => {
             let after = if honours_retry_after(r.status()) {
                 r.headers()

@@ -717,21 +717,29 @@ async fn get_requests_are_retried_without_a_key() {
     assert_eq!(r.retry_outcome().unwrap().idempotency_key, None);
 }
 
-/// A `409` the server replayed (`Idempotent-Replayed: true`) is the
-/// handler's stored answer, not "still in flight": every attempt with the
-/// key gets it again, so it is returned at once.
+/// An answer the server replayed (`Idempotent-Replayed: true`) is the
+/// handler's stored outcome: every attempt with the key gets it again, so
+/// it is returned at once, whatever its status. A `409` replayed is the
+/// handler's own conflict, not "still in flight"; a `429` replayed (its
+/// `Retry-After` long stale) would otherwise be retried until the time
+/// budget ran out, and the caller get an error instead of the answer.
 #[tokio::test]
-async fn a_replayed_conflict_is_returned_at_once() {
-    let s = script(vec![(
-        409,
-        vec![("idempotent-replayed", "true".to_owned())],
-    )]);
-    let url = serve(s.clone()).await;
-    let r = client(fast()).post(&url).send().await.unwrap();
-    assert_eq!(r.status(), 409);
-    assert_eq!(r.retry_outcome().unwrap().attempts, 1);
-    assert!(r.retry_outcome().unwrap().replayed);
-    assert_eq!(s.seen.len(), 1);
+async fn a_replayed_answer_is_returned_at_once_whatever_its_status() {
+    for status in [409, 429, 503] {
+        let s = script(vec![(
+            status,
+            vec![
+                ("idempotent-replayed", "true".to_owned()),
+                ("retry-after", "1".to_owned()),
+            ],
+        )]);
+        let url = serve(s.clone()).await;
+        let r = client(fast()).post(&url).send().await.unwrap();
+        assert_eq!(r.status(), status);
+        assert_eq!(r.retry_outcome().unwrap().attempts, 1, "{status}");
+        assert!(r.retry_outcome().unwrap().replayed);
+        assert_eq!(s.seen.len(), 1, "{status}");
+    }
 }
 
 /// The caller's own key that is not visible ASCII is refused with nothing
