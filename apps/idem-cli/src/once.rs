@@ -597,7 +597,7 @@ async fn execute(
                 }
                 number = progress.stopped() => {
                     let status = u8::try_from(128 + number).unwrap_or(1);
-                    kill_group(group, status);
+                    stop_group(&mut child, group, status, deadline).await;
                     progress.ended(status);
                     return Err(not_run(NotRun::Stopped(number)));
                 }
@@ -631,8 +631,41 @@ async fn execute(
     if code == 0 {
         Ok(ran)
     } else {
+        // The key is let go (unless failures are stored): whatever the
+        // command left running in its group (`worker &`) must not run on
+        // beside the next run's.
+        if !store_failures {
+            kill_group(group, code);
+        }
         Err(fail(Failed::Exited(ran)))
     }
+}
+
+/// How long the command's group is given to end once `idem once` is told
+/// to stop, between SIGTERM and SIGKILL: time for a command that passes the
+/// signal on (`docker run` to its container) to do so, well within the
+/// stop time-outs of supervisors (`docker stop`'s 10 s).
+const TERM_GRACE: Duration = Duration::from_secs(3);
+
+/// Stops the command's process group: SIGTERM, then, once the command
+/// exits or [`TERM_GRACE`] (never past `deadline`, the lease's end less
+/// its margin) has passed, SIGKILL to whatever is left of the group.
+async fn stop_group(
+    child: &mut tokio::process::Child,
+    group: Option<u32>,
+    status: u8,
+    deadline: tokio::time::Instant,
+) {
+    if let Some(pid) = group
+        .and_then(|g| i32::try_from(g).ok())
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        // A failure here is met by the SIGKILL below, which says so.
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::TERM);
+        let until = deadline.min(tokio::time::Instant::now() + TERM_GRACE);
+        let _ = tokio::time::timeout_at(until, child.wait()).await;
+    }
+    kill_group(group, status);
 }
 
 /// The exit status a shell would report: the command's code, or 128 plus

@@ -70,6 +70,8 @@ fn text(b: &[u8]) -> String {
 /// The whole of `idem once`'s contract on the store `url` names.
 fn exercise(url: &str) {
     a_background_process_does_not_hold_the_run(url);
+    a_failed_commands_leftovers_do_not_outlive_its_key(url);
+    a_stop_asks_the_command_to_end_first(url);
     a_signal_while_the_output_drains_keeps_the_result(url);
     let dir = tempfile::tempdir().unwrap();
     let cmd = counting(dir.path(), "report done");
@@ -535,6 +537,90 @@ fn a_background_process_does_not_hold_the_run(url: &str) {
         text(&again.stderr).contains("replayed"),
         "{}",
         text(&again.stderr)
+    );
+}
+
+/// Whether `pid` still runs (gone, or a zombie no one reaped yet, is not).
+fn alive(pid: &str) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}
+
+/// The pid a command wrote to `file` (waiting for it, up to 20 s).
+fn pid_in(file: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match std::fs::read_to_string(file) {
+            Ok(pid) if pid.ends_with('\n') => return pid.trim().to_owned(),
+            _ => {
+                assert!(Instant::now() < deadline, "the command never started");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+/// A command that fails lets its key go (the next run executes again):
+/// what it left running in its process group is killed first, so that it
+/// does not run on beside the next run's.
+fn a_failed_commands_leftovers_do_not_outlive_its_key(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("worker.pid");
+    let script = format!(
+        "sleep 60 >/dev/null 2>&1 & echo $! > '{}'; exit 3",
+        pid_file.display()
+    );
+    let out = once(url, "leaves-a-worker", &[], &["sh", "-c", &script]);
+    let pid = pid_in(&pid_file);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive(&pid) {
+        if Instant::now() >= deadline {
+            let _ = Command::new("kill").arg(&pid).status();
+            panic!("the failed command's worker {pid} outlived its released key");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+}
+
+/// Told to stop, `idem once` asks the command's group to end (SIGTERM)
+/// before it kills it: a command that passes the signal on or cleans up
+/// (`docker run` stops its container) gets to.
+fn a_stop_asks_the_command_to_end_first(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let url_only = url.split('#').next().unwrap().to_owned();
+    let pid_file = dir.path().join("cmd.pid");
+    let cleaned = dir.path().join("cleaned");
+    let script = format!(
+        "trap 'echo yes > \"{}\"; exit 0' TERM; echo $$ > '{}'; while :; do sleep 0.05; done",
+        cleaned.display(),
+        pid_file.display()
+    );
+    let running = idem(
+        url,
+        &[
+            "once", "--scope", "cron", "--key", "graceful", "--", "sh", "-c", &script,
+        ],
+    )
+    .env("DATABASE_URL", &url_only)
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let pid = pid_in(&pid_file);
+    let term = Command::new("kill")
+        .args(["-TERM", &running.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let out = running.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    assert!(!alive(&pid), "the command outlived idem once");
+    assert_eq!(
+        std::fs::read_to_string(&cleaned).unwrap_or_default(),
+        "yes\n",
+        "the command was killed without being asked to end"
     );
 }
 
