@@ -287,8 +287,12 @@ impl IdempotentRetryBuilder {
     }
 
     /// The methods that get an `Idempotency-Key` (default `POST`, `PATCH`).
-    /// Other methods are retried without one (they are idempotent by
-    /// definition, or not yours to guard).
+    /// A request of another method gets one only when the caller gave it
+    /// (the header, or an [`IntentKey`]); without one it is retried only if
+    /// its method is idempotent by definition (`GET`, `HEAD`, `PUT`,
+    /// `DELETE`, `OPTIONS`, `TRACE`): any other is sent once, its answer
+    /// passed on as it is, since a retry without a key could apply it
+    /// twice.
     pub fn keyed_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.0.keyed_methods = methods.into_iter().collect();
         self

@@ -10,13 +10,18 @@ use tracing::debug;
 use super::*;
 
 impl IdempotentRetry {
-    /// The key this request is sent with, written into its header.
+    /// The key this request is sent with, written into its header: one
+    /// for a keyed method, and for any request the caller gave a key of
+    /// its own (the header, or an [`IntentKey`]).
     fn key(
         &self,
         req: &mut Request,
         extensions: &Extensions,
     ) -> std::result::Result<Option<String>, RetryError> {
-        if !self.keyed_methods.contains(req.method()) {
+        if !self.keyed_methods.contains(req.method())
+            && !req.headers().contains_key(IDEMPOTENCY_KEY)
+            && extensions.get::<IntentKey>().is_none()
+        {
             return Ok(None);
         }
         // The caller's own key, as it is: one that is not visible ASCII is
@@ -65,6 +70,15 @@ impl Middleware for IdempotentRetry {
         next: Next<'_>,
     ) -> Result<Response> {
         let key = self.key(&mut req, extensions)?;
+        // Without a key, only a method that is idempotent by definition is
+        // sent again: a `POST` or `PATCH` left unkeyed (`keyed_methods`
+        // narrowed) could take effect twice, so it is sent once and its
+        // answer, or error, passed on as it is.
+        if key.is_none() && !req.method().is_idempotent() {
+            let mut r = next.run(req, extensions).await?;
+            attach_outcome(&mut r, 1, &key);
+            return Ok(r);
+        }
         let started = Instant::now();
         // `None`: a budget too large to represent, that is no budget.
         let deadline = started.checked_add(self.max_elapsed);

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
-use axum::routing::post;
+use axum::routing::{any, post};
 use axum::Router;
 use http::Extensions;
 use idem_client::{
@@ -72,7 +72,7 @@ fn script(answers: Vec<Answer>) -> Script {
 fn app(script: Script) -> Router {
     Router::new().route(
         "/p",
-        post(move |headers: HeaderMap| {
+        any(move |headers: HeaderMap| {
             let script = script.clone();
             async move {
                 script.seen.0.lock().unwrap().push((
@@ -773,4 +773,52 @@ async fn a_caller_key_that_is_not_ascii_is_refused_not_replaced() {
     assert_eq!(e.reason(), StopReason::InvalidKey);
     assert!(matches!(e.last(), LastFailure::KeyNotVisibleAscii), "{e}");
     assert_eq!(s.seen.len(), 0);
+}
+
+/// With `keyed_methods` narrowed to `POST`, a `PATCH` gets no key, so it is
+/// sent once (a retry without a key could apply it twice), its `503`
+/// passed on; given a key by its caller (an [`IntentKey`] or the header) it
+/// is keyed and retried under that key, whatever the method.
+#[tokio::test]
+async fn an_unkeyed_request_is_retried_only_if_its_method_is_idempotent() {
+    let only_post = || {
+        IdempotentRetry::builder()
+            .base_delay(Duration::from_millis(5))
+            .max_delay(Duration::from_millis(20))
+            .keyed_methods([http::Method::POST])
+            .build()
+    };
+    let s = script(vec![(503, vec![])]);
+    let url = serve(s.clone()).await;
+    let r = client(only_post()).patch(&url).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(s.seen.keys(), [None], "sent once, without a key");
+
+    let s = script(vec![(503, vec![])]);
+    let url = serve(s.clone()).await;
+    let r = client(only_post())
+        .patch(&url)
+        .with_extension(IntentKey::new("patch-intent-1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    assert_eq!(
+        s.seen.keys(),
+        [
+            Some("patch-intent-1".to_owned()),
+            Some("patch-intent-1".to_owned())
+        ]
+    );
+
+    let s = script(vec![(503, vec![])]);
+    let url = serve(s.clone()).await;
+    let r = client(only_post())
+        .patch(&url)
+        .header("idempotency-key", "patch-intent-2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    assert_eq!(s.seen.len(), 2);
 }
