@@ -321,13 +321,20 @@ where
                         // back (a message over the server's limit, as
                         // servers say it): only one with a pushback (a
                         // rate limit) is worth sending again.
+                        // A pushback that is negative or unreadable says
+                        // not to come back (gRPC's retry design, A6).
                         let exhausted_for_good =
-                            code == Code::ResourceExhausted && pushback.is_none();
-                        if replayed || !is_retryable_code(code) || exhausted_for_good {
+                            code == Code::ResourceExhausted && matches!(pushback, Pushback::None);
+                        let told_to_stop = matches!(pushback, Pushback::Stop);
+                        if replayed
+                            || !is_retryable_code(code)
+                            || exhausted_for_good
+                            || told_to_stop
+                        {
                             return Ok(response);
                         }
                         debug!(?code, attempts, "retrying under the same key");
-                        (pushback, Last::Answer(response))
+                        (pushback.after(), Last::Answer(response))
                     }
                     Err(e) => (None, Last::Error(e)),
                 }
@@ -430,18 +437,56 @@ fn grpc_timeout_value(left: Duration) -> HeaderValue {
     HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static("0u"))
 }
 
-/// The server's `grpc-retry-pushback-ms`, if it sent a valid one.
-fn pushback(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<Duration> {
-    let value = trailers
+/// What the server's `grpc-retry-pushback-ms` says.
+#[derive(Debug, PartialEq, Eq)]
+enum Pushback {
+    /// It sent none.
+    None,
+    /// Come back after this long.
+    After(Duration),
+    /// A negative or unreadable value: do not come back.
+    Stop,
+}
+
+impl Pushback {
+    fn after(&self) -> Option<Duration> {
+        match self {
+            Self::After(d) => Some(*d),
+            Self::None | Self::Stop => None,
+        }
+    }
+}
+
+/// The server's `grpc-retry-pushback-ms` (its trailers' first).
+fn pushback(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Pushback {
+    let Some(value) = trailers
         .and_then(|t| t.get(RETRY_PUSHBACK))
-        .or_else(|| headers.get(RETRY_PUSHBACK))?;
-    let ms: u64 = value.to_str().ok()?.parse().ok()?;
-    Some(Duration::from_millis(ms))
+        .or_else(|| headers.get(RETRY_PUSHBACK))
+    else {
+        return Pushback::None;
+    };
+    match value.to_str().ok().and_then(|v| v.parse::<u64>().ok()) {
+        Some(ms) => Pushback::After(Duration::from_millis(ms)),
+        None => Pushback::Stop,
+    }
 }
 
 #[cfg(test)]
 mod deadline_tests {
     use super::*;
+
+    #[test]
+    fn a_pushback_read_as_grpc_says() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(RETRY_PUSHBACK, HeaderValue::from_str(v).unwrap());
+            pushback(&h, None)
+        };
+        assert_eq!(pushback(&HeaderMap::new(), None), Pushback::None);
+        assert_eq!(with("250"), Pushback::After(Duration::from_millis(250)));
+        assert_eq!(with("-1"), Pushback::Stop);
+        assert_eq!(with("soon"), Pushback::Stop);
+    }
 
     #[test]
     fn grpc_timeouts_read_and_written() {

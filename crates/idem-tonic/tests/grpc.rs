@@ -1308,3 +1308,48 @@ async fn a_caller_gone_while_its_claim_is_answered_still_gets_its_answer_stored(
     assert_eq!(replay, ("0".to_owned(), true));
     assert_eq!(ledger.runs("gone").len(), 1);
 }
+
+/// A server whose pushback is negative or unreadable says not to come
+/// back (gRPC's retry design, A6): the client layer returns its answer
+/// after one attempt; a readable one is waited out and retried.
+#[tokio::test]
+async fn the_client_layer_stops_when_the_pushback_says_so() {
+    use tower::ServiceExt as _;
+    for (pushback, attempts) in [("-1", 1), ("later", 1), ("5", 3)] {
+        let sent = Arc::new(AtomicUsize::new(0));
+        let server = tower::service_fn({
+            let sent = sent.clone();
+            move |_: http::Request<Body>| {
+                sent.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    Ok::<_, Infallible>(
+                        http::Response::builder()
+                            .header("content-type", "application/grpc")
+                            .header("grpc-status", "14")
+                            .header("grpc-retry-pushback-ms", pushback)
+                            .body(Body::empty())
+                            .unwrap(),
+                    )
+                }
+            }
+        });
+        let retrying = tower::ServiceBuilder::new()
+            .layer(
+                IdempotentRetryLayer::builder()
+                    .method(CHARGE)
+                    .base_delay(Duration::from_millis(5))
+                    .max_attempts(3)
+                    .build(),
+            )
+            .service(server);
+        let answer = retrying
+            .oneshot(charge_request(
+                "127.0.0.1:1".parse().unwrap(),
+                "pushed-back",
+            ))
+            .await
+            .unwrap();
+        assert_eq!(answer.headers()["grpc-status"], "14", "{pushback}");
+        assert_eq!(sent.load(Ordering::SeqCst), attempts, "{pushback}");
+    }
+}
