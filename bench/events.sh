@@ -17,6 +17,9 @@
 # (events a consumer handles at once; 1 is one at a time, in order).
 #
 # Usage: bash bench/events.sh     RATE=200 STEADY_SECONDS=20 REQUESTS=10000 CONSUMER_CONCURRENCY="1 4 16"
+#        BROKERS="inprocess rabbitmq nats" (which to run); SHOP=path (another
+#        shop binary, e.g. one built from an older commit; LABEL= is added to
+#        each row's broker name)
 # Prints a Markdown table and keeps the figures in bench/events.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +28,8 @@ STEADY_SECONDS=${STEADY_SECONDS:-20}
 REQUESTS=${REQUESTS:-10000}
 # each consumer's concurrency (shop --consumer-concurrency), one run each
 CONSUMER_CONCURRENCY=${CONSUMER_CONCURRENCY:-1 4 16}
+BROKERS=${BROKERS:-inprocess rabbitmq nats}
+LABEL=${LABEL:-}
 PG=${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 AMQP=${IDEM_BENCH_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
 NATS=${IDEM_BENCH_NATS_URL:-nats://127.0.0.1:4222}
@@ -32,6 +37,7 @@ export PGOPTIONS="-c client_min_messages=warning"
 
 cargo build --release -q -p shop -p idem-load
 BIN=${CARGO_TARGET_DIR:-target}/release
+SHOP=${SHOP:-$BIN/shop}
 out=$(mktemp -d)
 SCHEMA=""
 PID=""
@@ -99,7 +105,7 @@ run() { # broker name, then shop arguments
   local name=$1; shift
   SCHEMA="bench_events_$(date +%s%N)"
   psql "$PG" -qc "CREATE SCHEMA $SCHEMA"
-  SHOP_LOG=error "$BIN/shop" --listen 127.0.0.1:0 \
+  SHOP_LOG=error "$SHOP" --listen 127.0.0.1:0 \
     --database-url "$PG?options=-c%20search_path%3D$SCHEMA" --broker-prefix "$SCHEMA" "$@" \
     > "$out/shop.out" 2>"$out/shop.err" &
   PID=$!
@@ -128,9 +134,14 @@ run() { # broker name, then shop arguments
 }
 
 for c in $CONSUMER_CONCURRENCY; do
-  run "in process, $c at once" --consumer-concurrency "$c"
-  run "RabbitMQ, $c at once" --broker-url "$AMQP" --consumer-concurrency "$c"
-  run "NATS JetStream, $c at once" --broker-url "$NATS" --consumer-concurrency "$c"
+  for b in $BROKERS; do
+    case $b in
+      inprocess) run "in process, $c at once$LABEL" --consumer-concurrency "$c" ;;
+      rabbitmq) run "RabbitMQ, $c at once$LABEL" --broker-url "$AMQP" --consumer-concurrency "$c" ;;
+      nats) run "NATS JetStream, $c at once$LABEL" --broker-url "$NATS" --consumer-concurrency "$c" ;;
+      *) echo "unknown broker $b (inprocess, rabbitmq, nats)" >&2; exit 2 ;;
+    esac
+  done
 done
 
 cp "$out/results.jsonl" bench/events.json
