@@ -96,7 +96,9 @@ pub enum MigrateError {
     /// rollback that accepts the loss can match this error and go on when
     /// `missing` is empty: every version this code knows is applied.
     #[error(
-        "table {table} has migration(s) {newer:?} applied, which this build of idem does not          know (it knows up to {known}): a newer idem migrated it, and this one would not keep          what those versions added; run that version or a newer one"
+        "table {table} has migration(s) {newer:?} applied, which this build of idem does not \
+         know (it knows up to {known}): a newer idem migrated it, and this one would not keep \
+         what those versions added; run that version or a newer one"
     )]
     Newer {
         /// The table.

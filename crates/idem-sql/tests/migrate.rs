@@ -319,7 +319,8 @@ async fn a_newer_table_is_refused<DB: idem_sql::Driver>(
         (&[3][..], 2, &[2][..])
     );
     assert!(
-        err.to_string().contains("a newer idem migrated it"),
+        err.to_string()
+            .contains("does not know (it knows up to 2): a newer idem migrated it"),
         "{err}"
     );
     assert!(
