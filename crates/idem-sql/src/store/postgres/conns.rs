@@ -47,8 +47,9 @@ pub(crate) struct ClaimConnections {
     permits: Semaphore,
     idle: Arc<Idle>,
     /// Whether the task that hands the kept connections back when the pool
-    /// closes has started.
-    watching: AtomicBool,
+    /// closes runs (it says when it ends: with its runtime, say, so that
+    /// the next kept connection starts another).
+    watching: Arc<AtomicBool>,
     /// Ends that task when the store goes (dropped with it).
     _store_gone: tokio::sync::watch::Sender<()>,
     store_gone: tokio::sync::watch::Receiver<()>,
@@ -90,6 +91,12 @@ impl Checkout<'_> {
             && !self.home.watching.swap(true, Ordering::AcqRel)
         {
             self.home.watch(self.pool);
+            // sqlx's close event looks whether the pool is closed, then
+            // listens: a close between the two is not heard. Looked at
+            // again now that it listens.
+            if self.pool.is_closed() {
+                return;
+            }
         }
         idle.push((self.conn, Instant::now()));
     }
@@ -101,7 +108,7 @@ impl ClaimConnections {
         Self {
             permits: Semaphore::new(CLAIM_CONNECTIONS),
             idle: Arc::new(Mutex::new(Vec::new())),
-            watching: AtomicBool::new(false),
+            watching: Arc::new(AtomicBool::new(false)),
             _store_gone: store_gone_tx,
             store_gone,
         }
@@ -115,7 +122,9 @@ impl ClaimConnections {
         let closed = pool.close_event();
         let idle = Arc::downgrade(&self.idle);
         let mut store_gone = self.store_gone.clone();
+        let ended = Ended(self.watching.clone());
         tokio::spawn(async move {
+            let _ended = ended;
             tokio::select! {
                 () = closed => {
                     if let Some(idle) = idle.upgrade() {
@@ -169,6 +178,16 @@ impl ClaimConnections {
             // Dead while idle: back to the pool (which closes it), and the
             // next.
         }
+    }
+}
+
+/// Says the watching task ended, however it ends (dropped with its
+/// runtime too).
+struct Ended(Arc<AtomicBool>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 
