@@ -647,9 +647,12 @@ async fn execute(
 /// stop time-outs of supervisors (`docker stop`'s 10 s).
 const TERM_GRACE: Duration = Duration::from_secs(3);
 
-/// Stops the command's process group: SIGTERM, then, once the command
-/// exits or [`TERM_GRACE`] (never past `deadline`, the lease's end less
-/// its margin) has passed, SIGKILL to whatever is left of the group.
+/// Stops the command's process group: SIGTERM, then, once the whole group
+/// has ended or [`TERM_GRACE`] (never past `deadline`, the lease's end less
+/// its margin) has passed, SIGKILL to whatever is left of it. The group,
+/// not the command alone: a script dies of the SIGTERM at once, while what
+/// it started (`docker run` passing the signal on to its container) is
+/// still ending.
 async fn stop_group(
     child: &mut tokio::process::Child,
     group: Option<u32>,
@@ -663,7 +666,16 @@ async fn stop_group(
         // A failure here is met by the SIGKILL below, which says so.
         let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::TERM);
         let until = deadline.min(tokio::time::Instant::now() + TERM_GRACE);
-        let _ = tokio::time::timeout_at(until, child.wait()).await;
+        let ended = async {
+            // The command reaped as it exits (a zombie still counts as one
+            // of the group), then the rest of the group watched until
+            // none is left (`ESRCH`).
+            let _ = child.wait().await;
+            while rustix::process::test_kill_process_group(pid).is_ok() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let _ = tokio::time::timeout_at(until, ended).await;
     }
     kill_group(group, status);
 }
