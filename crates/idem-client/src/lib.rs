@@ -91,7 +91,11 @@
 //! answer itself ([`RetryError::into_response`]), which carries its
 //! [`RetryOutcome`] too.
 //!
-//! Requests whose body cannot be cloned (streams) are sent once.
+//! Requests whose body cannot be cloned (streams) are sent once. So is a
+//! request that carries no key and whose method is not idempotent (a `POST`
+//! or `PATCH` outside [`IdempotentRetryBuilder::keyed_methods`]): it is
+//! passed through as it is, its answer `Ok` whatever its status, and a
+//! transport error as reqwest's own (no [`RetryError`]).
 
 use std::time::{Duration, SystemTime};
 
