@@ -773,10 +773,6 @@ async fn raw_call(
     flag: u8,
     message: Vec<u8>,
 ) -> (String, bool) {
-    use http_body_util::BodyExt;
-    let mut frame = vec![flag];
-    frame.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-    frame.extend_from_slice(&message);
     let request = http::Request::builder()
         .method("POST")
         .uri(format!("http://idem.test{CHARGE}"))
@@ -785,25 +781,20 @@ async fn raw_call(
         .header("grpc-encoding", encoding)
         .header("x-client-id", "c1")
         .header("idempotency-key", key)
-        .body(Body::new(http_body_util::Full::new(bytes::Bytes::from(
-            frame,
-        ))))
+        .body(framed(flag, &message))
         .unwrap();
     let answer = tower::ServiceExt::oneshot(ch.clone(), request)
         .await
         .unwrap();
-    let replayed = answer.headers().get("idempotent-replayed").is_some();
-    let head_status = answer.headers().get("grpc-status").cloned();
-    let collected = answer.into_body().collect().await.unwrap();
-    let status = head_status
-        .or_else(|| {
-            collected
-                .trailers()
-                .and_then(|t| t.get("grpc-status").cloned())
-        })
-        .map(|v| v.to_str().unwrap().to_owned())
-        .unwrap_or_default();
-    (status, replayed)
+    status_of(answer).await
+}
+
+/// `message` as one gRPC frame (`flag` its compression flag), as a body.
+fn framed(flag: u8, message: &[u8]) -> Body {
+    let mut frame = vec![flag];
+    frame.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(message);
+    Body::new(http_body_util::Full::new(bytes::Bytes::from(frame)))
 }
 
 /// An encoding the layer reads but the service does not accept (the bank
@@ -1156,10 +1147,6 @@ async fn the_client_layer_keeps_to_the_callers_deadline() {
 /// client `c1`, under `key`.
 fn layer_request(key: &str, account: &str) -> http::Request<Body> {
     use prost::Message as _;
-    let message = charge(account, 1).encode_to_vec();
-    let mut frame = vec![0];
-    frame.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-    frame.extend_from_slice(&message);
     http::Request::builder()
         .method("POST")
         .uri(format!("http://idem.test{CHARGE}"))
@@ -1167,9 +1154,7 @@ fn layer_request(key: &str, account: &str) -> http::Request<Body> {
         .header("te", "trailers")
         .header("x-client-id", "c1")
         .header("idempotency-key", key)
-        .body(Body::new(http_body_util::Full::new(bytes::Bytes::from(
-            frame,
-        ))))
+        .body(framed(0, &charge(account, 1).encode_to_vec()))
         .unwrap()
 }
 
