@@ -359,6 +359,30 @@ async fn different_request_under_the_same_key_gets_422() {
 }
 
 #[tokio::test]
+async fn amounts_a_double_cannot_tell_apart_are_different_requests() {
+    let h = harness(Policy::default());
+    let wei = r#"{"amount":10000000000000000000001}"#;
+    assert_eq!(send(&h.app, req("k-wei", wei)).await.0, StatusCode::CREATED);
+    for other in [
+        r#"{"amount":10000000000000000000002}"#,
+        r#"{"amount":1e22}"#,
+    ] {
+        let (status, headers, body) = send(&h.app, req("k-wei", other)).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{other}");
+        assert!(problem_type(&headers, &body).ends_with("idempotency-key-reused"));
+    }
+    // The same amount spelled another way is the same request.
+    let (status, headers, _) = send(
+        &h.app,
+        req("k-wei", r#"{ "amount" : 1.0000000000000000000001e22 }"#),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[tokio::test]
 async fn missing_key_is_400_where_required() {
     let h = harness(Policy::default());
     let r = post_req(None, "{}").body(Body::from("{}")).unwrap();

@@ -11,9 +11,19 @@
 //! target; stable, so fingerprints stay comparable): keys are sorted by the
 //! bytes of their canonical spelling, quotes included (code-point order,
 //! but for keys that differ where one has a character below `"` or an
-//! escape); integers that fit 64 bits keep every digit instead of becoming
-//! the nearest double; of duplicate keys, the last wins. The rules in full
-//! are in [`canonical_json`].
+//! escape); a number keeps its exact value, every significant digit,
+//! instead of becoming the nearest double (`18446744073709551617` and
+//! `1.00000000000000001` stay as they are: two amounts a double cannot
+//! tell apart are two requests); of duplicate keys, the last wins. The
+//! rules in full are in [`canonical_json`].
+//!
+//! Numbers beyond a double's precision changed spelling in December 2026:
+//! before, such a number was rounded to the nearest double, so
+//! `{"amount":10000000000000000000001}` and `{"amount":10000000000000000000002}`
+//! shared a fingerprint and the second replayed the first's answer. A
+//! retry whose first attempt was recorded before the upgrade and whose body
+//! holds such a number now gets `422` instead of the replay (no effect runs
+//! twice). Every other body keeps its fingerprint.
 //!
 //! One spelling changed when the canonicaliser became a single pass: in
 //! builds where `serde_json`'s `raw_value` feature was on (axum's `json`
@@ -173,13 +183,19 @@ pub fn is_json_media_type(content_type: &str) -> bool {
 /// - strings with the minimal escapes: `\"`, `\\`, `\b \f \n \r \t`,
 ///   and `\u00xx` (lowercase) for the other control characters; everything
 ///   else as UTF-8;
-/// - an integer that fits 64 bits keeps its digits (`-0` is `0`); any other
-///   number is read as the nearest double and written in ECMAScript's
-///   shortest spelling (`1.0` is `1`, `1e2` is `100`), zero as `0`.
+/// - a number keeps its exact value, its significant digits laid out as
+///   ECMAScript's `Number.prototype.toString` lays out a double's (`1.0`
+///   is `1`, `1e2` is `100`, `1e21` is `1e+21`, `0.0000001` is `1e-7`,
+///   `-0` is `0`); a number a double holds to the digit is so spelled as
+///   ECMAScript spells the double, and one beyond a double's precision
+///   keeps every digit (`18446744073709551617`, `1.00000000000000001`).
 ///
 /// Refused, as `serde_json` refuses them: a lone surrogate escape, a raw
 /// control character in a string, invalid UTF-8, a number beyond the
 /// double range, containers nested 128 deep, anything after the value.
+/// Refused as well (`serde_json` reads it as zero): a non-zero number whose
+/// exponent does not fit 64 bits. A refused body is fingerprinted as its
+/// raw bytes.
 ///
 /// ```
 /// let c = idem_core::fingerprint::canonical_json(br#"{ "b": [1.0, "\u0041"], "a": null }"#).unwrap();

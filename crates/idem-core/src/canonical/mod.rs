@@ -11,12 +11,15 @@
 //! - strings with the minimal escapes: `\"`, `\\`, `\b \f \n \r \t`, and
 //!   `\u00xx` (lowercase) for the other control characters; everything else
 //!   as UTF-8;
-//! - an integer that fits 64 bits keeps its digits (`-0` is `0`); any other
-//!   number is read as the nearest double and written in ECMAScript's
-//!   shortest spelling (`1.0` is `1`, `1e2` is `100`), zero as `0`;
+//! - a number keeps its exact value, laid out as ECMAScript lays out a
+//!   double's digits (`1.0` is `1`, `1e2` is `100`, `1e21` is `1e+21`,
+//!   `-0` is `0`): for any number a double holds to the digit that is
+//!   ECMAScript's shortest spelling; digits beyond a double's precision are
+//!   kept (where the old spelling rounded them to the nearest double);
 //! - what `serde_json` refuses is refused: a lone surrogate escape, a raw
 //!   control character in a string, invalid UTF-8, a number beyond the
-//!   double range, nesting 128 deep, anything after the value.
+//!   double range, nesting 128 deep, anything after the value; and (which
+//!   it accepted) a non-zero number whose exponent does not fit 64 bits.
 
 use std::cmp::Ordering;
 

@@ -27,9 +27,9 @@ fn spellings() {
         ("0.0000001", "1e-7"),
         ("1e21", "1e+21"),
         ("18446744073709551615", "18446744073709551615"),
-        ("18446744073709551616", "18446744073709552000"),
+        ("18446744073709551616", "18446744073709551616"),
         ("-9223372036854775808", "-9223372036854775808"),
-        ("-9223372036854775809", "-9223372036854776000"),
+        ("-9223372036854775809", "-9223372036854775809"),
         ("0.1234567890123456", "0.1234567890123456"),
         (r#""\ud83d\ude00\/\u001f\u007f""#, "\"😀/\\u001f\u{7f}\""),
         (r#""\b\f\n\r\t\"\\""#, r#""\b\f\n\r\t\"\\""#),
@@ -38,11 +38,97 @@ fn spellings() {
     }
 }
 
-/// The spelling idem always fingerprinted: `serde_json` into a value,
-/// `serde_jcs` out.
+/// The spelling idem fingerprinted before numbers kept their exact value:
+/// `serde_json` into a value, `serde_jcs` out. It still is the spelling
+/// of every document without a [`lossy`] number.
 fn reference(s: &[u8]) -> Option<Vec<u8>> {
     let value: serde_json::Value = serde_json::from_slice(s).ok()?;
     serde_jcs::to_vec(&value).ok()
+}
+
+/// The exact value a JSON number's spelling denotes, as its sign, its
+/// significant digits and the power of ten just above it (`0.1234e3` for
+/// `123.4`); zero as `None`.
+fn exact(number: &str) -> Option<(bool, String, i128)> {
+    let (negative, rest) = match number.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, number),
+    };
+    let (mantissa, e) = rest.split_once(['e', 'E']).unwrap_or((rest, "0"));
+    let (int, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all = format!("{int}{fraction}");
+    let significant = all.trim_start_matches('0');
+    let digits = significant.trim_end_matches('0');
+    if digits.is_empty() {
+        return None;
+    }
+    // An exponent past 128 bits: a value no other spelling here has.
+    let Ok(e) = e.parse::<i128>() else {
+        return Some((negative, digits.to_owned(), i128::MIN));
+    };
+    let n = significant.len() as i128 - fraction.len() as i128 + e;
+    Some((negative, digits.to_owned(), n))
+}
+
+/// Whether a number's spelling denotes a value the old spelling changed
+/// (`serde_json` reads it as a double unless it is an integer that fits
+/// 64 bits, and `serde_jcs` writes the double's shortest spelling, ties
+/// to even as ECMAScript breaks them): the new spelling keeps the value.
+fn lossy(number: &str) -> bool {
+    let old = serde_json::from_str::<serde_json::Value>(number)
+        .ok()
+        .and_then(|v| serde_jcs::to_string(&v).ok());
+    old.is_some_and(|old| exact(&old) != exact(number))
+}
+
+/// The numbers in a JSON document (what lies outside its strings and
+/// starts like a number).
+fn numbers(doc: &str) -> Vec<&str> {
+    let (mut found, mut in_string, mut escaped, mut start) = (Vec::new(), false, false, None);
+    for (at, c) in doc.char_indices().chain([(doc.len(), ' ')]) {
+        if in_string {
+            (escaped, in_string) = (!escaped && c == '\\', escaped || c != '"');
+            continue;
+        }
+        let part = c.is_ascii_digit() || "+-.eE".contains(c);
+        match (start, part) {
+            (None, true) if c == '-' || c.is_ascii_digit() => start = Some(at),
+            (Some(from), false) => {
+                found.push(&doc[from..at]);
+                start = None;
+            }
+            _ => {}
+        }
+        in_string = c == '"';
+    }
+    found
+}
+
+#[test]
+fn the_lossy_oracle() {
+    for n in [
+        "1",
+        "-1.5",
+        "1e400",
+        "18446744073709551615",
+        "0.1",
+        "5e-324",
+        "1e21",
+    ] {
+        assert!(!lossy(n), "{n}");
+    }
+    for n in [
+        "18446744073709551616",
+        "9.000000000000001",
+        "1e-400",
+        "0.12345678901234567",
+    ] {
+        assert!(lossy(n), "{n}");
+    }
+    assert_eq!(
+        numbers(r#"{"a\"1":[1.5,-2e3,true],"b":"3","c":4}"#),
+        ["1.5", "-2e3", "4"]
+    );
 }
 
 /// A fixed pseudo-random sequence (no dependency, the same every run).
@@ -156,7 +242,18 @@ fn agrees_with_the_spelling_fingerprinted_before() {
             }
         }
         let mine = canon(&doc).ok().map(String::into_bytes);
-        assert_eq!(mine, reference(doc.as_bytes()), "{doc:?}");
+        let before = reference(doc.as_bytes());
+        if numbers(&doc).into_iter().any(lossy) && before.is_some() {
+            // The old spelling rounded such a number to a double; the
+            // value itself is kept now (`numbers_keep_their_exact_value`),
+            // which rounded is the old spelling (unless a duplicate key
+            // dropped it, the same).
+            let kept = mine.as_deref().unwrap_or_else(|| panic!("{doc:?} refused"));
+            let again: serde_json::Value = serde_json::from_slice(kept).unwrap_or_default();
+            assert_eq!(serde_jcs::to_vec(&again).ok(), before, "{doc:?}");
+        } else {
+            assert_eq!(mine, before, "{doc:?}");
+        }
         if mine.is_some() {
             valid += 1;
         } else {
@@ -428,22 +525,11 @@ fn numbers_in_their_shortest_spelling() {
         ("1e20", "100000000000000000000"),
         ("1e21", "1e+21"),
         ("1.7976931348623157e308", "1.7976931348623157e+308"),
-        // Sixteen and more significant digits: the nearest double's
-        // shortest spelling, not the digits sent.
-        ("9.000000000000001", "9.000000000000002"),
-        ("1.00000000000000001", "1"),
-        ("0.0010000000000000001", "0.001"),
-        ("0.12345678901234567", "0.12345678901234566"),
         ("0.1234567890123456", "0.1234567890123456"),
         ("123456789012.3456", "123456789012.3456"),
-        // Integers that fit 64 bits keep their digits; others become doubles.
         ("9223372036854775807", "9223372036854775807"),
         ("-9223372036854775808", "-9223372036854775808"),
-        ("-9223372036854775809", "-9223372036854776000"),
         ("18446744073709551615", "18446744073709551615"),
-        ("18446744073709551616", "18446744073709552000"),
-        ("123456789012345678901", "123456789012345680000"),
-        ("-123456789012345678901", "-123456789012345680000"),
     ]);
     for (input, want) in [
         ("1e400", "number out of range at byte 5"),
@@ -457,6 +543,78 @@ fn numbers_in_their_shortest_spelling() {
     ] {
         assert_eq!(refusal(input), want, "{input:?}");
     }
+}
+
+#[test]
+fn numbers_keep_their_exact_value() {
+    // More significant digits than a double holds: every digit kept, in
+    // the same layout (plain up to 21 integer digits, an exponent past).
+    assert_spellings(&[
+        ("9.000000000000001", "9.000000000000001"),
+        ("9.0000000000000010", "9.000000000000001"),
+        ("1.00000000000000001", "1.00000000000000001"),
+        ("0.0010000000000000001", "0.0010000000000000001"),
+        ("0.12345678901234567", "0.12345678901234567"),
+        (
+            "0.1000000000000000055511151231257827",
+            "0.1000000000000000055511151231257827",
+        ),
+        ("-9223372036854775809", "-9223372036854775809"),
+        ("18446744073709551616", "18446744073709551616"),
+        ("123456789012345678901", "123456789012345678901"),
+        ("-123456789012345678901", "-123456789012345678901"),
+        ("1234567890123456789012", "1.234567890123456789012e+21"),
+        ("-12345678901234567890123", "-1.2345678901234567890123e+22"),
+        ("1000000000000000000000000", "1e+24"),
+        ("12345678901234567890123e-2", "123456789012345678901.23"),
+        ("12345678901234567890.5", "12345678901234567890.5"),
+        ("9007199254740993.0", "9007199254740993"),
+        ("900719925474099.30", "900719925474099.3"),
+        ("9007199254740993e0", "9007199254740993"),
+        ("90071992547409930e-1", "9007199254740993"),
+        ("0.0000012345678901234567890", "0.000001234567890123456789"),
+        ("0.00000012345678901234567", "1.2345678901234567e-7"),
+        ("-1.2345678901234567890e-10", "-1.234567890123456789e-10"),
+        (
+            "1234567890123456789012345678901234567890e-40",
+            "0.123456789012345678901234567890123456789",
+        ),
+        ("1e-400", "1e-400"),
+        ("-25e-401", "-2.5e-400"),
+        ("0.000e-99999999999999999999", "0"),
+        ("1.7976931348623158e308", "1.7976931348623158e+308"),
+        ("1234567890123456789012.5", "1.2345678901234567890125e+21"),
+        ("123456789012345678901.5", "123456789012345678901.5"),
+    ]);
+    // Past the double range by its digits alone.
+    let huge = format!("1{}", "0".repeat(309));
+    assert_eq!(refusal(&huge), "number out of range at byte 310");
+    // Amounts that a double cannot tell apart are different requests.
+    for (a, b) in [
+        ("9.000000000000001", "9.000000000000002"),
+        ("900719925474099.3", "900719925474099.2"),
+        ("18446744073709551616", "18446744073709551617"),
+        ("1000000000000000000000001", "1000000000000000000000002"),
+        ("1e-400", "2e-400"),
+    ] {
+        assert_ne!(canon(a).ok(), canon(b).ok(), "{a} and {b}");
+    }
+    // Each spelling is its own canonical form.
+    for n in [
+        "1.2345678901234567890123e+22",
+        "1e-400",
+        "0.12345678901234567",
+    ] {
+        assert_spellings(&[(n, n)]);
+    }
+    assert_eq!(
+        refusal("1e-99999999999999999999"),
+        "number out of range at byte 23"
+    );
+    assert_eq!(
+        refusal("[-0.5e99999999999999999999]"),
+        "number out of range at byte 26"
+    );
 }
 
 #[test]
