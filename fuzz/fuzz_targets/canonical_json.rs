@@ -87,13 +87,10 @@ fn lossy(number: &str) -> bool {
     old.is_some_and(|old| exact(&old) != exact(number))
 }
 
-/// Whether the JSON document `doc` holds a [`lossy`] number (a run outside
-/// its strings that starts like a number).
-fn holds_lossy(doc: &[u8]) -> bool {
-    let Ok(doc) = std::str::from_utf8(doc) else {
-        return false;
-    };
-    let (mut in_string, mut escaped, mut start) = (false, false, None);
+/// Where the numbers of the JSON document `doc` are (the runs outside its
+/// strings that start like a number).
+fn number_spans(doc: &str) -> Vec<std::ops::Range<usize>> {
+    let (mut found, mut in_string, mut escaped, mut start) = (Vec::new(), false, false, None);
     for (at, c) in doc.char_indices().chain([(doc.len(), ' ')]) {
         if in_string {
             (escaped, in_string) = (!escaped && c == '\\', escaped || c != '"');
@@ -103,16 +100,69 @@ fn holds_lossy(doc: &[u8]) -> bool {
         match start {
             None if part && (c == '-' || c.is_ascii_digit()) => start = Some(at),
             Some(from) if !part => {
-                if lossy(&doc[from..at]) {
-                    return true;
-                }
+                found.push(from..at);
                 start = None;
             }
             _ => {}
         }
         in_string = c == '"';
     }
-    false
+    found
+}
+
+/// Whether the JSON document `doc` holds a [`lossy`] number.
+fn holds_lossy(doc: &[u8]) -> bool {
+    std::str::from_utf8(doc)
+        .is_ok_and(|doc| number_spans(doc).into_iter().any(|at| lossy(&doc[at])))
+}
+
+/// `doc` with each number spelled otherwise, its value the same: a zero
+/// more at the end of its fraction (`.0` if it has none), and `e0` if it
+/// has no exponent.
+fn respelled(doc: &str) -> String {
+    let mut out = String::with_capacity(doc.len() * 2);
+    let mut at = 0;
+    for span in number_spans(doc) {
+        out.push_str(&doc[at..span.start]);
+        let number = &doc[span.clone()];
+        let (mantissa, e) = match number.find(['e', 'E']) {
+            Some(x) => number.split_at(x),
+            None => (number, "e0"),
+        };
+        out.push_str(mantissa);
+        out.push_str(if mantissa.contains('.') { "0" } else { ".0" });
+        out.push_str(e);
+        at = span.end;
+    }
+    out.push_str(&doc[at..]);
+    out
+}
+
+/// Checks the numbers of an accepted body: each number written has the
+/// exact value of a number sent, and the body with every number respelled
+/// canonicalises to the same bytes.
+fn check_numbers(body: &[u8], canonical: &[u8]) {
+    let (Ok(body), Ok(written)) = (std::str::from_utf8(body), std::str::from_utf8(canonical))
+    else {
+        return;
+    };
+    let sent: Vec<_> = number_spans(body)
+        .into_iter()
+        .map(|at| exact(&body[at]))
+        .collect();
+    for at in number_spans(written) {
+        let number = &written[at];
+        assert!(
+            sent.contains(&exact(number)),
+            "{number} written, a value {body:?} did not send"
+        );
+    }
+    let other = respelled(body);
+    assert_eq!(
+        canonical_json(other.as_bytes()).ok().as_deref(),
+        Some(canonical),
+        "{body:?} respelled as {other:?}"
+    );
 }
 
 /// Writes `v` as JSON in an unusual but equivalent spelling: object members
@@ -204,6 +254,9 @@ fn check_body(body: &[u8]) {
     }
     let parsed: Result<Value, _> = serde_json::from_slice(body);
     let reference = parsed.as_ref().ok().and_then(|v| serde_jcs::to_vec(v).ok());
+    if let Ok(c) = &canonical {
+        check_numbers(body, c);
+    }
     if reference.is_some() && holds_lossy(body) {
         // The old spelling rounded a number to a double; now it keeps its
         // value. Still refused only what serde_json refused (and a number

@@ -5,7 +5,8 @@
 //! RFC 8785 (JCS): object keys sorted, no insignificant whitespace, numbers
 //! and strings in one canonical spelling. The same JSON sent by another client
 //! library therefore gets the same fingerprint. A body that claims to be JSON
-//! but does not parse is fingerprinted as raw bytes.
+//! but does not parse (or that [`canonical_json`] refuses) is fingerprinted
+//! as raw bytes.
 //!
 //! Where it departs from RFC 8785 (found by the `canonical_json` fuzz
 //! target; stable, so fingerprints stay comparable): keys are sorted by the
@@ -17,13 +18,17 @@
 //! tell apart are two requests); of duplicate keys, the last wins. The
 //! rules in full are in [`canonical_json`].
 //!
-//! Numbers beyond a double's precision changed spelling in December 2026:
-//! before, such a number was rounded to the nearest double, so
-//! `{"amount":10000000000000000000001}` and `{"amount":10000000000000000000002}`
-//! shared a fingerprint and the second replayed the first's answer. A
-//! retry whose first attempt was recorded before the upgrade and whose body
-//! holds such a number now gets `422` instead of the replay (no effect runs
-//! twice). Every other body keeps its fingerprint.
+//! Numbers changed spelling in December 2026 where a double could not hold
+//! their value: before, every number but an integer that fits 64 bits was
+//! rounded to the nearest double, so `{"amount":10000000000000000000001}`
+//! and `{"amount":10000000000000000000002}` shared a fingerprint and the
+//! second replayed the first's answer. A body keeps its fingerprint unless
+//! it holds such a number: more significant digits than a double tells
+//! apart (`9.000000000000001` was `9.000000000000002`), or below a
+//! double's range (`1e-400` was `0`, `4.9e-324` was `5e-324`; and a number
+//! below 10 to the −2⁶³ is now refused, so fingerprinted raw). A retry whose
+//! first attempt was recorded before the upgrade and whose body holds such
+//! a number gets `422` instead of the replay (no effect runs twice).
 //!
 //! One spelling changed when the canonicaliser became a single pass: in
 //! builds where `serde_json`'s `raw_value` feature was on (axum's `json`
@@ -186,16 +191,17 @@ pub fn is_json_media_type(content_type: &str) -> bool {
 /// - a number keeps its exact value, its significant digits laid out as
 ///   ECMAScript's `Number.prototype.toString` lays out a double's (`1.0`
 ///   is `1`, `1e2` is `100`, `1e21` is `1e+21`, `0.0000001` is `1e-7`,
-///   `-0` is `0`); a number a double holds to the digit is so spelled as
-///   ECMAScript spells the double, and one beyond a double's precision
-///   keeps every digit (`18446744073709551617`, `1.00000000000000001`).
+///   `-0` is `0`): where that value is the value of ECMAScript's shortest
+///   spelling of the nearest double, that spelling; otherwise every
+///   significant digit (`18446744073709551617`, `1.00000000000000001`,
+///   `1e-400`).
 ///
 /// Refused, as `serde_json` refuses them: a lone surrogate escape, a raw
-/// control character in a string, invalid UTF-8, a number beyond the
-/// double range, containers nested 128 deep, anything after the value.
-/// Refused as well (`serde_json` reads it as zero): a non-zero number whose
-/// exponent does not fit 64 bits. A refused body is fingerprinted as its
-/// raw bytes.
+/// control character in a string, invalid UTF-8, a number too large for a
+/// double, containers nested 128 deep, anything after the value. Refused
+/// as well (`serde_json` reads it as zero): a non-zero number so small
+/// that its spelling's exponent would not fit 64 bits (below 10 to the
+/// −2⁶³). A refused body is fingerprinted as its raw bytes.
 ///
 /// ```
 /// let c = idem_core::fingerprint::canonical_json(br#"{ "b": [1.0, "\u0041"], "a": null }"#).unwrap();

@@ -1,9 +1,10 @@
 //! Canonical JSON in one pass over the bytes, without building a value.
 //!
 //! The spelling is the one idem has always fingerprinted (that of
-//! `serde_json` parsing and `serde_jcs` writing; the `canonical_json` fuzz
-//! target checks the two agree on every input, errors included), so records
-//! written before stay comparable:
+//! `serde_json` parsing and `serde_jcs` writing), so records written before
+//! stay comparable, but for numbers whose exact value that spelling changed
+//! (see the last rule and `idem_core::fingerprint`). The `canonical_json`
+//! fuzz target checks the two agree on every other input, errors included:
 //!
 //! - no insignificant whitespace;
 //! - object members sorted by the bytes of their canonical key, quotes
@@ -11,15 +12,17 @@
 //! - strings with the minimal escapes: `\"`, `\\`, `\b \f \n \r \t`, and
 //!   `\u00xx` (lowercase) for the other control characters; everything else
 //!   as UTF-8;
-//! - a number keeps its exact value, laid out as ECMAScript lays out a
-//!   double's digits (`1.0` is `1`, `1e2` is `100`, `1e21` is `1e+21`,
-//!   `-0` is `0`): for any number a double holds to the digit that is
-//!   ECMAScript's shortest spelling; digits beyond a double's precision are
-//!   kept (where the old spelling rounded them to the nearest double);
+//! - a number keeps its exact value, its significant digits laid out as
+//!   ECMAScript lays out a double's (`1.0` is `1`, `1e2` is `100`, `1e21`
+//!   is `1e+21`, `-0` is `0`): where that value is the value of
+//!   ECMAScript's shortest spelling of the nearest double, that spelling;
+//!   otherwise (more digits than a double tells apart, or below its range)
+//!   every significant digit, where the old spelling rounded to a double;
 //! - what `serde_json` refuses is refused: a lone surrogate escape, a raw
-//!   control character in a string, invalid UTF-8, a number beyond the
-//!   double range, nesting 128 deep, anything after the value; and (which
-//!   it accepted) a non-zero number whose exponent does not fit 64 bits.
+//!   control character in a string, invalid UTF-8, a number too large for
+//!   a double, nesting 128 deep, anything after the value; and (which it
+//!   read as zero) a non-zero number so small that its spelling's exponent
+//!   would not fit 64 bits.
 
 use std::cmp::Ordering;
 

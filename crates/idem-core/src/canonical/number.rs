@@ -1,12 +1,12 @@
 //! Numbers: each written as the exact decimal value its spelling denotes,
 //! laid out as ECMAScript's `Number.prototype.toString` lays out digits.
 //!
-//! For every number a double holds to the digit (which is every number
-//! but those with more significant digits than a double keeps) that is
-//! ECMAScript's shortest spelling of the double, and an integer that fits
-//! 64 bits keeps its digits. A number beyond a double's precision keeps
-//! every digit it was sent with, so two amounts that differ in the 18th
-//! digit never share a fingerprint.
+//! Where that value is the value of ECMAScript's shortest spelling of the
+//! nearest double (as for `0.1`, `1e21` or `12.5`), the spelling is that
+//! one, as it always was; an integer that fits 64 bits keeps its digits, as
+//! it always did. Any other number (more digits than a double tells apart,
+//! or below its range) keeps every significant digit it was sent with, so
+//! two amounts a double cannot tell apart never share a fingerprint.
 
 use super::Parser;
 use super::Step;
@@ -89,8 +89,8 @@ impl Parser<'_> {
     }
 
     /// Writes the number `token` (which starts at byte `start`) in its
-    /// canonical spelling. Refused: a number a double cannot hold (beyond
-    /// its range), and one whose exponent does not fit 64 bits.
+    /// canonical spelling. Refused: a number too large for a double, and
+    /// one so small that its spelling's exponent would not fit 64 bits.
     fn respell(&mut self, token: &Token<'_>, start: usize, out: &mut Vec<u8>) -> Step {
         // The token is ASCII by construction.
         let text = std::str::from_utf8(&self.s[start..self.i])
@@ -123,7 +123,8 @@ struct Token<'a> {
 enum Exact<'a> {
     Zero,
     Value(Decimal<'a>),
-    /// The exponent does not fit 64 bits.
+    /// Its spelling's exponent would not fit 64 bits (which a spelling
+    /// read back must: the refusal depends on the value alone).
     OutOfRange,
 }
 
@@ -163,12 +164,18 @@ impl Token<'_> {
             None => 0,
             Some(e) => match exponent(e) {
                 Some(e) => e,
+                // Beyond 2^127, while the digits are fewer than 2^64: the
+                // value's own exponent is past 64 bits too.
                 None => return Exact::OutOfRange,
             },
         };
-        // Lengths are far below 2^64, the exponent fits 64 bits: no
-        // overflow in 128.
-        let n = (all - from) as i128 - self.fraction.len() as i128 + i128::from(exponent);
+        // Lengths are below 2^64 and the exponent below 2^127 in magnitude.
+        let n = ((all - from) as i128 - self.fraction.len() as i128).saturating_add(exponent);
+        // The exponent written is n - 1 (when one is), and read back it must
+        // fit 64 bits. (Past i64::MAX upwards a double is infinite anyway.)
+        if n.saturating_sub(1).unsigned_abs() > i64::MAX as u128 {
+            return Exact::OutOfRange;
+        }
         Exact::Value(Decimal {
             negative: self.negative,
             int: self.int,
@@ -181,15 +188,15 @@ impl Token<'_> {
 }
 
 /// An exponent's value (`+12`, `-3`, `7`), or `None` when it does not fit
-/// 64 bits.
-fn exponent(e: &[u8]) -> Option<i64> {
+/// 128 bits.
+fn exponent(e: &[u8]) -> Option<i128> {
     let (negative, digits) = match e.split_first() {
         Some((b'-', rest)) => (true, rest),
         Some((b'+', rest)) => (false, rest),
         _ => (false, e),
     };
-    let magnitude = digits.iter().try_fold(0i64, |n, &d| {
-        n.checked_mul(10)?.checked_add(i64::from(d - b'0'))
+    let magnitude = digits.iter().try_fold(0i128, |n, &d| {
+        n.checked_mul(10)?.checked_add(i128::from(d - b'0'))
     })?;
     Some(if negative { -magnitude } else { magnitude })
 }

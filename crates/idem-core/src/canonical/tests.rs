@@ -163,6 +163,9 @@ const SCALARS: &[&str] = &[
     "1.7976931348623157e308",
     "1e400",
     "0.12345678901234567",
+    "1e-400",
+    "12345678901234567890123",
+    "900719925474099.3",
     "true",
     "false",
     "null",
@@ -611,10 +614,67 @@ fn numbers_keep_their_exact_value() {
         refusal("1e-99999999999999999999"),
         "number out of range at byte 23"
     );
+    // Below 10 to the -2^63 refused, by value whatever the spelling: the
+    // exponent written must read back.
+    let tiny = "1e-9223372036854775807";
+    assert_spellings(&[(tiny, tiny), ("10e-9223372036854775808", tiny)]);
+    assert_spellings(&[("-0.1e-9223372036854775806", "-1e-9223372036854775807")]);
+    for below in [
+        "1e-9223372036854775808",
+        "0.1e-9223372036854775807",
+        "0.000001e-9223372036854775803",
+    ] {
+        assert!(refusal(below).starts_with("number out of range"), "{below}");
+    }
+    // Every spelling of a value, the same: a zero more in the fraction,
+    // an exponent of zero, the point moved into the exponent.
+    for (input, want) in [
+        ("9.000000000000001", "9.000000000000001"),
+        ("0.00000012345678901234567", "1.2345678901234567e-7"),
+        ("12345678901234567890123e-2", "123456789012345678901.23"),
+        ("-1.2345678901234567890e-10", "-1.234567890123456789e-10"),
+        ("1e-400", "1e-400"),
+        ("0.1", "0.1"),
+        ("1e21", "1e+21"),
+    ] {
+        for other in respellings(input) {
+            assert_eq!(canon(&other).ok().as_deref(), Some(want), "{other}");
+        }
+    }
     assert_eq!(
         refusal("[-0.5e99999999999999999999]"),
         "number out of range at byte 26"
     );
+}
+
+/// Other spellings of the number `n`'s value.
+fn respellings(n: &str) -> Vec<String> {
+    let (mantissa, e) = match n.split_once(['e', 'E']) {
+        Some((m, e)) => (m, e.parse::<i128>().unwrap_or_default()),
+        None => (n, 0),
+    };
+    let (sign, unsigned) = match mantissa.strip_prefix('-') {
+        Some(rest) => ("-", rest),
+        None => ("", mantissa),
+    };
+    let (int, fraction) = unsigned.split_once('.').unwrap_or((unsigned, ""));
+    let mut all = vec![
+        format!("{sign}{int}.{fraction}0e{e}"),
+        format!(
+            "{sign}{int}{}{fraction}E{e:+}",
+            if fraction.is_empty() { "" } else { "." }
+        ),
+    ];
+    let digits = format!("{int}{fraction}");
+    let digits = digits.trim_start_matches('0');
+    if !digits.is_empty() {
+        all.push(format!("{sign}{digits}e{}", e - fraction.len() as i128));
+        all.push(format!(
+            "{sign}0.{digits}00e{}",
+            e - fraction.len() as i128 + digits.len() as i128
+        ));
+    }
+    all
 }
 
 #[test]
