@@ -27,6 +27,12 @@ use idem_core::Fingerprint;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
+// The same oracle as idem-core's unit tests: exact values, the old
+// spelling's changes, where a document's numbers are.
+#[path = "../../crates/idem-core/src/canonical/oracle.rs"]
+mod oracle;
+use oracle::{exact, lossy, number_spans};
+
 const JSON: Option<&str> = Some("application/json");
 
 /// Equality of JSON values, numbers compared by the number they denote.
@@ -51,63 +57,6 @@ fn same_value(a: &Value, b: &Value) -> bool {
         }
         _ => a == b,
     }
-}
-
-/// The exact value a JSON number's spelling denotes: its sign, its
-/// significant digits and the power of ten just above it; zero as `None`.
-fn exact(number: &str) -> Option<(bool, String, i128)> {
-    let (negative, rest) = match number.strip_prefix('-') {
-        Some(rest) => (true, rest),
-        None => (false, number),
-    };
-    let (mantissa, e) = rest.split_once(['e', 'E']).unwrap_or((rest, "0"));
-    let (int, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let all = format!("{int}{fraction}");
-    let significant = all.trim_start_matches('0');
-    let digits = significant.trim_end_matches('0');
-    if digits.is_empty() {
-        return None;
-    }
-    // An exponent past 128 bits: a value no other spelling here has.
-    let Ok(e) = e.parse::<i128>() else {
-        return Some((negative, digits.to_owned(), i128::MIN));
-    };
-    let n = significant.len() as i128 - fraction.len() as i128 + e;
-    Some((negative, digits.to_owned(), n))
-}
-
-/// Whether a number's spelling denotes a value the old spelling changed
-/// (`serde_json` reads it as a double unless it is an integer that fits
-/// 64 bits, and `serde_jcs` writes the double's shortest spelling, ties
-/// to even as ECMAScript breaks them): the new spelling keeps the value.
-fn lossy(number: &str) -> bool {
-    let old = serde_json::from_str::<serde_json::Value>(number)
-        .ok()
-        .and_then(|v| serde_jcs::to_string(&v).ok());
-    old.is_some_and(|old| exact(&old) != exact(number))
-}
-
-/// Where the numbers of the JSON document `doc` are (the runs outside its
-/// strings that start like a number).
-fn number_spans(doc: &str) -> Vec<std::ops::Range<usize>> {
-    let (mut found, mut in_string, mut escaped, mut start) = (Vec::new(), false, false, None);
-    for (at, c) in doc.char_indices().chain([(doc.len(), ' ')]) {
-        if in_string {
-            (escaped, in_string) = (!escaped && c == '\\', escaped || c != '"');
-            continue;
-        }
-        let part = c.is_ascii_digit() || "+-.eE".contains(c);
-        match start {
-            None if part && (c == '-' || c.is_ascii_digit()) => start = Some(at),
-            Some(from) if !part => {
-                found.push(from..at);
-                start = None;
-            }
-            _ => {}
-        }
-        in_string = c == '"';
-    }
-    found
 }
 
 /// Whether the JSON document `doc` holds a [`lossy`] number.

@@ -758,6 +758,8 @@ fn append(out: &mut Vec<u8>, src: &[u8], from: usize, to: usize) {
 }
 
 mod number;
+#[cfg(test)]
+mod oracle;
 mod string;
 
 #[cfg(test)]
