@@ -10,7 +10,7 @@
 use std::ffi::OsString;
 use std::io::Write;
 use std::process::{ExitCode, Stdio};
-use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -215,19 +215,24 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
         Ok(result) => result,
         Err(number) => {
             let status = progress.status.load(Ordering::SeqCst);
+            let stopped = u8::try_from(128 + number).unwrap_or(1);
+            progress.kill_leftovers(stopped);
             say(match progress.phase.load(Ordering::SeqCst) {
                 Progress::BEFORE => format!(
                     "stopped by signal {number} before the command started; nothing ran (a claim already made frees after its lease, {} ms)",
                     args.lease_ms
                 ),
                 _ => format!(
-                    "stopped by signal {number} after the command ended (exit status {status}), while its result was being stored or its key released: neither may be done, and then a run after the lease ({} ms) runs the command again",
+                    "stopped by signal {number} after the command ended (exit status {status}), while its result was being stored or its key released: neither may be done, and then a run after the lease ({} ms) runs the command again (what it left running in its process group was killed)",
                     args.lease_ms
                 ),
             });
-            return Ok(ExitCode::from(u8::try_from(128 + number).unwrap_or(1)));
+            return Ok(ExitCode::from(stopped));
         }
     };
+    if let Err(RunError::NotStored(_) | RunError::LeaseLost) = &result {
+        progress.kill_leftovers(exit::TEMPFAIL);
+    }
     Ok(ExitCode::from(match result {
         Ok(Outcome::Fresh(ran)) => ran.status,
         Ok(Outcome::Replayed(ran)) => replay(&args, &ran, "succeeded"),
@@ -352,6 +357,8 @@ struct Progress {
     stop: tokio::sync::Notify,
     /// Told when the phase becomes [`Self::AFTER`].
     after: tokio::sync::Notify,
+    /// The command's process group, once it started (0: none).
+    group: AtomicU32,
 }
 
 impl Progress {
@@ -369,6 +376,18 @@ impl Progress {
         self.status.store(status, Ordering::SeqCst);
         self.phase.store(Self::AFTER, Ordering::SeqCst);
         self.after.notify_one();
+    }
+
+    /// Kills what the command left running in its process group, when its
+    /// result was not stored and its key is left to its lease: after the
+    /// lease another run executes the command, and nothing of this one may
+    /// run beside it. (A stored result ends the key: what the command left
+    /// running then is its own business.)
+    fn kill_leftovers(&self, status: u8) {
+        match self.group.swap(0, Ordering::SeqCst) {
+            0 => {}
+            group => kill_group(Some(group), status),
+        }
     }
 
     /// The signal passed on, once one is, taken (acted on).
@@ -550,6 +569,7 @@ async fn execute(
         .spawn()
         .map_err(|e| not_run(NotRun::NotStarted(e.to_string())))?;
     let group = child.id();
+    progress.group.store(group.unwrap_or(0), Ordering::SeqCst);
     let margin = (op.lease_left() / 10).min(Duration::from_secs(1));
     let lease = op.lease_left().saturating_sub(margin);
     let mut stdout = child.stdout.take();
@@ -592,18 +612,24 @@ async fn execute(
                 () = &mut copy, if !copied => copied = true,
                 () = tokio::time::sleep_until(deadline) => {
                     kill_group(group, exit::LEASE_RAN_OUT);
+                    progress.group.store(0, Ordering::SeqCst);
                     progress.ended(exit::LEASE_RAN_OUT);
                     return Err(not_run(NotRun::LeaseRanOut));
                 }
                 number = progress.stopped() => {
                     let status = u8::try_from(128 + number).unwrap_or(1);
                     stop_group(&mut child, group, status, deadline).await;
+                    progress.group.store(0, Ordering::SeqCst);
                     progress.ended(status);
                     return Err(not_run(NotRun::Stopped(number)));
                 }
             }
         };
         let status = status.map_err(|e| {
+            // Its status unknown, the key let go: nothing it started may
+            // run on.
+            kill_group(group, exit::NOT_STARTED);
+            progress.group.store(0, Ordering::SeqCst);
             progress.ended(exit::NOT_STARTED);
             not_run(NotRun::NotStarted(e.to_string()))
         })?;
@@ -636,6 +662,7 @@ async fn execute(
         // beside the next run's.
         if !store_failures {
             kill_group(group, code);
+            progress.group.store(0, Ordering::SeqCst);
         }
         Err(fail(Failed::Exited(ran)))
     }

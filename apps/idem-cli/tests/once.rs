@@ -647,8 +647,9 @@ fn an_unreachable_store_exits_69_and_a_bad_command_line_64() {
 /// SIGTERM once the command exited, while its result is being stored and
 /// the store does not answer (another process holds SQLite's write lock):
 /// `idem once` stops at once, 128 + 15, saying the result may not be
-/// stored. It used to go on retrying until the store answered or its lease
-/// ended, the signal swallowed.
+/// stored, and kills what the command left running (here the process that
+/// holds the lock). It used to go on retrying until the store answered or
+/// its lease ended, the signal swallowed.
 #[test]
 fn a_signal_while_the_result_is_stored_stops_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -715,10 +716,18 @@ fn a_signal_while_the_result_is_stored_stops_it() {
         std::thread::sleep(Duration::from_millis(20));
     };
     let out = running.wait_with_output().unwrap();
-    if let Ok(pid) = std::fs::read_to_string(&locker) {
-        let _ = Command::new("kill").arg(pid.trim()).status();
+    let pid = std::fs::read_to_string(&locker).unwrap_or_default();
+    // The result not stored, the key is left to its lease, after which
+    // another run executes the command: what this one left running in its
+    // group was killed.
+    let gone_by = Instant::now() + Duration::from_secs(5);
+    while alive(pid.trim()) && Instant::now() < gone_by {
+        std::thread::sleep(Duration::from_millis(20));
     }
+    let outlived = alive(pid.trim());
+    let _ = Command::new("kill").arg(pid.trim()).status();
     let said = text(&out.stderr);
+    assert!(!outlived, "the locker outlived its unstored run: {said}");
     assert_eq!(status.and_then(|s| s.code()), Some(143), "{said}");
     assert!(said.contains("while its result was being stored"), "{said}");
     assert_eq!(text(&out.stdout), "ran\n");
