@@ -7,8 +7,9 @@
 //!   before it (`serde_json` into a value, `serde_jcs` out), and refuses
 //!   exactly what that refused: records stored before stay comparable (but
 //!   for bodies holding serde_json's private raw-value key, see
-//!   `SERDE_JSON_RAW_VALUE`, and bodies holding a number beyond a double's
-//!   precision, which keeps its exact value now: see `lossy`);
+//!   `SERDE_JSON_RAW_VALUE`, bodies holding a number beyond a double's
+//!   precision, which keeps its exact value now: see `lossy`, and bodies
+//!   holding a key twice in an object, refused now: see `duplicate_keys`);
 //! - the canonical output is valid JSON whose value equals the input's value
 //!   (numbers compared as JSON numbers: integers exactly, anything with a
 //!   fraction or exponent as the IEEE double it denotes);
@@ -31,7 +32,7 @@ use serde_json::Value;
 // spelling's changes, where a document's numbers are.
 #[path = "../../crates/idem-core/src/canonical/oracle.rs"]
 mod oracle;
-use oracle::{exact, lossy, number_spans};
+use oracle::{duplicate_keys, exact, lossy, number_spans};
 
 const JSON: Option<&str> = Some("application/json");
 
@@ -199,6 +200,19 @@ fn check_body(body: &[u8]) {
         if let Ok(c) = canonical {
             assert_eq!(canonical_json(&c).ok(), Some(c));
         }
+        return;
+    }
+    if duplicate_keys(body) == Some(true) {
+        // serde_json kept the last of the two; another parser keeps the
+        // first. Refused, so fingerprinted as the bytes.
+        let e = canonical.expect_err("a key twice is refused");
+        assert!(e.to_string().starts_with("duplicate key"), "{e}");
+        let (fingerprint, form) = Fingerprint::of_request_with_form("POST", "/p", JSON, body);
+        assert_eq!(form, BodyForm::Raw);
+        assert_eq!(
+            fingerprint,
+            Fingerprint::of_request("POST", "/p", Some("text/plain"), body)
+        );
         return;
     }
     let parsed: Result<Value, _> = serde_json::from_slice(body);

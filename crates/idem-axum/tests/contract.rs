@@ -383,6 +383,32 @@ async fn amounts_a_double_cannot_tell_apart_are_different_requests() {
 }
 
 #[tokio::test]
+async fn a_body_with_a_key_twice_is_only_the_same_request_as_itself() {
+    // Read as 1000 by a parser that keeps the first key, as 1 by one that
+    // keeps the last: another body under the key is another request.
+    let h = harness(Policy::default());
+    let twice = r#"{"amount":1000,"amount":1}"#;
+    assert_eq!(
+        send(&h.app, req("k-twice", twice)).await.0,
+        StatusCode::CREATED
+    );
+    for other in [
+        r#"{"amount":5,"amount":1}"#,
+        r#"{"amount":1}"#,
+        r#"{"amount":1000}"#,
+    ] {
+        let (status, headers, body) = send(&h.app, req("k-twice", other)).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{other}");
+        assert!(problem_type(&headers, &body).ends_with("idempotency-key-reused"));
+    }
+    // The same bytes again: the replay.
+    let (status, headers, _) = send(&h.app, req("k-twice", twice)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[tokio::test]
 async fn missing_key_is_400_where_required() {
     let h = harness(Policy::default());
     let r = post_req(None, "{}").body(Body::from("{}")).unwrap();

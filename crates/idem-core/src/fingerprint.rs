@@ -15,8 +15,9 @@
 //! escape); a number keeps its exact value, every significant digit,
 //! instead of becoming the nearest double (`18446744073709551617` and
 //! `1.00000000000000001` stay as they are: two amounts a double cannot
-//! tell apart are two requests); of duplicate keys, the last wins. The
-//! rules in full are in [`canonical_json`].
+//! tell apart are two requests); an object holding a key twice is refused,
+//! so its body is fingerprinted raw. The rules in full are in
+//! [`canonical_json`].
 //!
 //! Numbers changed spelling in December 2026 where a double could not hold
 //! their value: before, every number but an integer that fits 64 bits was
@@ -29,6 +30,15 @@
 //! below 10 to the −2⁶³ is now refused, so fingerprinted raw). A retry whose
 //! first attempt was recorded before the upgrade and whose body holds such
 //! a number gets `422` instead of the replay (no effect runs twice).
+//!
+//! Bodies with a key twice in one object were refused in December 2026
+//! too. Before, the last of the two was kept, as `serde_json` keeps it, so
+//! `{"amount":1000,"amount":1}` and `{"amount":5,"amount":1}` shared a
+//! fingerprint, while a server whose parser keeps the first key (or the
+//! same server behind a proxy that does) read them as 1000 and 5: a reused
+//! key with a changed amount got the first answer replayed instead of
+//! `422`. Such a body is now fingerprinted as its bytes; a retry of one
+//! whose first attempt was recorded before the upgrade gets `422`.
 //!
 //! One spelling changed when the canonicaliser became a single pass: in
 //! builds where `serde_json`'s `raw_value` feature was on (axum's `json`
@@ -184,7 +194,7 @@ pub fn is_json_media_type(content_type: &str) -> bool {
 ///
 /// - no insignificant whitespace;
 /// - object members sorted by the bytes of their canonical key, quotes
-///   included; of duplicate keys, the last wins;
+///   included;
 /// - strings with the minimal escapes: `\"`, `\\`, `\b \f \n \r \t`,
 ///   and `\u00xx` (lowercase) for the other control characters; everything
 ///   else as UTF-8;
@@ -201,7 +211,10 @@ pub fn is_json_media_type(content_type: &str) -> bool {
 /// double, containers nested 128 deep, anything after the value. Refused
 /// as well (`serde_json` reads it as zero): a non-zero number so small
 /// that its spelling's exponent would not fit 64 bits (below 10 to the
-/// −2⁶³). A refused body is fingerprinted as its raw bytes.
+/// −2⁶³); and (`serde_json` keeps the last) an object holding a key twice,
+/// keys compared as the strings they denote (`"\u0041"` is `"A"`), since
+/// another parser keeps the first. A refused body is fingerprinted as its
+/// raw bytes.
 ///
 /// ```
 /// let c = idem_core::fingerprint::canonical_json(br#"{ "b": [1.0, "\u0041"], "a": null }"#).unwrap();
@@ -260,6 +273,27 @@ mod tests {
         let a = Fingerprint::of_request("POST", "/p", JSON, br#"{"amount":100}"#);
         let b = Fingerprint::of_request("POST", "/p", JSON, br#"{"amount":101}"#);
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn a_body_holding_a_key_twice_is_fingerprinted_as_its_bytes() {
+        // An upstream whose parser keeps the first of two keys reads these
+        // as 1000 and 5; one that keeps the last, as 1 and 1. Neither reading
+        // may decide: each body is only the same request as itself.
+        let first = br#"{"amount":1000,"amount":1}"#;
+        let second = br#"{"amount":5,"amount":1}"#;
+        let (f, form) = Fingerprint::of_request_with_form("POST", "/p", JSON, first);
+        assert_eq!(form, BodyForm::Raw);
+        assert_eq!(f, Fingerprint::of_request("POST", "/p", None, first));
+        assert_ne!(f, Fingerprint::of_request("POST", "/p", JSON, second));
+        assert_ne!(
+            f,
+            Fingerprint::of_request("POST", "/p", JSON, br#"{"amount":1}"#)
+        );
+        assert_ne!(
+            Fingerprint::of_request("POST", "/p", JSON, br#"{"a":{"k":1,"k":2}}"#),
+            Fingerprint::of_request("POST", "/p", JSON, br#"{"a":{"k":3,"k":2}}"#)
+        );
     }
 
     #[test]

@@ -3,12 +3,14 @@
 //! The spelling is the one idem has always fingerprinted (that of
 //! `serde_json` parsing and `serde_jcs` writing), so records written before
 //! stay comparable, but for numbers whose exact value that spelling changed
-//! (see the last rule and `idem_core::fingerprint`). The `canonical_json`
-//! fuzz target checks the two agree on every other input, errors included:
+//! (see the number rule and `idem_core::fingerprint`) and objects holding a
+//! key twice (refused now; that spelling kept the last). The
+//! `canonical_json` fuzz target checks the two agree on every other input,
+//! errors included:
 //!
 //! - no insignificant whitespace;
 //! - object members sorted by the bytes of their canonical key, quotes
-//!   included; of duplicate keys, the last wins;
+//!   included;
 //! - strings with the minimal escapes: `\"`, `\\`, `\b \f \n \r \t`, and
 //!   `\u00xx` (lowercase) for the other control characters; everything else
 //!   as UTF-8;
@@ -22,7 +24,8 @@
 //!   control character in a string, invalid UTF-8, a number too large for
 //!   a double, nesting 128 deep, anything after the value; and (which it
 //!   read as zero) a non-zero number so small that its spelling's exponent
-//!   would not fit 64 bits.
+//!   would not fit 64 bits; and (which it read as the last) an object
+//!   holding a key twice, keys compared as the strings they denote.
 
 use std::cmp::Ordering;
 
@@ -30,6 +33,9 @@ use crate::fingerprint::CanonicalJsonError;
 
 /// Containers nested this deep are refused (as `serde_json` does).
 const MAX_DEPTH: usize = 128;
+
+/// Why an object holding a key twice is refused (see the module docs).
+const DUPLICATE_KEY: &str = "duplicate key in the object ending";
 
 /// Canonicalises `input` into `out` (appended).
 ///
@@ -420,7 +426,7 @@ impl Parser<'_> {
                     }
                     Some(b'}') if frame.object => {
                         if frame.inverted || frame.tied {
-                            self.sort_members(out, frame.first, frame.inverted);
+                            self.sort_members(out, frame.first, frame.inverted)?;
                         }
                         self.i += 1;
                         self.members.truncate(frame.first);
@@ -516,12 +522,12 @@ impl Parser<'_> {
     }
 
     /// Puts the members read since `first` (the input stands at the
-    /// object's `}`) in key order, the last of equal keys kept. Already in
-    /// order, nothing moves. Members still in the pending run are written
-    /// from the input; others, from a copy of the output.
-    fn sort_members(&mut self, out: &mut Vec<u8>, first: usize, inverted: bool) {
+    /// object's `}`) in key order; refuses the object if two keys are the
+    /// same. Already in order, nothing moves. Members still in the pending
+    /// run are written from the input; others, from a copy of the output.
+    fn sort_members(&mut self, out: &mut Vec<u8>, first: usize, inverted: bool) -> Step {
         let Some(start) = self.members.get(first).map(|m| m.key) else {
-            return;
+            return Ok(());
         };
         // Where the `}` will stand, the last member's end.
         let close = self.at(out);
@@ -536,16 +542,14 @@ impl Parser<'_> {
         };
         let members = &self.members[first..];
         if !inverted && members.windows(2).all(|w| w[0].cmp(&w[1], held).is_lt()) {
-            return;
+            return Ok(());
         }
-        // The members' indices in key order. Stable: equal keys stay in the
-        // order they came, so the last of a run is the one kept.
+        // The members' indices in key order.
         let mut few = [0; 16];
         let known = self.shape.order_of(members);
-        let (order, unique) = match (known, few.get_mut(..members.len())) {
-            (Some(known), _) => (known, true),
+        let order = match (known, few.get_mut(..members.len())) {
+            (Some(known), _) => known,
             (None, Some(order)) => {
-                let mut unique = true;
                 for n in 0..order.len() {
                     let mut at = n;
                     while let Some(&before) = at.checked_sub(1).and_then(|b| order.get(b)) {
@@ -554,10 +558,7 @@ impl Parser<'_> {
                                 order[at] = before;
                                 at -= 1;
                             }
-                            Ordering::Equal => {
-                                unique = false;
-                                break;
-                            }
+                            Ordering::Equal => return Err(self.fault(DUPLICATE_KEY)),
                             Ordering::Greater => break,
                         }
                     }
@@ -573,22 +574,25 @@ impl Parser<'_> {
                         self.shape.order[n] = m;
                     }
                 }
-                (&*order, unique)
+                &*order
             }
             (None, None) => {
                 let order = &mut self.order;
                 order.clear();
                 order.extend(0..members.len());
-                order.sort_by(|&a, &b| members[a].cmp(&members[b], held));
-                let unique = !order
+                order.sort_unstable_by(|&a, &b| members[a].cmp(&members[b], held));
+                if order
                     .windows(2)
-                    .any(|w| members[w[0]].same_key(&members[w[1]], held));
-                (&order[..], unique)
+                    .any(|w| members[w[0]].same_key(&members[w[1]], held))
+                {
+                    return Err(self.fault(DUPLICATE_KEY));
+                }
+                &order[..]
             }
         };
         // In the output, the members from `keep` on may already stand where
         // they belong: then only those before them are written again.
-        let keep = if in_run || !unique {
+        let keep = if in_run {
             order.len()
         } else {
             order
@@ -600,18 +604,18 @@ impl Parser<'_> {
         if in_run {
             let input = Held::new(self.s, out.len(), self.run);
             append(out, self.s, self.run, input.at(members[0].key));
-            write_members(members, order, unique, close, input, out);
+            write_members(members, order, close, input, out);
         } else {
             let written = Written {
                 members,
                 order,
-                unique,
                 keep,
                 close,
             };
             written.rewrite(out, &mut self.scratch);
         }
         self.run = self.i;
+        Ok(())
     }
 }
 
@@ -619,7 +623,6 @@ impl Parser<'_> {
 struct Written<'m> {
     members: &'m [Member],
     order: &'m [usize],
-    unique: bool,
     /// The members from this one on stand where they belong.
     keep: usize,
     /// Where the object's `}` stands.
@@ -636,7 +639,6 @@ impl Written<'_> {
         let Written {
             members,
             order,
-            unique,
             keep,
             close,
         } = *self;
@@ -661,7 +663,7 @@ impl Written<'_> {
             scratch.extend_from_slice(&out[start..]);
             out.truncate(start);
             let held = Held::new(scratch, start, 0);
-            write_members(members, order, unique, close, held, out);
+            write_members(members, order, close, held, out);
         }
     }
 }
@@ -673,38 +675,21 @@ fn end_of(members: &[Member], n: usize, close: usize) -> usize {
     members.get(n + 1).map_or(close, |next| next.key - 1)
 }
 
-/// Writes the members `held` in key `order`, comma-separated, the last of
-/// equal keys only (unless the keys are known to be `unique`); the object's
-/// `}` stands at output position `close`.
+/// Writes the members `held` in key `order`, comma-separated; the
+/// object's `}` stands at output position `close`.
 fn write_members(
     members: &[Member],
     order: &[usize],
-    unique: bool,
     close: usize,
     held: Held<'_>,
     out: &mut Vec<u8>,
 ) {
-    if unique {
-        // Each member with the comma before it (none before the first).
-        let mut comma = false;
-        for &m in order {
-            let (from, to) = (members[m].key, end_of(members, m, close));
-            append_after(out, comma, held.buf, held.at(from), held.at(to));
-            comma = true;
-        }
-        return;
-    }
-    let mut written = false;
-    for (n, &m) in order.iter().enumerate() {
-        let superseded = order
-            .get(n + 1)
-            .is_some_and(|&next| members[m].same_key(&members[next], held));
-        if superseded {
-            continue;
-        }
+    // Each member with the comma before it (none before the first).
+    let mut comma = false;
+    for &m in order {
         let (from, to) = (members[m].key, end_of(members, m, close));
-        append_after(out, written, held.buf, held.at(from), held.at(to));
-        written = true;
+        append_after(out, comma, held.buf, held.at(from), held.at(to));
+        comma = true;
     }
 }
 

@@ -61,3 +61,62 @@ pub(crate) fn number_spans(doc: &str) -> Vec<std::ops::Range<usize>> {
     }
     found
 }
+
+/// Whether some object of the JSON document `doc` holds a key twice, keys
+/// compared as the strings they denote (`"\u0041"` is `"A"`); `None` if
+/// `serde_json` does not read `doc`.
+pub(crate) fn duplicate_keys(doc: &[u8]) -> Option<bool> {
+    use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
+
+    /// Any JSON value, refused if an object in it holds a key twice.
+    struct Unique;
+
+    impl<'de> Deserialize<'de> for Unique {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(Unique)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Unique {
+        type Value = Unique;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("JSON")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_unit<E>(self) -> Result<Unique, E> {
+            Ok(Unique)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Unique, A::Error> {
+            while seq.next_element::<Unique>()?.is_some() {}
+            Ok(Unique)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Unique, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if !seen.insert(key) {
+                    return Err(A::Error::custom("a key twice"));
+                }
+                map.next_value::<Unique>()?;
+            }
+            Ok(Unique)
+        }
+    }
+
+    serde_json::from_slice::<serde_json::Value>(doc).ok()?;
+    Some(serde_json::from_slice::<Unique>(doc).is_err())
+}

@@ -1,6 +1,6 @@
 //! The canonicaliser against the spelling idem fingerprinted before it.
 
-use super::oracle::{lossy, number_spans};
+use super::oracle::{duplicate_keys, lossy, number_spans};
 use super::*;
 
 fn canon(s: &str) -> Result<String, CanonicalJsonError> {
@@ -16,8 +16,6 @@ fn spellings() {
             r#" { "b" : [ 1.0 , "\u0041" ] , "a" : null } "#,
             r#"{"a":null,"b":[1,"A"]}"#,
         ),
-        (r#"{"a":1,"a":2}"#, r#"{"a":2}"#),
-        (r#"{"b":1,"a":2,"b":3}"#, r#"{"a":2,"b":3}"#),
         // `"a!"` before `"a"`: `!` sorts before the closing quote.
         (r#"{"a":2,"a!":1}"#, r#"{"a!":1,"a":2}"#),
         ("-0", "0"),
@@ -39,10 +37,15 @@ fn spellings() {
     }
 }
 
-/// The spelling idem fingerprinted before numbers kept their exact value:
-/// `serde_json` into a value, `serde_jcs` out. It still is the spelling
-/// of every document without a [`lossy`] number.
+/// The spelling idem fingerprinted before numbers kept their exact value
+/// and duplicate keys were refused: `serde_json` into a value, `serde_jcs`
+/// out. It still is the spelling of every document without a [`lossy`]
+/// number; a document with a key twice (which `serde_json` read as its
+/// last) is refused now.
 fn reference(s: &[u8]) -> Option<Vec<u8>> {
+    if duplicate_keys(s)? {
+        return None;
+    }
     let value: serde_json::Value = serde_json::from_slice(s).ok()?;
     serde_jcs::to_vec(&value).ok()
 }
@@ -178,7 +181,7 @@ fn document(rng: &mut Lcg, depth: usize, out: &mut String) {
 #[test]
 fn agrees_with_the_spelling_fingerprinted_before() {
     let mut rng = Lcg(0x9e37_79b9_7f4a_7c15);
-    let (mut valid, mut refused) = (0, 0);
+    let (mut valid, mut refused, mut twice) = (0, 0, 0);
     for _ in 0..20_000 {
         let mut doc = String::new();
         document(&mut rng, 0, &mut doc);
@@ -191,11 +194,15 @@ fn agrees_with_the_spelling_fingerprinted_before() {
         }
         let mine = canon(&doc).ok().map(String::into_bytes);
         let before = reference(doc.as_bytes());
+        if duplicate_keys(doc.as_bytes()) == Some(true) {
+            // What the old spelling read as its last member, refused.
+            assert!(refusal(&doc).starts_with(DUPLICATE_KEY), "{doc:?}");
+            twice += 1;
+        }
         if number_spans(&doc).into_iter().any(|at| lossy(&doc[at])) && before.is_some() {
             // The old spelling rounded such a number to a double; the
             // value itself is kept now (`numbers_keep_their_exact_value`),
-            // which rounded is the old spelling (unless a duplicate key
-            // dropped it, the same).
+            // which rounded is the old spelling.
             let kept = mine.as_deref().unwrap_or_else(|| panic!("{doc:?} refused"));
             let again: serde_json::Value = serde_json::from_slice(kept).unwrap_or_default();
             assert_eq!(serde_jcs::to_vec(&again).ok(), before, "{doc:?}");
@@ -209,8 +216,8 @@ fn agrees_with_the_spelling_fingerprinted_before() {
         }
     }
     assert!(
-        valid > 5_000 && refused > 1_000,
-        "{valid} valid, {refused} refused"
+        valid > 5_000 && refused > 1_000 && twice > 500,
+        "{valid} valid, {refused} refused ({twice} for a key twice)"
     );
 }
 
@@ -623,25 +630,16 @@ fn respellings(n: &str) -> Vec<String> {
 }
 
 #[test]
-fn object_members_sorted_and_last_duplicate_kept() {
+fn object_members_sorted_and_duplicate_keys_refused() {
     assert_spellings(&[
         ("{}", "{}"),
         ("{ }", "{}"),
         ("[ ]", "[]"),
         (r#"{"c":3,"b":2,"a":1}"#, r#"{"a":1,"b":2,"c":3}"#),
-        (r#"{"a":1,"b":2,"a":3}"#, r#"{"a":3,"b":2}"#),
-        (r#"{"a":1,"a":2,"a":3}"#, r#"{"a":3}"#),
-        (r#"{"b":1,"b":2,"a":3,"a":4}"#, r#"{"a":4,"b":2}"#),
-        (r#"{"\u0041":1,"A":2}"#, r#"{"A":2}"#),
-        (r#"{"A":1,"\u0041":2}"#, r#"{"A":2}"#),
         // Keys sharing their first eight bytes and more.
         (
             r#"{"abcdefghij":1,"abcdefghi":2,"abcdefghia":3,"abcdefgh":4}"#,
             r#"{"abcdefgh":4,"abcdefghi":2,"abcdefghia":3,"abcdefghij":1}"#,
-        ),
-        (
-            r#"{"abcdefghiz":1,"abcdefghia":2,"abcdefghiz":3}"#,
-            r#"{"abcdefghia":2,"abcdefghiz":3}"#,
         ),
         // Sorted by the canonical key's bytes: `\n` before `\u0001`.
         (r#"{"\u0001":1,"\n":2}"#, r#"{"\n":2,"\u0001":1}"#),
@@ -655,11 +653,39 @@ fn object_members_sorted_and_last_duplicate_kept() {
             r#"{"z":{"y":{"x":1,"w":2},"v":[3,{"u":4,"t":5}]},"a":[{"c":1,"b":2}]}"#,
             r#"{"a":[{"b":2,"c":1}],"z":{"v":[3,{"t":5,"u":4}],"y":{"w":2,"x":1}}}"#,
         ),
+        // The same key in two objects is no duplicate.
         (
-            r#"{"b":{"k":1,"k":2},"a":{"k":3},"b":{"j":4,"k":5}}"#,
-            r#"{"a":{"k":3},"b":{"j":4,"k":5}}"#,
+            r#"{"b":{"k":1},"a":{"k":3}}"#,
+            r#"{"a":{"k":3},"b":{"k":1}}"#,
         ),
     ]);
+    // A key twice: which one the upstream reads is its parser's choice
+    // (the first, the last, or a refusal), so no spelling stands for the
+    // request. Refused where the object ends, keys compared as the strings
+    // they denote.
+    for (input, at) in [
+        (r#"{"a":1,"a":2}"#, 12),
+        (r#"{"a":1,"a":1}"#, 12),
+        (r#"{"a":1,"b":2,"a":3}"#, 18),
+        (r#"{"b":1,"a":2,"b":3}"#, 18),
+        (r#"{"a":1,"a":2,"a":3}"#, 18),
+        (r#"{"b":1,"b":2,"a":3,"a":4}"#, 24),
+        (r#"{"\u0041":1,"A":2}"#, 17),
+        (r#"{"A":1,"\u0041":2}"#, 17),
+        (r#"{ "a" : 1 , "a" : 2 }"#, 20),
+        (r#"{"abcdefghiz":1,"abcdefghia":2,"abcdefghiz":3}"#, 45),
+        (r#"{"abcdefghij":1,"abcdefghij":2}"#, 30),
+        (r#"[{"k":1},{"k":2,"k":3}]"#, 21),
+        (r#"{"b":{"k":1,"k":2},"a":{"k":3}}"#, 17),
+        (r#"{"b":{"k":1},"a":{"k":3},"b":{"k":5}}"#, 36),
+    ] {
+        assert_eq!(
+            refusal(input),
+            format!("{DUPLICATE_KEY} at byte {at}"),
+            "{input:?}"
+        );
+        assert_eq!(duplicate_keys(input.as_bytes()), Some(true), "{input:?}");
+    }
     for (input, want) in [
         (r#"{"a":1,}"#, "expected a key at byte 7"),
         (r#"{"a" 1}"#, "expected `:` at byte 5"),
@@ -718,8 +744,6 @@ fn unsorted_objects_whether_read_as_they_stand_or_respelled() {
         ),
         // None stays: the last moves too.
         (r#"{"a":1, "c":2, "b":3}"#, r#"{"a":1,"b":3,"c":2}"#),
-        // A duplicate among them: written again from the start.
-        (r#"{"b":1, "a":2, "b":3, "c":4}"#, r#"{"a":2,"b":3,"c":4}"#),
         // Keys that tie on their first eight bytes, in order and not.
         (
             r#"{"customer_id":1,"customer_name":2}"#,
@@ -732,18 +756,18 @@ fn unsorted_objects_whether_read_as_they_stand_or_respelled() {
         // Keys near the end of the input, shorter than eight bytes.
         (r#"{"b":0,"a":0}"#, r#"{"a":0,"b":0}"#),
     ]);
-    // More members than the small sort takes, one of them twice.
-    let member = |n: usize| match n {
-        7 => r#""k07":"last""#.to_owned(),
-        n => format!(r#""k{n:02}":{n}"#),
-    };
+    // A key twice, read as it stands or respelled, among few members or
+    // more than the small sort takes: refused.
     let mut twice: Vec<String> = (0..20).rev().map(|n| format!(r#""k{n:02}":{n}"#)).collect();
-    twice.push(member(7));
-    let once: Vec<String> = (0..20).map(member).collect();
-    assert_spellings(&[(
-        &format!("{{{}}}", twice.join(",")),
-        &format!("{{{}}}", once.join(",")),
-    )]);
+    twice.push(r#""k07":"again""#.to_owned());
+    for doc in [
+        r#"{"b":1, "a":2, "b":3, "c":4}"#.to_owned(),
+        r#"{"b":1.0,"a":2,"\u0062":3}"#.to_owned(),
+        format!("{{{}}}", twice.join(",")),
+        format!("[{{{}}}]", twice.join(", ")),
+    ] {
+        assert!(refusal(&doc).starts_with(DUPLICATE_KEY), "{doc}");
+    }
     // More members than the small sort takes.
     let many: Vec<String> = (0..40).rev().map(|n| format!(r#""k{n:02}":{n}"#)).collect();
     let mut sorted = many.clone();
@@ -943,8 +967,8 @@ fn objects_written_before_they_close_are_reordered_with_their_ends() {
             r#"{"abcdef":1,"abcdefg":[1],"abcdefgh":2}"#,
         ),
         (
-            r#"{"b":{"d":1,"c":2} , "a":[ ],"b":{"f":1.50,"e":2}}"#,
-            r#"{"a":[],"b":{"e":2,"f":1.5}}"#,
+            r#"{"c":{"d":1,"c":2} , "a":[ ],"b":{"f":1.50,"e":2}}"#,
+            r#"{"a":[],"b":{"e":2,"f":1.5},"c":{"c":2,"d":1}}"#,
         ),
     ] {
         assert_eq!(canon(input).ok().as_deref(), Some(want), "{input}");
