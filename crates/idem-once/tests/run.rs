@@ -893,62 +893,35 @@ mod redis {
 /// step claim it made, so a retry of the run starts that step at once
 /// rather than waiting for it as if it were still running.
 mod steps_at_once {
-    use idem_core::{
-        BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, Store, StoreError, StoredResponse,
-    };
+    use idem_core::ClaimRequest;
     use idem_memory::MemoryStore;
+    use idem_test_support::stores::{ClaimDelay, SlowClaimAnswers};
 
     use crate::*;
 
     /// The memory store, but the first step claim (a key other than the
     /// run's) answers only after a while: made at once, heard of late, so
     /// that the step started beside it is decided first.
-    #[derive(Debug)]
-    struct FirstStepAnswersLate {
-        inner: MemoryStore,
-        step_claims: std::sync::atomic::AtomicUsize,
-    }
+    type FirstStepAnswersLate = SlowClaimAnswers<MemoryStore, FirstStep>;
 
-    impl Store for FirstStepAnswersLate {
-        fn claim<'a>(
-            &'a self,
-            r: &'a ClaimRequest,
-        ) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
-            Box::pin(async move {
-                let outcome = self.inner.claim(r).await;
-                if r.key != "k" && self.step_claims.fetch_add(1, Ordering::SeqCst) == 0 {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
-                outcome
-            })
-        }
-        fn complete<'a>(
-            &'a self,
-            c: &'a Claim,
-            r: &'a StoredResponse,
-        ) -> BoxFuture<'a, Result<(), StoreError>> {
-            self.inner.complete(c, r)
-        }
-        fn release<'a>(&'a self, c: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
-            self.inner.release(c)
-        }
-        fn get<'a>(
-            &'a self,
-            s: &'a str,
-            k: &'a str,
-        ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-            self.inner.get(s, k)
-        }
-        fn sweep(&self, b: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
-            self.inner.sweep(b)
+    #[derive(Debug, Default)]
+    struct FirstStep(std::sync::atomic::AtomicUsize);
+
+    impl ClaimDelay for FirstStep {
+        fn delay(&self, r: &ClaimRequest) -> Duration {
+            if r.key != "k" && self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                Duration::from_millis(300)
+            } else {
+                Duration::ZERO
+            }
         }
     }
 
     #[tokio::test]
     async fn the_step_refused_lets_its_claim_go() {
-        let store = FirstStepAnswersLate {
+        let store: FirstStepAnswersLate = SlowClaimAnswers {
             inner: MemoryStore::new(),
-            step_claims: Default::default(),
+            delay: FirstStep::default(),
         };
         let runner = Runner::new(store, Policy::default());
         let first = runner

@@ -6,11 +6,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{
-    BoxFuture, Claim, ClaimOutcome, ClaimRequest, Record, Store, StoreError, StoredResponse,
-};
+use idem_core::{ClaimOutcome, ClaimRequest, Store, StoreError, StoredResponse};
 use idem_memory::MemoryStore;
 use idem_redis::{RedisConfig, RedisStore, TieredStore};
+use idem_test_support::stores::{ClaimDelay, SlowClaimAnswers};
 
 fn redis_url() -> String {
     std::env::var("IDEM_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
@@ -77,12 +76,9 @@ mod cluster_alone {
     idem_store_suite::store_suite!(|| super::cluster(), native_expiry);
 }
 
-async fn tiered_cluster() -> (TieredStore<Counting<MemoryStore>>, Prefix) {
+async fn tiered_cluster() -> (TieredStore<Counting>, Prefix) {
     let (r, guard) = cluster().await;
-    (
-        TieredStore::new(Counting::new(MemoryStore::new()), r),
-        guard,
-    )
+    (TieredStore::new(counting(), r), guard)
 }
 
 mod tiered_over_cluster {
@@ -120,58 +116,33 @@ async fn a_cluster_spreads_records_over_its_primaries_and_clears_them_all() {
     assert_eq!(store.count_keys().await.unwrap(), 0);
 }
 
-async fn tiered() -> (TieredStore<Counting<MemoryStore>>, Prefix) {
+async fn tiered() -> (TieredStore<Counting>, Prefix) {
     let (r, guard) = redis().await;
-    (
-        TieredStore::new(Counting::new(MemoryStore::new()), r),
-        guard,
-    )
+    (TieredStore::new(counting(), r), guard)
 }
 
 mod tiered_over_memory {
     idem_store_suite::store_suite!(|| super::tiered());
 }
 
-/// Counts the claims that reach the store behind the tier.
-#[derive(Debug)]
-struct Counting<S> {
-    inner: S,
-    claims: Arc<AtomicUsize>,
-}
+/// The store behind the tier, counting the claims that reach it.
+type Counting = SlowClaimAnswers<MemoryStore, Claims>;
 
-impl<S> Counting<S> {
-    fn new(inner: S) -> Self {
-        Self {
-            inner,
-            claims: Arc::default(),
-        }
+fn counting() -> Counting {
+    SlowClaimAnswers {
+        inner: MemoryStore::new(),
+        delay: Claims::default(),
     }
 }
 
-impl<S: Store> Store for Counting<S> {
-    fn claim<'a>(&'a self, r: &'a ClaimRequest) -> BoxFuture<'a, Result<ClaimOutcome, StoreError>> {
-        self.claims.fetch_add(1, Ordering::SeqCst);
-        self.inner.claim(r)
-    }
-    fn complete<'a>(
-        &'a self,
-        c: &'a Claim,
-        r: &'a StoredResponse,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        self.inner.complete(c, r)
-    }
-    fn release<'a>(&'a self, c: &'a Claim) -> BoxFuture<'a, Result<(), StoreError>> {
-        self.inner.release(c)
-    }
-    fn get<'a>(
-        &'a self,
-        s: &'a str,
-        k: &'a str,
-    ) -> BoxFuture<'a, Result<Option<Record>, StoreError>> {
-        self.inner.get(s, k)
-    }
-    fn sweep(&self, b: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
-        self.inner.sweep(b)
+/// Counts the claims made, each answered at once.
+#[derive(Debug, Default)]
+struct Claims(Arc<AtomicUsize>);
+
+impl ClaimDelay for Claims {
+    fn delay(&self, _: &ClaimRequest) -> Duration {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Duration::ZERO
     }
 }
 
@@ -196,7 +167,7 @@ fn ok() -> StoredResponse {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_and_in_flight_collisions_do_not_touch_the_sql_store_while_cached() {
     let (store, _guard) = tiered().await;
-    let counter = store.inner().claims.clone();
+    let counter = store.inner().delay.0.clone();
     let ClaimOutcome::Acquired(claim) = store.claim(&req("k")).await.unwrap() else {
         panic!()
     };
