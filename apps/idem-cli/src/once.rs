@@ -618,7 +618,7 @@ async fn execute(
                 }
                 number = progress.stopped() => {
                     let status = u8::try_from(128 + number).unwrap_or(1);
-                    stop_group(&mut child, group, status, deadline).await;
+                    stop_group(&mut child, group, status, deadline, progress).await;
                     progress.group.store(0, Ordering::SeqCst);
                     progress.ended(status);
                     return Err(not_run(NotRun::Stopped(number)));
@@ -674,24 +674,28 @@ async fn execute(
 /// stop time-outs of supervisors (`docker stop`'s 10 s).
 const TERM_GRACE: Duration = Duration::from_secs(3);
 
-/// Stops the command's process group: SIGTERM, then, once the whole group
-/// has ended or [`TERM_GRACE`] (never past `deadline`, the lease's end less
-/// its margin) has passed, SIGKILL to whatever is left of it. The group,
-/// not the command alone: a script dies of the SIGTERM at once, while what
-/// it started (`docker run` passing the signal on to its container) is
-/// still ending.
+/// Stops the command's process group: SIGTERM (and SIGCONT, so that a
+/// stopped member acts on it), then, once the whole group has ended, or
+/// [`TERM_GRACE`] (never past `deadline`, the lease's end less its margin)
+/// has passed, or another signal came, SIGKILL to whatever is left of it.
+/// The group, not the command alone: a script dies of the SIGTERM at once,
+/// while what it started (`docker run` passing the signal on to its
+/// container) is still ending.
 async fn stop_group(
     child: &mut tokio::process::Child,
     group: Option<u32>,
     status: u8,
     deadline: tokio::time::Instant,
+    progress: &Progress,
 ) {
     if let Some(pid) = group
         .and_then(|g| i32::try_from(g).ok())
         .and_then(rustix::process::Pid::from_raw)
     {
+        use rustix::process::{kill_process_group, Signal};
         // A failure here is met by the SIGKILL below, which says so.
-        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::TERM);
+        let _ = kill_process_group(pid, Signal::TERM);
+        let _ = kill_process_group(pid, Signal::CONT);
         let until = deadline.min(tokio::time::Instant::now() + TERM_GRACE);
         let ended = async {
             // The command reaped as it exits (a zombie still counts as one
@@ -702,7 +706,12 @@ async fn stop_group(
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
-        let _ = tokio::time::timeout_at(until, ended).await;
+        tokio::select! {
+            _ = tokio::time::timeout_at(until, ended) => {}
+            // Told to stop again (Ctrl-C twice, a supervisor's second
+            // signal): the grace is over.
+            _ = progress.stopped() => {}
+        }
     }
     kill_group(group, status);
 }

@@ -527,6 +527,14 @@ fn alive(pid: &str) -> bool {
             .contains(") Z ")
 }
 
+/// Field `n` of `/proc/{pid}/stat` after the command's name (0: its
+/// state, 2: its process group).
+fn stat_field(pid: &str, n: usize) -> String {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(") ").map_or("", |(_, rest)| rest);
+    after.split(' ').nth(n).unwrap_or_default().to_owned()
+}
+
 /// The pid a command wrote to `file` (waiting for it, up to 20 s).
 fn pid_in(file: &Path) -> String {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -584,8 +592,10 @@ fn a_stop_asks_the_command_to_end_first(url: &str) {
         ),
     )
     .unwrap();
-    // The worker writes its pid once its trap is set.
-    let script = format!("sh '{}' & wait", worker.display());
+    // The worker writes its pid once its trap is set; its stderr is not
+    // the one this test reads to its end (a worker left alive would hang
+    // the test rather than fail it).
+    let script = format!("sh '{}' 2>/dev/null & wait", worker.display());
     let running = idem(
         url,
         &[
@@ -609,6 +619,148 @@ fn a_stop_asks_the_command_to_end_first(url: &str) {
         std::fs::read_to_string(&cleaned).unwrap_or_default(),
         "yes\n",
         "the worker was killed without being let end"
+    );
+}
+
+/// Told to stop, `idem once` reaches every member of the command's group:
+/// one stopped (SIGSTOP, as a job that wrote to a terminal is) is
+/// continued so that it acts on the SIGTERM, and one that ignores SIGTERM
+/// is killed once the grace has passed, which is waited for (3 s).
+#[test]
+fn a_stop_continues_a_stopped_member_and_kills_one_that_ignores_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("once.db").display());
+    let cleaned = dir.path().join("cleaned");
+    let (paused_pid, stubborn_pid) = (
+        dir.path().join("paused.pid"),
+        dir.path().join("stubborn.pid"),
+    );
+    let paused = dir.path().join("paused.sh");
+    std::fs::write(
+        &paused,
+        format!(
+            "trap 'echo yes > \"{}\"; exit 0' TERM\necho $$ > '{}'\nwhile :; do sleep 0.05; done\n",
+            cleaned.display(),
+            paused_pid.display()
+        ),
+    )
+    .unwrap();
+    let stubborn = dir.path().join("stubborn.sh");
+    std::fs::write(
+        &stubborn,
+        format!(
+            "trap '' TERM\necho $$ > '{}'\nwhile :; do sleep 0.05; done\n",
+            stubborn_pid.display()
+        ),
+    )
+    .unwrap();
+    let script = format!(
+        "sh '{}' 2>/dev/null & sh '{}' 2>/dev/null & wait",
+        paused.display(),
+        stubborn.display()
+    );
+    let running = idem(
+        &url,
+        &[
+            "once", "--scope", "cron", "--key", "stubborn", "--", "sh", "-c", &script,
+        ],
+    )
+    .env("DATABASE_URL", &url)
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let (paused, stubborn) = (pid_in(&paused_pid), pid_in(&stubborn_pid));
+    assert!(Command::new("kill")
+        .args(["-STOP", &paused])
+        .status()
+        .unwrap()
+        .success());
+    // Stopped before the stop begins (a SIGCONT sent first would cancel it).
+    while stat_field(&paused, 0) != "T" {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let asked = Instant::now();
+    let term = Command::new("kill")
+        .args(["-TERM", &running.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let out = running.wait_with_output().unwrap();
+    let took = asked.elapsed();
+    let (paused_alive, stubborn_alive) = (alive(&paused), alive(&stubborn));
+    for pid in [&paused, &stubborn] {
+        let _ = Command::new("kill").args(["-KILL", pid]).status();
+    }
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    assert!(
+        !paused_alive && !stubborn_alive,
+        "a member outlived idem once"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&cleaned).unwrap_or_default(),
+        "yes\n",
+        "the stopped member was killed without acting on the SIGTERM"
+    );
+    assert!(
+        took >= Duration::from_secs(3),
+        "the member that ignores SIGTERM was killed after {took:?}, before the grace"
+    );
+}
+
+/// Told to stop twice, `idem once` does not wait out the grace: the second
+/// signal kills what is left of the group at once.
+#[test]
+fn a_second_signal_cuts_the_grace_short() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("once.db").display());
+    let pid_file = dir.path().join("stubborn.pid");
+    let stubborn = dir.path().join("stubborn.sh");
+    std::fs::write(
+        &stubborn,
+        format!(
+            "trap '' TERM INT\necho $$ > '{}'\nwhile :; do sleep 0.05; done\n",
+            pid_file.display()
+        ),
+    )
+    .unwrap();
+    let script = format!("sh '{}' 2>/dev/null & wait", stubborn.display());
+    let running = idem(
+        &url,
+        &[
+            "once", "--scope", "cron", "--key", "twice", "--", "sh", "-c", &script,
+        ],
+    )
+    .env("DATABASE_URL", &url)
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let pid = pid_in(&pid_file);
+    let leader = stat_field(&pid, 2);
+    let signal = |name: &str| {
+        assert!(Command::new("kill")
+            .args([name, &running.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
+    };
+    let asked = Instant::now();
+    signal("-TERM");
+    // The stop begun: the group's leader (`sh -c`, which does not ignore
+    // SIGTERM) gone. The next signal is a second one.
+    while alive(&leader) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    signal("-INT");
+    let out = running.wait_with_output().unwrap();
+    let took = asked.elapsed();
+    let stubborn_alive = alive(&pid);
+    let _ = Command::new("kill").args(["-KILL", &pid]).status();
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    assert!(!stubborn_alive, "the member outlived idem once");
+    // Over before the grace (3 s from the SIGTERM) would have ended.
+    assert!(
+        took < Duration::from_secs(3),
+        "the second signal did not cut the grace: {took:?} after the first"
     );
 }
 
