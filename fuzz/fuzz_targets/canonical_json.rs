@@ -206,7 +206,7 @@ fn check_body(body: &[u8]) {
         // serde_json kept the last of the two; another parser keeps the
         // first. Refused, so fingerprinted as the bytes.
         let e = canonical.expect_err("a key twice is refused");
-        assert!(e.to_string().starts_with("duplicate key"), "{e}");
+        assert!(e.to_string().contains(": duplicate key in the object"), "{e}");
         let (fingerprint, form) = Fingerprint::of_request_with_form("POST", "/p", JSON, body);
         assert_eq!(form, BodyForm::Raw);
         assert_eq!(

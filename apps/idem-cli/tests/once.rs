@@ -6,7 +6,7 @@
 //! same operation id. `idem inspect` shows a run's steps.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -572,6 +572,53 @@ fn a_failed_commands_leftovers_do_not_outlive_its_key(url: &str) {
     assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
 }
 
+/// Writes a shell script to `dir/{name}.sh` that runs `trap` (its signal
+/// handling), writes its pid to `dir/{name}.pid` and loops until killed;
+/// returns the two paths.
+fn looping_worker(dir: &Path, name: &str, trap: &str) -> (PathBuf, PathBuf) {
+    let (script, pid_file) = (
+        dir.join(format!("{name}.sh")),
+        dir.join(format!("{name}.pid")),
+    );
+    std::fs::write(
+        &script,
+        format!(
+            "{trap}\necho $$ > '{}'\nwhile :; do sleep 0.05; done\n",
+            pid_file.display()
+        ),
+    )
+    .unwrap();
+    (script, pid_file)
+}
+
+/// `idem once` under `key`, running the shell `script` in the background,
+/// its stderr piped. The workers' stderr is not that pipe (the test reads
+/// it to its end: a worker left alive would hang the test, not fail it).
+fn once_in_background(url: &str, key: &str, workers: &[&Path]) -> std::process::Child {
+    let url_only = url.split('#').next().unwrap().to_owned();
+    let script: String = workers
+        .iter()
+        .map(|w| format!("sh '{}' 2>/dev/null & ", w.display()))
+        .chain(["wait".to_owned()])
+        .collect();
+    idem(
+        url,
+        &[
+            "once", "--scope", "cron", "--key", key, "--", "sh", "-c", &script,
+        ],
+    )
+    .env("DATABASE_URL", url_only)
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap()
+}
+
+/// Sends `signal` (`-TERM`, …) to `pid`.
+fn send(signal: &str, pid: &str) {
+    let sent = Command::new("kill").args([signal, pid]).status().unwrap();
+    assert!(sent.success(), "kill {signal} {pid}");
+}
+
 /// Told to stop, `idem once` asks the command's group to end (SIGTERM)
 /// before it kills it, and waits for the group, not the command alone: a
 /// script that dies of the signal at once leaves what it started (here a
@@ -579,39 +626,15 @@ fn a_failed_commands_leftovers_do_not_outlive_its_key(url: &str) {
 /// container) the time to end.
 fn a_stop_asks_the_command_to_end_first(url: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let url_only = url.split('#').next().unwrap().to_owned();
-    let pid_file = dir.path().join("worker.pid");
     let cleaned = dir.path().join("cleaned");
-    let worker = dir.path().join("worker.sh");
-    std::fs::write(
-        &worker,
-        format!(
-            "trap 'sleep 0.3; echo yes > \"{}\"; exit 0' TERM\necho $$ > '{}'\nwhile :; do sleep 0.05; done\n",
-            cleaned.display(),
-            pid_file.display()
-        ),
-    )
-    .unwrap();
-    // The worker writes its pid once its trap is set; its stderr is not
-    // the one this test reads to its end (a worker left alive would hang
-    // the test rather than fail it).
-    let script = format!("sh '{}' 2>/dev/null & wait", worker.display());
-    let running = idem(
-        url,
-        &[
-            "once", "--scope", "cron", "--key", "graceful", "--", "sh", "-c", &script,
-        ],
-    )
-    .env("DATABASE_URL", &url_only)
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let trap = format!(
+        "trap 'sleep 0.3; echo yes > \"{}\"; exit 0' TERM",
+        cleaned.display()
+    );
+    let (worker, pid_file) = looping_worker(dir.path(), "worker", &trap);
+    let running = once_in_background(url, "graceful", &[&worker]);
     let pid = pid_in(&pid_file);
-    let term = Command::new("kill")
-        .args(["-TERM", &running.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
+    send("-TERM", &running.id().to_string());
     let out = running.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
     assert!(!alive(&pid), "the worker outlived idem once");
@@ -631,60 +654,18 @@ fn a_stop_continues_a_stopped_member_and_kills_one_that_ignores_it() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("once.db").display());
     let cleaned = dir.path().join("cleaned");
-    let (paused_pid, stubborn_pid) = (
-        dir.path().join("paused.pid"),
-        dir.path().join("stubborn.pid"),
-    );
-    let paused = dir.path().join("paused.sh");
-    std::fs::write(
-        &paused,
-        format!(
-            "trap 'echo yes > \"{}\"; exit 0' TERM\necho $$ > '{}'\nwhile :; do sleep 0.05; done\n",
-            cleaned.display(),
-            paused_pid.display()
-        ),
-    )
-    .unwrap();
-    let stubborn = dir.path().join("stubborn.sh");
-    std::fs::write(
-        &stubborn,
-        format!(
-            "trap '' TERM\necho $$ > '{}'\nwhile :; do sleep 0.05; done\n",
-            stubborn_pid.display()
-        ),
-    )
-    .unwrap();
-    let script = format!(
-        "sh '{}' 2>/dev/null & sh '{}' 2>/dev/null & wait",
-        paused.display(),
-        stubborn.display()
-    );
-    let running = idem(
-        &url,
-        &[
-            "once", "--scope", "cron", "--key", "stubborn", "--", "sh", "-c", &script,
-        ],
-    )
-    .env("DATABASE_URL", &url)
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let trap = format!("trap 'echo yes > \"{}\"; exit 0' TERM", cleaned.display());
+    let (paused, paused_pid) = looping_worker(dir.path(), "paused", &trap);
+    let (stubborn, stubborn_pid) = looping_worker(dir.path(), "stubborn", "trap '' TERM");
+    let running = once_in_background(&url, "stubborn", &[&paused, &stubborn]);
     let (paused, stubborn) = (pid_in(&paused_pid), pid_in(&stubborn_pid));
-    assert!(Command::new("kill")
-        .args(["-STOP", &paused])
-        .status()
-        .unwrap()
-        .success());
+    send("-STOP", &paused);
     // Stopped before the stop begins (a SIGCONT sent first would cancel it).
     while stat_field(&paused, 0) != "T" {
         std::thread::sleep(Duration::from_millis(10));
     }
     let asked = Instant::now();
-    let term = Command::new("kill")
-        .args(["-TERM", &running.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(term.success());
+    send("-TERM", &running.id().to_string());
     let out = running.wait_with_output().unwrap();
     let took = asked.elapsed();
     let (paused_alive, stubborn_alive) = (alive(&paused), alive(&stubborn));
@@ -713,44 +694,18 @@ fn a_stop_continues_a_stopped_member_and_kills_one_that_ignores_it() {
 fn a_second_signal_cuts_the_grace_short() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("once.db").display());
-    let pid_file = dir.path().join("stubborn.pid");
-    let stubborn = dir.path().join("stubborn.sh");
-    std::fs::write(
-        &stubborn,
-        format!(
-            "trap '' TERM INT\necho $$ > '{}'\nwhile :; do sleep 0.05; done\n",
-            pid_file.display()
-        ),
-    )
-    .unwrap();
-    let script = format!("sh '{}' 2>/dev/null & wait", stubborn.display());
-    let running = idem(
-        &url,
-        &[
-            "once", "--scope", "cron", "--key", "twice", "--", "sh", "-c", &script,
-        ],
-    )
-    .env("DATABASE_URL", &url)
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let (stubborn, pid_file) = looping_worker(dir.path(), "stubborn", "trap '' TERM INT");
+    let running = once_in_background(&url, "twice", &[&stubborn]);
     let pid = pid_in(&pid_file);
     let leader = stat_field(&pid, 2);
-    let signal = |name: &str| {
-        assert!(Command::new("kill")
-            .args([name, &running.id().to_string()])
-            .status()
-            .unwrap()
-            .success());
-    };
     let asked = Instant::now();
-    signal("-TERM");
+    send("-TERM", &running.id().to_string());
     // The stop begun: the group's leader (`sh -c`, which does not ignore
     // SIGTERM) gone. The next signal is a second one.
     while alive(&leader) {
         std::thread::sleep(Duration::from_millis(10));
     }
-    signal("-INT");
+    send("-INT", &running.id().to_string());
     let out = running.wait_with_output().unwrap();
     let took = asked.elapsed();
     let stubborn_alive = alive(&pid);
