@@ -205,8 +205,14 @@ fn check_body(body: &[u8]) {
     if duplicate_keys(body) == Some(true) {
         // serde_json kept the last of the two; another parser keeps the
         // first. Refused, so fingerprinted as the bytes.
+        // (Or refused before that object closes, for a number whose
+        // exponent does not fit 64 bits, which serde_json read as zero.)
         let e = canonical.expect_err("a key twice is refused");
-        assert!(e.to_string().contains(": duplicate key in the object"), "{e}");
+        let e = e.to_string();
+        assert!(
+            e.contains(": duplicate key in the object") || e.contains(": number out of range"),
+            "{e}"
+        );
         let (fingerprint, form) = Fingerprint::of_request_with_form("POST", "/p", JSON, body);
         assert_eq!(form, BodyForm::Raw);
         assert_eq!(

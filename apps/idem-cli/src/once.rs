@@ -475,7 +475,12 @@ async fn until_stopped<F: std::future::Future>(
         match progress.phase.load(Ordering::SeqCst) {
             Progress::BEFORE => return Err(number),
             Progress::RUNNING => {
-                progress.signal.store(number, Ordering::SeqCst);
+                // The first signal not yet acted on stands (its number is
+                // the exit status); a later one adds nothing.
+                let _ =
+                    progress
+                        .signal
+                        .compare_exchange(0, number, Ordering::SeqCst, Ordering::SeqCst);
                 progress.stop.notify_one();
             }
             _ => {
@@ -510,8 +515,8 @@ fn replay(args: &OnceArgs, ran: &Ran, how: &str) -> u8 {
 ///
 /// The command runs in a process group of its own. At the end of its lease
 /// (less a margin, on this process's clock), or when `idem once` is told to
-/// stop (SIGTERM, SIGINT, SIGHUP), the whole group is killed before the key
-/// is let go: no host runs it beside another.
+/// stop (one of the signals [`Signals`] watches), the whole group is killed
+/// before the key is let go: no host runs it beside another.
 async fn execute(
     op: &Operation<'_, Arc<dyn Store>>,
     command: &[OsString],
@@ -618,7 +623,7 @@ async fn execute(
                 }
                 number = progress.stopped() => {
                     let status = u8::try_from(128 + number).unwrap_or(1);
-                    stop_group(&mut child, group, status, deadline, progress).await;
+                    stop_group(&mut child, group, status, deadline).await;
                     progress.group.store(0, Ordering::SeqCst);
                     progress.ended(status);
                     return Err(not_run(NotRun::Stopped(number)));
@@ -675,18 +680,19 @@ async fn execute(
 const TERM_GRACE: Duration = Duration::from_secs(3);
 
 /// Stops the command's process group: SIGTERM (and SIGCONT, so that a
-/// stopped member acts on it), then, once the whole group has ended, or
+/// stopped member acts on it), then, once the whole group has ended or
 /// [`TERM_GRACE`] (never past `deadline`, the lease's end less its margin)
-/// has passed, or another signal came, SIGKILL to whatever is left of it.
-/// The group, not the command alone: a script dies of the SIGTERM at once,
-/// while what it started (`docker run` passing the signal on to its
-/// container) is still ending.
+/// has passed, SIGKILL to whatever is left of it. The group, not the
+/// command alone: a script dies of the SIGTERM at once, while what it
+/// started (`docker run` passing the signal on to its container) is still
+/// ending. A signal that comes during the grace does not cut it short: one
+/// stop is often delivered twice (`timeout` signals its child, then its own
+/// process group).
 async fn stop_group(
     child: &mut tokio::process::Child,
     group: Option<u32>,
     status: u8,
     deadline: tokio::time::Instant,
-    progress: &Progress,
 ) {
     if let Some(pid) = group
         .and_then(|g| i32::try_from(g).ok())
@@ -706,12 +712,7 @@ async fn stop_group(
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
-        tokio::select! {
-            _ = tokio::time::timeout_at(until, ended) => {}
-            // Told to stop again (Ctrl-C twice, a supervisor's second
-            // signal): the grace is over.
-            _ = progress.stopped() => {}
-        }
+        let _ = tokio::time::timeout_at(until, ended).await;
     }
     kill_group(group, status);
 }
