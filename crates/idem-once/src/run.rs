@@ -477,7 +477,10 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
 
 /// The fingerprint of a run's input: its canonical JSON, as a JSON
 /// request body is fingerprinted (`1000` and `1000.0` are the same input;
-/// key order does not count).
+/// key order does not count). An input whose JSON holds a key twice (a
+/// `#[serde(flatten)]` map with a key its struct also has) is compared by
+/// its bytes, so such a map must serialise in a stable order (a
+/// `BTreeMap`, not a `HashMap`).
 pub fn fingerprint<I: Serialize + ?Sized>(input: &I) -> Result<Fingerprint, serde_json::Error> {
     let json = serde_json::to_vec(input)?;
     Ok(Fingerprint::of_request(

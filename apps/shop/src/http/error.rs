@@ -64,7 +64,10 @@ pub(crate) enum Error {
     Database(#[from] sqlx::Error),
     /// The payment was charged but could not be recorded: `503` that tells
     /// the client to retry with the same key (the bank will not charge
-    /// twice), or the status of [`Error::Database`] if retrying cannot help.
+    /// twice), or else `500`. Never a `4xx`: that would be stored and
+    /// replayed, saying the request was refused when the bank charged it;
+    /// a `5xx` lets the key go, so the retry records the charge once the
+    /// fault is mended.
     #[error("recording the payment: {0}")]
     Recording(sqlx::Error),
     /// The bank could not be reached, or refused.
@@ -136,7 +139,17 @@ impl IntoResponse for Error {
                 .retry_after(1)
                 .into_response()
             }
-            Self::Database(e) | Self::Recording(e) => database(&e),
+            Self::Recording(e) => {
+                error!(error = %e, "the payment was charged but could not be recorded");
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "The payment could not be recorded",
+                )
+                .detail("retry with the same Idempotency-Key; the bank will not charge twice")
+                .into_response()
+            }
+            Self::Database(e) => database(&e),
             Self::Bank(e) => {
                 warn!(error = ?e, "bank call failed");
                 match e {
@@ -322,8 +335,14 @@ mod tests {
         assert_eq!(check.status(), StatusCode::BAD_REQUEST);
         let ours = answer(fail("SELECT * FROM missing").await);
         assert_eq!(ours.status(), StatusCode::INTERNAL_SERVER_ERROR);
-        let recording = Error::Recording(fail("INSERT INTO t VALUES ('b', 0)").await);
-        assert_eq!(recording.into_response().status(), StatusCode::BAD_REQUEST);
+        // Charged but not recorded: never an answer that is stored.
+        for statement in [
+            "INSERT INTO t VALUES ('b', 0)",
+            "INSERT INTO t VALUES ('a', 2)",
+        ] {
+            let recording = Error::Recording(fail(statement).await).into_response();
+            assert_eq!(recording.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        }
         for r in [&unique, &check, &ours] {
             assert!(r.headers().get(header::RETRY_AFTER).is_none());
         }
