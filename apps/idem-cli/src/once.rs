@@ -679,7 +679,7 @@ async fn execute(
 /// stop time-outs of supervisors (`docker stop`'s 10 s).
 const TERM_GRACE: Duration = Duration::from_secs(3);
 
-/// Stops the command's process group: SIGTERM (and SIGCONT, so that a
+/// Stops the command's process group: SIGTERM (after SIGCONT, so that a
 /// stopped member acts on it), then, once the whole group has ended or
 /// [`TERM_GRACE`] (never past `deadline`, the lease's end less its margin)
 /// has passed, SIGKILL to whatever is left of it. The group, not the
@@ -700,8 +700,12 @@ async fn stop_group(
     {
         use rustix::process::{kill_process_group, Signal};
         // A failure here is met by the SIGKILL below, which says so.
-        let _ = kill_process_group(pid, Signal::TERM);
+        // SIGCONT first: a member still stopped when the command (the
+        // group's leader) dies of the SIGTERM would make the group an
+        // orphaned one with a stopped member, which the kernel sends
+        // SIGHUP, killing it before it acts on the SIGTERM.
         let _ = kill_process_group(pid, Signal::CONT);
+        let _ = kill_process_group(pid, Signal::TERM);
         let until = deadline.min(tokio::time::Instant::now() + TERM_GRACE);
         let ended = async {
             // The command reaped as it exits (a zombie still counts as one
@@ -709,12 +713,25 @@ async fn stop_group(
             // none is left (`ESRCH`).
             let _ = child.wait().await;
             while rustix::process::test_kill_process_group(pid).is_ok() {
+                reap_orphans(pid);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
         let _ = tokio::time::timeout_at(until, ended).await;
     }
     kill_group(group, status);
+}
+
+/// Reaps the members of the command's group `pid` that ended and are this
+/// process's children: none, unless `idem once` is PID 1 (a container's
+/// entrypoint) or a subreaper, to which the members the command orphaned
+/// (`(worker &)`) are handed. Unreaped, their zombies would count as
+/// members still running until the grace ran out. (The command itself is
+/// reaped by its own wait, before this is called.)
+fn reap_orphans(pid: rustix::process::Pid) {
+    use rustix::process::{waitid, WaitId, WaitIdOptions};
+    let ended = WaitIdOptions::EXITED | WaitIdOptions::NOHANG;
+    while let Ok(Some(_)) = waitid(WaitId::Pgid(Some(pid)), ended) {}
 }
 
 /// The exit status a shell would report: the command's code, or 128 plus

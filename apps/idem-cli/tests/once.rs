@@ -713,6 +713,53 @@ fn a_stop_delivered_twice_still_lets_the_group_end() {
     );
 }
 
+/// As PID 1 (a container's entrypoint: here of a PID namespace of its
+/// own), `idem once` is handed the processes the command orphaned; one
+/// that ended is its zombie until reaped. A stop reaps them, rather than
+/// counting them as members still running until the grace ran out.
+#[test]
+fn as_pid_1_a_stop_does_not_wait_for_orphaned_zombies() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("once.db").display());
+    let started = dir.path().join("started");
+    // `(sleep 0.2 &)` orphans the sleep at once: PID 1 is its parent now,
+    // and it ends (by itself, or of the stop's SIGTERM) as a zombie of it.
+    let script = format!(
+        "(sleep 0.2 &); echo up > '{}'; while :; do sleep 0.05; done",
+        started.display()
+    );
+    let mut unshare = Command::new("unshare");
+    unshare
+        .args(["--pid", "--fork", "--"])
+        .arg(env!("CARGO_BIN_EXE_idem"))
+        .args([
+            "once", "--scope", "cron", "--key", "pid-1", "--", "sh", "-c", &script,
+        ])
+        .env("DATABASE_URL", &url)
+        .env_remove("REDIS_URL")
+        .stderr(Stdio::piped());
+    let running = unshare.spawn().expect("unshare (util-linux) runs");
+    pid_in(&started);
+    // `idem once` is unshare's child (PID 1 inside).
+    let children = format!("/proc/{0}/task/{0}/children", running.id());
+    let mut once_pid = String::new();
+    wait_for("idem once under unshare", || {
+        once_pid = std::fs::read_to_string(&children).unwrap_or_default();
+        once_pid = once_pid.trim().to_owned();
+        !once_pid.is_empty()
+    });
+    let asked = Instant::now();
+    send("-TERM", &once_pid);
+    let out = running.wait_with_output().unwrap();
+    let took = asked.elapsed();
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    // Over before the grace (3 s from the SIGTERM) would have ended.
+    assert!(
+        took < Duration::from_secs(3),
+        "the stop waited {took:?}: for a zombie, as if it were a member still running"
+    );
+}
+
 /// A store that cannot be reached exits 69 with nothing run; a malformed
 /// key or URL exits 64 whether or not the store answers.
 #[test]
