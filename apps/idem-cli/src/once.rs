@@ -710,14 +710,24 @@ async fn stop_group(
         let ended = async {
             // The command reaped as it exits (a zombie still counts as one
             // of the group), then the rest of the group watched until
-            // none is left (`ESRCH`).
+            // none is left (`ESRCH`). Another answer (`EPERM`: a member
+            // this user may not signal) is left to the SIGKILL, which says
+            // so.
             let _ = child.wait().await;
-            while rustix::process::test_kill_process_group(pid).is_ok() {
-                reap_orphans(pid);
+            loop {
+                match rustix::process::test_kill_process_group(pid) {
+                    Ok(()) => reap_orphans(pid),
+                    Err(rustix::io::Errno::SRCH) => return true,
+                    Err(_) => return false,
+                }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
-        let _ = tokio::time::timeout_at(until, ended).await;
+        if matches!(tokio::time::timeout_at(until, ended).await, Ok(true)) {
+            // None is left: nothing to kill, and the group's id may be a
+            // new process's by now.
+            return;
+        }
     }
     kill_group(group, status);
 }
