@@ -1080,3 +1080,89 @@ async fn a_body_trickled_below_the_minimum_rate_is_cut_off() {
         .unwrap();
     assert_eq!(whole.status(), 201, "the key was left free");
 }
+
+/// An upstream whose answer says `Transfer-Encoding: chunked` and a
+/// `Content-Length` that is not its body's (the chunks frame it, RFC 9112)
+/// has its body passed on framed by its own length, guarded, replayed or
+/// passed through: bytes past a wrong `Content-Length` would be read as
+/// the next answer on the client's connection.
+#[tokio::test]
+async fn an_answer_framed_twice_is_passed_on_framed_by_its_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let records = records(Mode::Sqlite).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                // The request read whole (its head, then Content-Length
+                // bytes), then the answer, and the connection closed.
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Ok(n) = s.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&got).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length = text[..end]
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse::<usize>().unwrap_or(0));
+                        if got.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                let answer = "HTTP/1.1 201 Created\r\nContent-Type: text/plain\r\n\
+                    Content-Length: 5\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n\
+                    d\r\nhello, world!\r\n0\r\n\r\n";
+                let _ = s.write_all(answer.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    let proxy = Proxy::start(&records, &upstream, &[]);
+    let p = proxy.url.as_str();
+    let guarded = "POST /twice HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n\
+        Idempotency-Key: twice-1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
+    let through =
+        "PUT /twice HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
+    for (what, request) in [
+        ("the first answer", guarded),
+        ("the replay", guarded),
+        ("a request passed through", through),
+    ] {
+        let answer = raw(p, request).await;
+        let (head, body) = answer
+            .split_once("\r\n\r\n")
+            .unwrap_or_else(|| panic!("{what}: no answer: {answer:?}"));
+        let head = head.to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 201"), "{what}: {answer:?}");
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .map(|v| v.trim().parse::<usize>().unwrap());
+        match length {
+            Some(length) => {
+                assert_eq!(body, "hello, world!", "{what}: {answer:?}");
+                assert_eq!(length, body.len(), "{what}: {answer:?}");
+            }
+            None => {
+                assert!(
+                    head.contains("transfer-encoding: chunked"),
+                    "{what}: {answer:?}"
+                );
+                assert_eq!(
+                    body.to_ascii_lowercase(),
+                    "d\r\nhello, world!\r\n0\r\n\r\n",
+                    "{what}: {answer:?}"
+                );
+            }
+        }
+    }
+}

@@ -295,6 +295,11 @@ impl Upstream {
                 });
             }
         };
+        // The body is read whole: it is framed by its own length, never by
+        // the upstream's `Content-Length`, which a chunked answer may carry
+        // too, and wrong (bytes past it would be read as the next answer
+        // on the client's connection).
+        parts.headers.remove(header::CONTENT_LENGTH);
         strip_hop_by_hop(&mut parts.headers);
         Ended::Answered(Response::from_parts(parts, Body::from(bytes)))
     }
@@ -322,6 +327,12 @@ impl Upstream {
             Ok(Ok(answer)) => {
                 count("passed_through");
                 let (mut parts, body) = answer.into_parts();
+                // Transfer-Encoding framed the body, not the Content-Length
+                // that came beside it (RFC 9112 §6.3): passed on, it would
+                // frame what this proxy sends otherwise.
+                if parts.headers.contains_key(header::TRANSFER_ENCODING) {
+                    parts.headers.remove(header::CONTENT_LENGTH);
+                }
                 strip_hop_by_hop(&mut parts.headers);
                 Response::from_parts(parts, Body::new(body))
             }
