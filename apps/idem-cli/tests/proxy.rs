@@ -1166,3 +1166,53 @@ async fn an_answer_framed_twice_is_passed_on_framed_by_its_body() {
         }
     }
 }
+
+/// Lookalikes of a guarded request: a guarded method in lower case is
+/// refused (an upstream that upper-cases it would run a POST the layer
+/// let through unguarded), and an `Idempotency_Key` header is not
+/// forwarded beside the operation id (CGI-style servers read both names
+/// as one).
+#[tokio::test]
+async fn a_guarded_request_spelled_otherwise_is_not_let_through() {
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(&records, &upstream.url, &[]);
+    let p = proxy.url.as_str();
+    for method in ["post", "Patch"] {
+        let answer = raw(
+            p,
+            &format!(
+                "{method} /lower HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n\
+                 Idempotency-Key: lower-1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+            ),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{method}: {answer}");
+        assert!(answer.contains("method-case"), "{method}: {answer}");
+    }
+    assert!(upstream.deliveries("/lower").await.is_empty());
+    // Other methods still pass through as they are.
+    let get = raw(
+        p,
+        "GET /lower HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(get.starts_with("HTTP/1.1 201"), "{get}");
+
+    let answer = post(p, "/underscore", "alice", "under-1", "{}")
+        .header("idempotency_key", "the-clients-own")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 201);
+    let delivered = upstream.deliveries("/underscore").await;
+    assert_eq!(delivered.len(), 1);
+    assert!(
+        received(&delivered[0], "idempotency_key").is_empty(),
+        "{delivered:?}"
+    );
+    assert_eq!(
+        received(&delivered[0], "idempotency-key"),
+        [op_of(&delivered[0])]
+    );
+}

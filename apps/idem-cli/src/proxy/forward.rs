@@ -159,6 +159,25 @@ impl Upstream {
             return self.pass_through(parts, body).await;
         };
         parts.headers.remove(idem_axum::IDEMPOTENCY_KEY);
+        // `Idempotency_Key` too: servers that map header names to CGI
+        // variables (PHP, Rack, some WSGI servers) read it as the same one,
+        // and the client's value could stand beside the operation id.
+        let lookalikes: Vec<HeaderName> = parts
+            .headers
+            .keys()
+            .filter(|name| {
+                let name = name.as_str().as_bytes();
+                name.len() == b"idempotency-key".len()
+                    && name
+                        .iter()
+                        .zip(b"idempotency-key")
+                        .all(|(&a, &b)| a == b || (a == b'_' && b == b'-'))
+            })
+            .cloned()
+            .collect();
+        for name in lookalikes {
+            parts.headers.remove(name);
+        }
         if let Ok(id) = HeaderValue::from_str(&idem.operation_id().to_string()) {
             parts.headers.insert(idem_axum::IDEMPOTENCY_KEY, id);
         }

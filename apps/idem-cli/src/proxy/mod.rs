@@ -332,8 +332,12 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
                 policy.clone(),
                 hashed_scope(scope_header, args.scope_secret.clone()),
             )
-            .methods(methods),
-        );
+            .methods(methods.clone()),
+        )
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::<[Method]>::from(methods),
+            respelled_method,
+        ));
     let app = Router::new()
         .route("/_idem/healthz", get(healthz))
         .route("/_idem/metrics", get(render_metrics))
@@ -371,6 +375,30 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
     sweeper.abort();
     info!("idem proxy stopped");
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Refuses a guarded method spelled in another case (`post`): to HTTP it
+/// is another method, which the layer would pass through unguarded, with
+/// the client's own `Idempotency-Key`, while many upstreams (Flask, Django,
+/// Symfony) upper-case it and run it as the guarded one.
+async fn respelled_method(
+    State(guarded): State<Arc<[Method]>>,
+    request: Request<Body>,
+    next: axum::middleware::Next,
+) -> Response {
+    let method = request.method().as_str();
+    if let Some(meant) = guarded
+        .iter()
+        .find(|g| g.as_str() != method && g.as_str().eq_ignore_ascii_case(method))
+    {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "method-case",
+            "The method is spelled in another case than the one guarded",
+            format!("methods are case-sensitive: send {meant}, not {method}"),
+        );
+    }
+    next.run(request).await
 }
 
 /// The scope of a request: a hash of the one value of `header` (a token is
