@@ -68,11 +68,14 @@ async fn finish(
     }
     // The layer's own "in flight" answer, returned by a handler (a step an
     // earlier attempt still holds): nothing happened that a replay should
-    // give; the claim is released for the retry.
-    let in_flight = response
-        .headers()
-        .get(crate::rejection::IDEMPOTENCY_REJECTION)
-        .is_some_and(|v| v.as_bytes().ends_with(b"idempotency-key-in-use"));
+    // give; the claim is released for the retry. Its status is `409`: the
+    // header on any other answer (one an upstream behind `idem proxy`
+    // wrote) says nothing of this claim.
+    let in_flight = status == 409
+        && response
+            .headers()
+            .get(crate::rejection::IDEMPOTENCY_REJECTION)
+            .is_some_and(|v| v.as_bytes().ends_with(b"idempotency-key-in-use"));
     let settlement = if in_flight && handle.completion() == Completion::ByLayer {
         Settlement::Release
     } else {

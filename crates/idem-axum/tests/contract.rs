@@ -73,7 +73,7 @@ async fn handler(
             return (status, Body::new(BrokenBody)).into_response();
         }
     }
-    (
+    let mut response = (
         status,
         [
             ("location", "/things/1".to_owned()),
@@ -96,7 +96,16 @@ async fn handler(
             String::from_utf8_lossy(&body).len()
         ),
     )
-        .into_response()
+        .into_response();
+    if behave.split(',').any(|part| part == "in-use-header") {
+        // The layer's "in flight" marker on an answer of another status
+        // (as an upstream behind `idem proxy` may write it).
+        response.headers_mut().insert(
+            "idempotency-rejection",
+            http::HeaderValue::from_static("idempotency-key-in-use"),
+        );
+    }
+    response
 }
 
 fn by_client_header() -> impl ScopeExtractor {
@@ -403,6 +412,19 @@ async fn a_body_with_a_key_twice_is_only_the_same_request_as_itself() {
     }
     // The same bytes again: the replay.
     let (status, headers, _) = send(&h.app, req("k-twice", twice)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(h.runs.get(), 1);
+}
+
+#[tokio::test]
+async fn the_in_flight_marker_on_another_status_is_that_answer() {
+    // Only the layer's own `409` in flight, returned by a handler, frees
+    // the key; the marker on a `201` is part of an answer, stored.
+    let h = harness(Policy::default());
+    let first = send(&h.app, req_with("k-marker", "{}", "in-use-header")).await;
+    assert_eq!(first.0, StatusCode::CREATED);
+    let (status, headers, _) = send(&h.app, req_with("k-marker", "{}", "in-use-header")).await;
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!(h.runs.get(), 1);
