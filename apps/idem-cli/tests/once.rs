@@ -569,6 +569,30 @@ fn looping_worker(dir: &Path, name: &str, trap: &str) -> (PathBuf, PathBuf) {
     (script, pid_file)
 }
 
+/// A [`looping_worker`] that, told to stop (SIGTERM), takes 300 ms to
+/// clean up (as `docker run` stopping its container), says so in
+/// `dir/{name}.cleaned`, and exits; returns the script, its pid file and
+/// the file it cleans up into.
+fn cleaning_worker(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let cleaned = dir.join(format!("{name}.cleaned"));
+    let trap = format!(
+        "trap 'sleep 0.3; echo yes > \"{}\"; exit 0' TERM",
+        cleaned.display()
+    );
+    let (script, pid_file) = looping_worker(dir, name, &trap);
+    (script, pid_file, cleaned)
+}
+
+/// Asserts the [`cleaning_worker`] that cleans up into `cleaned` was let
+/// end.
+fn assert_let_end(cleaned: &Path) {
+    assert_eq!(
+        std::fs::read_to_string(cleaned).unwrap_or_default(),
+        "yes\n",
+        "the worker was killed without acting on the SIGTERM"
+    );
+}
+
 /// `idem once` under `key`, running the shell `script` in the background,
 /// its stderr piped. The workers' stderr is not that pipe (the test reads
 /// it to its end: a worker left alive would hang the test, not fail it).
@@ -627,23 +651,14 @@ fn send(signal: &str, pid: &str) {
 /// container) the time to end.
 fn a_stop_asks_the_command_to_end_first(url: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let cleaned = dir.path().join("cleaned");
-    let trap = format!(
-        "trap 'sleep 0.3; echo yes > \"{}\"; exit 0' TERM",
-        cleaned.display()
-    );
-    let (worker, pid_file) = looping_worker(dir.path(), "worker", &trap);
+    let (worker, pid_file, cleaned) = cleaning_worker(dir.path(), "worker");
     let running = once_in_background(url, "graceful", &[&worker]);
     let pid = pid_in(&pid_file);
     send("-TERM", &running.id().to_string());
     let out = running.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
     assert_gone(&pid);
-    assert_eq!(
-        std::fs::read_to_string(&cleaned).unwrap_or_default(),
-        "yes\n",
-        "the worker was killed without being let end"
-    );
+    assert_let_end(&cleaned);
 }
 
 /// Told to stop, `idem once` reaches every member of the command's group:
@@ -654,9 +669,7 @@ fn a_stop_asks_the_command_to_end_first(url: &str) {
 fn a_stop_continues_a_stopped_member_and_kills_one_that_ignores_it() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("once.db").display());
-    let cleaned = dir.path().join("cleaned");
-    let trap = format!("trap 'echo yes > \"{}\"; exit 0' TERM", cleaned.display());
-    let (paused, paused_pid) = looping_worker(dir.path(), "paused", &trap);
+    let (paused, paused_pid, cleaned) = cleaning_worker(dir.path(), "paused");
     let (stubborn, stubborn_pid) = looping_worker(dir.path(), "stubborn", "trap '' TERM");
     let running = once_in_background(&url, "stubborn", &[&paused, &stubborn]);
     let (paused, stubborn) = (pid_in(&paused_pid), pid_in(&stubborn_pid));
@@ -670,11 +683,7 @@ fn a_stop_continues_a_stopped_member_and_kills_one_that_ignores_it() {
     assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
     assert_gone(&paused);
     assert_gone(&stubborn);
-    assert_eq!(
-        std::fs::read_to_string(&cleaned).unwrap_or_default(),
-        "yes\n",
-        "the stopped member was killed without acting on the SIGTERM"
-    );
+    assert_let_end(&cleaned);
     assert!(
         took >= Duration::from_secs(3),
         "the member that ignores SIGTERM was killed after {took:?}, before the grace"
@@ -688,12 +697,7 @@ fn a_stop_continues_a_stopped_member_and_kills_one_that_ignores_it() {
 fn a_stop_delivered_twice_still_lets_the_group_end() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("once.db").display());
-    let cleaned = dir.path().join("cleaned");
-    let trap = format!(
-        "trap 'sleep 0.3; echo yes > \"{}\"; exit 0' TERM",
-        cleaned.display()
-    );
-    let (worker, pid_file) = looping_worker(dir.path(), "worker", &trap);
+    let (worker, pid_file, cleaned) = cleaning_worker(dir.path(), "worker");
     let running = once_in_background(&url, "twice", &[&worker]);
     let pid = pid_in(&pid_file);
     let leader = stat_field(&pid, 2);
@@ -706,11 +710,7 @@ fn a_stop_delivered_twice_still_lets_the_group_end() {
     let out = running.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
     assert_gone(&pid);
-    assert_eq!(
-        std::fs::read_to_string(&cleaned).unwrap_or_default(),
-        "yes\n",
-        "the worker was killed without being let end"
-    );
+    assert_let_end(&cleaned);
 }
 
 /// As PID 1 (a container's entrypoint: here of a PID namespace of its
