@@ -1216,3 +1216,29 @@ async fn a_guarded_request_spelled_otherwise_is_not_let_through() {
         [op_of(&delivered[0])]
     );
 }
+
+/// A request body in a transfer coding other than chunked (`gzip,
+/// chunked`) is refused with 501, guarded or not: the proxy takes only the
+/// chunks off, and would hand the upstream compressed bytes with nothing
+/// saying so.
+#[tokio::test]
+async fn a_transfer_coding_other_than_chunked_is_refused() {
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(&records, &upstream.url, &[]);
+    for request in [
+        "POST /coded HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nIdempotency-Key: coded-1\r\n",
+        "PUT /coded HTTP/1.1\r\nHost: x\r\n",
+    ] {
+        let answer = raw(
+            &proxy.url,
+            &format!(
+                "{request}Transfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n"
+            ),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+        assert!(answer.contains("transfer-coding-not-supported"), "{answer}");
+    }
+    assert!(upstream.deliveries("/coded").await.is_empty());
+}

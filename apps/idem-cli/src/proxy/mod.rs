@@ -336,7 +336,7 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
         )
         .layer(axum::middleware::from_fn_with_state(
             Arc::<[Method]>::from(methods),
-            respelled_method,
+            unforwardable,
         ));
     let app = Router::new()
         .route("/_idem/healthz", get(healthz))
@@ -377,15 +377,41 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-/// Refuses a guarded method spelled in another case (`post`): to HTTP it
-/// is another method, which the layer would pass through unguarded, with
-/// the client's own `Idempotency-Key`, while many upstreams (Flask, Django,
-/// Symfony) upper-case it and run it as the guarded one.
-async fn respelled_method(
+/// Refuses, before anything is claimed, what the proxy cannot forward as
+/// the client meant it:
+///
+/// - a guarded method spelled in another case (`post`): to HTTP it is
+///   another method, which the layer would pass through unguarded, with
+///   the client's own `Idempotency-Key`, while many upstreams (Flask,
+///   Django, Symfony) upper-case it and run it as the guarded one (`400`);
+/// - a transfer coding other than `chunked` (`gzip, chunked`): the server
+///   takes the chunks off, not the rest, and `Transfer-Encoding` belongs
+///   to this hop alone, so the upstream would get compressed bytes with
+///   nothing saying so (`501`, as RFC 9112 asks of a coding not
+///   understood).
+async fn unforwardable(
     State(guarded): State<Arc<[Method]>>,
     request: Request<Body>,
     next: axum::middleware::Next,
 ) -> Response {
+    let mut codings = request
+        .headers()
+        .get_all(http::header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|c| !c.is_empty());
+    if let Some(other) = codings.find(|c| !c.eq_ignore_ascii_case(b"chunked")) {
+        return problem(
+            StatusCode::NOT_IMPLEMENTED,
+            "transfer-coding-not-supported",
+            "The request's transfer coding is not supported",
+            format!(
+                "only chunked is taken off the body, not {:?}: send the body as it is, or say its coding in Content-Encoding",
+                String::from_utf8_lossy(other)
+            ),
+        );
+    }
     let method = request.method().as_str();
     if let Some(meant) = guarded
         .iter()
