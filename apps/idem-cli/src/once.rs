@@ -378,11 +378,12 @@ impl Progress {
         self.after.notify_one();
     }
 
-    /// Kills what the command left running in its process group, when its
-    /// result was not stored and its key is left to its lease: after the
-    /// lease another run executes the command, and nothing of this one may
-    /// run beside it. (A stored result ends the key: what the command left
-    /// running then is its own business.)
+    /// Kills what the command left running in its process group (once:
+    /// the group is forgotten), when its key is let go, or left to its
+    /// lease with its result not stored: another run then executes the
+    /// command, and nothing of this one may run beside it. (A stored result
+    /// ends the key: what the command left running then is its own
+    /// business.)
     fn kill_leftovers(&self, status: u8) {
         match self.group.swap(0, Ordering::SeqCst) {
             0 => {}
@@ -616,8 +617,7 @@ async fn execute(
                 status = child.wait() => break status,
                 () = &mut copy, if !copied => copied = true,
                 () = tokio::time::sleep_until(deadline) => {
-                    kill_group(group, exit::LEASE_RAN_OUT);
-                    progress.group.store(0, Ordering::SeqCst);
+                    progress.kill_leftovers(exit::LEASE_RAN_OUT);
                     progress.ended(exit::LEASE_RAN_OUT);
                     return Err(not_run(NotRun::LeaseRanOut));
                 }
@@ -633,8 +633,7 @@ async fn execute(
         let status = status.map_err(|e| {
             // Its status unknown, the key let go: nothing it started may
             // run on.
-            kill_group(group, exit::NOT_STARTED);
-            progress.group.store(0, Ordering::SeqCst);
+            progress.kill_leftovers(exit::NOT_STARTED);
             progress.ended(exit::NOT_STARTED);
             not_run(NotRun::NotStarted(e.to_string()))
         })?;
@@ -666,8 +665,7 @@ async fn execute(
         // command left running in its group (`worker &`) must not run on
         // beside the next run's.
         if !store_failures {
-            kill_group(group, code);
-            progress.group.store(0, Ordering::SeqCst);
+            progress.kill_leftovers(code);
         }
         Err(fail(Failed::Exited(ran)))
     }

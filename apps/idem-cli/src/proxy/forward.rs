@@ -158,24 +158,22 @@ impl Upstream {
         let Some(idem) = idem else {
             return self.pass_through(parts, body).await;
         };
-        parts.headers.remove(idem_axum::IDEMPOTENCY_KEY);
-        // `Idempotency_Key` too: servers that map header names to CGI
-        // variables (PHP, Rack, some WSGI servers) read it as the same one,
-        // and the client's value could stand beside the operation id.
-        let lookalikes: Vec<HeaderName> = parts
+        // The client's key goes, and `Idempotency_Key` with it: servers that
+        // map header names to CGI variables (PHP, Rack, some WSGI servers)
+        // read it as the same one, beside the operation id.
+        let keys: Vec<HeaderName> = parts
             .headers
             .keys()
             .filter(|name| {
-                let name = name.as_str().as_bytes();
-                name.len() == b"idempotency-key".len()
-                    && name
-                        .iter()
-                        .zip(b"idempotency-key")
-                        .all(|(&a, &b)| a == b || (a == b'_' && b == b'-'))
+                let dashed = name
+                    .as_str()
+                    .bytes()
+                    .map(|b| if b == b'_' { b'-' } else { b });
+                dashed.eq(idem_axum::IDEMPOTENCY_KEY.as_str().bytes())
             })
             .cloned()
             .collect();
-        for name in lookalikes {
+        for name in keys {
             parts.headers.remove(name);
         }
         if let Ok(id) = HeaderValue::from_str(&idem.operation_id().to_string()) {
