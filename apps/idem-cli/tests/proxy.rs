@@ -981,13 +981,18 @@ async fn flags_brought_within_the_lease_are_said_and_work() {
 
 /// An answer over `--max-response-body` whose status frees the key anyway
 /// (a 5xx, a 429) passes its status on and frees the key: the retry
-/// reaches the upstream again at once, where a 2xx that large holds it.
-/// The upstream's `Retry-After` is passed on with the status.
+/// reaches the upstream again at once, where a 2xx or 4xx that large is
+/// answered with a 502 that is stored. The upstream's `Retry-After` is
+/// passed on with the status.
 #[tokio::test]
 async fn a_large_answer_that_frees_the_key_frees_it() {
     let records = records(Mode::Sqlite).await;
     let upstream = Upstream::start();
-    let proxy = Proxy::start(&records, &upstream.url, &["--max-response-body", "1000"]);
+    let proxy = Proxy::start(
+        &records,
+        &upstream.url,
+        &["--max-response-body", "1000", "--lease-ms", "1500"],
+    );
     let p = proxy.url.as_str();
     for (status, key) in [("503", "big-503"), ("429", "big-429")] {
         for attempt in 1..=2 {
@@ -1003,21 +1008,50 @@ async fn a_large_answer_that_frees_the_key_frees_it() {
             assert_eq!(upstream.deliveries(&format!("/{key}")).await.len(), attempt);
         }
     }
-    // A 2xx that large: the upstream acted, its answer cannot be kept, so
-    // the key stays held (until its lease) rather than be delivered again.
-    let held = post(p, "/big-201", "alice", "big-201", "{}")
+    // A 2xx that large: the upstream acted, and its answer cannot be kept.
+    // The proxy's 502 is stored in its place: every retry gets it, after
+    // the lease too, and the request never reaches the upstream again.
+    let first = post(p, "/big-201", "alice", "big-201", "{}")
         .header("x-test-body-bytes", "5000")
         .send()
         .await
         .unwrap();
-    assert_problem(&held, 502);
-    let again = post(p, "/big-201", "alice", "big-201", "{}")
-        .header("x-test-body-bytes", "5000")
-        .send()
-        .await
-        .unwrap();
-    assert_problem(&again, 409);
+    assert_problem(&first, 502);
+    assert!(header(&first, "idempotent-replayed").is_none());
+    let said = first.text().await.unwrap();
+    assert!(said.contains("upstream-answer-too-large"), "{said}");
+    assert!(said.contains("201 Created"), "{said}");
+    let lease = Duration::from_millis(1500);
+    let started = Instant::now();
+    for _ in 0..2 {
+        let again = post(p, "/big-201", "alice", "big-201", "{}")
+            .header("x-test-body-bytes", "5000")
+            .send()
+            .await
+            .unwrap();
+        assert_problem(&again, 502);
+        assert_eq!(header(&again, "idempotent-replayed"), Some("true"));
+        assert_eq!(again.text().await.unwrap(), said);
+        // the second time past the lease, when a held key is taken over
+        tokio::time::sleep((lease + Duration::from_millis(200)).saturating_sub(started.elapsed()))
+            .await;
+    }
     assert_eq!(upstream.deliveries("/big-201").await.len(), 1);
+    // A 4xx that is the request's outcome is kept the same way; another
+    // body under the key is still a reuse.
+    let refused = post(p, "/big-404", "alice", "big-404", "{}")
+        .header("x-test-status", "404")
+        .header("x-test-body-bytes", "5000")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(&refused, 502);
+    let reused = post(p, "/big-404", "alice", "big-404", r#"{"other":1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_problem(&reused, 422);
+    assert_eq!(upstream.deliveries("/big-404").await.len(), 1);
 }
 
 /// A body trickled in a byte every 300 ms never stalls for the 2 s body

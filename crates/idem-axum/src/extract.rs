@@ -28,6 +28,9 @@ pub(crate) enum Completion {
     /// The answer is not the request's outcome (a rate limit): the claim
     /// is released whatever its status.
     Released,
+    /// The answer is the request's outcome whatever its status: the layer
+    /// stores it, a `5xx` too.
+    Stored,
 }
 
 #[derive(Debug)]
@@ -164,6 +167,9 @@ impl Idempotency {
     /// being stored (`5xx`; `4xx` when the policy does not store client
     /// errors): the one rule the layer applies after the handler.
     pub(crate) fn releases(&self, status: http::StatusCode) -> bool {
+        if self.completion() == Completion::Stored {
+            return false;
+        }
         idem_core::on_handler_end(
             &self.inner.policy,
             idem_core::HandlerEnd::Answered {
@@ -223,8 +229,21 @@ impl Idempotency {
         self.set_completion(Completion::Released);
     }
 
-    /// Undoes [`keep_claim`](Self::keep_claim) or
-    /// [`release_claim`](Self::release_claim): the answer is stored or
+    /// Tells the layer that the answer is the request's outcome whatever
+    /// its status: it is stored and replayed, a `5xx` too. For an answer
+    /// that reports an effect which happened but cannot be given back, as
+    /// `idem proxy`'s `502` for an upstream answer too large to keep: the
+    /// upstream acted, so a retry must get that answer, never reach the
+    /// upstream again. A handler that ends without answering after this
+    /// (a panic, a dropped task) keeps its claim until its lease runs out,
+    /// as with [`keep_claim`](Self::keep_claim).
+    pub fn store_answer(&self) {
+        self.set_completion(Completion::Stored);
+    }
+
+    /// Undoes [`keep_claim`](Self::keep_claim),
+    /// [`release_claim`](Self::release_claim) or
+    /// [`store_answer`](Self::store_answer): the answer is stored or
     /// releases the claim by its status, as usual.
     pub fn settle_by_answer(&self) {
         let mut completion = self
@@ -232,7 +251,10 @@ impl Idempotency {
             .completion
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if matches!(*completion, Completion::Kept | Completion::Released) {
+        if matches!(
+            *completion,
+            Completion::Kept | Completion::Released | Completion::Stored
+        ) {
             *completion = Completion::ByLayer;
         }
     }

@@ -25,9 +25,10 @@ pub(crate) async fn finish_result<E>(
 ) -> Result<Response, E> {
     match result {
         Ok(response) => Ok(finish(config, handle, &mut guard, response).await),
-        // A claim the handler kept (its outcome unknown) stays kept, as
-        // when its task is dropped: the service failing says no more.
-        Err(e) if handle.completion() == Completion::Kept => {
+        // A claim the handler kept (its outcome unknown, or done with an
+        // answer to store) stays kept, as when its task is dropped: the
+        // service failing says no more.
+        Err(e) if matches!(handle.completion(), Completion::Kept | Completion::Stored) => {
             count(Outcome::Kept);
             guard.leave().await;
             Err(e)
@@ -76,7 +77,9 @@ async fn finish(
             .headers()
             .get(crate::rejection::IDEMPOTENCY_REJECTION)
             .is_some_and(|v| v.as_bytes().ends_with(b"idempotency-key-in-use"));
-    let settlement = if in_flight && handle.completion() == Completion::ByLayer {
+    let settlement = if handle.completion() == Completion::Stored {
+        Settlement::Store
+    } else if in_flight && handle.completion() == Completion::ByLayer {
         Settlement::Release
     } else {
         on_handler_end(&config.policy, HandlerEnd::Answered { status })
@@ -102,7 +105,7 @@ async fn finish(
             guard.leave().await;
             return response;
         }
-        Completion::ByLayer | Completion::Kept | Completion::Released => {}
+        Completion::ByLayer | Completion::Kept | Completion::Released | Completion::Stored => {}
     }
     let (parts, body) = response.into_parts();
     let bytes = match body.collect().await {
@@ -225,8 +228,11 @@ impl Drop for ReleaseGuard {
             return;
         }
         let panicking = std::thread::panicking();
-        if self.handle.completion() == Completion::Kept {
-            warn!(key = ?self.claim().key, panicking, "the handler did not finish while its outcome was unknown; the claim is kept until its lease runs out");
+        if matches!(
+            self.handle.completion(),
+            Completion::Kept | Completion::Stored
+        ) {
+            warn!(key = ?self.claim().key, panicking, "the handler did not finish while its outcome was unknown or done; the claim is kept until its lease runs out");
             return;
         }
         warn!(key = ?self.claim().key, panicking, "the handler did not finish; releasing the claim");

@@ -149,8 +149,10 @@ where
         let Some(handle) = deferred.claimed() else {
             return result;
         };
-        if handle.completion() == Completion::ByLayer
-            && result.as_ref().is_ok_and(|r| !handle.releases(r.status()))
+        if matches!(
+            handle.completion(),
+            Completion::ByLayer | Completion::Stored
+        ) && result.as_ref().is_ok_and(|r| !handle.releases(r.status()))
         {
             // Its transaction ended without completing the record: until the
             // layer completes it below, the claim looks abandoned, and a
@@ -160,7 +162,14 @@ where
         }
         let guard = ReleaseGuard::watching(finish_config.store.clone(), &handle);
         let finished = finish_result(&finish_config, &handle, guard, result).await;
-        if handle.completion() == Completion::Kept {
+        // A kept claim, or one whose answer was to be stored but never came
+        // (the service failed): its effect may be going on, or done.
+        let kept = match handle.completion() {
+            Completion::Kept => true,
+            Completion::Stored => finished.is_err(),
+            _ => false,
+        };
+        if kept {
             hold_kept(&*finish_config.store, deferred.request()).await;
         }
         finished
@@ -171,7 +180,7 @@ where
             // The handler's transaction rolled back with it; a claim it had
             // committed is released, unless the handler kept it.
             if let Some(handle) = watched.claimed() {
-                if handle.completion() == Completion::Kept {
+                if matches!(handle.completion(), Completion::Kept | Completion::Stored) {
                     hold_kept(&*config.store, watched.request()).await;
                 } else {
                     release(&*config.store, handle.claim()).await;

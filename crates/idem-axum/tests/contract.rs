@@ -68,6 +68,10 @@ async fn handler(
             if let Some(idem) = &idem {
                 idem.keep_claim();
             }
+        } else if part == "store" {
+            if let Some(idem) = &idem {
+                idem.store_answer();
+            }
         } else if part == "broken-body" {
             // The effect happened; the answer's body fails on the way out.
             return (status, Body::new(BrokenBody)).into_response();
@@ -492,6 +496,43 @@ async fn a_kept_claim_is_neither_stored_nor_released_until_its_lease_ends() {
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(json(&again)["takeover"], true);
     assert_eq!(json(&again)["operation_id"], json(&first)["operation_id"]);
+    assert_eq!(h.runs.get(), 2);
+}
+
+/// A handler that says its answer is the outcome whatever its status
+/// (`store_answer`, as `idem proxy` does for an upstream answer too large
+/// to keep) has a `5xx` stored and replayed; one that then fails to answer
+/// (a panic) keeps its claim until the lease ends, never frees it at once.
+#[tokio::test]
+async fn an_answer_said_to_be_the_outcome_is_stored_whatever_its_status() {
+    let lease = Duration::from_millis(1500);
+    let h = harness(Policy::builder().lease(lease).build().unwrap());
+    let (status, _, first) = send(&h.app, req_with("k-store", "{}", "store,status=502")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    let record = h.store.get("client-a", "k-store").await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::Completed { .. }),
+        "stored"
+    );
+    let (status, headers, again) = send(&h.app, req("k-store", "{}")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(again, first);
+    assert_eq!(h.runs.get(), 1);
+
+    let started = std::time::Instant::now();
+    let (status, _, _) = send(&h.app, req_with("k-store-panic", "{}", "store,panic")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let (held, _, _) = send(&h.app, req("k-store-panic", "{}")).await;
+    assert!(
+        started.elapsed() < lease,
+        "the machine stalled past the case's margin"
+    );
+    assert_eq!(
+        held,
+        StatusCode::CONFLICT,
+        "released: the retry ran at once"
+    );
     assert_eq!(h.runs.get(), 2);
 }
 

@@ -65,8 +65,11 @@ enum Ended {
     /// The connection was refused: nothing was sent.
     Refused(String),
     /// The request may have reached the upstream, but no whole answer came
-    /// back (the connection broke, or the answer was too large to keep).
+    /// back (the connection broke).
     Unknown(String),
+    /// The upstream answered with a status that is the request's outcome,
+    /// and a body larger than the proxy keeps.
+    TooLargeToKeep(StatusCode),
     /// No answer within the time allowed.
     TimedOut,
 }
@@ -247,6 +250,23 @@ impl Upstream {
                 set_retry_after(&mut answer, held);
                 answer
             }
+            Ended::TooLargeToKeep(status) => {
+                count("too_large");
+                // The upstream acted: its status says so. Held, the key
+                // would send the request again after every lease and the
+                // client would never get an answer; this one is stored in
+                // its place, and every retry gets it.
+                idem.store_answer();
+                problem(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream-answer-too-large",
+                    "The upstream's answer is larger than the proxy passes on",
+                    format!(
+                        "it answered {status} with more than --max-response-body ({} bytes); the request was carried out, and this answer is kept for its key in place of the upstream's",
+                        self.max_answer
+                    ),
+                )
+            }
             Ended::TimedOut => {
                 count("timeout");
                 let mut answer = problem(
@@ -302,14 +322,10 @@ impl Upstream {
                     }
                     return Ended::Answered(answer);
                 }
-                return Ended::Unknown(if too_large {
-                    format!(
-                        "its answer is larger than --max-response-body ({} bytes)",
-                        self.max_answer
-                    )
-                } else {
-                    format!("its answer broke off: {e}")
-                });
+                if too_large {
+                    return Ended::TooLargeToKeep(parts.status);
+                }
+                return Ended::Unknown(format!("its answer broke off: {e}"));
             }
         };
         // The body is read whole: it is framed by its own length, never by

@@ -135,7 +135,9 @@ pub(crate) struct ProxyArgs {
     #[arg(long, env = "IDEM_REQUIRE_KEY", default_value_t = true, action = ArgAction::Set)]
     pub(crate) require_key: bool,
     /// The largest upstream answer kept for replay, in bytes; a larger one
-    /// is answered `502` and its key held until its lease runs out.
+    /// is answered `502` (`upstream-answer-too-large`), which is stored in
+    /// its place when its status would have been (the upstream acted), and
+    /// releases the key when it would not (a `5xx`, `429`).
     #[arg(long, env = "IDEM_MAX_RESPONSE_BODY", default_value_t = 16 << 20, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
     pub(crate) max_response_body: u64,
     /// Connections in the database pool (default 2 on SQLite, whose
