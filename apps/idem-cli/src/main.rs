@@ -331,6 +331,23 @@ impl Target {
     }
 }
 
+/// The largest statement the MySQL/MariaDB server at `target` takes
+/// (`max_allowed_packet`): a record whose answer is larger cannot be
+/// written.
+async fn mysql_max_packet(target: &Target) -> Result<u64, Failure> {
+    use sqlx::Connection;
+    let url = DialectKind::driver_url(&target.database_url);
+    let options = sqlx::mysql::MySqlConnectOptions::from_str(&url)?;
+    let mut conn = sqlx::MySqlConnection::connect_with(&options)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", redact(&url)))?;
+    let asked = sqlx::query_scalar::<_, u64>("SELECT @@max_allowed_packet")
+        .fetch_one(&mut conn)
+        .await;
+    let _ = conn.close().await;
+    Ok(asked.map_err(|e| format!("cannot read max_allowed_packet from {}: {e}", redact(&url)))?)
+}
+
 /// What is wrong with `target` before any connection is tried: an unknown
 /// kind of URL, or flags that do not apply to it.
 fn target_problem(target: &Target) -> Option<String> {

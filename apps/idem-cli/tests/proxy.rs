@@ -1276,3 +1276,43 @@ async fn a_transfer_coding_other_than_chunked_is_refused() {
     }
     assert!(upstream.deliveries("/coded").await.is_empty());
 }
+
+/// On MySQL, a statement is at most `max_allowed_packet` (16 MiB on a
+/// default MariaDB, the size of `--max-response-body`'s default): an
+/// answer just under the proxy's limit but over the server's could not be
+/// stored, so its key was held and the request re-sent after every lease.
+/// Whatever the server's setting, the answer the first request gets is
+/// the one its retry gets, and the upstream sees the request once.
+#[tokio::test]
+async fn an_answer_the_database_cannot_hold_is_still_answered_the_same_on_mysql() {
+    use sqlx::Connection;
+    let records = records(Mode::MySql).await;
+    let mut conn = sqlx::MySqlConnection::connect(&idem_test_support::mysql::mysql_url())
+        .await
+        .unwrap();
+    let packet: u64 = sqlx::query_scalar("SELECT @@max_allowed_packet")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    conn.close().await.unwrap();
+    let size = packet.min(16 << 20);
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(&records, &upstream.url, &["--lease-ms", "3000"]);
+    let p = proxy.url.as_str();
+    let send = async || {
+        let answer = post(p, "/huge", "alice", "huge", "{}")
+            .header("x-test-body-bytes", size.to_string())
+            .send()
+            .await
+            .unwrap();
+        (answer.status(), answer.bytes().await.unwrap())
+    };
+    let (status, first) = send().await;
+    let (again, second) = send().await;
+    assert_eq!(
+        again, status,
+        "the retry got another answer ({size} bytes, max_allowed_packet {packet})"
+    );
+    assert_eq!(second, first);
+    assert_eq!(upstream.deliveries("/huge").await.len(), 1);
+}

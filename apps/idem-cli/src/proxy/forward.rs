@@ -118,6 +118,16 @@ impl Upstream {
         })
     }
 
+    /// The largest answer kept for replay, in bytes.
+    pub(crate) fn max_answer(&self) -> usize {
+        self.max_answer
+    }
+
+    /// Keeps answers of at most `bytes` (the store cannot hold more).
+    pub(crate) fn limit_answer(&mut self, bytes: usize) {
+        self.max_answer = self.max_answer.min(bytes);
+    }
+
     /// The upstream's URL, for messages.
     pub(crate) fn url(&self) -> String {
         format!("{}://{}{}", self.scheme, self.authority, self.base)
@@ -262,7 +272,7 @@ impl Upstream {
                     "upstream-answer-too-large",
                     "The upstream's answer is larger than the proxy passes on",
                     format!(
-                        "it answered {status} with more than --max-response-body ({} bytes); the request was carried out, and this answer is kept for its key in place of the upstream's",
+                        "it answered {status} with more than the {} bytes the proxy keeps (--max-response-body); the request was carried out, and this answer is kept for its key in place of the upstream's",
                         self.max_answer
                     ),
                 )
@@ -311,7 +321,7 @@ impl Upstream {
                         "upstream-answer-too-large",
                         "The upstream's answer is larger than the proxy passes on",
                         format!(
-                            "it answered {} with more than --max-response-body ({} bytes); the key is free again",
+                            "it answered {} with more than the {} bytes the proxy keeps (--max-response-body); the key is free again",
                             parts.status, self.max_answer
                         ),
                     );

@@ -26,11 +26,17 @@ use http::request::Parts;
 use http::{Method, Request, StatusCode};
 use idem_axum::{scope_missing, Idempotency, IdempotencyLayer};
 use idem_core::{Policy, Store};
+use idem_sql::dialect::DialectKind;
 use metrics_exporter_prometheus::PrometheusHandle;
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
 use forward::{problem, Upstream, UpstreamLimits};
+
+/// What a record's statement holds on MySQL besides the answer's body: its
+/// headers (an upstream's head is at most ~408 KiB, hyper's client buffer),
+/// key, scope, fingerprint and the statement itself.
+const MYSQL_STATEMENT_ROOM: u64 = 512 << 10;
 
 /// `idem proxy`'s flags (each also read from the environment).
 #[derive(Debug, Args)]
@@ -299,7 +305,7 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
             "--shutdown-grace-secs is below the upstream timeout: a stop may cut requests in flight (their keys are then held until their lease runs out)"
         );
     }
-    let upstream = Upstream::new(
+    let mut upstream = Upstream::new(
         &args.upstream,
         UpstreamLimits {
             timeout,
@@ -320,6 +326,23 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
         .install_recorder()
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
     let store = crate::open_store(&args.target()).await?;
+    if DialectKind::of_url(url) == Some(DialectKind::MySql) {
+        // A record is one statement, and MySQL refuses one over its
+        // `max_allowed_packet`: an answer kept for replay stays below it,
+        // with room for its headers and the rest of the statement (a
+        // larger one is answered as too large, and that answer stored).
+        let packet = crate::mysql_max_packet(&args.target()).await?;
+        let most = usize::try_from(packet.saturating_sub(MYSQL_STATEMENT_ROOM))
+            .unwrap_or(usize::MAX)
+            .max(1);
+        if upstream.max_answer() > most {
+            eprintln!(
+                "idem proxy: --max-response-body ({}) is more than the MySQL server's max_allowed_packet ({packet}) leaves for an answer: answers over {most} bytes are answered as too large; raise max_allowed_packet for more",
+                upstream.max_answer()
+            );
+            upstream.limit_answer(most);
+        }
+    }
 
     let guarded = Router::new()
         .fallback(
