@@ -178,6 +178,15 @@ impl Idempotency {
         ) == idem_core::Settlement::Release
     }
 
+    /// Whether a handler that ends without a stored answer (a panic, a
+    /// failed service, a dropped task) leaves this claim held until its
+    /// lease runs out rather than releasing it: its outcome is unknown
+    /// ([`keep_claim`](Self::keep_claim)), or it answered an outcome that
+    /// was being stored ([`store_answer`](Self::store_answer)).
+    pub(crate) fn kept_if_unfinished(&self) -> bool {
+        matches!(self.completion(), Completion::Kept | Completion::Stored)
+    }
+
     pub(crate) fn completion(&self) -> Completion {
         *self
             .inner

@@ -28,7 +28,7 @@ pub(crate) async fn finish_result<E>(
         // A claim the handler kept (its outcome unknown, or done with an
         // answer to store) stays kept, as when its task is dropped: the
         // service failing says no more.
-        Err(e) if matches!(handle.completion(), Completion::Kept | Completion::Stored) => {
+        Err(e) if handle.kept_if_unfinished() => {
             count(Outcome::Kept);
             guard.leave().await;
             Err(e)
@@ -107,6 +107,11 @@ async fn finish(
         }
         Completion::ByLayer | Completion::Kept | Completion::Released | Completion::Stored => {}
     }
+    // From here the answer is the request's outcome: a panic while its body
+    // is read or stored (a body stream, a store driver) keeps the claim, as
+    // a failure to store it does, rather than free the key for a retry
+    // beside an effect that happened.
+    handle.store_answer();
     let (parts, body) = response.into_parts();
     let bytes = match body.collect().await {
         Ok(c) => c.to_bytes(),
@@ -144,14 +149,23 @@ async fn finish(
     Response::from_parts(parts, Body::from(bytes))
 }
 
-/// The answer when the handler's task panicked or was cancelled; its claim
-/// was released.
-pub(crate) fn handler_failed(e: &tokio::task::JoinError) -> Response {
-    count(Outcome::Released);
-    warn!(
-        panicked = e.is_panic(),
-        "the handler did not finish; its claim was released"
-    );
+/// The answer when the handler's task panicked or was cancelled: its
+/// claim was released, or `kept` until its lease runs out (its outcome
+/// unknown, or its answer being stored).
+pub(crate) fn handler_failed(e: &tokio::task::JoinError, kept: bool) -> Response {
+    if kept {
+        count(Outcome::Kept);
+        warn!(
+            panicked = e.is_panic(),
+            "the request did not finish; its claim is kept until its lease runs out"
+        );
+    } else {
+        count(Outcome::Released);
+        warn!(
+            panicked = e.is_panic(),
+            "the handler did not finish; its claim was released"
+        );
+    }
     IdempotencyRejection::HandlerFailed.into_response()
 }
 
@@ -228,11 +242,8 @@ impl Drop for ReleaseGuard {
             return;
         }
         let panicking = std::thread::panicking();
-        if matches!(
-            self.handle.completion(),
-            Completion::Kept | Completion::Stored
-        ) {
-            warn!(key = ?self.claim().key, panicking, "the handler did not finish while its outcome was unknown or done; the claim is kept until its lease runs out");
+        if self.handle.kept_if_unfinished() {
+            warn!(key = ?self.claim().key, panicking, "the request did not finish while its outcome was unknown or being stored; the claim is kept until its lease runs out");
             return;
         }
         warn!(key = ?self.claim().key, panicking, "the handler did not finish; releasing the claim");

@@ -85,6 +85,9 @@ where
     // handler that never runs. If the task itself is dropped or panics,
     // the guard releases the claim.
     let counted = idem_once::detached::Running::enter();
+    // The handle, for the answer if the task fails.
+    let claimed_handle = Arc::new(std::sync::OnceLock::<Idempotency>::new());
+    let watched = claimed_handle.clone();
     let run = async move {
         let _counted = counted;
         let store = config.store.clone();
@@ -107,6 +110,7 @@ where
         };
         claimed(&claim, false);
         let handle = Idempotency::new(claim.clone(), config.policy.clone(), claimed_at);
+        let _ = claimed_handle.set(handle.clone());
         parts.extensions.insert(handle.clone());
         let guard = ReleaseGuard::watching(config.store.clone(), &handle);
         let result = inner
@@ -116,7 +120,10 @@ where
     };
     match tokio::spawn(run.in_current_span()).await {
         Ok(result) => result,
-        Err(e) => Ok(handler_failed(&e)),
+        Err(e) => {
+            let kept = watched.get().is_some_and(Idempotency::kept_if_unfinished);
+            Ok(handler_failed(&e, kept))
+        }
     }
 }
 
@@ -180,13 +187,13 @@ where
             // The handler's transaction rolled back with it; a claim it had
             // committed is released, unless the handler kept it.
             if let Some(handle) = watched.claimed() {
-                if matches!(handle.completion(), Completion::Kept | Completion::Stored) {
+                if handle.kept_if_unfinished() {
                     hold_kept(&*config.store, watched.request()).await;
-                } else {
-                    release(&*config.store, handle.claim()).await;
+                    return Ok(handler_failed(&e, true));
                 }
+                release(&*config.store, handle.claim()).await;
             }
-            Ok(handler_failed(&e))
+            Ok(handler_failed(&e, false))
         }
     }
 }

@@ -35,6 +35,21 @@ impl http_body::Body for BrokenBody {
     }
 }
 
+/// A response body that panics at its first read.
+struct PanickingBody;
+
+impl http_body::Body for PanickingBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        panic!("the body panicked on purpose")
+    }
+}
+
 #[derive(Clone, Default)]
 struct Runs(Arc<AtomicUsize>);
 
@@ -75,6 +90,9 @@ async fn handler(
         } else if part == "broken-body" {
             // The effect happened; the answer's body fails on the way out.
             return (status, Body::new(BrokenBody)).into_response();
+        } else if part == "panicking-body" {
+            // The effect happened; the answer's body panics on the way out.
+            return (status, Body::new(PanickingBody)).into_response();
         }
     }
     let mut response = (
@@ -565,6 +583,23 @@ async fn a_body_that_fails_after_the_answer_keeps_the_claim_for_its_lease() {
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(json(&again)["takeover"], true);
     assert_eq!(h.runs.get(), 2);
+
+    // A body that panics instead of failing (a bug in a stream, or in a
+    // store's driver as it writes the answer) keeps the claim the same way.
+    let started = std::time::Instant::now();
+    let (status, _, _) = send(&h.app, req_with("k-panicking", "{}", "panicking-body")).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let (held, _, _) = send(&h.app, req("k-panicking", "{}")).await;
+    assert!(
+        started.elapsed() < lease,
+        "the machine stalled past the case's margin"
+    );
+    assert_eq!(
+        held,
+        StatusCode::CONFLICT,
+        "released: the retry ran at once"
+    );
+    assert_eq!(h.runs.get(), 3);
 
     // A 5xx whose body fails releases, as any 5xx (passed on as it is).
     let failed = h

@@ -2,6 +2,7 @@
 //! and fingerprinted, the claim, the handler on a task of its own, and
 //! the answer stored or the claim released.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,11 @@ pub struct Idempotency {
     claimed_at: Instant,
     lease: Duration,
     settle: Arc<Mutex<Settle>>,
+    /// The handler answered with a head that does not release: its answer
+    /// is being read and stored, its effect done or unknown. A panic from
+    /// here on (a body stream, a store's driver) keeps the claim, as a
+    /// failure does.
+    answering: Arc<AtomicBool>,
 }
 
 /// How the layer settles the claim once the handler answers.
@@ -141,6 +147,7 @@ impl Idempotency {
     /// dropped) leaves the claim to its lease rather than release it.
     fn holds_on_failure(&self) -> bool {
         matches!(self.settle(), Settle::Kept | Settle::Lost)
+            || self.answering.load(Ordering::SeqCst)
     }
 }
 
@@ -405,6 +412,7 @@ where
             claimed_at,
             lease: config.policy.lease(),
             settle: Arc::new(Mutex::new(Settle::ByAnswer)),
+            answering: Arc::default(),
         };
         let _ = won.set((claim.clone(), handle.clone()));
         parts.extensions.insert(handle.clone());
@@ -487,6 +495,9 @@ where
         }
     };
     let (parts, body) = response.into_parts();
+    if !releases_a_broken_answer(config, handle, &parts) {
+        handle.answering.store(true, Ordering::SeqCst);
+    }
     let collected = body.collect().await.map_err(|e| e.into().to_string());
     let collected = match collected {
         Ok(collected) => collected,

@@ -1203,14 +1203,23 @@ async fn an_answer_whose_body_fails_keeps_the_claim_for_its_lease() {
                 if idem.key().ends_with("named-unavailable") {
                     head = head.header("grpc-status", "14");
                 }
-                let frames: Vec<Result<http_body::Frame<bytes::Bytes>, std::io::Error>> = vec![
+                let panics = idem.key().ends_with("panicking");
+                let frames = [
                     Ok(http_body::Frame::data(bytes::Bytes::from_static(
                         b"\0\0\0\0\0",
                     ))),
                     Err(std::io::Error::other(
                         "the connection to the downstream reset",
                     )),
-                ];
+                ]
+                .into_iter()
+                .enumerate()
+                .map(move |(i, frame)| {
+                    // A stream with a bug, as a body or a store's driver
+                    // may have: a panic where the failure was.
+                    assert!(!(panics && i == 1), "the answer panicked on purpose");
+                    frame
+                });
                 Ok::<_, Infallible>(
                     head.body(StreamBody::new(tokio_stream::iter(frames)))
                         .unwrap(),
@@ -1239,12 +1248,24 @@ async fn an_answer_whose_body_fails_keeps_the_claim_for_its_lease() {
         assert_eq!(runs[0], runs[1], "under the same operation id");
     }
 
+    // A panic in its place keeps the claim the same way.
+    let started = std::time::Instant::now();
+    let (first, _) = status_of(send("panicking").await.unwrap()).await;
+    assert_eq!(first, "14", "UNAVAILABLE: the outcome is unknown");
+    let (held, _) = status_of(send("panicking").await.unwrap()).await;
+    assert!(
+        started.elapsed() < lease,
+        "the machine stalled past the case's margin"
+    );
+    assert_eq!(held, "10", "ABORTED while held; released, it ran again");
+    assert_eq!(runs.lock().unwrap().len(), 3);
+
     // A head naming UNAVAILABLE already: released, the retry runs at once.
     let (first, _) = status_of(send("named-unavailable").await.unwrap()).await;
     assert_eq!(first, "13");
     let (second, _) = status_of(send("named-unavailable").await.unwrap()).await;
     assert_eq!(second, "13", "ran again, not held");
-    assert_eq!(runs.lock().unwrap().len(), 4);
+    assert_eq!(runs.lock().unwrap().len(), 5);
 }
 
 /// A caller that gives up (its deadline, a disconnect) while its claim's
