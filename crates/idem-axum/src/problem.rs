@@ -38,7 +38,10 @@
 //!
 //! ### `handler-failed`
 //! 500: the handler panicked or its task died; the claim was released, so
-//! a retry runs afresh.
+//! a retry runs afresh. It is kept until its lease runs out instead (a
+//! retry gets `409`, then runs under the same operation id) when the
+//! handler had kept it (`keep_claim`, `store_answer`), or when the panic
+//! came after it answered, while its answer was read or stored.
 //!
 //! ### `response-unreadable`
 //! 500: the handler's response body could not be read to store it.

@@ -59,7 +59,9 @@ pub enum IdempotencyRejection {
     KeyReused,
     /// `503`: the idempotency store failed; the request did not run.
     StoreUnavailable,
-    /// `500`: the handler panicked or was dropped; its claim was released.
+    /// `500`: the handler panicked or was dropped; its claim was released
+    /// (or kept until its lease runs out, when its outcome was unknown or
+    /// its answer was being stored).
     HandlerFailed,
     /// `500`: the handler's response body could not be read (or stored);
     /// the claim is kept until its lease runs out (the effect may have
