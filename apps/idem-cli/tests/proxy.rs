@@ -1316,3 +1316,51 @@ async fn an_answer_the_database_cannot_hold_is_still_answered_the_same_on_mysql(
     assert_eq!(second, first);
     assert_eq!(upstream.deliveries("/huge").await.len(), 1);
 }
+
+/// A path with a dot segment is refused before anything is claimed or
+/// sent: after the `--upstream` base path, `/../` would climb out of it
+/// (the upstream resolves it), whatever the spelling.
+#[tokio::test]
+async fn a_path_that_climbs_out_of_the_upstream_base_is_refused() {
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(&records, &format!("{}/api", upstream.url), &[]);
+    let p = proxy.url.as_str();
+    for (method, target) in [
+        ("GET", "/../_test/log"),
+        ("POST", "/../secret"),
+        ("POST", "/%2e%2e/secret"),
+        ("GET", "/a/%2E%2e%2fsecret"),
+    ] {
+        let answer = raw(
+            p,
+            &format!(
+                "{method} {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n\
+                 Idempotency-Key: dots-1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+            ),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{target}: {answer}");
+        assert!(answer.contains("bad-request-target"), "{target}: {answer}");
+    }
+    // Dots that are not a segment pass, under the base path.
+    let answer = raw(
+        p,
+        "POST /v1.0/..x HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n\
+         Idempotency-Key: dots-1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    let log = upstream.log().await;
+    let paths: Vec<&str> = log["deliveries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        paths,
+        ["/api/v1.0/..x"],
+        "the key was claimed by a refused request, or one got through"
+    );
+}

@@ -413,7 +413,11 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
 ///   takes the chunks off, not the rest, and `Transfer-Encoding` belongs
 ///   to this hop alone, so the upstream would get compressed bytes with
 ///   nothing saying so (`501`, as RFC 9112 asks of a coding not
-///   understood).
+///   understood);
+/// - a path with a dot segment (`/../admin`, `/%2e%2e/admin`): put after
+///   the `--upstream` base path, the upstream would resolve it out of that
+///   path, and the fingerprint would tell apart spellings of one target
+///   (`400`).
 async fn unforwardable(
     State(guarded): State<Arc<[Method]>>,
     request: Request<Body>,
@@ -437,6 +441,14 @@ async fn unforwardable(
             ),
         );
     }
+    if has_dot_segment(request.uri().path()) {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "bad-request-target",
+            "The request target cannot be forwarded",
+            "its path holds a dot segment (. or ..), which the upstream would resolve: send the path it stands for",
+        );
+    }
     let method = request.method().as_str();
     if let Some(meant) = guarded
         .iter()
@@ -450,6 +462,18 @@ async fn unforwardable(
         );
     }
     next.run(request).await
+}
+
+/// Whether `path` holds a segment `.` or `..`, also spelled with `%2e`, or
+/// between backslashes or encoded slashes (`%2f`, `%5c`), which some
+/// servers take for `/`.
+fn has_dot_segment(path: &str) -> bool {
+    let path = path.to_ascii_lowercase();
+    path.replace("%2e", ".")
+        .replace("%2f", "/")
+        .replace("%5c", "/")
+        .split(['/', '\\'])
+        .any(|segment| segment == "." || segment == "..")
 }
 
 /// The scope of a request: a hash of the one value of `header` (a token is
@@ -581,5 +605,35 @@ mod tests {
         assert!(keyed.starts_with("hmac:"), "{keyed}");
         assert_ne!(keyed, scope_of(b"Bearer alice", Some("other")));
         assert_eq!(keyed, scope_of(b"Bearer alice", Some("s3cret")));
+    }
+
+    #[test]
+    fn dot_segments_in_any_spelling_are_found() {
+        for path in [
+            "/..",
+            "/../admin",
+            "/a/./b",
+            "/a/.",
+            "/%2e%2e/admin",
+            "/%2E./admin",
+            "/.%2e/admin",
+            "/a%2f..%2fadmin",
+            "/a\\..\\admin",
+            "/a%5c..",
+            "..",
+        ] {
+            assert!(has_dot_segment(path), "{path}");
+        }
+        for path in [
+            "/",
+            "/a/b",
+            "/v1.0/file.txt",
+            "/.well-known/x",
+            "/a/.../b",
+            "/a..b/..c",
+            "/%2e%2e%2e",
+        ] {
+            assert!(!has_dot_segment(path), "{path}");
+        }
     }
 }
