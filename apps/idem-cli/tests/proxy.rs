@@ -1225,6 +1225,18 @@ async fn a_guarded_request_spelled_otherwise_is_not_let_through() {
         assert!(answer.contains("method-case"), "{method}: {answer}");
     }
     assert!(upstream.deliveries("/lower").await.is_empty());
+    // Two Content-Types: the fingerprint would read the body by one, the
+    // upstream perhaps by the other.
+    let twice = raw(
+        p,
+        "POST /twice HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n\
+         Idempotency-Key: twice-1\r\nContent-Type: application/json\r\n\
+         Content-Type: text/plain\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+    )
+    .await;
+    assert!(twice.starts_with("HTTP/1.1 400"), "{twice}");
+    assert!(twice.contains("content-type-repeated"), "{twice}");
+    assert!(upstream.deliveries("/twice").await.is_empty());
     // Other methods still pass through as they are.
     let get = raw(
         p,

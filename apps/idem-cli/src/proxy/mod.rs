@@ -417,7 +417,10 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
 /// - a path with a dot segment (`/../admin`, `/%2e%2e/admin`): put after
 ///   the `--upstream` base path, the upstream would resolve it out of that
 ///   path, and the fingerprint would tell apart spellings of one target
-///   (`400`).
+///   (`400`);
+/// - a guarded request with `Content-Type` more than once: the fingerprint
+///   reads the body by the first, an upstream may by the last, and two
+///   bodies one takes for the same request the other may not (`400`).
 async fn unforwardable(
     State(guarded): State<Arc<[Method]>>,
     request: Request<Body>,
@@ -450,6 +453,21 @@ async fn unforwardable(
         );
     }
     let method = request.method().as_str();
+    if guarded.iter().any(|g| g.as_str() == method)
+        && request
+            .headers()
+            .get_all(http::header::CONTENT_TYPE)
+            .iter()
+            .nth(1)
+            .is_some()
+    {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "content-type-repeated",
+            "The request names its Content-Type more than once",
+            "send one Content-Type: the body's meaning must be one for the proxy and the upstream",
+        );
+    }
     if let Some(meant) = guarded
         .iter()
         .find(|g| g.as_str() != method && g.as_str().eq_ignore_ascii_case(method))
