@@ -623,7 +623,18 @@ async fn execute(
                 }
                 number = progress.stopped() => {
                     let status = u8::try_from(128 + number).unwrap_or(1);
-                    stop_group(&mut child, group, status, deadline).await;
+                    // Its output is still read while the group ends: a
+                    // command that writes as it stops would otherwise
+                    // block on a full pipe and be killed mid-cleanup.
+                    // Not past the stop: a process that left the group
+                    // may hold the pipe open for long after.
+                    let mut stop = std::pin::pin!(stop_group(&mut child, group, status, deadline));
+                    loop {
+                        tokio::select! {
+                            () = &mut stop => break,
+                            () = &mut copy, if !copied => copied = true,
+                        }
+                    }
                     progress.group.store(0, Ordering::SeqCst);
                     progress.ended(status);
                     return Err(not_run(NotRun::Stopped(number)));

@@ -610,6 +610,7 @@ fn once_in_background(url: &str, key: &str, workers: &[&Path]) -> std::process::
         ],
     )
     .env("DATABASE_URL", url_only)
+    .stdout(Stdio::null())
     .stderr(Stdio::piped())
     .spawn()
     .unwrap()
@@ -649,16 +650,32 @@ fn send(signal: &str, pid: &str) {
 /// script that dies of the signal at once leaves what it started (here a
 /// worker that takes 300 ms to clean up, as `docker run` stopping its
 /// container) the time to end.
+///
+/// A worker that writes as it stops (256 KiB, four times a pipe's buffer)
+/// is read meanwhile: left unread, it blocked on the full pipe and was
+/// killed at the grace's end, mid-cleanup.
 fn a_stop_asks_the_command_to_end_first(url: &str) {
     let dir = tempfile::tempdir().unwrap();
     let (worker, pid_file, cleaned) = cleaning_worker(dir.path(), "worker");
-    let running = once_in_background(url, "graceful", &[&worker]);
-    let pid = pid_in(&pid_file);
+    let talked = dir.path().join("talker.cleaned");
+    let (talker, talker_pid_file) = looping_worker(
+        dir.path(),
+        "talker",
+        &format!(
+            "trap 'head -c 262144 /dev/zero | tr \"\\\\000\" x; echo yes > \"{}\"; exit 0' TERM",
+            talked.display()
+        ),
+    );
+    let running = once_in_background(url, "graceful", &[&worker, &talker]);
+    let pids = [pid_in(&pid_file), pid_in(&talker_pid_file)];
     send("-TERM", &running.id().to_string());
     let out = running.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
-    assert_gone(&pid);
+    for pid in &pids {
+        assert_gone(pid);
+    }
     assert_let_end(&cleaned);
+    assert_let_end(&talked);
 }
 
 /// Told to stop, `idem once` reaches every member of the command's group:
