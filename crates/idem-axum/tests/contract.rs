@@ -202,6 +202,32 @@ async fn send(app: &Router, r: Request<Body>) -> (StatusCode, HeaderMap, Bytes) 
     )
 }
 
+/// Sends `key` with `behave`, which makes the request fail with `500`
+/// after its effect, and asserts its claim is then held (`409`), not
+/// released: the retry sent at once does not run. Returns the failure's
+/// headers and body, and when it was sent (the lease counts from then).
+async fn fails_then_is_held(
+    app: &Router,
+    key: &str,
+    behave: &str,
+    lease: Duration,
+) -> (HeaderMap, Bytes, std::time::Instant) {
+    let started = std::time::Instant::now();
+    let (status, headers, body) = send(app, req_with(key, "{}", behave)).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{behave}");
+    let (held, _, _) = send(app, req(key, "{}")).await;
+    assert!(
+        started.elapsed() < lease,
+        "the machine stalled past the case's margin"
+    );
+    assert_eq!(
+        held,
+        StatusCode::CONFLICT,
+        "{behave}: released, the retry ran at once"
+    );
+    (headers, body, started)
+}
+
 fn problem_type(headers: &HeaderMap, body: &[u8]) -> String {
     assert_eq!(headers["content-type"], "application/problem+json");
     let v: serde_json::Value = serde_json::from_slice(body).unwrap();
@@ -538,19 +564,7 @@ async fn an_answer_said_to_be_the_outcome_is_stored_whatever_its_status() {
     assert_eq!(again, first);
     assert_eq!(h.runs.get(), 1);
 
-    let started = std::time::Instant::now();
-    let (status, _, _) = send(&h.app, req_with("k-store-panic", "{}", "store,panic")).await;
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-    let (held, _, _) = send(&h.app, req("k-store-panic", "{}")).await;
-    assert!(
-        started.elapsed() < lease,
-        "the machine stalled past the case's margin"
-    );
-    assert_eq!(
-        held,
-        StatusCode::CONFLICT,
-        "released: the retry ran at once"
-    );
+    fails_then_is_held(&h.app, "k-store-panic", "store,panic", lease).await;
     assert_eq!(h.runs.get(), 2);
 }
 
@@ -563,20 +577,9 @@ async fn an_answer_said_to_be_the_outcome_is_stored_whatever_its_status() {
 async fn a_body_that_fails_after_the_answer_keeps_the_claim_for_its_lease() {
     let lease = Duration::from_millis(1500);
     let h = harness(Policy::builder().lease(lease).build().unwrap());
-    let started = std::time::Instant::now();
-    let (status, headers, body) = send(&h.app, req_with("k-broken", "{}", "broken-body")).await;
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    let (headers, body, started) =
+        fails_then_is_held(&h.app, "k-broken", "broken-body", lease).await;
     assert!(problem_type(&headers, &body).ends_with("response-unreadable"));
-    let (held, _, _) = send(&h.app, req("k-broken", "{}")).await;
-    assert!(
-        started.elapsed() < lease,
-        "the machine stalled past the case's margin"
-    );
-    assert_eq!(
-        held,
-        StatusCode::CONFLICT,
-        "released: the retry ran at once"
-    );
     assert_eq!(h.runs.get(), 1);
     tokio::time::sleep(lease.saturating_sub(started.elapsed()) + Duration::from_millis(50)).await;
     let (status, _, again) = send(&h.app, req("k-broken", "{}")).await;
@@ -586,19 +589,7 @@ async fn a_body_that_fails_after_the_answer_keeps_the_claim_for_its_lease() {
 
     // A body that panics instead of failing (a bug in a stream, or in a
     // store's driver as it writes the answer) keeps the claim the same way.
-    let started = std::time::Instant::now();
-    let (status, _, _) = send(&h.app, req_with("k-panicking", "{}", "panicking-body")).await;
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-    let (held, _, _) = send(&h.app, req("k-panicking", "{}")).await;
-    assert!(
-        started.elapsed() < lease,
-        "the machine stalled past the case's margin"
-    );
-    assert_eq!(
-        held,
-        StatusCode::CONFLICT,
-        "released: the retry ran at once"
-    );
+    fails_then_is_held(&h.app, "k-panicking", "panicking-body", lease).await;
     assert_eq!(h.runs.get(), 3);
 
     // A 5xx whose body fails releases, as any 5xx (passed on as it is).
