@@ -341,7 +341,7 @@ async fn mysql_max_packet(target: &Target) -> Result<u64, Failure> {
     let mut conn = sqlx::MySqlConnection::connect_with(&options)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", redact(&url)))?;
-    let asked = sqlx::query_scalar::<_, u64>("SELECT @@max_allowed_packet")
+    let asked = sqlx::query_scalar::<_, u64>("SELECT CAST(@@max_allowed_packet AS UNSIGNED)")
         .fetch_one(&mut conn)
         .await;
     let _ = conn.close().await;

@@ -775,8 +775,12 @@ async fn headers_bodies_and_statuses_in_detail() {
     // nor replayed.
     let lower = answer.to_ascii_lowercase();
     assert!(!lower.contains("x-upstream-hop"), "{answer}");
-    let replay = post(p, "/hop", "alice", "hop-1", "hello world")
+    let replay = client()
+        .post(format!("{p}/hop"))
+        .header("authorization", "Bearer alice")
+        .header("idempotency-key", "hop-1")
         .header("content-type", "text/plain")
+        .body("hello world")
         .send()
         .await
         .unwrap();
@@ -991,7 +995,7 @@ async fn a_large_answer_that_frees_the_key_frees_it() {
     let proxy = Proxy::start(
         &records,
         &upstream.url,
-        &["--max-response-body", "1000", "--lease-ms", "1500"],
+        &["--max-response-body", "1000", "--lease-ms", "3000"],
     );
     let p = proxy.url.as_str();
     for (status, key) in [("503", "big-503"), ("429", "big-429")] {
@@ -1021,7 +1025,7 @@ async fn a_large_answer_that_frees_the_key_frees_it() {
     let said = first.text().await.unwrap();
     assert!(said.contains("upstream-answer-too-large"), "{said}");
     assert!(said.contains("201 Created"), "{said}");
-    let lease = Duration::from_millis(1500);
+    let lease = Duration::from_millis(3000);
     let started = Instant::now();
     for _ in 0..2 {
         let again = post(p, "/big-201", "alice", "big-201", "{}")
@@ -1291,10 +1295,10 @@ async fn a_transfer_coding_other_than_chunked_is_refused() {
 
 /// On MySQL, a statement is at most `max_allowed_packet` (16 MiB on a
 /// default MariaDB, the size of `--max-response-body`'s default): an
-/// answer just under the proxy's limit but over the server's could not be
+/// answer under the proxy's limit but over the server's could not be
 /// stored, so its key was held and the request re-sent after every lease.
-/// Whatever the server's setting, the answer the first request gets is
-/// the one its retry gets, and the upstream sees the request once.
+/// The answer the first request gets is the one its retry gets, and the
+/// upstream sees the request once.
 #[tokio::test]
 async fn an_answer_the_database_cannot_hold_is_still_answered_the_same_on_mysql() {
     use sqlx::Connection;
@@ -1307,9 +1311,15 @@ async fn an_answer_the_database_cannot_hold_is_still_answered_the_same_on_mysql(
         .await
         .unwrap();
     conn.close().await.unwrap();
-    let size = packet.min(16 << 20);
+    // An answer of the packet's size, which the flag alone would keep.
+    let size = packet;
+    let flag = (packet + (1 << 20)).to_string();
     let upstream = Upstream::start();
-    let proxy = Proxy::start(&records, &upstream.url, &["--lease-ms", "3000"]);
+    let proxy = Proxy::start(
+        &records,
+        &upstream.url,
+        &["--lease-ms", "10000", "--max-response-body", &flag],
+    );
     let p = proxy.url.as_str();
     let send = async || {
         let answer = post(p, "/huge", "alice", "huge", "{}")

@@ -40,6 +40,11 @@ struct Inner {
     /// When the winning claim was sent: its lease counts from then.
     claimed_at: std::time::Instant,
     completion: Mutex<Completion>,
+    /// Set by the layer once the handler answered an outcome it stores:
+    /// from then on a panic (its body stream, the store's driver) keeps
+    /// the claim, as a failure to store does. The handler's own word
+    /// (`completion`) cannot undo it.
+    answering: std::sync::atomic::AtomicBool,
 }
 
 /// The claim a guarded handler runs under, given to it by
@@ -101,6 +106,7 @@ impl Idempotency {
                 policy,
                 claimed_at,
                 completion: Mutex::new(Completion::ByLayer),
+                answering: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -182,9 +188,21 @@ impl Idempotency {
     /// failed service, a dropped task) leaves this claim held until its
     /// lease runs out rather than releasing it: its outcome is unknown
     /// ([`keep_claim`](Self::keep_claim)), or it answered an outcome that
-    /// was being stored ([`store_answer`](Self::store_answer)).
+    /// was being stored ([`store_answer`](Self::store_answer), or the
+    /// layer reading and storing it).
     pub(crate) fn kept_if_unfinished(&self) -> bool {
-        matches!(self.completion(), Completion::Kept | Completion::Stored)
+        self.inner
+            .answering
+            .load(std::sync::atomic::Ordering::SeqCst)
+            || matches!(self.completion(), Completion::Kept | Completion::Stored)
+    }
+
+    /// Marks the handler's answer as the outcome being stored: a panic
+    /// from here on keeps the claim.
+    pub(crate) fn answering(&self) {
+        self.inner
+            .answering
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub(crate) fn completion(&self) -> Completion {
@@ -243,9 +261,12 @@ impl Idempotency {
     /// that reports an effect which happened but cannot be given back, as
     /// `idem proxy`'s `502` for an upstream answer too large to keep: the
     /// upstream acted, so a retry must get that answer, never reach the
-    /// upstream again. A handler that ends without answering after this
-    /// (a panic, a dropped task) keeps its claim until its lease runs out,
-    /// as with [`keep_claim`](Self::keep_claim).
+    /// upstream again. Call it just before returning that answer: a
+    /// handler that ends without answering after it (a panic, a dropped
+    /// task) keeps its claim until its lease runs out, as with
+    /// [`keep_claim`](Self::keep_claim). The layer's own refusals (a
+    /// `503` when the store is away, the `409` of a step in flight) still
+    /// release the claim: they say nothing ran.
     pub fn store_answer(&self) {
         self.set_completion(Completion::Stored);
     }

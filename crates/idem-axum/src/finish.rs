@@ -72,14 +72,22 @@ async fn finish(
     // give; the claim is released for the retry. Its status is `409`: the
     // header on any other answer (one an upstream behind `idem proxy`
     // wrote) says nothing of this claim.
-    let in_flight = status == 409
-        && response
-            .headers()
-            .get(crate::rejection::IDEMPOTENCY_REJECTION)
-            .is_some_and(|v| v.as_bytes().ends_with(b"idempotency-key-in-use"));
-    let settlement = if handle.completion() == Completion::Stored {
+    let refusal = response
+        .headers()
+        .get(crate::rejection::IDEMPOTENCY_REJECTION);
+    let in_flight =
+        status == 409 && refusal.is_some_and(|v| v.as_bytes().ends_with(b"idempotency-key-in-use"));
+    // The handler's word that its answer is the outcome, unless the answer
+    // is one of the layer's own refusals (nothing ran: a store away as its
+    // transaction began, a step in flight).
+    let settlement = if handle.completion() == Completion::Stored && refusal.is_none() {
         Settlement::Store
-    } else if in_flight && handle.completion() == Completion::ByLayer {
+    } else if in_flight
+        && matches!(
+            handle.completion(),
+            Completion::ByLayer | Completion::Stored
+        )
+    {
         Settlement::Release
     } else {
         on_handler_end(&config.policy, HandlerEnd::Answered { status })
@@ -111,7 +119,7 @@ async fn finish(
     // is read or stored (a body stream, a store driver) keeps the claim, as
     // a failure to store it does, rather than free the key for a retry
     // beside an effect that happened.
-    handle.store_answer();
+    handle.answering();
     let (parts, body) = response.into_parts();
     let bytes = match body.collect().await {
         Ok(c) => c.to_bytes(),
@@ -124,6 +132,9 @@ async fn finish(
         Err(e) => {
             warn!(error = %e, status, "the handler's response body failed after it answered; the claim stays until its lease runs out");
             count(Outcome::Kept);
+            // Said as the handler would: a claim held by its transaction
+            // is then held for a lease again (`hold_kept`).
+            handle.keep_claim();
             guard.leave().await;
             return IdempotencyRejection::ResponseUnreadable.into_response();
         }
@@ -142,7 +153,8 @@ async fn finish(
         // claim (do not release), so that only a retry after the lease runs
         // out can run again, under the same operation id.
         Err(e) => {
-            warn!(error = %e, "could not store the response; the claim stays until its lease runs out")
+            warn!(error = %e, "could not store the response; the claim stays until its lease runs out");
+            handle.keep_claim();
         }
     }
     guard.disarm();

@@ -44,10 +44,12 @@
 //! | key missing (where required) or malformed | `400` |
 //! | body over the limit | `413`, nothing stored |
 //! | handler answered `4xx` | stored and replayed |
-//! | handler answered `5xx` or panicked (`500`) | claim released: the next retry runs (same operation id) |
+//! | handler answered `5xx` or panicked before answering (`500`) | claim released: the next retry runs (same operation id) |
+//! | the handler's answer could not be read or stored (its body failed or panicked, the store failed) | the claim is held until its lease ends, then the retry runs (same operation id) |
 //! | client disconnected mid-request | the handler runs to the end on its own task; its answer is stored for the retry |
 //! | the handler's outcome is unknown ([`Idempotency::keep_claim`]: a call it made timed out) | its answer passed on, neither stored nor released: the key is held until its lease ends |
 //! | the answer is not the outcome ([`Idempotency::release_claim`]: a rate limit) | passed on, the claim released |
+//! | the answer is the outcome whatever its status ([`Idempotency::store_answer`]: a `502` saying an effect happened whose answer is lost) | stored and replayed |
 //!
 //! With the `serve` feature, `serve::serve` serves an app with header and
 //! body timeouts, a connection cap and a graceful drain.

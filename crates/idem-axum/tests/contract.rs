@@ -20,23 +20,8 @@ use idem_memory::MemoryStore;
 use idem_test_support::stores::SlowClaimAnswers;
 use tower::ServiceExt;
 
-/// A response body that fails at its first read, or panics there.
-struct BrokenBody {
-    panics: bool,
-}
-
-impl http_body::Body for BrokenBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        assert!(!self.panics, "the body panicked on purpose");
-        std::task::Poll::Ready(Some(Err(std::io::Error::other("the body broke"))))
-    }
-}
+mod broken_body;
+use broken_body::BrokenBody;
 
 #[derive(Clone, Default)]
 struct Runs(Arc<AtomicUsize>);
@@ -554,6 +539,18 @@ async fn an_answer_said_to_be_the_outcome_is_stored_whatever_its_status() {
 
     fails_then_is_held(&h.app, "k-store-panic", "store,panic", lease).await;
     assert_eq!(h.runs.get(), 2);
+
+    // One of the layer's own refusals is not stored for it: it says
+    // nothing ran (here the 409 of a step another attempt holds).
+    let (status, _, _) = send(
+        &h.app,
+        req_with("k-store-refused", "{}", "store,status=409,in-use-header"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let (status, _, _) = send(&h.app, req("k-store-refused", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED, "the refusal was stored");
+    assert_eq!(h.runs.get(), 4);
 }
 
 /// The handler answered a status that is its outcome, and then its body

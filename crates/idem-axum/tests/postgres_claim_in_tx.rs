@@ -19,6 +19,9 @@ use idem_postgres::PostgresStore;
 use idem_test_support::postgres::TestSchema;
 use tower::ServiceExt;
 
+mod broken_body;
+use broken_body::BrokenBody;
+
 fn header(headers: &http::HeaderMap, name: &str) -> Option<String> {
     headers
         .get(name)
@@ -89,9 +92,16 @@ async fn create(
         _ => {}
     }
     assert_eq!((pending.scope(), pending.key()), (idem.scope(), idem.key()));
-    if header(&headers, "x-layer-completes").is_some() {
+    if let Some(how) = header(&headers, "x-layer-completes") {
         // Commit the effect and leave the record to the layer.
         tx.commit().await.unwrap();
+        if how == "broken" || how == "panicking" {
+            // ... with an answer whose body breaks on the way out.
+            let body = BrokenBody {
+                panics: how == "panicking",
+            };
+            return (StatusCode::CREATED, Body::new(body)).into_response();
+        }
         return (
             StatusCode::CREATED,
             format!("op {} by layer", idem.operation_id()),
@@ -411,6 +421,38 @@ async fn a_handler_that_commits_without_completing_is_completed_by_the_layer() {
     assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!(again, body);
     assert_eq!(effects(&store).await.len(), 1, "the handler ran once");
+}
+
+/// An effect committed with an answer the layer cannot read (its body
+/// fails, or panics) leaves the record unfinished: the claim, whose lease
+/// ended with the transaction, is held for a lease again, so that a retry
+/// does not run at once beside the effect that happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_left_unstored_holds_the_key_for_a_lease() {
+    let lease = Duration::from_millis(1500);
+    let (app, store, _schema) = setup(Policy::builder().lease(lease).build().unwrap()).await;
+    for how in ["broken", "panicking"] {
+        let started = std::time::Instant::now();
+        let first = || {
+            req(how)
+                .header("x-layer-completes", how)
+                .body(Body::from("{}"))
+                .unwrap()
+        };
+        let (status, _, body) = send(&app, first()).await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{how}: {body}");
+        let (status, headers, body) = send(&app, first()).await;
+        assert!(
+            started.elapsed() < lease,
+            "the machine stalled past the case's margin"
+        );
+        assert_eq!(
+            status,
+            StatusCode::CONFLICT,
+            "{how}: a retry inside the lease ran: {headers:?} {body}"
+        );
+    }
+    assert_eq!(effects(&store).await.len(), 2, "each ran once");
 }
 
 /// `answered_by_record` answers what the key's record decides alone (a

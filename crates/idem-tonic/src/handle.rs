@@ -435,11 +435,11 @@ where
                 count(Outcome::Kept);
                 warn!(
                     panicked = e.is_panic(),
-                    "the handler did not finish, its outcome unknown; the claim stays until its lease runs out"
+                    "the call did not finish, its outcome unknown or its answer unstored; the claim stays until its lease runs out"
                 );
                 Ok(answer::refuse(LayerRefusal::HandlerFailed.status(
                     Code::Unavailable,
-                    "the handler failed before answering, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
+                    "the handler failed before its answer was stored, its outcome unknown; nothing was stored: retry with the same idempotency-key once its lease has run out",
                 )))
             }
             Some((claim, _)) => {

@@ -33,10 +33,33 @@ use tracing::{info, warn};
 
 use forward::{problem, Upstream, UpstreamLimits};
 
-/// What a record's statement holds on MySQL besides the answer's body: its
-/// headers (an upstream's head is at most ~408 KiB, hyper's client buffer),
-/// key, scope, fingerprint and the statement itself.
-const MYSQL_STATEMENT_ROOM: u64 = 512 << 10;
+/// What a record holds besides the answer's body: its headers (an
+/// upstream's head is at most ~408 KiB, hyper's client buffer), key,
+/// scope, fingerprint, and on MySQL the statement itself.
+const RECORD_ROOM: u64 = 512 << 10;
+
+/// The most one record may hold in the store `args` name, and what sets
+/// it: MySQL's `max_allowed_packet` (read from the server), SQLite's
+/// longest value (`SQLITE_MAX_LENGTH`), PostgreSQL's longest field, and
+/// Redis's longest string (`proto-max-bulk-len`) when Redis holds the
+/// records or a copy of them.
+async fn record_limit(args: &ProxyArgs) -> Result<(u64, &'static str), crate::Failure> {
+    let url = &args.database_url;
+    let redis = url.starts_with("redis://") || url.starts_with("rediss://");
+    let (mut largest, mut what) = match DialectKind::of_url(url) {
+        Some(DialectKind::MySql) => (
+            crate::mysql_max_packet(&args.target()).await?,
+            "the MySQL server's max_allowed_packet (raise it for more)",
+        ),
+        Some(DialectKind::Sqlite) => (1_000_000_000, "SQLite's longest value"),
+        Some(DialectKind::Postgres) => ((1 << 30) - 1, "PostgreSQL's longest field"),
+        _ => (u64::MAX, "the store"),
+    };
+    if (redis || args.redis_url.is_some()) && largest > 512 << 20 {
+        (largest, what) = (512 << 20, "Redis's longest string");
+    }
+    Ok((largest, what))
+}
 
 /// `idem proxy`'s flags (each also read from the environment).
 #[derive(Debug, Args)]
@@ -326,22 +349,19 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
         .install_recorder()
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
     let store = crate::open_store(&args.target()).await?;
-    if DialectKind::of_url(url) == Some(DialectKind::MySql) {
-        // A record is one statement, and MySQL refuses one over its
-        // `max_allowed_packet`: an answer kept for replay stays below it,
-        // with room for its headers and the rest of the statement (a
-        // larger one is answered as too large, and that answer stored).
-        let packet = crate::mysql_max_packet(&args.target()).await?;
-        let most = usize::try_from(packet.saturating_sub(MYSQL_STATEMENT_ROOM))
-            .unwrap_or(usize::MAX)
-            .max(1);
-        if upstream.max_answer() > most {
-            eprintln!(
-                "idem proxy: --max-response-body ({}) is more than the MySQL server's max_allowed_packet ({packet}) leaves for an answer: answers over {most} bytes are answered as too large; raise max_allowed_packet for more",
-                upstream.max_answer()
-            );
-            upstream.limit_answer(most);
-        }
+    // An answer kept for replay stays below what the store takes in one
+    // record, with room for its headers and the rest of the record: a
+    // larger one is answered as too large, and that answer stored.
+    let (largest, what) = record_limit(&args).await?;
+    let most = usize::try_from(largest.saturating_sub(RECORD_ROOM))
+        .unwrap_or(usize::MAX)
+        .max(1);
+    if upstream.max_answer() > most {
+        eprintln!(
+            "idem proxy: --max-response-body ({}) is more than {what} ({largest} bytes) leaves for an answer: answers over {most} bytes are answered as too large",
+            upstream.max_answer()
+        );
+        upstream.limit_answer(most);
     }
 
     let guarded = Router::new()
@@ -482,15 +502,22 @@ async fn unforwardable(
     next.run(request).await
 }
 
-/// Whether `path` holds a segment `.` or `..`, also spelled with `%2e`, or
-/// between backslashes or encoded slashes (`%2f`, `%5c`), which some
-/// servers take for `/`.
+/// Whether `path` holds a segment `.` or `..`, also spelled with `%2e`
+/// (or `%252e`, for a server that decodes twice), between backslashes or
+/// encoded slashes (`%2f`, `%5c`), which some servers take for `/`, or
+/// followed by parameters (`..;x`, which Tomcat, Jetty and Spring drop
+/// before they resolve the path).
 fn has_dot_segment(path: &str) -> bool {
-    let path = path.to_ascii_lowercase();
+    let mut path = path.to_ascii_lowercase();
+    while path.contains("%25") {
+        path = path.replace("%25", "%");
+    }
     path.replace("%2e", ".")
         .replace("%2f", "/")
         .replace("%5c", "/")
+        .replace("%3b", ";")
         .split(['/', '\\'])
+        .map(|segment| segment.split(';').next().unwrap_or_default())
         .any(|segment| segment == "." || segment == "..")
 }
 
@@ -638,6 +665,11 @@ mod tests {
             "/a%2f..%2fadmin",
             "/a\\..\\admin",
             "/a%5c..",
+            "/..;/admin",
+            "/..;jsessionid=1/admin",
+            "/.%3b/admin",
+            "/%252e%252e/admin",
+            "/%25252e./admin",
             "..",
         ] {
             assert!(has_dot_segment(path), "{path}");
@@ -650,6 +682,9 @@ mod tests {
             "/a/.../b",
             "/a..b/..c",
             "/%2e%2e%2e",
+            "/a;..",
+            "/x;/b",
+            "/%2525",
         ] {
             assert!(!has_dot_segment(path), "{path}");
         }
