@@ -219,8 +219,9 @@ pub struct PolicyBuilder {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PolicyError {
-    /// The lease is zero.
-    #[error("the lease must be longer than zero")]
+    /// The lease is zero, or shorter than a millisecond (stores count
+    /// leases in whole milliseconds: one shorter would end as it began).
+    #[error("the lease must be at least a millisecond")]
     ZeroLease,
     /// The retention is not longer than the lease.
     #[error("the retention ({retention:?}) must be longer than the lease ({lease:?})")]
@@ -401,7 +402,7 @@ impl PolicyBuilder {
     /// Checks the settings and returns the policy.
     pub fn build(self) -> Result<Policy, PolicyError> {
         let p = self.policy;
-        if p.lease.is_zero() {
+        if p.lease < Duration::from_millis(1) {
             return Err(PolicyError::ZeroLease);
         }
         if p.retention <= p.lease {
@@ -516,6 +517,10 @@ mod tests {
     fn validation() {
         assert_eq!(
             Policy::builder().lease(Duration::ZERO).build(),
+            Err(PolicyError::ZeroLease)
+        );
+        assert_eq!(
+            Policy::builder().lease(Duration::from_micros(999)).build(),
             Err(PolicyError::ZeroLease)
         );
         assert!(matches!(

@@ -46,7 +46,11 @@ pub(crate) fn redis_time(reply: &Value) -> Result<UnixMillis, StoreError> {
     };
     let seconds = number(parts.first())?;
     let micros = number(parts.get(1))?;
-    Ok(UnixMillis(seconds * 1000 + micros / 1000))
+    seconds
+        .checked_mul(1000)
+        .and_then(|ms| ms.checked_add(micros / 1000))
+        .map(UnixMillis)
+        .ok_or_else(|| StoreError::Corrupt(format!("TIME answered {seconds} s {micros} µs")))
 }
 
 /// Decodes a record from a flat `field, value, …` list (HGETALL).
@@ -125,6 +129,28 @@ pub(crate) fn decode(fields: &[Value]) -> Result<Record, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_time_out_of_range_is_corrupt_not_a_panic() {
+        let time = |s: &str, us: &str| {
+            Value::Array(vec![
+                Value::BulkString(s.as_bytes().to_vec()),
+                Value::BulkString(us.as_bytes().to_vec()),
+            ])
+        };
+        assert_eq!(
+            redis_time(&time("1700000000", "123456")).unwrap(),
+            UnixMillis(1_700_000_000_123)
+        );
+        assert!(matches!(
+            redis_time(&time("9223372036854775807", "0")),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(
+            redis_time(&time("9223372036854775", "9223372036854775807")),
+            Err(StoreError::Corrupt(_))
+        ));
+    }
 
     #[test]
     fn numbers_as_integers_or_their_digits() {

@@ -316,3 +316,55 @@ async fn scripts_the_server_does_not_know_run_once() {
     ));
     store.clear().await.unwrap();
 }
+
+/// A claim sent again (its reply lost: redis-rs sends a request again
+/// when its connection drops) is counted as replicated only if a replica
+/// has it, though the script writes nothing the second time: Redis sets a
+/// client's `WAIT` offset after every command, read-only ones too, to the
+/// offset of everything written so far, the claim included. Here the
+/// replica is paused: the claim sent again is refused, not said
+/// acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_sent_again_counts_only_replicas_that_have_it() {
+    use idem_test_support::redis::OwnServer;
+    let primary = OwnServer::start();
+    let replica = OwnServer::replica_of(&primary);
+    primary.wait_replicas_online(1);
+    let waiting = RedisStore::connect(
+        RedisConfig::new(primary.url()).wait_replicas(1, Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
+    let req = ClaimRequest {
+        scope: "s".into(),
+        key: "k".into(),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        lease: Duration::from_secs(30),
+        retention: Duration::from_secs(600),
+    };
+    let (token, proposed) = (FencingToken::generate(), OperationId::generate());
+    // The replica acknowledges the first claim; a busy machine may miss
+    // the 300 ms once (the refused claim is released, and made again).
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        match waiting.claim_as(&req, token, proposed).await {
+            Ok(ClaimOutcome::Acquired(_)) => break,
+            Err(StoreError::Unavailable(_)) if std::time::Instant::now() < deadline => {}
+            other => panic!("the replica is up, yet {other:?}"),
+        }
+    }
+    replica.pause();
+    let again = waiting.claim_as(&req, token, proposed).await;
+    replica.resume();
+    match again {
+        Err(StoreError::Unavailable(e)) => {
+            let refused = e.downcast_ref::<crate::NotReplicated>();
+            assert_eq!(
+                refused.map(|r| (r.wanted, r.acknowledged)),
+                Some((1, 0)),
+                "{e}"
+            );
+        }
+        other => panic!("no replica has it now, yet {other:?}"),
+    }
+}

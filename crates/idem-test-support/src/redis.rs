@@ -88,6 +88,137 @@ impl Drop for TestPrefix {
     }
 }
 
+/// A `redis-server` of one test's own on a free port, for what the shared
+/// one must not be put through (a replica to pause); killed, and its
+/// directory removed, when dropped.
+#[derive(Debug)]
+pub struct OwnServer {
+    child: std::process::Child,
+    port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl OwnServer {
+    /// A server of its own, answering once this returns.
+    ///
+    /// # Panics
+    ///
+    /// If `redis-server` cannot be run or does not answer within 10 s.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// A replica of `primary`, answering once this returns (see
+    /// [`OwnServer::wait_replicas_online`] for when it has caught up).
+    pub fn replica_of(primary: &OwnServer) -> Self {
+        Self::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()])
+    }
+
+    fn start_with(args: &[&str]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let dir =
+            std::env::temp_dir().join(format!("idem-redis-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("a directory of its own");
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir)
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot run redis-server (`bash scripts/test` installs it): {e}")
+            });
+        let server = Self { child, port, dir };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while server.query::<String>(&mut redis::cmd("PING")).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server on {port} never answered"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn query<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> redis::RedisResult<T> {
+        let mut conn =
+            redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(2))?;
+        conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+        cmd.query(&mut conn)
+    }
+
+    /// Waits (up to 30 s) until `n` replicas acknowledge a write: a write
+    /// and `WAIT` on one connection, since `WAIT` counts that connection's
+    /// writes.
+    ///
+    /// # Panics
+    ///
+    /// If they never do.
+    pub fn wait_replicas_online(&self, n: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let acked = redis::Client::open(self.url())
+                .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
+                .and_then(|mut conn| {
+                    redis::pipe()
+                        .cmd("SET")
+                        .arg("idem-test-ack-probe")
+                        .arg(1)
+                        .ignore()
+                        .cmd("WAIT")
+                        .arg(n)
+                        .arg(500)
+                        .query::<(usize,)>(&mut conn)
+                });
+            if acked.is_ok_and(|(acked,)| acked >= n) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{n} replicas never acknowledged a write on {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the process (SIGSTOP): connected, it acknowledges nothing.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Continues a [`OwnServer::pause`]d process.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let sent = std::process::Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(sent.success(), "kill {signal} redis-server");
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
