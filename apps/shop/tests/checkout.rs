@@ -307,6 +307,17 @@ async fn a_key_back_after_its_record_expired_resumes_under_the_bound_operation(m
         (Some(1), Some(1)),
         "{acc}"
     );
+    // Past the retention again, the same key with another amount is
+    // another checkout of a paid order, not the paid one's answer.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let other = read(checkout(&shop, &order, Some("k-exp"), "acc-x", "901")).await;
+    assert_eq!(other.status, 409, "{other:?}");
+    assert!(
+        other.problem_type().ends_with("order-already-paid"),
+        "{other:?}"
+    );
+    let acc = get(&shop, "/accounts/acc-x").await;
+    assert_eq!(acc["bank_charges"].as_i64(), Some(1), "{acc}");
 }
 
 in_every_mode!(

@@ -799,10 +799,10 @@ async fn a_statement_cut_by_its_timeout_stops_waiting_on_postgres() {
 on_both_backends!(an_older_database_is_upgraded_by_two_instances_starting_at_once);
 
 /// A database made before charges named their merchant and carried a
-/// reference, before checkouts kept their key, and before emails were
-/// indexed by payment: two instances starting at once add the columns and
-/// the index (one of them; neither fails on the other's), and a payment and
-/// a checkout then work.
+/// reference, before checkouts kept their key and what they pay with, and
+/// before emails were indexed by payment: two instances starting at once
+/// add the columns and the index (one of them; neither fails on the
+/// other's), and a payment and a checkout then work.
 async fn an_older_database_is_upgraded_by_two_instances_starting_at_once(db: Db) {
     drop(Shop::start(&db, &[]).await);
     let older: &[&str] = match db {
@@ -820,12 +820,12 @@ async fn an_older_database_is_upgraded_by_two_instances_starting_at_once(db: Db)
         ],
         Db::Mysql(_) => &[
             "ALTER TABLE bank_charges DROP INDEX bank_charges_reference, DROP COLUMN reference",
-            "ALTER TABLE shop_checkouts DROP COLUMN idempotency_key",
+            "ALTER TABLE shop_checkouts DROP COLUMN idempotency_key, DROP COLUMN intent",
             "ALTER TABLE shop_emails DROP INDEX shop_emails_payment",
         ],
         Db::Postgres(_) | Db::PostgresAt(_) => &[
             "ALTER TABLE bank_charges DROP COLUMN reference, DROP COLUMN client_id",
-            "ALTER TABLE shop_checkouts DROP COLUMN idempotency_key",
+            "ALTER TABLE shop_checkouts DROP COLUMN idempotency_key, DROP COLUMN intent",
             "DROP INDEX shop_emails_payment",
         ],
     };

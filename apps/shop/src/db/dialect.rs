@@ -27,7 +27,7 @@ pub(crate) struct ShopSql {
     /// at; unique on the natural key.
     pub(crate) insert_order: &'static str,
     /// $1 order, $2 client, $3 operation id, $4 created at, $5 the
-    /// Idempotency-Key; unique on the order.
+    /// Idempotency-Key, $6 what it pays with; unique on the order.
     pub(crate) insert_checkout: &'static str,
     /// $1 sku, $2 name, $3 price; unique on the sku.
     pub(crate) insert_product: &'static str,
@@ -102,8 +102,8 @@ const ANSI: ShopSql = ShopSql {
     insert_order: "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
                    VALUES ($1, $2, $3, $4, $5, 'placed', $6)
                    ON CONFLICT (client_id, customer_id, client_reference) DO NOTHING",
-    insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at, idempotency_key)
-                      VALUES ($1, $2, $3, $4, $5) ON CONFLICT (order_id) DO NOTHING",
+    insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at, idempotency_key, intent)
+                      VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING",
     insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)
                      ON CONFLICT (sku) DO NOTHING",
     insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
@@ -169,8 +169,8 @@ struct AddedColumn {
 }
 
 /// Charges that name their merchant and carry a reference; checkouts that
-/// keep their `Idempotency-Key`.
-const ADDED_COLUMNS: [AddedColumn; 3] = [
+/// keep their `Idempotency-Key` and what they pay with.
+const ADDED_COLUMNS: [AddedColumn; 4] = [
     AddedColumn {
         table: "bank_charges",
         column: "client_id",
@@ -182,6 +182,10 @@ const ADDED_COLUMNS: [AddedColumn; 3] = [
     AddedColumn {
         table: "shop_checkouts",
         column: "idempotency_key",
+    },
+    AddedColumn {
+        table: "shop_checkouts",
+        column: "intent",
     },
 ];
 
@@ -287,8 +291,8 @@ impl ShopDialect for idem_sql::MySql {
                          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         insert_order: "INSERT INTO shop_orders (id, client_id, customer_id, client_reference, items, status, created_at)
                        VALUES ($1, $2, $3, $4, $5, 'placed', $6)",
-        insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at, idempotency_key)
-                          VALUES ($1, $2, $3, $4, $5)",
+        insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at, idempotency_key, intent)
+                          VALUES ($1, $2, $3, $4, $5, $6)",
         insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)",
         insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
                             VALUES ($1, $2, $3, $4)",
@@ -352,7 +356,7 @@ struct MysqlUpgrade {
 
 /// In order: charges that carry a reference, emails read from payments,
 /// checkouts that keep their key.
-const MYSQL_UPGRADES: [MysqlUpgrade; 3] = [
+const MYSQL_UPGRADES: [MysqlUpgrade; 4] = [
     MysqlUpgrade {
         present: "SELECT count(*) FROM information_schema.columns
                   WHERE table_schema = DATABASE() AND table_name = 'bank_charges'
@@ -371,6 +375,12 @@ const MYSQL_UPGRADES: [MysqlUpgrade; 3] = [
                   WHERE table_schema = DATABASE() AND table_name = 'shop_checkouts'
                     AND column_name = 'idempotency_key'",
         add: "ALTER TABLE shop_checkouts ADD COLUMN idempotency_key VARBINARY(255) NOT NULL DEFAULT ''",
+    },
+    MysqlUpgrade {
+        present: "SELECT count(*) FROM information_schema.columns
+                  WHERE table_schema = DATABASE() AND table_name = 'shop_checkouts'
+                    AND column_name = 'intent'",
+        add: "ALTER TABLE shop_checkouts ADD COLUMN intent VARBINARY(255) NOT NULL DEFAULT ''",
     },
 ];
 

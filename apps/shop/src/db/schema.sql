@@ -53,7 +53,10 @@ CREATE TABLE IF NOT EXISTS shop_checkouts (
     -- the key is kept too: the same key back with a new operation id (its
     -- record expired, or Redis lost it) resumes under the bound one
     idempotency_key TEXT   NOT NULL,
-    created_at      BIGINT NOT NULL
+    created_at      BIGINT NOT NULL,
+    -- what it pays with (account, amount, currency): the same key back
+    -- with other ones is another checkout ('' in rows made before it)
+    intent          TEXT   NOT NULL DEFAULT ''
 );
 
 -- Products are written with optimistic concurrency (ETag / If-Match).

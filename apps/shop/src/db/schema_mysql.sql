@@ -55,7 +55,10 @@ CREATE TABLE IF NOT EXISTS shop_checkouts (
     -- the key is kept too: the same key back with a new operation id (its
     -- record expired, or Redis lost it) resumes under the bound one
     idempotency_key VARBINARY(255)  NOT NULL,
-    created_at      BIGINT          NOT NULL
+    created_at      BIGINT          NOT NULL,
+    -- what it pays with (account, amount, currency): the same key back
+    -- with other ones is another checkout ('' in rows made before it)
+    intent          VARBINARY(255)  NOT NULL DEFAULT ''
 ) ENGINE = InnoDB;
 
 -- Products are written with optimistic concurrency (ETag / If-Match).

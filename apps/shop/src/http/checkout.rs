@@ -82,7 +82,8 @@ struct Paid {
 /// A retry with the same key replays the answer; after a crash it resumes
 /// at the first step not done (the bank is never charged twice: it
 /// deduplicates on the charge step's key). Another key for an order being
-/// paid, or paid, is `409`.
+/// paid, or paid, is `409`; so is this key back after its record expired
+/// with another account, amount or currency.
 #[utoipa::path(
     post,
     path = "/orders/{id}/checkout",
@@ -97,7 +98,7 @@ struct Paid {
     responses(
         (status = 200, description = "Paid; a replay answers the same with `Idempotent-Replayed: true`", body = Order),
         (status = 404, description = "No such order for this client", body = ProblemDoc, content_type = "application/problem+json"),
-        (status = 409, description = "The same key is in flight (`Retry-After`), or the order is paid (or being paid) under another key", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "The same key is in flight (`Retry-After`), or the order is paid (or being paid) under another key, or under this one with other payment details after its record expired", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 422, description = "The key was used for another request", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error); retry with the same key", body = ProblemDoc, content_type = "application/problem+json"),
@@ -117,7 +118,15 @@ async fn checkout(
     let client = idem.scope();
     // Another client's order is not there.
     order_view(&state, client, &order_id).await?;
-    let bound = bind(&state, client, &order_id, idem.operation_id(), idem.key()).await?;
+    let bound = bind(
+        &state,
+        client,
+        &order_id,
+        idem.operation_id(),
+        idem.key(),
+        &new,
+    )
+    .await?;
     // The bank's key: the charge step's, of the operation bound to the
     // order (this one, unless the same Idempotency-Key came back with a new
     // operation id after its record expired or was lost: then the bank
@@ -190,15 +199,20 @@ async fn checkout(
 /// Binds the order to this checkout's operation and key, once: another
 /// key for the same order is `409`, before anything is charged. The same
 /// key back with another operation id (its record expired, or Redis lost
-/// it) resumes under the operation bound first. Returns that operation.
+/// it) resumes under the operation bound first if it pays with the same
+/// account, amount and currency; with other ones it is another checkout
+/// (the key is new again once its record expired), so `409` too. Returns
+/// the bound operation.
 async fn bind(
     state: &AppState,
     client: &str,
     order_id: &str,
     op: OperationId,
     key: &str,
+    new: &NewPayment,
 ) -> Result<OperationId> {
     let op = op.to_string();
+    let intent = format!("{}\n{}\n{}", new.account_id, new.amount, new.currency);
     let mut tx = state.db.begin().await?;
     let created = db::create_once(
         &mut *tx,
@@ -209,18 +223,25 @@ async fn bind(
             (&op).into(),
             UnixMillis::now().0.into(),
             key.into(),
+            (&intent).into(),
         ],
-        "SELECT operation_id, idempotency_key FROM shop_checkouts WHERE order_id = $1",
+        "SELECT operation_id, idempotency_key, intent FROM shop_checkouts WHERE order_id = $1",
         &[order_id.into()],
     )
     .await;
     let bound = match created {
-        Ok(Created::Created(row) | Created::Existing(row)) => row
-            .text("operation_id")
-            .and_then(|o| Ok((o, row.text("idempotency_key")?))),
+        Ok(Created::Created(row) | Created::Existing(row)) => {
+            row.text("operation_id").and_then(|op| {
+                Ok(Bound {
+                    op,
+                    key: row.text("idempotency_key")?,
+                    intent: row.text("intent")?,
+                })
+            })
+        }
         Err(e) => Err(e),
     };
-    let (bound, bound_key) = match bound {
+    let bound = match bound {
         Ok(bound) => {
             tx.commit().await?;
             bound
@@ -230,20 +251,36 @@ async fn bind(
             return Err(e.into());
         }
     };
-    if bound != op && bound_key != key {
+    // Another operation: another key, or this key back after its record
+    // expired with other payment details (rows from before `intent` was
+    // kept have none, and resume as before).
+    let another = bound.op != op
+        && (bound.key != key || (!bound.intent.is_empty() && bound.intent != intent));
+    if another {
         return Err(Problem::new(
             StatusCode::CONFLICT,
             "order-already-paid",
             "The order is paid, or being paid, under another Idempotency-Key",
         )
         .detail(format!(
-            "order {order_id} has its own checkout; retry that one with its key"
+            "order {order_id} has its own checkout; retry that one with its key and payment details"
         ))
         .into());
     }
-    uuid::Uuid::parse_str(&bound)
+    uuid::Uuid::parse_str(&bound.op)
         .map(OperationId)
         .map_err(|e| Error::Problem(internal(format!("a stored operation id: {e}"))))
+}
+
+/// The checkout an order is bound to.
+struct Bound {
+    /// Its operation id.
+    op: String,
+    /// Its `Idempotency-Key`.
+    key: String,
+    /// What it pays with (account, amount, currency; empty in rows from
+    /// before it was kept).
+    intent: String,
 }
 
 /// The `mark-paid` step: the payment, the order's status and its event
