@@ -309,13 +309,31 @@ async fn a_key_back_after_its_record_expired_resumes_under_the_bound_operation(m
     );
     // Past the retention again, the same key with another amount is
     // another checkout of a paid order, not the paid one's answer.
-    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let past_retention = || tokio::time::sleep(Duration::from_millis(3500));
+    past_retention().await;
     let other = read(checkout(&shop, &order, Some("k-exp"), "acc-x", "901")).await;
     assert_eq!(other.status, 409, "{other:?}");
     assert!(
         other.problem_type().ends_with("order-already-paid"),
         "{other:?}"
     );
+    // A checkout row an instance from before `intent` made: what it pays
+    // with is read from its payment, the currency in any case.
+    db.execute("UPDATE shop_checkouts SET intent = ''").await;
+    past_retention().await;
+    let same = read(
+        client()
+            .post(shop.url(&format!("/orders/{order}/checkout")))
+            .header("authorization", "Bearer client-1")
+            .header("content-type", "application/json")
+            .header("idempotency-key", "k-exp")
+            .body(r#"{"account_id":"acc-x","amount":900,"currency":"eur"}"#),
+    )
+    .await;
+    assert_eq!(same.status, 200, "the same checkout: {same:?}");
+    past_retention().await;
+    let other = read(checkout(&shop, &order, Some("k-exp"), "acc-y", "900")).await;
+    assert_eq!(other.status, 409, "{other:?}");
     let acc = get(&shop, "/accounts/acc-x").await;
     assert_eq!(acc["bank_charges"].as_i64(), Some(1), "{acc}");
 }

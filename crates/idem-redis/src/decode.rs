@@ -46,6 +46,11 @@ pub(crate) fn redis_time(reply: &Value) -> Result<UnixMillis, StoreError> {
     };
     let seconds = number(parts.first())?;
     let micros = number(parts.get(1))?;
+    if seconds < 0 || !(0..1_000_000).contains(&micros) {
+        return Err(StoreError::Corrupt(format!(
+            "TIME answered {seconds} s {micros} µs"
+        )));
+    }
     seconds
         .checked_mul(1000)
         .and_then(|ms| ms.checked_add(micros / 1000))
@@ -146,10 +151,17 @@ mod tests {
             redis_time(&time("9223372036854775807", "0")),
             Err(StoreError::Corrupt(_))
         ));
-        assert!(matches!(
-            redis_time(&time("9223372036854775", "9223372036854775807")),
-            Err(StoreError::Corrupt(_))
-        ));
+        for (s, us) in [
+            ("9223372036854775", "999999"),
+            ("-1", "0"),
+            ("1700000000", "1000000"),
+            ("1700000000", "-1"),
+        ] {
+            assert!(
+                matches!(redis_time(&time(s, us)), Err(StoreError::Corrupt(_))),
+                "{s} {us}"
+            );
+        }
     }
 
     #[test]

@@ -122,27 +122,40 @@ impl OwnServer {
         let dir =
             std::env::temp_dir().join(format!("idem-redis-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("a directory of its own");
-        let child = std::process::Command::new("redis-server")
+        let spawned = std::process::Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&dir)
             .args(args)
             .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot run redis-server (`bash scripts/test` installs it): {e}")
-            });
-        let server = Self { child, port, dir };
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                panic!("cannot run redis-server (`bash scripts/test` installs it): {e}");
+            }
+        };
+        let mut server = Self { child, port, dir };
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while server.query::<String>(&mut redis::cmd("PING")).is_err() {
+        // Its own: the server that answers on the port is this process
+        // (another could have taken the port between its pick and the start).
+        let pid = format!("process_id:{}\r\n", server.child.id());
+        loop {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!("redis-server on {port} exited: {status}");
+            }
+            let info = server.query::<String>(redis::cmd("INFO").arg("server"));
+            if info.is_ok_and(|i| i.contains(&pid)) {
+                return server;
+            }
             assert!(
                 std::time::Instant::now() < deadline,
                 "redis-server on {port} never answered"
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        server
     }
 
     /// Its URL.

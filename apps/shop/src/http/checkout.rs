@@ -118,15 +118,7 @@ async fn checkout(
     let client = idem.scope();
     // Another client's order is not there.
     order_view(&state, client, &order_id).await?;
-    let bound = bind(
-        &state,
-        client,
-        &order_id,
-        idem.operation_id(),
-        idem.key(),
-        &new,
-    )
-    .await?;
+    let bound = bind(&state, client, &order_id, &idem, &new).await?;
     // The bank's key: the charge step's, of the operation bound to the
     // order (this one, unless the same Idempotency-Key came back with a new
     // operation id after its record expired or was lost: then the bank
@@ -201,75 +193,108 @@ async fn checkout(
 /// key back with another operation id (its record expired, or Redis lost
 /// it) resumes under the operation bound first if it pays with the same
 /// account, amount and currency; with other ones it is another checkout
-/// (the key is new again once its record expired), so `409` too. Returns
-/// the bound operation.
+/// (the key is new again once its record expired), so `409` too (stored
+/// for the key: its record is bound to this request's body anyway).
+/// Returns the bound operation.
 async fn bind(
     state: &AppState,
     client: &str,
     order_id: &str,
-    op: OperationId,
-    key: &str,
+    idem: &Idempotency,
     new: &NewPayment,
 ) -> Result<OperationId> {
-    let op = op.to_string();
-    let intent = format!("{}\n{}\n{}", new.account_id, new.amount, new.currency);
+    let (op, key) = (idem.operation_id().to_string(), idem.key());
+    let intent = intent_of(&new.account_id, new.amount, &new.currency);
     let mut tx = state.db.begin().await?;
-    let created = db::create_once(
-        &mut *tx,
-        (state.db.sql().insert_checkout, CHECKOUT_KEY),
-        &[
-            order_id.into(),
-            client.into(),
-            (&op).into(),
-            UnixMillis::now().0.into(),
-            key.into(),
-            (&intent).into(),
-        ],
-        "SELECT operation_id, idempotency_key, intent FROM shop_checkouts WHERE order_id = $1",
-        &[order_id.into()],
-    )
-    .await;
-    let bound = match created {
-        Ok(Created::Created(row) | Created::Existing(row)) => {
-            row.text("operation_id").and_then(|op| {
-                Ok(Bound {
-                    op,
-                    key: row.text("idempotency_key")?,
-                    intent: row.text("intent")?,
-                })
-            })
+    let staged: Result<(Bound, Option<String>), sqlx::Error> = async {
+        let created = db::create_once(
+            &mut *tx,
+            (state.db.sql().insert_checkout, CHECKOUT_KEY),
+            &[
+                order_id.into(),
+                client.into(),
+                (&op).into(),
+                UnixMillis::now().0.into(),
+                key.into(),
+                (&intent).into(),
+            ],
+            "SELECT operation_id, idempotency_key, intent FROM shop_checkouts WHERE order_id = $1",
+            &[order_id.into()],
+        )
+        .await?;
+        let row = match created {
+            Created::Created(row) | Created::Existing(row) => row,
+        };
+        let bound = Bound {
+            op: row.text("operation_id")?,
+            key: row.text("idempotency_key")?,
+            intent: row.text("intent")?,
+        };
+        if bound.op == op || bound.key != key || !bound.intent.is_empty() {
+            return Ok((bound, None));
         }
-        Err(e) => Err(e),
-    };
-    let bound = match bound {
-        Ok(bound) => {
+        // A row an instance from before `intent` made: what it pays with is
+        // its payment's, if it got that far.
+        let Ok(bound_op) = uuid::Uuid::parse_str(&bound.op).map(OperationId) else {
+            return Ok((bound, None));
+        };
+        let charge_key = idem_once::step_key(bound_op, "charge").to_string();
+        let paid = db::fetch_optional(
+            &mut *tx,
+            "SELECT account_id, amount, currency FROM shop_payments WHERE operation_id = $1 AND client_id = $2",
+            &[(&charge_key).into(), client.into()],
+        )
+        .await?
+        .map(|row| -> Result<String, sqlx::Error> {
+            Ok(intent_of(&row.text("account_id")?, row.int("amount")?, &row.text("currency")?))
+        })
+        .transpose()?;
+        Ok((bound, paid))
+    }
+    .await;
+    let (bound, paid) = match staged {
+        Ok(staged) => {
             tx.commit().await?;
-            bound
+            staged
         }
         Err(e) => {
             rollback(tx).await;
             return Err(e.into());
         }
     };
-    // Another operation: another key, or this key back after its record
-    // expired with other payment details (rows from before `intent` was
-    // kept have none, and resume as before).
-    let another = bound.op != op
-        && (bound.key != key || (!bound.intent.is_empty() && bound.intent != intent));
-    if another {
-        return Err(Problem::new(
-            StatusCode::CONFLICT,
-            "order-already-paid",
+    if bound.op != op && bound.key != key {
+        return Err(already_paid(
             "The order is paid, or being paid, under another Idempotency-Key",
-        )
-        .detail(format!(
-            "order {order_id} has its own checkout; retry that one with its key and payment details"
-        ))
-        .into());
+            format!("order {order_id} has its own checkout; retry that one with its key"),
+        ));
+    }
+    let recorded = if bound.intent.is_empty() {
+        paid
+    } else {
+        Some(bound.intent)
+    };
+    if bound.op != op && recorded.is_some_and(|r| r != intent) {
+        return Err(already_paid(
+            "The order is paid, or being paid, with other payment details",
+            format!("order {order_id} was checked out under this key with another account, amount or currency, and its record has expired; retry with those, or pay another order"),
+        ));
     }
     uuid::Uuid::parse_str(&bound.op)
         .map(OperationId)
         .map_err(|e| Error::Problem(internal(format!("a stored operation id: {e}"))))
+}
+
+/// What a checkout pays with, as kept and compared: the account, the
+/// amount, and the currency in upper case (`eur` is `EUR`).
+fn intent_of(account_id: &str, amount: i64, currency: &str) -> String {
+    format!("{account_id}\n{amount}\n{}", currency.to_ascii_uppercase())
+}
+
+/// `409 order-already-paid`.
+fn already_paid(title: &str, detail: String) -> Error {
+    Problem::new(StatusCode::CONFLICT, "order-already-paid", title)
+        .detail(detail)
+        .into()
 }
 
 /// The checkout an order is bound to.

@@ -23,7 +23,7 @@ pub(crate) const SHOP_PROBLEMS: &[(&str, &str)] = &[
     ("conflict", "The request conflicts with the resource's state."),
     ("payment-state-conflict", "The payment is in a state the action does not apply to."),
     ("client-reference-reused", "The order reference names another order (other items)."),
-    ("order-already-paid", "The order is paid, or being paid, under another <code>Idempotency-Key</code>."),
+    ("order-already-paid", "The order is paid, or being paid, under another <code>Idempotency-Key</code>, or under this one with other payment details once its record expired."),
     ("corrupt-order", "A stored order is unreadable: a failure of ours."),
     ("bad-signature", "The webhook's <code>X-Bank-Signature</code> is missing or wrong."),
     ("event-id-reused", "The webhook's event id was processed before for another type or payment; nothing was done."),
