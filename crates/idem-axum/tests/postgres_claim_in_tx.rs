@@ -158,6 +158,27 @@ async fn send(app: &Router, r: Request<Body>) -> (StatusCode, http::HeaderMap, S
     (status, headers, String::from_utf8_lossy(&body).into_owned())
 }
 
+/// Sends `retry` and asserts the key is held (`409`): a retry inside the
+/// lease that began at `started` does not run.
+async fn assert_held(
+    app: &Router,
+    retry: Request<Body>,
+    started: std::time::Instant,
+    lease: Duration,
+    what: &str,
+) {
+    let (status, headers, body) = send(app, retry).await;
+    assert!(
+        started.elapsed() < lease,
+        "the machine stalled past the case's margin"
+    );
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "{what}: a retry inside the lease ran: {headers:?} {body}"
+    );
+}
+
 async fn effects(store: &PostgresStore) -> Vec<(String, i64)> {
     sqlx::query_as("SELECT operation_id, token FROM effects")
         .fetch_all(store.pool())
@@ -369,16 +390,8 @@ async fn a_kept_claim_holds_the_key_for_a_lease_after_its_transaction_ends() {
             StatusCode::GATEWAY_TIMEOUT
         };
         assert_eq!(status, want, "{key}");
-        let (status, headers, body) = send(&app, req(key).body(Body::from("{}")).unwrap()).await;
-        assert!(
-            started.elapsed() < lease,
-            "the machine stalled past the case's margin"
-        );
-        assert_eq!(
-            status,
-            StatusCode::CONFLICT,
-            "{key}: a retry inside the lease ran: {headers:?} {body}"
-        );
+        let retry = req(key).body(Body::from("{}")).unwrap();
+        assert_held(&app, retry, started, lease, key).await;
         let record = store.get("t", key).await.unwrap().unwrap();
         assert!(matches!(record.state, RecordState::InProgress { .. }));
         tokio::time::sleep(lease.saturating_sub(started.elapsed()) + Duration::from_millis(200))
@@ -441,16 +454,7 @@ async fn an_answer_left_unstored_holds_the_key_for_a_lease() {
         };
         let (status, _, body) = send(&app, first()).await;
         assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{how}: {body}");
-        let (status, headers, body) = send(&app, first()).await;
-        assert!(
-            started.elapsed() < lease,
-            "the machine stalled past the case's margin"
-        );
-        assert_eq!(
-            status,
-            StatusCode::CONFLICT,
-            "{how}: a retry inside the lease ran: {headers:?} {body}"
-        );
+        assert_held(&app, first(), started, lease, how).await;
     }
     assert_eq!(effects(&store).await.len(), 2, "each ran once");
 }
