@@ -747,6 +747,42 @@ async fn a_second_instance_starts_beside_open_transactions_on_postgres() {
     pool.close().await;
 }
 
+/// An upgrade from the release whose checkouts kept their key but not
+/// what they pay with adds `shop_checkouts.intent` alone, on PostgreSQL
+/// without a lock on the tables that had every column: it starts while a
+/// transaction holds a row of `bank_charges`. Before, every added column's
+/// `ADD COLUMN IF NOT EXISTS` ran and waited for that transaction (and
+/// gave up after the 10 s lock wait, so the instance did not start).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_that_adds_one_column_locks_only_its_table_on_postgres() {
+    let db = Db::postgres().await;
+    let first = Shop::start(&db, &[]).await;
+    db.execute("ALTER TABLE shop_checkouts DROP COLUMN intent")
+        .await;
+    let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM bank_charges FOR UPDATE")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let second = Shop::start(&db, &[]).await;
+    let client = reqwest::Client::new();
+    let health = read(client.get(second.url("/healthz"))).await;
+    assert_eq!(health.status, 200);
+    open.rollback().await.unwrap();
+    let added: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.columns
+         WHERE table_schema = current_schema() AND table_name = 'shop_checkouts'
+           AND column_name = 'intent'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(added, 1);
+    drop((first, second));
+    pool.close().await;
+}
+
 /// A payment whose statement waits on a lock past `--statement-timeout-ms`
 /// is answered `503`, and on PostgreSQL the statement is cancelled by the
 /// server too (the transaction's own `statement_timeout`): nothing of shop's

@@ -251,13 +251,30 @@ impl ShopDialect for idem_sql::Postgres {
                 .execute(&mut *tx)
                 .await?;
                 // Before the schema, whose indexes may name the columns.
+                // Only where one is missing: `ADD COLUMN IF NOT EXISTS`
+                // takes ACCESS EXCLUSIVE on its table before it finds the
+                // column there, so an upgrade that adds one column to
+                // `shop_checkouts` would otherwise also wait for (and
+                // stop) every transaction on `bank_charges`.
                 for added in ADDED_COLUMNS {
-                    sqlx::query(&format!(
-                        "ALTER TABLE IF EXISTS {} ADD COLUMN IF NOT EXISTS {} TEXT NOT NULL DEFAULT ''",
-                        added.table, added.column
-                    ))
-                    .execute(&mut *tx)
+                    let missing: bool = sqlx::query_scalar(
+                        "SELECT to_regclass($1) IS NOT NULL
+                            AND NOT EXISTS (SELECT 1 FROM information_schema.columns
+                                            WHERE table_schema = current_schema()
+                                              AND table_name = $1 AND column_name = $2)",
+                    )
+                    .bind(added.table)
+                    .bind(added.column)
+                    .fetch_one(&mut *tx)
                     .await?;
+                    if missing {
+                        sqlx::query(&format!(
+                            "ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} TEXT NOT NULL DEFAULT ''",
+                            added.table, added.column
+                        ))
+                        .execute(&mut *tx)
+                        .await?;
+                    }
                 }
                 sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
                 // Last: its index says the whole step is done (above).
