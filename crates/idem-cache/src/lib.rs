@@ -25,7 +25,8 @@ struct Entries {
 /// safe with many instances because a completed record never changes before
 /// it expires; in-flight records are never cached, so every claim that could
 /// run a handler still goes to `S`. Bounded by entries and by bytes (oldest
-/// out first); entries expire with their record.
+/// out first); entries expire with their record (never served after it),
+/// and [`Store::sweep`] through the cache drops them from the process.
 ///
 /// ```
 /// use idem_cache::ReplayCache;
@@ -98,7 +99,10 @@ impl<S> ReplayCache<S> {
 
     fn insert(&self, record: &Record) {
         let n = size(record);
-        if n > self.max_bytes || self.max_entries == 0 {
+        // Already expired by this process's clock (the store's runs ahead,
+        // or the record expired on its way here): never served, so never
+        // kept, nor let to push out a live one.
+        if n > self.max_bytes || self.max_entries == 0 || record.is_expired(UnixMillis::now()) {
             return;
         }
         let mut e = self.lock();
@@ -125,6 +129,29 @@ impl<S> ReplayCache<S> {
         e.records.insert(id.clone(), Arc::new(record.clone()));
         e.order.push_back(id);
         e.bytes += n;
+    }
+
+    /// Drops the records expired at `now`: an answer past its retention is
+    /// gone from the process too, not only never served.
+    fn purge_expired(&self, now: UnixMillis) -> usize {
+        let mut e = self.lock();
+        let Entries {
+            records,
+            order,
+            bytes,
+        } = &mut *e;
+        let before = records.len();
+        records.retain(|_, record| {
+            let expired = record.is_expired(now);
+            if expired {
+                *bytes = bytes.saturating_sub(size(record));
+            }
+            !expired
+        });
+        if records.len() != before {
+            order.retain(|id| records.contains_key(id));
+        }
+        before - records.len()
     }
 }
 
@@ -171,7 +198,11 @@ impl<S: Store> Store for ReplayCache<S> {
         self.inner.get(scope, key)
     }
 
+    /// Sweeps the store behind, and drops from the process the cached
+    /// records expired by now (they count in neither figure: the store's
+    /// copy is what the sweep deletes).
     fn sweep(&self, batch: usize) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.purge_expired(UnixMillis::now());
         self.inner.sweep(batch)
     }
 
@@ -295,6 +326,45 @@ mod tests {
             assert_eq!(bytes, size(cache.lock().records.values().next().unwrap()));
             tokio::time::sleep(Duration::from_millis(450)).await;
         }
+    }
+
+    /// A sweep drops the records expired in the process too (they were
+    /// never served, but stayed in memory until evicted: on a quiet
+    /// service, for as long as it ran), and a record already expired when
+    /// it arrives is not cached.
+    #[tokio::test]
+    async fn expired_records_leave_the_process_at_the_sweep() {
+        let cache = ReplayCache::new(MemoryStore::new(), 10, 1 << 20);
+        let ok = StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: "x".into(),
+        };
+        for k in ["a", "b"] {
+            let ClaimOutcome::Acquired(c) = cache.claim(&req(k)).await.unwrap() else {
+                panic!()
+            };
+            cache.complete(&c, &ok).await.unwrap();
+            cache.claim(&req(k)).await.unwrap();
+        }
+        assert_eq!(cache.len(), 2);
+        let old = cache.inner().get("s", "a").await.unwrap().unwrap();
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        let ClaimOutcome::Acquired(c) = cache.claim(&req("c")).await.unwrap() else {
+            panic!()
+        };
+        cache.complete(&c, &ok).await.unwrap();
+        cache.claim(&req("c")).await.unwrap();
+        assert_eq!(cache.len(), 3, "expired, still held until the sweep");
+        cache.sweep(10).await.unwrap();
+        assert_eq!(cache.len(), 1);
+        let e = cache.lock();
+        assert_eq!(e.order.len(), 1);
+        assert!(e.records.contains_key(&("s".to_owned(), "c".to_owned())));
+        assert_eq!(e.bytes, size(e.records.values().next().unwrap()));
+        drop(e);
+        cache.insert(&old);
+        assert_eq!(cache.len(), 1, "an expired record is not cached");
     }
 
     #[tokio::test]
