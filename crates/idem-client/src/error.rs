@@ -70,7 +70,9 @@ pub enum StopReason {
     /// The request body is a stream, which cannot be sent twice: it was
     /// sent once.
     BodyNotCloneable,
-    /// The `Idempotency-Key` is not a valid header value: nothing was sent.
+    /// The `Idempotency-Key` is not a valid key (not 1 to 255 visible
+    /// ASCII characters), or the request names two different ones:
+    /// nothing was sent.
     InvalidKey,
 }
 
@@ -108,6 +110,13 @@ pub enum LastFailure {
     /// would refuse with `400`): nothing was sent.
     #[error("an Idempotency-Key is 1 to 255 visible ASCII characters")]
     KeyNotVisibleAscii,
+    /// The request names two different keys (the `Idempotency-Key` header
+    /// twice, or the header and an [`IntentKey`](crate::IntentKey) that
+    /// differs from it): which one is the intent's cannot be told, so
+    /// nothing was sent. The key reported is the header's first; this is
+    /// the other.
+    #[error("the request names two Idempotency-Keys; the other is {0:?}")]
+    KeysDisagree(String),
 }
 
 struct KeyLabel<'a>(Option<&'a str>);
@@ -144,7 +153,10 @@ impl RetryError {
         self.attempts
     }
 
-    /// The `Idempotency-Key` every attempt carried, if the method is keyed.
+    /// The `Idempotency-Key` every attempt carried: the caller's, or one
+    /// generated for a keyed method; `None` for a request sent without one.
+    /// With [`StopReason::InvalidKey`] it is the key refused (nothing was
+    /// sent).
     pub fn idempotency_key(&self) -> Option<&str> {
         self.idempotency_key.as_deref()
     }

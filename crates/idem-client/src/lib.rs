@@ -54,12 +54,25 @@
 //! # What is retried
 //!
 //! Connection errors (refused, reset, closed before the answer) and
-//! time-outs; `5xx` except `501 Not Implemented`; `409 Conflict` (the
-//! original is still in flight); `429 Too Many Requests`. Never an answer
-//! the server replayed (`Idempotent-Replayed: true`), whatever its status:
-//! it is the handler's own stored answer and comes back the same every
-//! time. Never `400`, `401`, `403`, `404`, `422` or any other `4xx`: the
+//! time-outs; `5xx` except `501 Not Implemented`; `409 Conflict` with
+//! `Retry-After` (the original is still in flight: idem always says when
+//! to come back); `429 Too Many Requests`. Never an answer the server
+//! replayed (`Idempotent-Replayed: true`), whatever its status: it is the
+//! handler's own stored answer and comes back the same every time. Never a
+//! `409` without `Retry-After` (the handler's own conflict, the request's
+//! outcome), `400`, `401`, `403`, `404`, `422` or any other `4xx`: the
 //! request itself is wrong, and sending it again cannot help.
+//!
+//! # One key per intent
+//!
+//! The key is the caller's (an `Idempotency-Key` header, or an
+//! [`IntentKey`] extension), or one generated before the first attempt and
+//! sent on every attempt. It is left in the request's extensions as its
+//! [`IntentKey`], so a retry layer outside this one (put this middleware
+//! outermost all the same) sends the request again under the same key. A
+//! request that names two different keys (the header twice, or the header
+//! and an `IntentKey` that differs) is refused with nothing sent
+//! ([`StopReason::InvalidKey`], [`LastFailure::KeysDisagree`]).
 //!
 //! # How long
 //!
@@ -308,8 +321,11 @@ impl IdempotentRetryBuilder {
     }
 }
 
-/// Whether an answer is worth another attempt: `409`, `429`, and `5xx`
-/// except `501`.
+/// Whether an answer's status is worth another attempt: `409`, `429`, and
+/// `5xx` except `501`. The middleware also asks a `409` to say when to come
+/// back (`Retry-After`, which idem's "still in flight" always carries): one
+/// without it is the handler's own conflict, the request's outcome, and is
+/// returned at once.
 pub fn is_retryable_status(status: StatusCode) -> bool {
     match status.as_u16() {
         501 => false,
@@ -352,6 +368,18 @@ fn judge(result: reqwest_middleware::Result<Response>) -> Verdict {
         // replayed is the handler's own (a state conflict), not "still in
         // flight"; a `429` replayed carries a `Retry-After` long stale.
         Ok(r) if is_replayed(&r) => Verdict::Done(r),
+        // A `409` without `Retry-After` is not idem's "still in flight"
+        // (which always says when to come back) but the handler's own
+        // conflict, answered the first time: the request's outcome. Sent
+        // again it is replayed (a round trip for nothing), or, where the
+        // server releases 4xx answers, run again until it turns into
+        // another answer the caller never chose.
+        Ok(r)
+            if r.status() == StatusCode::CONFLICT
+                && !r.headers().contains_key(http::header::RETRY_AFTER) =>
+        {
+            Verdict::Done(r)
+        }
         Ok(r) if is_retryable_status(r.status()) => {
             let after = if honours_retry_after(r.status()) {
                 r.headers()

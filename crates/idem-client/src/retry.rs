@@ -13,10 +13,15 @@ impl IdempotentRetry {
     /// The key this request is sent with, written into its header: one
     /// for a keyed method, and for any request the caller gave a key of
     /// its own (the header, or an [`IntentKey`]).
+    ///
+    /// The key chosen is also left in `extensions` as the request's
+    /// [`IntentKey`]: a layer outside this one that sends the request again
+    /// with the same extensions (another retry middleware) sends it under
+    /// the same key, never a second generated one.
     fn key(
         &self,
         req: &mut Request,
-        extensions: &Extensions,
+        extensions: &mut Extensions,
     ) -> std::result::Result<Option<String>, RetryError> {
         if !self.keyed_methods.contains(req.method())
             && !req.headers().contains_key(IDEMPOTENCY_KEY)
@@ -27,36 +32,51 @@ impl IdempotentRetry {
         // The caller's own key, as it is: one that is not visible ASCII is
         // refused below (nothing sent), never replaced by a generated one,
         // which the caller's next retry of the intent would not share.
-        let existing = req
+        let mut headers = req
             .headers()
-            .get(IDEMPOTENCY_KEY)
+            .get_all(IDEMPOTENCY_KEY)
+            .iter()
             .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-        let key = match (existing, extensions.get::<IntentKey>()) {
-            (Some(k), _) => k,
-            (None, Some(k)) => k.0.clone(),
-            (None, None) => match self.key_kind {
-                KeyKind::V4 => IntentKey::random().0,
-                KeyKind::V7 => IntentKey::time_ordered().0,
-            },
-        };
-        let refused = |failure| {
+        let existing = headers.next();
+        let repeated = headers.next();
+        let intent = extensions.get::<IntentKey>().map(|k| k.0.clone());
+        let refused = |key: &str, failure| {
             Err(RetryError::new(
                 0,
-                Some(key.clone()),
+                Some(key.to_owned()),
                 Duration::ZERO,
                 StopReason::InvalidKey,
                 failure,
             ))
         };
+        // Two keys named for one request: which one the intent is cannot
+        // be told (the server refuses a repeated header with `400`).
+        let other = repeated.or_else(|| {
+            intent
+                .as_ref()
+                .filter(|k| existing.as_ref().is_some_and(|e| e != *k))
+                .cloned()
+        });
+        if let (Some(first), Some(second)) = (&existing, other) {
+            return refused(first, LastFailure::KeysDisagree(second));
+        }
+        let key = match (existing, intent) {
+            (Some(k), _) | (None, Some(k)) => k,
+            (None, None) => match self.key_kind {
+                KeyKind::V4 => IntentKey::random().0,
+                KeyKind::V7 => IntentKey::time_ordered().0,
+            },
+        };
         if !(1..=255).contains(&key.len()) || !key.bytes().all(|b| b.is_ascii_graphic()) {
-            return refused(LastFailure::KeyNotVisibleAscii);
+            return refused(&key, LastFailure::KeyNotVisibleAscii);
         }
         match HeaderValue::from_str(&key) {
             Ok(value) => {
                 req.headers_mut().insert(IDEMPOTENCY_KEY, value);
+                extensions.insert(IntentKey(key.clone()));
                 Ok(Some(key))
             }
-            Err(e) => refused(LastFailure::InvalidKey(e)),
+            Err(e) => refused(&key, LastFailure::InvalidKey(e)),
         }
     }
 }

@@ -822,3 +822,98 @@ async fn an_unkeyed_request_is_retried_only_if_its_method_is_idempotent() {
     assert_eq!(r.status(), 201);
     assert_eq!(s.seen.len(), 2);
 }
+
+/// A `409` that does not say when to come back is the handler's own
+/// conflict, the request's outcome, not idem's "still in flight" (which
+/// always carries `Retry-After`): returned at once, sent once. Before, it
+/// was retried: a round trip for its replay, or, on a server that releases
+/// 4xx answers, the handler run again until the conflict cleared.
+#[tokio::test]
+async fn a_conflict_without_retry_after_is_the_outcome() {
+    let s = script(vec![(409, vec![])]);
+    let url = serve(s.clone()).await;
+    let r = client(fast()).post(&url).send().await.unwrap();
+    assert_eq!(r.status(), 409);
+    let outcome = r.retry_outcome().unwrap();
+    assert_eq!(outcome.attempts, 1);
+    assert!(!outcome.replayed);
+    assert_eq!(s.seen.len(), 1);
+}
+
+/// A retry layer outside this middleware that sends the same request
+/// again (with the same extensions, as reqwest-middleware's own do)
+/// sends it under the key the first pass chose, not a second generated
+/// one that would let the server run the intent twice.
+#[tokio::test]
+async fn a_retry_layer_outside_sends_the_same_key() {
+    #[derive(Clone)]
+    struct Twice;
+    #[async_trait::async_trait]
+    impl Middleware for Twice {
+        async fn handle(
+            &self,
+            req: Request,
+            extensions: &mut Extensions,
+            next: Next<'_>,
+        ) -> reqwest_middleware::Result<Response> {
+            let copy = req.try_clone().unwrap();
+            next.clone().run(copy, extensions).await?;
+            next.run(req, extensions).await
+        }
+    }
+    let s = script(vec![]);
+    let url = serve(s.clone()).await;
+    let c = ClientBuilder::new(reqwest_client())
+        .with(Twice)
+        .with(fast())
+        .build();
+    c.post(&url).body("{}").send().await.unwrap();
+    let keys = s.seen.keys();
+    assert_eq!(keys.len(), 2);
+    assert!(keys[0].is_some());
+    assert_eq!(keys[0], keys[1], "one key for the intent");
+}
+
+/// A request that names two different keys (the header twice, or the
+/// header and an `IntentKey` that differs) is refused with nothing sent:
+/// before, the header's first value was sent and the rest dropped. The
+/// same key named both ways is one key.
+#[tokio::test]
+async fn a_request_naming_two_keys_is_refused() {
+    let s = script(vec![]);
+    let url = serve(s.clone()).await;
+    let twice = client(fast())
+        .post(&url)
+        .header("idempotency-key", "k-1")
+        .header("idempotency-key", "k-2")
+        .send()
+        .await
+        .unwrap_err();
+    let mixed = client(fast())
+        .post(&url)
+        .header("idempotency-key", "k-1")
+        .with_extension(IntentKey::new("k-3"))
+        .send()
+        .await
+        .unwrap_err();
+    for (err, other) in [(twice, "k-2"), (mixed, "k-3")] {
+        let e = err.retry_error().expect("a RetryError");
+        assert_eq!(e.reason(), StopReason::InvalidKey);
+        assert_eq!(e.attempts(), 0);
+        assert_eq!(e.idempotency_key(), Some("k-1"));
+        assert!(
+            matches!(e.last(), LastFailure::KeysDisagree(k) if k == other),
+            "{e}"
+        );
+    }
+    assert_eq!(s.seen.len(), 0);
+    let r = client(fast())
+        .post(&url)
+        .header("idempotency-key", "k-4")
+        .with_extension(IntentKey::new("k-4"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    assert_eq!(s.seen.keys(), [Some("k-4".to_owned())]);
+}
