@@ -44,7 +44,9 @@ pub use key::{
     MAX_SCOPE_LEN,
 };
 pub use ops::{Inspection, StoreStats};
-pub use policy::{Policy, PolicyBuilder, PolicyError, DEFAULT_STORE_TIMEOUT};
+pub use policy::{
+    capped_millis, Policy, PolicyBuilder, PolicyError, DEFAULT_STORE_TIMEOUT, LONGEST,
+};
 pub use record::{
     Claim, CorruptRecord, FencingToken, OperationId, Record, RecordParts, RecordRow, RecordState,
     StoredResponse, UnixMillis,

@@ -104,6 +104,21 @@ impl Default for Policy {
 /// The default [`Policy::store_timeout`]: 5 s.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The longest lease, retention or wait a policy takes: a century (of
+/// 366-day years), which every store can hold and add to its clock. A
+/// longer one is refused ([`PolicyError::TooLong`]) rather than meaning
+/// "for ever" on some stores and failing every claim on others; a store
+/// given a longer one in a [`ClaimRequest`](crate::ClaimRequest) of its own
+/// making keeps it to this.
+pub const LONGEST: Duration = Duration::from_secs(100 * 366 * 24 * 60 * 60);
+
+/// `d` in whole milliseconds, at most [`LONGEST`]'s: what a store binds
+/// for a lease or a retention.
+pub fn capped_millis(d: Duration) -> i64 {
+    const MAX: i64 = LONGEST.as_secs() as i64 * 1000;
+    i64::try_from(d.as_millis()).map_or(MAX, |ms| ms.min(MAX))
+}
+
 impl Policy {
     /// A builder starting from the defaults.
     pub fn builder() -> PolicyBuilder {
@@ -237,6 +252,16 @@ pub enum PolicyError {
     /// The store timeout is zero.
     #[error("the store timeout must be longer than zero")]
     ZeroStoreTimeout,
+    /// A duration is longer than [`LONGEST`] (a century): a "for ever"
+    /// that not every store can add to its clock.
+    #[error("the {setting} ({asked:?}) is longer than a century, the longest every store keeps")]
+    TooLong {
+        /// Which setting: `lease`, `retention`, `wait`, `store timeout` or
+        /// `retry after`.
+        setting: &'static str,
+        /// What was asked for.
+        asked: Duration,
+    },
     /// A header on the allow-list is not a valid header name.
     #[error("{0:?} is not a valid header name")]
     InvalidHeaderName(String),
@@ -402,6 +427,18 @@ impl PolicyBuilder {
     /// Checks the settings and returns the policy.
     pub fn build(self) -> Result<Policy, PolicyError> {
         let p = self.policy;
+        let durations = [
+            ("lease", Some(p.lease)),
+            ("retention", Some(p.retention)),
+            ("wait", p.wait),
+            ("store timeout", Some(p.store_timeout)),
+            ("retry after", Some(p.retry_after)),
+        ];
+        for (setting, asked) in durations {
+            if let Some(asked) = asked.filter(|d| *d > LONGEST) {
+                return Err(PolicyError::TooLong { setting, asked });
+            }
+        }
         if p.lease < Duration::from_millis(1) {
             return Err(PolicyError::ZeroLease);
         }
@@ -441,6 +478,40 @@ impl PolicyBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A "for ever" past a century is refused, whichever duration it is:
+    /// PostgreSQL's interval and Redis's expiry failed every claim with it
+    /// while SQLite and MySQL kept a century, and a wait or a lease that
+    /// long overflowed the clock it was added to (a panic).
+    #[test]
+    fn durations_past_a_century_are_refused() {
+        let too_long = LONGEST + Duration::from_millis(1);
+        let builders = [
+            (
+                "lease",
+                Policy::builder().lease(too_long).retention(Duration::MAX),
+            ),
+            ("retention", Policy::builder().retention(Duration::MAX)),
+            ("wait", Policy::builder().wait_for_in_flight(Duration::MAX)),
+            ("store timeout", Policy::builder().store_timeout(too_long)),
+            ("retry after", Policy::builder().retry_after(too_long)),
+        ];
+        for (name, builder) in builders {
+            match builder.build() {
+                Err(PolicyError::TooLong { setting, .. }) => assert_eq!(setting, name),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let century = Policy::builder()
+            .retention(LONGEST)
+            .lease(LONGEST - Duration::from_secs(1))
+            .wait_for_in_flight(LONGEST)
+            .build()
+            .unwrap();
+        assert_eq!(century.retention(), LONGEST);
+        assert_eq!(capped_millis(Duration::MAX), capped_millis(LONGEST));
+        assert_eq!(capped_millis(Duration::from_millis(7)), 7);
+    }
 
     #[test]
     fn defaults() {

@@ -293,8 +293,12 @@ impl RedisStore {
         // spells it): every request proposes one, replays included.
         let mut op = [0u8; uuid::fmt::Hyphenated::LENGTH];
         let op: &str = proposed.0.hyphenated().encode_lower(&mut op);
-        let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-        let (lease, retention) = (millis(req.lease), millis(req.retention));
+        // Past a century, a century (as on every store): the expiry is
+        // added to the server's clock.
+        let (lease, retention) = (
+            idem_core::capped_millis(req.lease),
+            idem_core::capped_millis(req.retention),
+        );
         let key = self.record_key(&req.scope, &req.key);
         // The first look: plain commands in one round trip. A key that holds
         // nothing is claimed by it; a replay, or a duplicate of a live

@@ -133,9 +133,6 @@ impl<D: RecordDialect> RecordSql<D> {
     }
 }
 
-/// The longest lease or retention a claim stores: a century, in ms.
-const MAX_MILLIS: i64 = 100 * 366 * 24 * 60 * 60 * 1000;
-
 /// How many times a claim's transaction runs when the database asks for a
 /// retry (a deadlock, a lock wait time-out) or the row vanished (swept).
 const CLAIM_TURNS: usize = 5;
@@ -285,11 +282,8 @@ impl<D: RecordDialect> SqlStore<D> {
         self.check_sizes(&req.scope, &req.key)?;
         // Past a century a lease or a retention means "for ever", and stays
         // far from overflowing the clock plus it in either path.
-        let millis = |d: std::time::Duration| {
-            i64::try_from(d.as_millis()).map_or(MAX_MILLIS, |ms| ms.min(MAX_MILLIS))
-        };
-        let lease = millis(req.lease);
-        let retention = millis(req.retention);
+        let lease = idem_core::capped_millis(req.lease);
+        let retention = idem_core::capped_millis(req.retention);
         {
             // One connection for the first look and (on MySQL) a new key's
             // insert, given back before the claim's transaction takes its

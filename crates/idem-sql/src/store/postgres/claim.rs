@@ -20,8 +20,11 @@ impl<'q> ClaimBinds<'q> {
     pub(crate) fn new(req: &'q ClaimRequest) -> Self {
         Self {
             req,
-            lease: i64::try_from(req.lease.as_millis()).unwrap_or(i64::MAX),
-            retention: i64::try_from(req.retention.as_millis()).unwrap_or(i64::MAX),
+            // Past a century, a century: `now() + interval` would be out
+            // of range for some (every claim failing), as on the other
+            // stores.
+            lease: idem_core::capped_millis(req.lease),
+            retention: idem_core::capped_millis(req.retention),
         }
     }
 
