@@ -99,7 +99,24 @@ impl<'p> ClaimRetry<'p> {
 
     /// A record the claim found, per the decision table.
     fn on_existing(&mut self, record: Record, fingerprint: &Fingerprint) -> Step {
-        let now = UnixMillis::now();
+        self.on_existing_at(record, fingerprint, UnixMillis::now())
+    }
+
+    /// [`on_existing`](Self::on_existing), with this process's clock at
+    /// `now`.
+    fn on_existing_at(
+        &mut self,
+        record: Record,
+        fingerprint: &Fingerprint,
+        now: UnixMillis,
+    ) -> Step {
+        // The store returned the record as live, judging its retention by
+        // its own clock. This one may run ahead of it: near the record's
+        // end it would see the record expired, and turn a replay, or a
+        // `422`, into claims again and then a `409`. The store's word on
+        // the retention stands; a lease is still judged here (a takeover
+        // goes back to the store, which decides it).
+        let now = now.min(UnixMillis(record.expires_at.0.saturating_sub(1)));
         match on_arrival(self.policy, Some(&record), fingerprint, now) {
             Arrival::Replay => Step::Refuse(Refusal::Replay(record)),
             Arrival::Mismatch => Step::Refuse(Refusal::Mismatch),
@@ -152,5 +169,59 @@ impl<'p> ClaimRetry<'p> {
                 Step::Refuse(Refusal::InFlight { retry_after })
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_core::{FencingToken, OperationId, StoredResponse};
+
+    use super::*;
+
+    fn record(fingerprint: Fingerprint, expires_at: UnixMillis, state: RecordState) -> Record {
+        Record {
+            scope: "s".into(),
+            key: "k".into(),
+            fingerprint,
+            operation_id: OperationId::generate(),
+            created_at: UnixMillis(expires_at.0 - 60_000),
+            expires_at,
+            shortest_retention: None,
+            state,
+        }
+    }
+
+    /// A record the store returned as live, which this process's clock
+    /// (5 s ahead of the store's) sees past its retention: replayed, or
+    /// refused as another request's, as the store judged it. Before, each
+    /// was claimed again five times and answered `409`.
+    #[test]
+    fn the_stores_word_on_the_retention_stands() {
+        let policy = Policy::default();
+        let now = UnixMillis::now();
+        let ended = UnixMillis(now.0 - 5_000);
+        let ours = Fingerprint::from_bytes([1; 32]);
+        let theirs = Fingerprint::from_bytes([2; 32]);
+        let done = RecordState::Completed {
+            response: StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: "x".into(),
+            },
+            completed_at: UnixMillis(ended.0 - 30_000),
+        };
+        let mut retry = ClaimRetry::new(&policy);
+        let replayed = retry.on_existing_at(record(ours, ended, done.clone()), &ours, now);
+        assert!(matches!(replayed, Step::Refuse(Refusal::Replay(_))));
+        let refused = retry.on_existing_at(record(theirs, ended, done), &ours, now);
+        assert!(matches!(refused, Step::Refuse(Refusal::Mismatch)));
+        // A lease this clock sees ended still goes back to the store.
+        let held = RecordState::InProgress {
+            token: FencingToken::generate(),
+            locked_until: UnixMillis(now.0 - 1_000),
+        };
+        let again =
+            retry.on_existing_at(record(ours, UnixMillis(now.0 + 60_000), held), &ours, now);
+        assert!(matches!(again, Step::RetryAfter(_)));
     }
 }

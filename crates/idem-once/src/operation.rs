@@ -531,8 +531,10 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
         loop {
             // A step's lease ends with the operation's: a step never
             // outlives the claim it runs under.
+            // Under a millisecond it is none: stores count whole
+            // milliseconds, so the step would be claimed already free.
             let lease = self.lease_left();
-            if lease.is_zero() {
+            if lease < Duration::from_millis(1) {
                 return Err(StepError::LeaseLost);
             }
             let request = ClaimRequest {
@@ -541,6 +543,16 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
             };
             let record = match self.store.claim(&request).await {
                 Ok(ClaimOutcome::Acquired(claim)) => {
+                    // The claim waited (for a connection, for SQLite's
+                    // writer, a pause) past the run's own lease: the run
+                    // may be another's by now, and this step is not to
+                    // start. It is let go at once for whoever has the run.
+                    if self.lease_left().is_zero() {
+                        if let Err(e) = self.store.release(&claim).await {
+                            debug!(step = name, index, error = %e, "a step claimed past the run's lease was not let go; its lease ends it");
+                        }
+                        return Err(StepError::LeaseLost);
+                    }
                     if self.claim.takeover {
                         self.check_remembered(&claim, &request, before, name, index)
                             .await?;
@@ -680,7 +692,7 @@ impl<'s, S: Store + ?Sized> Operation<'s, S> {
                 claim
                     .locked_until
                     .0
-                    .saturating_sub(i64::try_from(request.lease.as_millis()).unwrap_or(i64::MAX)),
+                    .saturating_sub(idem_core::capped_millis(request.lease)),
             )
         };
         let margin = CLOCK_MARGIN.min(retention / 20);

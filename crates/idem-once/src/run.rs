@@ -102,11 +102,16 @@ pub enum RunError<E> {
         "the lease ran out and another caller took the key over; this run's output was not stored"
     )]
     LeaseLost,
-    /// The work ran, but its output could not be stored. If the store
-    /// failed (it was tried again while the lease lasted), the key stays
-    /// claimed until the lease runs out; if the output does not serialize,
-    /// the claim is released. Either way a retry runs the work again under
-    /// the same operation id, its completed steps replayed.
+    /// The work ran, but its output could not be stored. In
+    /// [`run`](Runner::run): if the store failed (it was tried again while
+    /// the lease lasted), the key stays claimed until the lease runs out;
+    /// if the output does not serialize, the claim is released. In
+    /// [`run_in_transaction`](Runner::run_in_transaction): the transaction
+    /// was rolled back and the claim released when the completion failed;
+    /// when the commit itself failed, the claim stays until its lease runs
+    /// out (the commit may have landed: a retry then gets the stored
+    /// output, as a replay). Otherwise a retry runs the work again under the
+    /// same operation id, its completed steps replayed.
     #[error("the work ran but its output was not stored: {0}")]
     NotStored(String),
     /// The work failed; the claim was released, so the next call runs it
@@ -219,7 +224,10 @@ impl<S: Store> Runner<S> {
     /// operation id), then the transaction begins; `work` gets it. On
     /// [`Failure::Retry`] it rolls back and the claim is released; on
     /// [`Failure::Final`] it rolls back and the error is stored. Every way
-    /// out ends the transaction explicitly.
+    /// out this function returns by ends the transaction explicitly; a
+    /// panic in `work`, or the future dropped mid-way, leaves the rollback
+    /// to the driver (sqlx rolls back a transaction dropped unfinished
+    /// when its connection goes back to the pool).
     ///
     /// Steps ([`Operation::step`]) are refused inside a transactional run
     /// ([`StepError::InsideTransaction`](crate::StepError::InsideTransaction)):
@@ -478,9 +486,10 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
 /// The fingerprint of a run's input: its canonical JSON, as a JSON
 /// request body is fingerprinted (`1000` and `1000.0` are the same input;
 /// key order does not count). An input whose JSON holds a key twice (a
-/// `#[serde(flatten)]` map with a key its struct also has) is compared by
-/// its bytes, so such a map must serialise in a stable order (a
-/// `BTreeMap`, not a `HashMap`).
+/// `#[serde(flatten)]` map with a key its struct also has), or nests
+/// arrays and objects 128 deep, is compared by its bytes, so its
+/// maps must serialise in a stable order (a `BTreeMap`, not a
+/// `HashMap`).
 pub fn fingerprint<I: Serialize + ?Sized>(input: &I) -> Result<Fingerprint, serde_json::Error> {
     let json = serde_json::to_vec(input)?;
     Ok(Fingerprint::of_request(

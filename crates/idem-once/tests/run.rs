@@ -956,3 +956,54 @@ mod steps_at_once {
         assert_eq!(second.unwrap(), Outcome::Fresh(7));
     }
 }
+
+/// A step whose claim is answered after the run's lease has ended (it
+/// waited for a connection, for SQLite's writer, or the process paused)
+/// does not start: the run may be another's by then. The step is told
+/// `LeaseLost`, its work never runs, and its claim is let go. Before, the
+/// work ran past the run's lease, beside the run's new holder.
+mod a_step_claimed_late {
+    use idem_core::ClaimRequest;
+    use idem_memory::MemoryStore;
+    use idem_test_support::stores::{ClaimDelay, SlowClaimAnswers};
+
+    use crate::*;
+
+    #[derive(Debug)]
+    struct StepClaims(Duration);
+
+    impl ClaimDelay for StepClaims {
+        fn delay(&self, r: &ClaimRequest) -> Duration {
+            if r.key == "k" {
+                Duration::ZERO
+            } else {
+                self.0
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn does_not_start_past_the_runs_lease() {
+        let lease = Duration::from_millis(300);
+        let store = SlowClaimAnswers {
+            inner: MemoryStore::new(),
+            delay: StepClaims(lease * 2),
+        };
+        let runner = Runner::new(store, short_lease(300));
+        let ran = AtomicU32::new(0);
+        let outcome = runner
+            .run("t", "k", &1, async |op| -> Result<u8, Failure<String>> {
+                let step = op
+                    .step("a", async |_| -> Result<u8, String> {
+                        ran.fetch_add(1, Ordering::SeqCst);
+                        Ok(1)
+                    })
+                    .await;
+                assert!(matches!(step, Err(StepError::LeaseLost)), "{step:?}");
+                Err("lease lost".to_owned())?
+            })
+            .await;
+        assert!(outcome.is_err(), "{outcome:?}");
+        assert_eq!(ran.load(Ordering::SeqCst), 0, "the step's work ran");
+    }
+}
