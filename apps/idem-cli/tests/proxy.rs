@@ -593,6 +593,51 @@ async fn unknown_outcomes_hold_the_key_on_redis_alone() {
     unknown_outcomes(Mode::Redis).await;
 }
 
+/// An upstream status named by `--outcome-unknown-status` (a gateway of
+/// the upstream's own that gave up while the service may still work) holds
+/// the key like a time-out: passed on with `Retry-After`, `409` until the
+/// lease ends, then the retry goes under the same operation id, never
+/// before. A `5xx` not named still releases at once.
+#[tokio::test]
+async fn a_status_said_to_be_an_unknown_outcome_holds_the_key() {
+    let records = records(Mode::Sqlite).await;
+    let upstream = Upstream::start();
+    let lease = Duration::from_millis(3000);
+    let proxy = Proxy::start(
+        &records,
+        &upstream.url,
+        &["--lease-ms", "3000", "--outcome-unknown-status", "502,504"],
+    );
+    let p = proxy.url.as_str();
+    let body = r#"{"n": 1}"#;
+    let send = || post(p, "/behind-gateway", "alice", "gw-1", body);
+    let first = send().header("x-test-status", "504").send().await.unwrap();
+    assert_eq!(first.status(), 504);
+    let wait: u64 = header(&first, "retry-after").unwrap().parse().unwrap();
+    assert!(
+        (1..=3).contains(&wait),
+        "Retry-After {wait} within the lease"
+    );
+    let held = send().send().await.unwrap();
+    assert_eq!(held.status(), 409, "held until the lease ends");
+    let after = until_not_in_flight(send, lease * 4).await;
+    assert_eq!(after.status(), 201);
+    let tries = upstream.deliveries("/behind-gateway").await;
+    assert_eq!(tries.len(), 2);
+    assert_eq!(op_of(&tries[0]), op_of(&tries[1]), "the same operation id");
+    let gap = at(&tries[1]) - at(&tries[0]);
+    assert!(
+        gap >= lease.as_secs_f64() - 0.2,
+        "the second delivery came {gap:.3} s after the first, inside the lease"
+    );
+    // Not named: released, the retry reaches the upstream at once.
+    let other = || post(p, "/unavailable", "alice", "gw-2", body);
+    let failed = other().header("x-test-status", "503").send().await.unwrap();
+    assert_eq!(failed.status(), 503);
+    assert_eq!(other().send().await.unwrap().status(), 201);
+    assert_eq!(upstream.deliveries("/unavailable").await.len(), 2);
+}
+
 /// A proxy killed with `kill -9` while the upstream works: a proxy started
 /// again takes the key over after the lease, under the same operation id,
 /// and the upstream acts once.
@@ -921,6 +966,15 @@ fn bad_flags_are_refused_at_start() {
         (
             vec!["--upstream", "http://svc", "--scope-header", "bad header"],
             "--scope-header",
+        ),
+        (
+            vec![
+                "--upstream",
+                "http://svc",
+                "--outcome-unknown-status",
+                "404",
+            ],
+            "--outcome-unknown-status",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_idem"))

@@ -30,6 +30,8 @@ pub(crate) struct Upstream {
     lease: Duration,
     max_answer: usize,
     max_body: usize,
+    /// Upstream statuses whose outcome is unknown: they hold the key.
+    held: Vec<StatusCode>,
 }
 
 /// How long and how much, for [`Upstream::new`].
@@ -115,7 +117,19 @@ impl Upstream {
             lease,
             max_answer,
             max_body,
+            held: Vec::new(),
         })
+    }
+
+    /// Answers of these statuses (`--outcome-unknown-status`, each a
+    /// `5xx`) say nothing of what became of the request: they hold the key
+    /// until its lease runs out instead of releasing it.
+    pub(crate) fn hold_statuses(&mut self, statuses: &[u16]) {
+        self.held = statuses
+            .iter()
+            .filter_map(|s| StatusCode::from_u16(*s).ok())
+            .filter(StatusCode::is_server_error)
+            .collect();
     }
 
     /// The largest answer kept for replay, in bytes.
@@ -228,6 +242,16 @@ impl Upstream {
         metrics::histogram!("idem_proxy_upstream_seconds").record(started.elapsed().as_secs_f64());
         let held = idem.lease_left();
         match ended {
+            Ended::Answered(mut response) if self.held.contains(&response.status()) => {
+                // A gateway inside the upstream gave up, or so the
+                // operator says of this status: the service may still be
+                // at work. The key stays held (`keep_claim` above) until
+                // the lease ends; the retry after it goes under the same
+                // operation id.
+                count("unknown");
+                set_retry_after(&mut response, held);
+                response
+            }
             Ended::Answered(response) => {
                 count("answered");
                 if releases(response.status(), response.headers()) {
@@ -313,15 +337,22 @@ impl Upstream {
                 if too_large
                     && (parts.status.is_server_error() || releases(parts.status, &parts.headers))
                 {
-                    // An answer that frees the key anyway: its status is
-                    // known, and passed on without its body, with the
-                    // upstream's own `Retry-After` (when to come back).
+                    // An answer that frees the key anyway (or holds it,
+                    // a status named by `--outcome-unknown-status`): its
+                    // status is known, and passed on without its body,
+                    // with the upstream's own `Retry-After` (when to come
+                    // back).
+                    let key = if self.held.contains(&parts.status) {
+                        "the key is held until its lease runs out"
+                    } else {
+                        "the key is free again"
+                    };
                     let mut answer = problem(
                         parts.status,
                         "upstream-answer-too-large",
                         "The upstream's answer is larger than the proxy passes on",
                         format!(
-                            "it answered {} with more than the {} bytes the proxy keeps (--max-response-body); the key is free again",
+                            "it answered {} with more than the {} bytes the proxy keeps (--max-response-body); {key}",
                             parts.status, self.max_answer
                         ),
                     );

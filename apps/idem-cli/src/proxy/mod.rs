@@ -163,6 +163,15 @@ pub(crate) struct ProxyArgs {
     /// without one); with `false` it passes through untouched.
     #[arg(long, env = "IDEM_REQUIRE_KEY", default_value_t = true, action = ArgAction::Set)]
     pub(crate) require_key: bool,
+    /// An upstream `5xx` status whose outcome is unknown (repeatable, or
+    /// comma-separated): the key is held until its lease runs out, as
+    /// after a time-out, instead of released. For an upstream behind a
+    /// gateway of its own, whose `504` (or `502`) may come while the
+    /// service still works on the request: released, a retry would reach
+    /// the service beside it. The answer is passed on with `Retry-After`
+    /// (the lease's rest). By default none: every `5xx` releases.
+    #[arg(long = "outcome-unknown-status", env = "IDEM_OUTCOME_UNKNOWN_STATUS", value_name = "STATUS", value_delimiter = ',', value_parser = clap::value_parser!(u16).range(500..=599))]
+    pub(crate) outcome_unknown_status: Vec<u16>,
     /// The largest upstream answer kept for replay, in bytes; a larger one
     /// is answered `502` (`upstream-answer-too-large`), which is stored in
     /// its place when its status would have been (the upstream acted), and
@@ -338,6 +347,7 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
             idle: Duration::from_millis(args.upstream_idle_timeout_ms),
         },
     )?;
+    upstream.hold_statuses(&args.outcome_unknown_status);
     let scope_header =
         http::HeaderName::from_bytes(args.scope_header.as_bytes()).map_err(|_| {
             format!(
