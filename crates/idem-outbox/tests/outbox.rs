@@ -922,3 +922,53 @@ async fn an_outage_grows_its_backoff_with_time_not_with_batches() {
     // One step: 10 s at most (40 s if each batch had been a step).
     assert!(longest <= 10.0, "{longest}");
 }
+
+/// A relay whose broker is down does not walk the backlog round after
+/// round with no pause: a full batch whose every row failed waits for the
+/// poll (here an hour, so the one batch is all it publishes). Before, each
+/// full failed batch was followed at once by the next, every row of the
+/// backlog claimed and marked failed back to back.
+///
+/// On SQLite: a PostgreSQL relay is also woken by `NOTIFY`, whose channel
+/// the other tests' outboxes in the same database share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_batch_that_failed_waits_for_the_poll() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = sqlx::SqlitePool::connect(&format!(
+        "sqlite:{}?mode=rwc",
+        dir.path().join("o.db").display()
+    ))
+    .await
+    .unwrap();
+    outbox::migrate(&pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..10 {
+        outbox::enqueue(&mut tx, &message(&format!("d-{i}"), "down", None))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let publisher = Arc::new(Recording::default());
+    let relay = Relay::new(
+        &pool,
+        publisher.clone(),
+        RelayConfig {
+            batch: 2,
+            poll: Duration::from_secs(3600),
+            ..RelayConfig::default()
+        },
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(relay.run(stopped));
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    while publisher.calls.load(Ordering::SeqCst) == 0 {
+        assert!(std::time::Instant::now() < until, "no round in 20 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(publisher.calls.load(Ordering::SeqCst), 1);
+    stop.send(true).unwrap();
+    drop(stop);
+    let ended = tokio::time::timeout(Duration::from_secs(20), running).await;
+    assert!(matches!(ended, Ok(Ok(Ok(())))), "{ended:?}");
+}

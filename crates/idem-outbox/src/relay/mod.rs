@@ -30,7 +30,8 @@ pub const NOTIFY_CHANNEL: &str = "idem_outbox";
 pub struct RelayConfig {
     /// The outbox table it publishes (default `idem_outbox`).
     pub table: OutboxTable,
-    /// Rows claimed and published per round.
+    /// Rows claimed and published per round (at least one: a smaller
+    /// figure is taken as one).
     pub batch: i64,
     /// How long a claim lasts before another relay may take the rows (a
     /// relay that died mid-batch).
@@ -247,6 +248,12 @@ impl Relay {
         DB: Driver,
         DB::Dialect: OutboxDialect,
     {
+        // A batch of none would loop with nothing to wait on (`0 >= 0`);
+        // a negative one is no limit on SQLite.
+        let config = RelayConfig {
+            batch: config.batch.max(1),
+            ..config
+        };
         let backend = SqlOutbox::<DB::Dialect>::new(pool.clone(), &config.table);
         Self {
             db: Arc::new(backend),
@@ -421,10 +428,13 @@ impl Relay {
     }
 
     /// Runs until `stop` turns true: woken by `LISTEN` on commit, polling as
-    /// a fallback; a full batch is followed at once by the next round. The
-    /// round in progress when `stop` flips finishes first.
+    /// a fallback; a full batch that sent something is followed at once by
+    /// the next round (one whose every row failed waits for the poll, or a
+    /// wake: a broker that is down is not walked through the whole backlog
+    /// back to back). The round in progress when `stop` flips finishes
+    /// first.
     ///
-    /// A round that fails is retried at the next poll (logged, and counted
+    /// A round that fails is retried after the poll interval (logged, and counted
     /// in `idem_outbox_relay_errors_total`). A missing outbox table is not
     /// waited out: `run` returns [`RelayError::MissingTable`] at once, at
     /// start or whenever a round meets it, so a relay pointed at the wrong
@@ -447,6 +457,7 @@ impl Relay {
                 info!("outbox relay stopped");
                 return Ok(());
             }
+            let mut failed_round = false;
             let round = match self.round().await {
                 Ok(r) => r,
                 Err(e) if e.is_fatal() => {
@@ -459,18 +470,22 @@ impl Relay {
                     metrics::counter!("idem_outbox_relay_errors_total", "error" => e.kind().label())
                         .increment(1);
                     warn!(error = %e, "relay round failed; retrying");
+                    failed_round = true;
                     Round::default()
                 }
             };
-            if round.sent + round.failed >= self.config.batch as usize {
+            if round.sent > 0 && round.sent + round.failed >= self.config.batch as usize {
                 continue;
             }
             let wait = async {
                 match wakeups.as_mut() {
-                    Some(w) => {
+                    // After a failed round, the whole interval: a
+                    // listener failing as fast (the database away) would
+                    // end the wait at once.
+                    Some(w) if !failed_round => {
                         let _ = tokio::time::timeout(self.config.poll, w.next()).await;
                     }
-                    None => tokio::time::sleep(self.config.poll).await,
+                    _ => tokio::time::sleep(self.config.poll).await,
                 }
             };
             tokio::select! {

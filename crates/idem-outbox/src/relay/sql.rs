@@ -302,7 +302,13 @@ pub(crate) async fn listen(pool: &sqlx::PgPool) -> Option<Box<dyn Wakeups>> {
     impl Wakeups for Listener {
         fn next(&mut self) -> BoxFuture<'_, ()> {
             Box::pin(async move {
-                let _ = self.0.recv().await;
+                // A listener that fails (it reconnects by itself on the
+                // next call) ends no wait: the poll interval does, so a
+                // database that fails fast does not turn rounds into a
+                // loop.
+                if self.0.recv().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
             })
         }
     }
