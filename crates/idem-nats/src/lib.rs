@@ -348,8 +348,15 @@ impl Consumer for NatsConsumer {
     }
 }
 
+/// The header a dead-letter copy names its message's own id in (its
+/// `Nats-Msg-Id` is that id with `.dlq` after it, which JetStream's
+/// duplicate window tells apart from the message's): what an operator
+/// sends it again under, so the inboxes know it.
+pub const ORIGINAL_MSG_ID: &str = "Idem-Original-Msg-Id";
+
 /// Copies `incoming` (its headers but the message id, which gets a
-/// `.dlq` suffix) to `subject`, acknowledged by JetStream.
+/// `.dlq` suffix and is kept in [`ORIGINAL_MSG_ID`]) to `subject`,
+/// acknowledged by JetStream.
 async fn dead_letter(
     js: &jetstream::Context,
     subject: &str,
@@ -357,10 +364,13 @@ async fn dead_letter(
 ) -> Result<(), NatsError> {
     let mut copy = jetstream::message::PublishMessage::build().payload(incoming.payload.clone());
     if let Some(id) = &incoming.message_id {
-        copy = copy.message_id(format!("{id}.dlq"));
+        copy = copy
+            .message_id(format!("{id}.dlq"))
+            .header(ORIGINAL_MSG_ID, id.as_str());
     }
     for (name, value) in &incoming.headers {
-        if !name.eq_ignore_ascii_case("Nats-Msg-Id") {
+        if !name.eq_ignore_ascii_case("Nats-Msg-Id") && !name.eq_ignore_ascii_case(ORIGINAL_MSG_ID)
+        {
             copy = copy.header(name.as_str(), value.as_str());
         }
     }

@@ -526,6 +526,22 @@ async fn a_last_delivery_that_never_settled_is_dead_lettered_not_dropped() {
         1,
         "handled a third time, once"
     );
+    // The copy names the message's own id, for whoever sends it again.
+    let copy = stream
+        .get_last_raw_message_by_subject(&s.spec.dead_letter_subject())
+        .await
+        .unwrap();
+    let headers = copy.headers;
+    assert_eq!(
+        headers
+            .get(idem_nats::ORIGINAL_MSG_ID)
+            .map(|v| v.as_str().to_owned()),
+        Some("m-last".to_owned())
+    );
+    assert_eq!(
+        headers.get("Nats-Msg-Id").map(|v| v.as_str().to_owned()),
+        Some("m-last.dlq".to_owned())
+    );
 }
 
 /// A durable consumer made anew (the first time, or again after someone
