@@ -62,8 +62,12 @@
 //!   first's row lock and then sees the new lease, and its `WHERE` is false.
 //! - The fallback `SELECT` reads the statement's snapshot. If the row it lost
 //!   to was committed after that snapshot was taken, the statement returns no
-//!   row at all; the store then runs it again (a second round trip, only in
-//!   that race).
+//!   row at all: a new row is not in the snapshot, and a row the winner
+//!   replaced (a record past its retention, a lease run out) is refused by
+//!   the fallback's own test of the `WHERE`'s condition, rather than
+//!   answered as it was before (an old record's replay, or a `422` for the
+//!   request that won). The store then runs it again (a second round trip,
+//!   only in that race).
 //!
 //! Completion and release are `UPDATE … WHERE token = $mine AND state =
 //! 'in_progress'`, which READ COMMITTED re-checks against the latest row

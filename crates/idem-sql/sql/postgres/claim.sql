@@ -39,5 +39,13 @@ WITH claimed AS (
 )
 SELECT true AS won, * FROM claimed
 UNION ALL
+-- The loser's answer is read from the statement's snapshot, which can be
+-- older than the row the upsert judged (its WHERE sees the latest version):
+-- a version the WHERE would have claimed (past its retention, or a lease
+-- of this request run out) was replaced after the snapshot by the winner,
+-- so it is not the answer. No row then, and the store runs the statement
+-- again on a fresh snapshot.
 SELECT false AS won, {columns} FROM {table}
 WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
+  AND NOT {expired}
+  AND NOT (state = 'in_progress' AND locked_until <= now() AND fingerprint = $3)
