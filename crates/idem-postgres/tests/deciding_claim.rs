@@ -97,3 +97,54 @@ async fn a_loser_is_never_answered_with_the_version_its_winner_replaced() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A retry past the lease meets the row locked by its holder's business
+/// transaction, still open (a handler past its lease that completed the
+/// record in it): the deciding claim gives up on the lock after 2 s
+/// (`503` for now) instead of waiting, with its connection, for as long as
+/// that transaction lasts. Before, it waited for the transaction's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_waits_on_a_held_row_a_bounded_time() {
+    let schema = TestSchema::create("idem_deciding").await;
+    let table = TableName::new(Some(schema.name()), "idem_records").unwrap();
+    let store = PostgresStore::connect_with(&database_url(), table)
+        .await
+        .expect("connect");
+    let qualified = store.table().qualified();
+    let short = idem_store_suite::request(
+        "s",
+        "k",
+        "{}",
+        Duration::from_millis(200),
+        Duration::from_secs(3600),
+    );
+    let ClaimOutcome::Acquired(_claim) = store.claim(&short).await.unwrap() else {
+        panic!("a new key is claimed")
+    };
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!("SELECT 1 FROM {qualified} FOR UPDATE"))
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let started = Instant::now();
+    let retry = tokio::time::timeout(Duration::from_secs(15), store.claim(&short))
+        .await
+        .expect("the claim gave up on the lock within 15 s");
+    assert!(
+        matches!(retry, Err(idem_core::StoreError::Unavailable(_))),
+        "{retry:?}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(1900),
+        "it waited for the lock first: {:?}",
+        started.elapsed()
+    );
+    holder.rollback().await.unwrap();
+    // Once the row is free, the retry takes the lease over.
+    let again = store.claim(&short).await.unwrap();
+    assert!(
+        matches!(&again, ClaimOutcome::Acquired(c) if c.takeover),
+        "{again:?}"
+    );
+}

@@ -1,12 +1,20 @@
 -- The deciding claim, when the first look did not decide: insert the row,
 -- or take over an expired or released one (see the crate docs for why this
 -- is safe under READ COMMITTED); the loser reads the record that beat it. Same binds as claim_first.sql.
+-- The row's lock is waited for at most 2 s (lock_timeout, set for this
+-- statement's own transaction before the insert meets the row): a claim
+-- runs in milliseconds, so a longer wait is a transaction that holds the
+-- row (a handler past its lease that already completed the record in its
+-- business transaction): the claim fails (55P03, the store unavailable
+-- for now: 503 and Retry-After) rather than holding its connection, and a
+-- place in the row's queue, for as long as that transaction lasts.
 WITH claimed AS (
     INSERT INTO {table} AS r
         (scope, key, fingerprint, operation_id, token, state, locked_until, created_at, expires_at,
          shortest_retention_ms)
-    VALUES ($1, $2, $3, $4::uuid, $5, 'in_progress',
-            now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond', $7)
+    SELECT $1, $2, $3, $4::uuid, $5, 'in_progress',
+           now() + $6 * interval '1 millisecond', now(), now() + $7 * interval '1 millisecond', $7
+    WHERE set_config('lock_timeout', '2000', true) IS NOT NULL
     ON CONFLICT (scope, key) DO UPDATE SET
         token        = excluded.token,
         locked_until = excluded.locked_until,
