@@ -281,3 +281,32 @@ async fn a_session_without_autocommit_never_holds_an_uncommitted_claim() {
         }
     }
 }
+
+/// An operator's `inspect` is a plain read: it answers while a transaction
+/// holds the record's row (a claim's, a handler's completing it), where a
+/// locking read waited for that transaction (InnoDB's lock wait: 50 s by
+/// default) and needed the privilege to update the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_reads_a_row_a_transaction_holds() {
+    use idem_core::{ClaimOutcome, Store};
+    use std::time::Duration;
+    let (store, _db) = fresh().await;
+    let ClaimOutcome::Acquired(_claim) = store.claim(&request("held")).await.unwrap() else {
+        panic!("a new key is claimed")
+    };
+    let table = store.table().table().to_owned();
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM `{table}` WHERE `key` = 'held' FOR UPDATE"
+    ))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(10), store.inspect("s", "held"))
+        .await
+        .expect("inspect answered while the row is held")
+        .unwrap()
+        .expect("the record");
+    assert_eq!(seen.record.key, "held");
+    holder.rollback().await.unwrap();
+}

@@ -80,6 +80,9 @@ pub use records::SqlRecords;
 struct RecordSql<D> {
     claim: Statement<D>,
     select: Statement<D>,
+    /// `select` without its lock (MySQL's is a locking read, for the
+    /// claim's transaction): an operator's read.
+    inspect: Statement<D>,
     get: Statement<D>,
     complete: Statement<D>,
     completed: Statement<D>,
@@ -113,6 +116,12 @@ impl<D: RecordDialect> RecordSql<D> {
         Ok(Self {
             claim: prepare(t.claim)?,
             select: prepare(t.select)?,
+            inspect: prepare(
+                t.select
+                    .trim_end()
+                    .strip_suffix("FOR UPDATE")
+                    .unwrap_or(t.select),
+            )?,
             get: prepare(t.get)?,
             complete: prepare(t.complete)?,
             completed: prepare(t.completed)?,

@@ -71,7 +71,7 @@ impl<D: RecordDialect> SqlRecords for SqlStore<D> {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let row = D::fetch_optional(
             &mut conn,
-            &self.sql.select,
+            &self.sql.inspect,
             &[Arg::Text(scope), Arg::Text(key)],
         )
         .await
