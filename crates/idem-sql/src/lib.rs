@@ -97,7 +97,7 @@ pub use errors::{
 };
 pub use migrate::{MigrateError, Migration};
 pub use record::{decode_record, decode_stats};
-pub use store::{RecordDialect, SqlRecords, SqlStore};
+pub use store::{RecordDialect, SqlRecords, SqlStore, MAX_RECORD_TABLE_NAME};
 pub use table::{InvalidIdentifier, TableName};
 
 /// Ends `tx` now: commits if `staged` is `Ok`, rolls back if not, and

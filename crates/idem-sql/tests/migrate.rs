@@ -816,3 +816,21 @@ async fn read_only_and_time_limits_are_worth_a_retry() {
     drop(conn);
     my.close().await;
 }
+
+/// A records table whose index name would not fit an identifier is
+/// refused when the store is made, saying why: PostgreSQL cut the index's
+/// name short (and `CREATE INDEX IF NOT EXISTS` could then find another
+/// table's index under it, leaving this one without), MySQL refused the
+/// migration with a bare 1059.
+#[tokio::test]
+async fn a_records_table_whose_index_name_cannot_fit_is_refused() {
+    let pool = sqlx::PgPool::connect_lazy("postgres://postgres@127.0.0.1:5432/test").unwrap();
+    let longest = "t".repeat(idem_sql::MAX_RECORD_TABLE_NAME);
+    assert!(idem_sql::SqlStore::<Postgres>::new(pool.clone(), table(None, &longest)).is_ok());
+    let longer = "t".repeat(idem_sql::MAX_RECORD_TABLE_NAME + 1);
+    let refused = idem_sql::SqlStore::<Postgres>::new(pool, table(None, &longer))
+        .map(|_| ())
+        .unwrap_err();
+    let said = format!("{:?}", refused);
+    assert!(said.contains("longer than 52 bytes"), "{said}");
+}

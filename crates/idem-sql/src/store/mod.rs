@@ -75,6 +75,11 @@ pub use postgres::{
 };
 pub use records::SqlRecords;
 
+/// The longest name a records table may have, in bytes: its index is
+/// `<name>_expires_at`, which must fit the 63 bytes of a PostgreSQL
+/// identifier (MySQL's 64).
+pub const MAX_RECORD_TABLE_NAME: usize = 52;
+
 /// The record statements, made for one table.
 #[derive(Debug)]
 struct RecordSql<D> {
@@ -199,9 +204,19 @@ impl<D: RecordDialect> SqlStore<D> {
 
     /// The store on `pool`, in `table`. Call [`migrate`](Self::migrate)
     /// once if the table may be missing. Fails when the table cannot live
-    /// on this database (a schema on SQLite).
+    /// on this database (a schema on SQLite), or its name is longer than
+    /// [`MAX_RECORD_TABLE_NAME`] bytes.
     pub fn new(pool: Pool<D>, table: TableName) -> Result<Self, StoreError> {
         let backend = |e: sqlx::Error| StoreError::Backend(Box::new(e));
+        if table.table().len() > MAX_RECORD_TABLE_NAME {
+            return Err(backend(sqlx::Error::Configuration(
+                format!(
+                    "the records table's name {:?} is longer than {MAX_RECORD_TABLE_NAME} bytes: the names made from it (its index, `<name>_expires_at`) would pass the 63 or 64 bytes a database takes (PostgreSQL cuts them short, and may find another table's index under the name cut)",
+                    table.table()
+                )
+                .into(),
+            )));
+        }
         let sql = RecordSql::new(&table).map_err(backend)?;
         let extra = D::extra(&table).map_err(backend)?;
         Ok(Self {
