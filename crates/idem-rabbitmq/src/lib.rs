@@ -51,8 +51,22 @@ use tracing::{debug, info, warn};
 
 /// A RabbitMQ failure.
 #[derive(Debug, thiserror::Error)]
-#[error("RabbitMQ: {0}")]
-pub struct RabbitError(#[from] lapin::Error);
+#[non_exhaustive]
+pub enum RabbitError {
+    /// The client or the broker failed (a connection, a channel, a
+    /// refusal).
+    #[error("RabbitMQ: {0}")]
+    Client(#[from] lapin::Error),
+    /// The broker ended the consumer (its queue deleted, the consumer
+    /// cancelled by an operator or a policy): nothing more will be
+    /// delivered to it, so [`Consumer::consume`] returns this rather than
+    /// `Ok` as after a stop. Restart it (after declaring the queue).
+    #[error("RabbitMQ: the broker cancelled the consumer of queue {queue:?}")]
+    Cancelled {
+        /// The queue it consumed.
+        queue: String,
+    },
+}
 
 /// A queue and its dead-letter queue.
 #[derive(Debug, Clone)]
@@ -690,13 +704,22 @@ impl RabbitConsumer {
                 Poll::Ready(item) => Poll::Ready(item),
                 Poll::Pending => Poll::Pending,
             });
-            let delivery = tokio::select! {
-                d = next => d,
-                _ = stop.changed() => None,
+            let (delivery, stopping) = tokio::select! {
+                d = next => (d, false),
+                _ = stop.changed() => (None, true),
             };
             let Some(delivery) = delivery else {
                 // what is in progress settles first
                 let settled = in_flight.drain().await;
+                if !stopping {
+                    // The stream ended without a stop: the broker ended the
+                    // consumer (lapin ends it on a `basic.cancel`).
+                    warn!(queue = %self.spec.name, "the broker cancelled the consumer");
+                    settled?;
+                    return Err(RabbitError::Cancelled {
+                        queue: self.spec.name.clone(),
+                    });
+                }
                 info!(queue = %self.spec.name, "consumer stopped");
                 return settled;
             };

@@ -423,3 +423,50 @@ async fn the_refusal_is_charged_to_the_message_that_closed_the_channel() {
     let again = [OutgoingMessage::new("m-again", to, "x")];
     assert!(publisher.publish(&again).await.confirmed("m-again"));
 }
+
+/// A consumer whose queue is deleted (the broker cancels it) ends with an
+/// error that says so, not `Ok` as after a stop: a caller that spawned it
+/// and waits for its end learns that nothing is consumed any more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_the_broker_cancels_ends_with_an_error() {
+    use std::time::Duration;
+
+    use idem_outbox::consumer::{handler, Delivery};
+    let r = rabbit(5).await;
+    let consumer = RabbitConsumer::connect(&amqp(), r.spec.clone(), 1)
+        .await
+        .unwrap();
+    let on_message = handler(|_: Delivery| async { Ok(()) });
+    let (_stop, stopped) = tokio::sync::watch::channel(false);
+    let consuming = tokio::spawn(Box::new(consumer).consume(on_message, stopped));
+    // Until the broker counts the consumer, then the queue goes.
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let q = r
+            .publisher
+            .channel()
+            .queue_declare(r.spec.name().into(), passive, Default::default())
+            .await
+            .unwrap();
+        if q.consumer_count() > 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no consumer in 20 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    r.publisher
+        .channel()
+        .queue_delete(r.spec.name().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), consuming)
+        .await
+        .expect("the consumer ended once cancelled")
+        .unwrap();
+    let e = ended.expect_err("a cancelled consumer is an error");
+    assert!(e.to_string().contains("cancelled"), "{e}");
+}
