@@ -262,8 +262,17 @@ impl RabbitPublisher {
     }
 }
 
+/// The most a message's headers may take, names and values together: a
+/// message's properties go in one content-header frame, which must fit the
+/// connection's `frame_max` (RabbitMQ's default 128 KiB). Larger, the
+/// broker closes the whole connection (a frame error), which the relay
+/// took for the broker down: the message was never dead-lettered, and
+/// each round cut its batch's connection.
+pub const MAX_HEADERS_BYTES: usize = 64 * 1024;
+
 /// Why `m` cannot go over AMQP, whose message id, routing key and header
-/// names are short strings (at most 255 bytes).
+/// names are short strings (at most 255 bytes), and whose headers must fit
+/// one frame ([`MAX_HEADERS_BYTES`]).
 fn unsendable(m: &OutgoingMessage, max_payload: usize) -> Option<String> {
     let long = |what: &str, s: &str| {
         (s.len() > MAX_SHORT_STRING).then(|| {
@@ -279,9 +288,20 @@ fn unsendable(m: &OutgoingMessage, max_payload: usize) -> Option<String> {
             m.payload.len()
         )
     });
+    // Each entry: its name's length byte, the name, a type byte, the
+    // value's four length bytes and the value.
+    let headers: usize = m
+        .headers
+        .iter()
+        .map(|(k, v)| k.len() + v.len() + 6)
+        .fold(0, usize::saturating_add);
+    let headers = (headers > MAX_HEADERS_BYTES).then(|| {
+        format!("the headers take {headers} bytes; at most {MAX_HEADERS_BYTES} fit one AMQP frame")
+    });
     long("the message id", &m.message_id)
         .or_else(|| long("the destination", &m.destination))
         .or_else(|| m.headers.iter().find_map(|(k, _)| long("a header name", k)))
+        .or(headers)
         .or(payload)
 }
 

@@ -167,6 +167,9 @@ async fn a_message_amqp_cannot_carry_is_refused_not_a_panic() {
         OutgoingMessage::new("m-header", to.clone(), "long header name")
             .header("h".repeat(256), "v"),
         OutgoingMessage::new("m-big", to.clone(), vec![b'x'; (16 << 20) + 1]),
+        // Over a frame: the broker would close the whole connection.
+        OutgoingMessage::new("m-headers", to.clone(), "large headers")
+            .header("h", "v".repeat(200 * 1024)),
         OutgoingMessage::new("m-ok", to, "fine"),
     ];
     let published = r.publisher.publish(&batch).await;
@@ -185,6 +188,13 @@ async fn a_message_amqp_cannot_carry_is_refused_not_a_panic() {
         "{}",
         big.message()
     );
+    let headers = published
+        .get("m-headers")
+        .unwrap()
+        .as_ref()
+        .expect_err("refused");
+    assert_eq!(headers.kind(), PublishErrorKind::Rejected);
+    assert!(headers.message().contains("frame"), "{}", headers.message());
     for id in ["i".repeat(256), "m-header".to_owned()] {
         let error = published
             .get(&id)
