@@ -343,3 +343,52 @@ in_every_mode!(
     the_checkout_contract,
     a_key_back_after_its_record_expired_resumes_under_the_bound_operation,
 );
+
+/// The order can be marked paid only after the bank charged: a database
+/// error there is a `5xx` that lets the key go, never a `4xx` (stored and
+/// replayed, it would tell the client the checkout was refused while the
+/// bank had charged). Here the database refuses the order's update with a
+/// data exception (class 22, which shop's other routes answer `400`) until
+/// the trigger is dropped; the retry then pays, charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_refusal_after_the_charge_is_never_stored_as_a_4xx() {
+    let db = Mode::Postgres.db().await;
+    let prefix = RedisPrefix::new("checkout-refused");
+    let shop = start_in(Mode::Postgres, &db, &prefix.0, &flags()).await;
+    let order = place_order(&shop, "refused").await;
+    db.execute(
+        "CREATE FUNCTION refuse_paid() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'refused for the test' USING ERRCODE = '22023'; END $$",
+    )
+    .await;
+    db.execute(
+        "CREATE TRIGGER refuse_paid BEFORE UPDATE ON shop_orders
+         FOR EACH ROW WHEN (NEW.status = 'paid') EXECUTE FUNCTION refuse_paid()",
+    )
+    .await;
+    let failed = read(checkout(
+        &shop,
+        &order,
+        Some("k-refused"),
+        "acc-refused",
+        "700",
+    ))
+    .await;
+    assert!(
+        failed.status >= 500,
+        "charged, then refused by the database: {failed:?}"
+    );
+    db.execute("DROP TRIGGER refuse_paid ON shop_orders").await;
+    let retry = read(checkout(
+        &shop,
+        &order,
+        Some("k-refused"),
+        "acc-refused",
+        "700",
+    ))
+    .await;
+    assert_eq!(retry.status, 200, "{retry:?}");
+    assert!(!retry.replayed, "{retry:?}");
+    assert_eq!(retry.json()["status"], "paid", "{retry:?}");
+    assert_eq!(retry.json()["bank_charges"], 1, "charged once: {retry:?}");
+}

@@ -326,11 +326,14 @@ async fn mark_paid(
         StepStart::Run(step) => step,
     };
     let failed = |e: Error| StepError::Failed(e);
+    // Every database failure here comes after the bank charged:
+    // `Error::Recording`, a 5xx that lets the key go (as `POST /payments`
+    // does), never a 4xx that would be stored and replayed as a refusal.
     let mut tx = match state.db.begin().await {
         Ok(tx) => tx,
         Err(e) => {
             op.release_step(&step).await;
-            return Err(failed(e.into()));
+            return Err(failed(Error::Recording(e)));
         }
     };
     let staged = async {
@@ -383,7 +386,7 @@ async fn mark_paid(
         Err(e) => {
             rollback(tx).await;
             op.release_step(&step).await;
-            return Err(failed(e.into()));
+            return Err(failed(Error::Recording(e)));
         }
     };
     if state.transactional {
