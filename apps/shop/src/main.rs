@@ -148,6 +148,9 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         )
         .await?,
     );
+    if config.webhook_secret.is_none() && config.fault_injection == config::FaultInjection::Off {
+        warn!("--fault-injection off without --webhook-secret: POST /webhooks/bank takes unsigned events, so anyone can settle a payment; set a secret before exposing shop");
+    }
     let state = http::AppState::new(http::Shared {
         db: database,
         bank,

@@ -137,8 +137,9 @@ async fn the_document_covers_every_route(db: Db) {
     assert!(String::from_utf8_lossy(&stray.body).contains("no route here"));
 }
 
-/// `off` refuses `X-Simulate`, `safe` refuses only the crashes; neither
-/// charges the bank for a refused request.
+/// `off` refuses `X-Simulate`, and does not serve `/bare/payments` (no
+/// idempotency: a retry charges again); `safe` refuses only the crashes;
+/// neither charges the bank for a refused request.
 async fn fault_injection_is_bounded_by_its_flag(db: Db) {
     let client = reqwest::Client::new();
     let off = Shop::start(&db, &["--fault-injection", "off"]).await;
@@ -146,6 +147,15 @@ async fn fault_injection_is_bounded_by_its_flag(db: Db) {
         read(pay(&client, &off, Some("k-off"), BODY).header("x-simulate", "bank-error")).await;
     assert_eq!(refused.status, 400, "{refused:?}");
     assert!(String::from_utf8_lossy(&refused.body).contains("--fault-injection off"));
+    let bare = read(
+        client
+            .post(off.url("/bare/payments"))
+            .header("authorization", "Bearer client-1")
+            .header("content-type", "application/json")
+            .body(BODY),
+    )
+    .await;
+    assert_eq!(bare.status, 404, "{bare:?}");
     assert_eq!(account(&client, &off, "acc_1").await["bank_charges"], 0);
     drop(off);
 

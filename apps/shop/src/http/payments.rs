@@ -320,7 +320,9 @@ async fn rollback(tx: Box<dyn ShopTx>) {
 }
 
 /// The same work as `POST /payments` with no idempotency at all: the
-/// baseline the benchmarks compare against. A retry here charges again.
+/// baseline the benchmarks compare against. A retry here charges again, so
+/// a shop started to be exposed (`--fault-injection off`) does not serve
+/// it: `404`.
 #[utoipa::path(
     post,
     path = "/bare/payments",
@@ -333,6 +335,7 @@ async fn rollback(tx: Box<dyn ShopTx>) {
     responses(
         (status = 201, description = "Charged", body = Payment,
             headers(("Location" = String, description = "The payment"))),
+        (status = 404, description = "Not served with `--fault-injection off`", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 415, description = "The body is not JSON", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 502, description = "The bank could not be reached (or X-Simulate: bank-error)", body = ProblemDoc, content_type = "application/problem+json"),
     )
@@ -343,6 +346,12 @@ async fn create_payment_bare(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response> {
+    if state.fault_injection == crate::config::FaultInjection::Off {
+        return Err(Error::NotFound {
+            what: "route",
+            id: "/bare/payments".to_owned(),
+        });
+    }
     let operation_id = OperationId::generate();
     let payment = charge(&state, &client_id, operation_id, &headers, &body).await?;
     record_payment(&state, None, &client_id, operation_id, &payment, None).await
