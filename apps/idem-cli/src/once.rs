@@ -24,7 +24,10 @@ use tokio::io::AsyncReadExt;
 pub(crate) const MAX_STDOUT: usize = 1 << 20;
 
 /// How long stdout is still read once the command exited (a process it
-/// left in the background may hold the pipe open for ever).
+/// left in the background may hold the pipe open for ever), not counting
+/// the time spent writing it on to a slow reader: what the command wrote
+/// before it exited is passed on and kept however slowly our own stdout is
+/// read, never cut by that reader's pace.
 const STDOUT_AFTER_EXIT: Duration = Duration::from_secs(1);
 
 /// Exit statuses of `idem once` itself (sysexits.h), besides the command's.
@@ -581,6 +584,22 @@ async fn execute(
     let mut stdout = child.stdout.take();
     let mut captured = Vec::new();
     let mut total: u64 = 0;
+    // The time the copy has spent writing on to our stdout: the write
+    // under way since when, and the writes done, in all.
+    let writes = std::sync::Mutex::new((None::<tokio::time::Instant>, Duration::ZERO));
+    let mark = |writing: bool| {
+        let now = tokio::time::Instant::now();
+        let mut w = writes.lock().unwrap_or_else(|e| e.into_inner());
+        match (writing, w.0.take()) {
+            (true, _) => w.0 = Some(now),
+            (false, Some(since)) => w.1 += now - since,
+            (false, None) => {}
+        }
+    };
+    let written_for = || {
+        let w = writes.lock().unwrap_or_else(|e| e.into_inner());
+        w.1 + w.0.map_or(Duration::ZERO, |since| since.elapsed())
+    };
     let copy = async {
         let Some(pipe) = stdout.as_mut() else {
             return;
@@ -592,11 +611,13 @@ async fn execute(
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            mark(true);
             let chunk = &buf[..n];
             // A reader that went away does not stop the command's output
             // from being kept.
             let _ = out.write_all(chunk).await;
             let _ = out.flush().await;
+            mark(false);
             total += n as u64;
             if captured.len() <= MAX_STDOUT {
                 captured.extend_from_slice(chunk);
@@ -653,9 +674,22 @@ async fn execute(
         // read for a moment more, never past the lease, then the pipe is
         // let go.
         progress.ended(exit_status(status));
-        if !copied {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let _ = tokio::time::timeout(STDOUT_AFTER_EXIT.min(left), &mut copy).await;
+        // Until the pipe ends, or `STDOUT_AFTER_EXIT` has passed beside
+        // the time spent writing to a slow reader, never past the lease.
+        let (exited, written_before) = (tokio::time::Instant::now(), written_for());
+        while !copied {
+            let used = exited
+                .elapsed()
+                .saturating_sub(written_for().saturating_sub(written_before));
+            let left = STDOUT_AFTER_EXIT.saturating_sub(used);
+            let now = tokio::time::Instant::now();
+            if left.is_zero() || now >= deadline {
+                break;
+            }
+            tokio::select! {
+                () = &mut copy => copied = true,
+                () = tokio::time::sleep_until((now + left).min(deadline)) => {}
+            }
         }
         status
     };

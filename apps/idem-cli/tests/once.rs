@@ -914,6 +914,56 @@ mod sqlite {
     }
 }
 
+/// A command's output read slowly by whoever reads `idem once`'s stdout
+/// is passed on and kept whole, however long after the command exited it
+/// takes that reader: before, what was still in the pipe a second after
+/// the exit (time spent waiting on the reader included) was dropped, from
+/// the stream and from the stored result, with exit status 0.
+#[test]
+fn output_read_slowly_after_the_command_exits_is_kept_whole() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("once.db").display());
+    const BYTES: usize = 200_000;
+    let script = format!("head -c {BYTES} /dev/zero | tr '\\0' x");
+    let mut child = idem(
+        &url,
+        &[
+            "once",
+            "--scope",
+            "cron",
+            "--key",
+            "slow-reader",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut got = Vec::new();
+    let mut chunk = vec![0u8; 8 * 1024];
+    loop {
+        let n = stdout.read(&mut chunk).unwrap();
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&chunk[..n]);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(got.len(), BYTES, "passed on whole");
+    assert!(got.iter().all(|b| *b == b'x'));
+    let again = once(&url, "slow-reader", &[], &["sh", "-c", &script]);
+    assert_eq!(again.status.code(), Some(0), "{}", text(&again.stderr));
+    assert_eq!(again.stdout.len(), BYTES, "kept whole");
+}
+
 mod postgres {
     use idem_test_support::postgres::TestSchema;
     async fn url() -> (String, TestSchema) {
