@@ -133,7 +133,7 @@ enum Command {
 #[derive(Debug, Args)]
 struct Target {
     /// `sqlite:FILE`, `postgres://…` or `mysql://…`.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
     /// PostgreSQL and MySQL: the schema (MySQL: the database) of the records
     /// table (default: the search_path, or the URL's database).
@@ -144,7 +144,7 @@ struct Target {
     table: String,
     /// Tiered mode: the Redis in front of the database: `inspect` and
     /// `stats` show what it holds, `release` clears its in-flight marker.
-    #[arg(long, env = "REDIS_URL")]
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     redis_url: Option<String>,
     /// `--redis-url` names a Redis Cluster (one or more nodes, comma-separated).
     #[arg(long, env = "IDEM_REDIS_CLUSTER")]
@@ -368,9 +368,16 @@ fn target_problem(target: &Target) -> Option<String> {
 /// or MySQL, with Redis in front of it when `--redis-url` is set (tiered:
 /// the database decides), or Redis alone (`--database-url redis://…`).
 fn unsupported_url(url: &str) -> String {
+    // Only what is shaped as a URL is shown (its secrets masked): a
+    // key/value connection string (`host=db password=…`) has no userinfo or
+    // query to mask.
+    let shown = if url.contains("://") || url.starts_with("sqlite:") {
+        format!("{:?}", redact(url))
+    } else {
+        "(not shown: it is not a URL)".to_owned()
+    };
     format!(
-        "unsupported database URL {:?}: use sqlite:FILE, postgres://…, mysql://… or redis://…",
-        redact(url)
+        "unsupported database URL {shown}: use sqlite:FILE, postgres://…, mysql://… or redis://…"
     )
 }
 
@@ -485,9 +492,12 @@ fn redact_query(url: &str) -> String {
     format!("{base}?{}", params.join("&"))
 }
 
-/// Whether a (percent-encoded) query parameter name carries a password.
+/// Whether a (percent-encoded) query parameter name carries a password:
+/// one whose name holds "password", or is `pass` (redis-rs reads a
+/// `redis+unix://` URL's password from `?pass=`) or `pwd`, in any case.
 fn names_a_password(name: &str) -> bool {
-    percent_decode(name).to_lowercase().contains("password")
+    let name = percent_decode(name).to_lowercase();
+    name.contains("password") || name == "pass" || name == "pwd"
 }
 
 /// The secrets in `url` that [`redact`] masks, as written and decoded, for
@@ -1097,6 +1107,17 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(setting, expected, "normal: {normal}");
         }
+    }
+
+    /// redis-rs reads a unix socket's password from `?pass=`; a
+    /// key/value connection string is not echoed at all.
+    #[test]
+    fn a_socket_password_and_a_connection_string_are_not_shown() {
+        let url = "redis+unix:///run/redis.sock?db=1&pass=hunter22";
+        assert_eq!(redact(url), "redis+unix:///run/redis.sock?db=1&pass=***");
+        assert!(secrets(url).contains(&"hunter22".to_owned()));
+        let said = unsupported_url("host=db user=app password=hunter22");
+        assert!(!said.contains("hunter22"), "{said}");
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub(crate) mod exit {
 pub(crate) struct OnceArgs {
     /// `sqlite:FILE`, `postgres://…`, `mysql://…`, or `redis://…` (Redis
     /// alone). With a SQL URL, `--redis-url` puts Redis in front of it.
-    #[arg(long, env = "DATABASE_URL")]
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub(crate) database_url: String,
     /// PostgreSQL and MySQL: the schema (MySQL: the database) of the
     /// records table.
@@ -61,7 +61,7 @@ pub(crate) struct OnceArgs {
     #[arg(long, default_value = "idem_records")]
     pub(crate) table: String,
     /// Redis in front of the SQL database (tiered: the database decides).
-    #[arg(long, env = "REDIS_URL")]
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub(crate) redis_url: Option<String>,
     /// The prefix of idem's keys in Redis.
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
@@ -158,7 +158,11 @@ enum Failed {
 
 /// Runs `idem once`.
 pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
-    let say = |message: String| eprintln!("idem once: {message}");
+    // Every message goes out with the URLs' secrets masked: a store's
+    // error may quote what it was given.
+    let mut secrets = crate::secrets(&args.database_url);
+    secrets.extend(args.redis_url.iter().flat_map(|u| crate::secrets(u)));
+    let say = |message: String| eprintln!("idem once: {}", crate::scrub(&message, &secrets));
     // What is wrong with the command line is said before any connection,
     // whether or not the store answers.
     if let Err(why) = idem_once::check_run_key(&args.scope, &args.key) {

@@ -970,3 +970,45 @@ async fn the_outbox_read_is_the_one_named() {
     let limit = idem(&["outbox", "--database-url", &url, "--limit", "-1"]);
     assert_eq!(limit.status.code(), Some(2));
 }
+
+/// `--help` names the environment variables it reads, never their values:
+/// a job that prints it with `DATABASE_URL` or `REDIS_URL` set does not
+/// put the passwords in its log. And a store that cannot be reached is
+/// said without them, in `idem once` too.
+#[test]
+fn help_and_errors_never_show_the_urls_passwords() {
+    for verb in [
+        &["once", "--help"][..],
+        &["proxy", "--help"],
+        &["inspect", "--help"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(verb)
+            .env("DATABASE_URL", "postgres://app:hunter22@db.invalid/app")
+            .env("REDIS_URL", "redis://:hunter33@cache.invalid:6379")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.contains("DATABASE_URL"), "{verb:?}: {said}");
+        assert!(
+            !said.contains("hunter22") && !said.contains("hunter33"),
+            "{verb:?}: {said}"
+        );
+    }
+    for (url, exit) in [
+        // redis-rs reads a socket's password from `?pass=`.
+        ("redis+unix:///nowhere/redis.sock?pass=hunter44", 64),
+        ("redis://:hunter44@127.0.0.1:1", 69),
+        ("host=db user=app password=hunter44", 64),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["once", "--scope", "s", "--key", "k", "--", "true"])
+            .env("DATABASE_URL", url)
+            .env_remove("REDIS_URL")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(exit), "{url}: {said}");
+        assert!(!said.contains("hunter44"), "{url}: {said}");
+    }
+}

@@ -23,7 +23,12 @@ pub(crate) struct Config {
 
     /// Database URL: `sqlite:FILE` (created if missing), `postgres://…` or
     /// `mysql://…` (MySQL 8 or MariaDB 10.6+).
-    #[arg(long, env = "DATABASE_URL", default_value = "sqlite:shop.db")]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "sqlite:shop.db"
+    )]
     pub(crate) database_url: String,
 
     /// SQLite only: when a commit reaches the disk. `full` (the default)
@@ -45,7 +50,7 @@ pub(crate) struct Config {
     pub(crate) ttl_secs: u64,
 
     /// Redis in front of the database, for replays and in-flight collisions (`redis://host:port`).
-    #[arg(long, env = "REDIS_URL")]
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub(crate) redis_url: Option<String>,
 
     /// --redis-url names a Redis Cluster: one or more of its nodes, comma-separated.
@@ -73,7 +78,7 @@ pub(crate) struct Config {
     pub(crate) redis_prefix: String,
 
     /// A broker for the events (`amqp://…` RabbitMQ, `nats://…` JetStream); in process without one.
-    #[arg(long, env = "BROKER_URL")]
+    #[arg(long, env = "BROKER_URL", hide_env_values = true)]
     pub(crate) broker_url: Option<String>,
 
     /// The prefix of queue names and subjects (two shops sharing a broker need different ones).

@@ -72,7 +72,12 @@ pub(crate) struct ProxyArgs {
     pub(crate) upstream: String,
     /// Where records live: `sqlite:FILE`, `postgres://…`, `mysql://…`, or
     /// `redis://…` (Redis alone).
-    #[arg(long, env = "DATABASE_URL", default_value = "sqlite:idem-proxy.db")]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "sqlite:idem-proxy.db"
+    )]
     pub(crate) database_url: String,
     /// PostgreSQL and MySQL: the schema (MySQL: the database) of the
     /// records table.
@@ -82,7 +87,7 @@ pub(crate) struct ProxyArgs {
     #[arg(long, env = "IDEM_TABLE", default_value = "idem_records")]
     pub(crate) table: String,
     /// Redis in front of the SQL database (tiered: the database decides).
-    #[arg(long, env = "REDIS_URL")]
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub(crate) redis_url: Option<String>,
     /// The Redis URLs name a Redis Cluster (nodes comma-separated).
     #[arg(long, env = "IDEM_REDIS_CLUSTER")]
