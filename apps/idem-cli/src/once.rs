@@ -420,13 +420,30 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 /// group (another host would start it beside it once the lease ran out).
 /// Others that end a process (SIGKILL, which cannot be watched; SIGPROF,
 /// SIGXCPU and their kind) are not.
+///
+/// The signals that stop a process (SIGTSTP, Ctrl-Z; SIGTTIN, SIGTTOU)
+/// are caught and not acted on: `idem once` stopped, its command (in a
+/// group of its own, so not stopped with it) would run on past the lease
+/// with nothing watching it, beside the run another host then starts.
 struct Signals {
     watched: Vec<(tokio::signal::unix::Signal, i32)>,
+    _not_stopped: Vec<tokio::signal::unix::Signal>,
 }
 
 impl Signals {
     fn watch() -> std::io::Result<Self> {
         use tokio::signal::unix::{signal, SignalKind};
+        // Caught (a handler replaces the default, which would stop this
+        // process), never read: nothing happens. A command started after
+        // gets the default back (handlers do not survive `exec`).
+        let not_stopped = [
+            rustix::process::Signal::TSTP,
+            rustix::process::Signal::TTIN,
+            rustix::process::Signal::TTOU,
+        ]
+        .into_iter()
+        .map(|s| signal(SignalKind::from_raw(s.as_raw())))
+        .collect::<std::io::Result<Vec<_>>>()?;
         let kinds = [
             SignalKind::terminate(),
             SignalKind::interrupt(),
@@ -440,7 +457,10 @@ impl Signals {
             .into_iter()
             .map(|kind| Ok((signal(kind)?, kind.as_raw_value())))
             .collect::<std::io::Result<_>>()?;
-        Ok(Self { watched })
+        Ok(Self {
+            watched,
+            _not_stopped: not_stopped,
+        })
     }
 
     /// The next one's number.

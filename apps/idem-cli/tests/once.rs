@@ -964,6 +964,41 @@ fn output_read_slowly_after_the_command_exits_is_kept_whole() {
     assert_eq!(again.stdout.len(), BYTES, "kept whole");
 }
 
+/// Ctrl-Z (SIGTSTP), and SIGTTIN/SIGTTOU, do not stop `idem once`: its
+/// command, in a group of its own, would go on running with nothing
+/// watching its lease. It keeps running and ends with the command.
+#[test]
+fn a_terminal_stop_does_not_stop_idem_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("once.db").display());
+    let started = dir.path().join("started");
+    let script = format!("touch '{}'; sleep 1", started.display());
+    let mut child = idem(
+        &url,
+        &[
+            "once", "--scope", "cron", "--key", "tstp", "--", "sh", "-c", &script,
+        ],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    wait_for("the command to start", || started.exists());
+    let pid = child.id().to_string();
+    for signal in ["-TSTP", "-TTIN", "-TTOU"] {
+        send(signal, &pid);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let state = stat_field(&pid, 0);
+    if state == "T" {
+        send("-CONT", &pid);
+        let _ = child.kill();
+        panic!("idem once was stopped by a terminal signal");
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
 mod postgres {
     use idem_test_support::postgres::TestSchema;
     async fn url() -> (String, TestSchema) {
