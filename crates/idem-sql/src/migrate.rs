@@ -196,6 +196,44 @@ impl<D: Dialect> VersionSql<D> {
     }
 }
 
+/// Whether `table` has every one of `migrations` recorded in `versions`
+/// (the qualified version table) with its text's checksum, and no other:
+/// read on a pooled connection, with no lock and no DDL, so that a process
+/// starting against a database that is up to date needs only the right to
+/// read the version table (not to own it, as `ALTER TABLE` would), and
+/// queues behind no transaction. Any error (no version table yet, no
+/// checksum column, no privilege) is "not current": the full run decides,
+/// and says what is wrong.
+pub(crate) async fn is_current<D: Dialect>(
+    pool: &crate::dialect::Pool<D>,
+    versions: &str,
+    table: &TableName,
+    migrations: &[Migration],
+) -> bool {
+    let Ok(mut conn) = pool.acquire().await else {
+        return false;
+    };
+    let sql = VersionSql::<D>::new(versions, "NULL");
+    let Ok(rows) = D::fetch_all(&mut conn, &sql.applied, &[Arg::Text(table.table())]).await else {
+        return false;
+    };
+    let mut applied = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let version = D::get(row, "version").and_then(|v| v.int("version"));
+        let checksum = D::get(row, "checksum").and_then(|v| v.text("checksum"));
+        match (version, checksum) {
+            (Ok(v), Ok(c)) => applied.push((v, c)),
+            _ => return false,
+        }
+    }
+    applied.len() == migrations.len()
+        && migrations.iter().all(|m| {
+            applied
+                .iter()
+                .any(|(v, c)| *v == m.version && *c == m.checksum())
+        })
+}
+
 /// Applies what is missing of `migrations` to `table` on `conn`, which
 /// holds the migrations' lock (and, where DDL is transactional, a
 /// transaction). An applied version recorded without a checksum (by idem

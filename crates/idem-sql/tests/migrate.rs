@@ -834,3 +834,45 @@ async fn a_records_table_whose_index_name_cannot_fit_is_refused() {
     let said = format!("{:?}", refused);
     assert!(said.contains("longer than 52 bytes"), "{said}");
 }
+
+/// A role that may use the records but does not own their tables (a
+/// least-privilege service account; `idem once` run from cron) starts
+/// against a database already migrated: the runner reads the version
+/// table and finds nothing to do, where it ran `ALTER TABLE … ADD COLUMN
+/// IF NOT EXISTS` on it at every start, which needs ownership (refused,
+/// so the process never started).
+#[tokio::test]
+async fn an_up_to_date_database_needs_no_ownership_to_start() {
+    let schema = TestSchema::create("idem_least").await;
+    let records = table(Some(schema.name()), "idem_records");
+    drop(
+        idem_sql::SqlStore::<Postgres>::connect_with(&schema.url(), records.clone())
+            .await
+            .unwrap(),
+    );
+    let role = format!("{}_role", schema.name());
+    let admin = sqlx::PgPool::connect(&schema.url()).await.unwrap();
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE ON SCHEMA \"{}\" TO {role}", schema.name()),
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{}\" TO {role}",
+            schema.name()
+        ),
+    ] {
+        sqlx::query(&sql).execute(&admin).await.unwrap();
+    }
+    let as_role = schema
+        .url()
+        .replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    let started = idem_sql::SqlStore::<Postgres>::connect_with(&as_role, records).await;
+    let ok = started.as_ref().map(|_| ()).map_err(|e| format!("{e:?}"));
+    if let Ok(store) = started {
+        store.pool().close().await;
+    }
+    for sql in [format!("DROP OWNED BY {role}"), format!("DROP ROLE {role}")] {
+        sqlx::query(&sql).execute(&admin).await.unwrap();
+    }
+    admin.close().await;
+    ok.unwrap();
+}

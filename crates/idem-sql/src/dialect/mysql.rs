@@ -175,6 +175,10 @@ impl Dialect for MySql {
                 }
             })?;
             let versions = Self::qualify(&versions_table).map_err(&db)?;
+            // Up to date (the common start): nothing to lock or run.
+            if crate::migrate::is_current::<Self>(pool, &versions, table, migrations).await {
+                return Ok(());
+            }
             let mut conn = pool.acquire().await.map_err(&db)?;
             // The lock is the session's: a runner stopped before it let go
             // (its future dropped) must not give the pool back a

@@ -107,6 +107,10 @@ impl Dialect for Postgres {
                     }
                 })?)
                 .map_err(&db)?;
+            // Up to date (the common start): nothing to lock or run.
+            if crate::migrate::is_current::<Self>(pool, &versions, table, migrations).await {
+                return Ok(());
+            }
             let mut tx = pool.begin().await.map_err(&db)?;
             let staged = async {
                 sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
