@@ -158,6 +158,16 @@ enum Failed {
 
 /// Runs `idem once`.
 pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
+    // The library's warnings (a release that failed, so the key stays held
+    // until its lease ends) reach stderr; `RUST_LOG` widens them.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .without_time()
+        .try_init();
     // Every message goes out with the URLs' secrets masked: a store's
     // error may quote what it was given.
     let mut secrets = crate::secrets(&args.database_url);

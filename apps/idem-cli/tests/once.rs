@@ -999,6 +999,28 @@ fn a_terminal_stop_does_not_stop_idem_once() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
 }
 
+/// A release that fails (here: the record was deleted under the run) is
+/// said on stderr: the key may stay held until its lease ends, and the
+/// next run's `75` should not come unexplained. The library logs it; `idem
+/// once` installed nothing that printed it.
+#[test]
+fn a_failed_release_is_said() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("once.db");
+    let url = format!("sqlite:{}", db.display());
+    let script = format!(
+        "python3 -c \"import sqlite3; c = sqlite3.connect('{}'); c.execute('DELETE FROM idem_records'); c.commit()\"; exit 3",
+        db.display()
+    );
+    let out = once(&url, "lost-record", &[], &["sh", "-c", &script]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("release failed"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 mod postgres {
     use idem_test_support::postgres::TestSchema;
     async fn url() -> (String, TestSchema) {
