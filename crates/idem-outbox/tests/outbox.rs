@@ -972,3 +972,54 @@ async fn a_full_batch_that_failed_waits_for_the_poll() {
     let ended = tokio::time::timeout(Duration::from_secs(20), running).await;
     assert!(matches!(ended, Ok(Ok(Ok(())))), "{ended:?}");
 }
+
+/// One destination the broker cannot take (its queue stuck) backs off as
+/// its outage goes on while another destination's rows go out every round:
+/// its waits double (200 ms, 400 ms, 800 ms, …), so in 3 s of rounds every
+/// 50 ms it is tried a handful of times. Before, any row sent ended the
+/// one outage the relay kept, and the stuck destination's row was tried
+/// again after every first wait (about every 200 ms: a dozen times).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_destination_backs_off_while_the_others_flow() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = sqlx::SqlitePool::connect(&format!(
+        "sqlite:{}?mode=rwc",
+        dir.path().join("o.db").display()
+    ))
+    .await
+    .unwrap();
+    outbox::migrate(&pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    outbox::enqueue(&mut tx, &message("stuck-1", "down", None))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let relay = Relay::new(
+        &pool,
+        Arc::new(Recording::default()),
+        RelayConfig {
+            backoff: Duration::from_millis(200),
+            ..RelayConfig::default()
+        },
+    );
+    let (mut tried, mut sent) = (0, 0);
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    let mut i = 0;
+    while std::time::Instant::now() < until {
+        let mut tx = pool.begin().await.unwrap();
+        outbox::enqueue(&mut tx, &message(&format!("ok-{i}"), "orders", None))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        i += 1;
+        let round = relay.round().await.unwrap();
+        tried += round.failed;
+        sent += round.sent;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(sent >= 10, "the other destination flowed: {sent} sent");
+    assert!(
+        (1..=6).contains(&tried),
+        "the stuck destination was tried {tried} times in 3 s"
+    );
+}

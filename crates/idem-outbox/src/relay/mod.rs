@@ -3,6 +3,7 @@
 //! [`OutboxDialect`]: what differs between databases is their statements
 //! (`crate::db`) and [`idem_sql::Dialect`].
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -190,10 +191,15 @@ pub struct Relay {
     config: RelayConfig,
     wake: Arc<tokio::sync::Notify>,
     looked: Arc<std::sync::Mutex<Looked>>,
-    /// How long the broker has been away, in backoff steps: the step grows
-    /// at most once per its own backoff of wall time, so a batch after
-    /// batch of failures in one blip does not jump to the longest wait.
-    outage: Arc<std::sync::Mutex<Outage>>,
+    /// How long each destination has been unreachable, in backoff steps:
+    /// the step grows at most once per its own backoff of wall time, so a
+    /// batch after batch of failures in one blip does not jump to the
+    /// longest wait. Per destination: one queue whose broker side is stuck
+    /// (a quorum queue without its majority) backs off as its outage goes
+    /// on while the others flow, where one outage for all was ended by any
+    /// other row sent and kept the stuck one's rows at the first wait, in
+    /// nearly every batch.
+    outage: Arc<std::sync::Mutex<HashMap<String, Outage>>>,
 }
 
 /// How long the broker has been away (see [`Relay`]'s `outage`).
@@ -281,9 +287,14 @@ impl Relay {
         looked.oldest.unwrap_or_default() + looked.at.elapsed()
     }
 
-    /// The broker's absence so far.
-    fn outage(&self) -> Outage {
-        *self.outage.lock().unwrap_or_else(|e| e.into_inner())
+    /// `destination`'s absence so far.
+    fn outage(&self, destination: &str) -> Outage {
+        self.outage
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(destination)
+            .copied()
+            .unwrap_or_default()
     }
 
     /// Wakes the running relay at once (after a commit that enqueued
@@ -353,7 +364,10 @@ impl Relay {
         };
         let mut sent = Vec::new();
         let mut round = Round::default();
-        let mut transport_failures = 0usize;
+        // The destinations a row reached, and those only the broker's
+        // absence kept rows from.
+        let mut reached: HashSet<&str> = HashSet::new();
+        let mut unreachable: HashSet<&str> = HashSet::new();
         for c in &claimed {
             let outcome = published
                 .get(&c.message.message_id)
@@ -363,8 +377,10 @@ impl Relay {
                         "the publisher said nothing of this message",
                     ))
                 });
+            let destination = c.message.destination.as_str();
             let Err(e) = outcome else {
                 sent.push(c.seq);
+                reached.insert(destination);
                 continue;
             };
             round.failed += 1;
@@ -377,8 +393,8 @@ impl Relay {
             let streak = if counted {
                 c.attempts
             } else {
-                transport_failures += 1;
-                i64::from(self.outage().steps) + 1
+                unreachable.insert(destination);
+                i64::from(self.outage(destination).steps) + 1
             };
             let backoff = self
                 .config
@@ -400,21 +416,26 @@ impl Relay {
                 .mark_failed(c.seq, token, &e.to_string(), backoff, state, counted)
                 .await?;
         }
-        // A round that could not reach the broker: the backoff of the rows
-        // it did not take grows with the outage's length in time (one step
-        // per step's own wait), not with the number of batches that failed.
-        if !sent.is_empty() {
-            *self.outage.lock().unwrap_or_else(|e| e.into_inner()) = Outage::default();
-        } else if transport_failures > 0 {
-            let mut outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
-            let step = self
-                .config
-                .backoff
-                .saturating_mul(1u32 << outage.steps.min(16))
-                .min(Duration::from_secs(60));
-            if outage.since.is_none_or(|at| at.elapsed() >= step) {
-                outage.steps = outage.steps.saturating_add(1);
-                outage.since = Some(Instant::now());
+        // A destination the round could not reach: the backoff of its rows
+        // grows with the outage's length in time (one step per step's own
+        // wait), not with the number of batches that failed. One it reached
+        // is back.
+        {
+            let mut outages = self.outage.lock().unwrap_or_else(|e| e.into_inner());
+            for destination in &reached {
+                outages.remove(*destination);
+            }
+            for destination in unreachable.difference(&reached) {
+                let outage = outages.entry((*destination).to_owned()).or_default();
+                let step = self
+                    .config
+                    .backoff
+                    .saturating_mul(1u32 << outage.steps.min(16))
+                    .min(Duration::from_secs(60));
+                if outage.since.is_none_or(|at| at.elapsed() >= step) {
+                    outage.steps = outage.steps.saturating_add(1);
+                    outage.since = Some(Instant::now());
+                }
             }
         }
         if !sent.is_empty() {
