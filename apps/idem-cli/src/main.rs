@@ -970,17 +970,32 @@ fn inspection_text(seen: &Inspection, show_body: bool, held: bool) -> String {
             for (name, value) in &response.headers {
                 line(
                     "header:",
-                    format!("{name}: {}", String::from_utf8_lossy(value)),
+                    format!("{name}: {}", printable(&String::from_utf8_lossy(value))),
                 );
             }
             out.push_str("body:\n");
-            out.push_str(&String::from_utf8_lossy(&response.body));
+            out.push_str(&printable(&String::from_utf8_lossy(&response.body)));
             out.push('\n');
         }
     } else {
         line("status:", "- (no response yet)".into());
     }
     out
+}
+
+/// `text` safe to print on a terminal: control characters but newline
+/// and tab (an escape sequence a stored answer carries could rewrite the
+/// operator's screen or title) are shown escaped, `\u{1b}`.
+fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() && c != '\n' && c != '\t' {
+                c.escape_unicode().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 fn inspection_json(seen: &Inspection, show_body: bool) -> serde_json::Value {
@@ -1107,6 +1122,15 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(setting, expected, "normal: {normal}");
         }
+    }
+
+    /// A stored body or header that carries a terminal escape sequence is
+    /// printed with it escaped.
+    #[test]
+    fn control_characters_are_printed_escaped() {
+        assert_eq!(printable("ok\n\tyes"), "ok\n\tyes");
+        assert_eq!(printable("\u{1b}]0;owned\u{7}"), "\\u{1b}]0;owned\\u{7}");
+        assert_eq!(printable("a\rb"), "a\\u{d}b");
     }
 
     /// redis-rs reads a unix socket's password from `?pass=`; a
