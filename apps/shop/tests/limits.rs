@@ -750,9 +750,10 @@ async fn a_second_instance_starts_beside_open_transactions_on_postgres() {
 /// An upgrade from the release whose checkouts kept their key but not
 /// what they pay with adds `shop_checkouts.intent` alone, on PostgreSQL
 /// without a lock on the tables that had every column: it starts while a
-/// transaction holds a row of `bank_charges`. Before, every added column's
-/// `ADD COLUMN IF NOT EXISTS` ran and waited for that transaction (and
-/// gave up after the 10 s lock wait, so the instance did not start).
+/// transaction writes to `bank_charges`. Before, every added column's
+/// `ADD COLUMN IF NOT EXISTS`, and every index's `CREATE INDEX IF NOT
+/// EXISTS`, ran and waited for that transaction (and gave up after the
+/// 10 s lock wait, so the instance did not start).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_that_adds_one_column_locks_only_its_table_on_postgres() {
     let db = Db::postgres().await;
@@ -761,7 +762,10 @@ async fn an_upgrade_that_adds_one_column_locks_only_its_table_on_postgres() {
         .await;
     let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
     let mut open = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM bank_charges FOR UPDATE")
+    // A writer of `bank_charges` (ROW EXCLUSIVE): the table's indexes'
+    // `CREATE INDEX IF NOT EXISTS` would wait for it (SHARE), and
+    // `ADD COLUMN IF NOT EXISTS` too (ACCESS EXCLUSIVE).
+    sqlx::query("LOCK TABLE bank_charges IN ROW EXCLUSIVE MODE")
         .execute(&mut *open)
         .await
         .unwrap();

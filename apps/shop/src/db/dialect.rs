@@ -276,9 +276,22 @@ impl ShopDialect for idem_sql::Postgres {
                         .await?;
                     }
                 }
-                sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
-                // Last: its index says the whole step is done (above).
-                sqlx::query(REFERENCE_INDEX).execute(&mut *tx).await?;
+                // The schema's tables and indexes only when one is missing:
+                // `CREATE INDEX IF NOT EXISTS` takes SHARE on its table
+                // before it finds the index, which waits for (and stops)
+                // every writer of the table, so an upgrade that only added
+                // columns runs none of it.
+                let all: bool = sqlx::query_scalar(
+                    "SELECT bool_and(to_regclass(o) IS NOT NULL) FROM unnest($1::text[]) AS o",
+                )
+                .bind(&objects)
+                .fetch_one(&mut *tx)
+                .await?;
+                if !all {
+                    sqlx::Executor::execute(&mut *tx, SCHEMA).await?;
+                    // Last: its index says the whole step is done (above).
+                    sqlx::query(REFERENCE_INDEX).execute(&mut *tx).await?;
+                }
                 Ok(())
             }
             .await;
