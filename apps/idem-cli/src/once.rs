@@ -159,13 +159,15 @@ enum Failed {
 /// Runs `idem once`.
 pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
     // The library's warnings (a release that failed, so the key stays held
-    // until its lease ends) reach stderr; `RUST_LOG` widens them.
+    // until its lease ends) reach stderr, plain (cron mails it), without
+    // sqlx's slow-statement notes; `RUST_LOG` widens them.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,sqlx=error")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(false)
         .without_time()
         .try_init();
     // Every message goes out with the URLs' secrets masked: a store's
@@ -431,10 +433,12 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 /// Others that end a process (SIGKILL, which cannot be watched; SIGPROF,
 /// SIGXCPU and their kind) are not.
 ///
-/// The signals that stop a process (SIGTSTP, Ctrl-Z; SIGTTIN, SIGTTOU)
-/// are caught and not acted on: `idem once` stopped, its command (in a
-/// group of its own, so not stopped with it) would run on past the lease
-/// with nothing watching it, beside the run another host then starts.
+/// The terminal's stop (SIGTSTP, Ctrl-Z) is caught and not acted on:
+/// `idem once` stopped, its command (in a group of its own, so not stopped
+/// with it) would run on past the lease with nothing watching it, beside
+/// the run another host then starts. (SIGTTIN and SIGTTOU are left alone:
+/// caught, a background write to a terminal with `tostop` would be
+/// restarted and signalled again for ever.)
 struct Signals {
     watched: Vec<(tokio::signal::unix::Signal, i32)>,
     _not_stopped: Vec<tokio::signal::unix::Signal>,
@@ -446,14 +450,9 @@ impl Signals {
         // Caught (a handler replaces the default, which would stop this
         // process), never read: nothing happens. A command started after
         // gets the default back (handlers do not survive `exec`).
-        let not_stopped = [
-            rustix::process::Signal::TSTP,
-            rustix::process::Signal::TTIN,
-            rustix::process::Signal::TTOU,
-        ]
-        .into_iter()
-        .map(|s| signal(SignalKind::from_raw(s.as_raw())))
-        .collect::<std::io::Result<Vec<_>>>()?;
+        let not_stopped = vec![signal(SignalKind::from_raw(
+            rustix::process::Signal::TSTP.as_raw(),
+        ))?];
         let kinds = [
             SignalKind::terminate(),
             SignalKind::interrupt(),
@@ -709,20 +708,25 @@ async fn execute(
         // let go.
         progress.ended(exit_status(status));
         // Until the pipe ends, or `STDOUT_AFTER_EXIT` has passed beside
-        // the time spent writing to a slow reader, never past the lease.
+        // the time spent writing to a slow reader; never into the part of
+        // the lease kept for storing the result (a quarter of it, at most
+        // 10 s): a reader that never reads must not leave the result too
+        // little time to be stored before another host may take the key.
         let (exited, written_before) = (tokio::time::Instant::now(), written_for());
+        let reserve = (lease / 4).min(Duration::from_secs(10));
+        let read_until = deadline.checked_sub(reserve).unwrap_or(exited);
         while !copied {
             let used = exited
                 .elapsed()
                 .saturating_sub(written_for().saturating_sub(written_before));
             let left = STDOUT_AFTER_EXIT.saturating_sub(used);
             let now = tokio::time::Instant::now();
-            if left.is_zero() || now >= deadline {
+            if left.is_zero() || now >= read_until {
                 break;
             }
             tokio::select! {
                 () = &mut copy => copied = true,
-                () = tokio::time::sleep_until((now + left).min(deadline)) => {}
+                () = tokio::time::sleep_until((now + left).min(read_until)) => {}
             }
         }
         status
