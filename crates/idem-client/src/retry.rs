@@ -38,7 +38,8 @@ impl IdempotentRetry {
             .iter()
             .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         let existing = headers.next();
-        let repeated = headers.next();
+        // The same key written twice is one key (sent once).
+        let repeated = headers.find(|h| Some(h) != existing.as_ref());
         let intent = extensions.get::<IntentKey>().map(|k| k.0.clone());
         let refused = |key: &str, failure| {
             Err(RetryError::new(

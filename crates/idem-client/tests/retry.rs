@@ -877,7 +877,7 @@ async fn a_retry_layer_outside_sends_the_same_key() {
 /// A request that names two different keys (the header twice, or the
 /// header and an `IntentKey` that differs) is refused with nothing sent:
 /// before, the header's first value was sent and the rest dropped. The
-/// same key named both ways is one key.
+/// same key named twice, or both ways, is one key.
 #[tokio::test]
 async fn a_request_naming_two_keys_is_refused() {
     let s = script(vec![]);
@@ -909,6 +909,7 @@ async fn a_request_naming_two_keys_is_refused() {
     assert_eq!(s.seen.len(), 0);
     let r = client(fast())
         .post(&url)
+        .header("idempotency-key", "k-4")
         .header("idempotency-key", "k-4")
         .with_extension(IntentKey::new("k-4"))
         .send()

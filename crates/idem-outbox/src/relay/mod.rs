@@ -202,6 +202,10 @@ pub struct Relay {
     outage: Arc<std::sync::Mutex<HashMap<String, Outage>>>,
 }
 
+/// A destination's outage not stepped for this long is forgotten (its
+/// rows are no longer tried: sent, dead-lettered or deleted).
+const FORGET_OUTAGE_AFTER: Duration = Duration::from_secs(3600);
+
 /// How long the broker has been away (see [`Relay`]'s `outage`).
 #[derive(Debug, Clone, Copy, Default)]
 struct Outage {
@@ -425,6 +429,9 @@ impl Relay {
             for destination in &reached {
                 outages.remove(*destination);
             }
+            // One not tried for an hour (its rows sent elsewhere, dead,
+            // deleted) is forgotten: the map holds what is failing now.
+            outages.retain(|_, o| o.since.is_some_and(|at| at.elapsed() < FORGET_OUTAGE_AFTER));
             for destination in unreachable.difference(&reached) {
                 let outage = outages.entry((*destination).to_owned()).or_default();
                 let step = self
