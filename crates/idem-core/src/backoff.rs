@@ -28,7 +28,10 @@ impl Backoff {
     /// The next wait.
     pub fn next_wait(&mut self) -> Duration {
         let high = self.previous.saturating_mul(3);
-        let wait = (self.base + jitter(high.saturating_sub(self.base))).min(self.cap);
+        let wait = self
+            .base
+            .saturating_add(jitter(high.saturating_sub(self.base)))
+            .min(self.cap);
         self.previous = wait;
         wait
     }
@@ -38,7 +41,11 @@ impl Backoff {
 fn jitter(max: Duration) -> Duration {
     let r = uuid::Uuid::new_v4().as_u64_pair().0;
     let fraction = (r >> 11) as f64 / (1u64 << 53) as f64;
-    max.mul_f64(fraction)
+    // In floating point, near `Duration::MAX` the product can round past
+    // it (`mul_f64` would panic): never more than `max`.
+    Duration::try_from_secs_f64(max.as_secs_f64() * fraction)
+        .unwrap_or(max)
+        .min(max)
 }
 
 #[cfg(test)]
@@ -68,6 +75,20 @@ mod tests {
         // no wait at all, if asked
         let mut b = Backoff::new(Duration::ZERO, Duration::ZERO);
         assert_eq!(b.next_wait(), Duration::ZERO);
+    }
+
+    /// Waits near `Duration::MAX` (a cap meaning "no cap") saturate, never
+    /// overflow (a guard: the sum of the base and the jitter and the
+    /// jitter's floating-point product are now bounded by construction).
+    #[test]
+    fn huge_waits_do_not_overflow() {
+        let mut b = Backoff::new(Duration::from_secs(1 << 40), Duration::MAX);
+        for _ in 0..100 {
+            let w = b.next_wait();
+            assert!(w >= Duration::from_secs(1 << 40));
+        }
+        let mut b = Backoff::new(Duration::MAX, Duration::MAX);
+        assert_eq!(b.next_wait(), Duration::MAX);
     }
 
     #[test]

@@ -580,6 +580,27 @@ async fn errors_are_classified_alike_on_every_database() {
         .await
         .unwrap_err();
     assert_eq!(classify(&e), ErrorClass::Fatal);
+    // A database opened read-only refuses a write: fatal, by its primary
+    // code (SQLITE_READONLY, whichever extended code comes with it).
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ro.db");
+    let rw = sqlx::SqlitePool::connect(&format!("sqlite:{}?mode=rwc", file.display()))
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE t (a TEXT)")
+        .execute(&rw)
+        .await
+        .unwrap();
+    rw.close().await;
+    let ro = sqlx::SqlitePool::connect(&format!("sqlite:{}?mode=ro", file.display()))
+        .await
+        .unwrap();
+    let e = sqlx::query("INSERT INTO t VALUES ('x')")
+        .execute(&ro)
+        .await
+        .unwrap_err();
+    assert_eq!(Sqlite::classify(&e), ErrorClass::Fatal, "{e}");
+    ro.close().await;
 
     let schema = TestSchema::create("idem_class").await;
     let pg = sqlx::PgPool::connect(&schema.url()).await.unwrap();

@@ -12,7 +12,7 @@
 //! | a write transaction | `BEGIN IMMEDIATE` | `BEGIN` | `BEGIN` (READ COMMITTED) |
 //! | a qualified table | refused | `"schema"."table"` | `` `database`.`table` `` |
 //! | the migrations' lock | the write lock | an advisory lock | `GET_LOCK` |
-//! | the clock | `unixepoch('subsec')` | `now()` | `UTC_TIMESTAMP(6)` |
+//! | the clock | `julianday('now')`, in milliseconds | `now()` | `UTC_TIMESTAMP(6)` |
 //! | claiming a batch | the write lock | `FOR UPDATE SKIP LOCKED` | `FOR UPDATE SKIP LOCKED` |
 //!
 //! Statements are written with `$1`, `$2`, … placeholders and named parts

@@ -41,19 +41,31 @@ impl Dialect for Sqlite {
         }
     }
 
-    /// `SQLITE_BUSY`, `SQLITE_LOCKED` and `SQLITE_BUSY_SNAPSHOT` after the
-    /// busy timeout are [`ErrorClass::Unavailable`]; read-only, permission,
-    /// corruption and "not a database" are fatal. SQLite gives a missing
-    /// table no code of its own (it is `SQLITE_ERROR`): here alone, its
-    /// message tells.
+    /// `SQLITE_BUSY`, `SQLITE_LOCKED` and every extended code of theirs
+    /// (`SQLITE_BUSY_SNAPSHOT`, `SQLITE_BUSY_TIMEOUT`, …) after the busy
+    /// timeout are [`ErrorClass::Unavailable`]; read-only, permission,
+    /// corruption and "not a database", in every extended code, are fatal.
+    /// SQLite gives a missing table no code of its own (it is
+    /// `SQLITE_ERROR`): here alone, its message tells.
     fn classify(e: &sqlx::Error) -> ErrorClass {
         let sqlx::Error::Database(d) = e else {
             return super::classify_io(e);
         };
-        match d.code().as_deref() {
-            Some("5" | "6" | "517" | "261" | "262") => ErrorClass::Unavailable,
-            Some("2067" | "1555") => ErrorClass::UniqueViolation,
-            Some("8" | "3" | "23" | "11" | "26" | "1032" | "264") => ErrorClass::Fatal,
+        let code = d.code();
+        let code = code.as_deref();
+        // The primary result code is the extended one's low byte.
+        let primary = code.and_then(|c| c.parse::<u32>().ok()).map(|c| c & 0xff);
+        if matches!(code, Some("2067" | "1555")) {
+            return ErrorClass::UniqueViolation;
+        }
+        match primary {
+            // BUSY, LOCKED
+            Some(5 | 6) => return ErrorClass::Unavailable,
+            // READONLY, PERM, CORRUPT, AUTH, NOTADB
+            Some(8 | 3 | 11 | 23 | 26) => return ErrorClass::Fatal,
+            _ => {}
+        }
+        match code {
             Some("1") if d.message().starts_with("no such table") => ErrorClass::MissingTable,
             Some("1")
                 if d.message().starts_with("no such column")
