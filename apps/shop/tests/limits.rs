@@ -727,24 +727,29 @@ async fn a_second_instance_starts_beside_open_transactions_on_postgres() {
     let db = Db::postgres().await;
     let first = Shop::start(&db, &[]).await;
     let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
-    let mut open = pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM bank_charges FOR UPDATE")
-        .execute(&mut *open)
-        .await
-        .unwrap();
-    sqlx::query("LOCK TABLE bank_charges IN ROW EXCLUSIVE MODE")
-        .execute(&mut *open)
-        .await
-        .unwrap();
-    // Shop::start waits 30 s for the address: a schema step that locked
-    // the table would wait for `open` for ever.
-    let second = Shop::start(&db, &[]).await;
-    let client = reqwest::Client::new();
-    let health = read(client.get(second.url("/healthz"))).await;
-    assert_eq!(health.status, 200);
-    open.rollback().await.unwrap();
+    let second = starts_beside_a_writer_of_bank_charges(&db, &pool).await;
     drop((first, second));
     pool.close().await;
+}
+
+/// Starts another instance on `db` while a transaction holds a row of
+/// `bank_charges` and writes to it (ROW EXCLUSIVE): a schema step that
+/// took SHARE or ACCESS EXCLUSIVE on the table would wait for it (then
+/// give up, after its 10 s lock wait). The instance, once it answers.
+async fn starts_beside_a_writer_of_bank_charges(db: &Db, pool: &sqlx::PgPool) -> Shop {
+    let mut open = pool.begin().await.unwrap();
+    for sql in [
+        "SELECT 1 FROM bank_charges FOR UPDATE",
+        "LOCK TABLE bank_charges IN ROW EXCLUSIVE MODE",
+    ] {
+        sqlx::query(sql).execute(&mut *open).await.unwrap();
+    }
+    let started = Shop::start(db, &[]).await;
+    let client = reqwest::Client::new();
+    let health = read(client.get(started.url("/healthz"))).await;
+    assert_eq!(health.status, 200);
+    open.rollback().await.unwrap();
+    started
 }
 
 /// An upgrade from the release whose checkouts kept their key but not
@@ -761,19 +766,7 @@ async fn an_upgrade_that_adds_one_column_locks_only_its_table_on_postgres() {
     db.execute("ALTER TABLE shop_checkouts DROP COLUMN intent")
         .await;
     let pool = sqlx::PgPool::connect(&db.url()).await.unwrap();
-    let mut open = pool.begin().await.unwrap();
-    // A writer of `bank_charges` (ROW EXCLUSIVE): the table's indexes'
-    // `CREATE INDEX IF NOT EXISTS` would wait for it (SHARE), and
-    // `ADD COLUMN IF NOT EXISTS` too (ACCESS EXCLUSIVE).
-    sqlx::query("LOCK TABLE bank_charges IN ROW EXCLUSIVE MODE")
-        .execute(&mut *open)
-        .await
-        .unwrap();
-    let second = Shop::start(&db, &[]).await;
-    let client = reqwest::Client::new();
-    let health = read(client.get(second.url("/healthz"))).await;
-    assert_eq!(health.status, 200);
-    open.rollback().await.unwrap();
+    let second = starts_beside_a_writer_of_bank_charges(&db, &pool).await;
     let added: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM information_schema.columns
          WHERE table_schema = current_schema() AND table_name = 'shop_checkouts'

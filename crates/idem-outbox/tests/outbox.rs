@@ -30,6 +30,20 @@ async fn pg() -> (sqlx::PgPool, TestSchema) {
     (pool, schema)
 }
 
+/// An outbox on a SQLite file of the test's own (the directory goes with
+/// the guard).
+async fn lite() -> (sqlx::SqlitePool, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = sqlx::SqlitePool::connect(&format!(
+        "sqlite:{}?mode=rwc",
+        dir.path().join("o.db").display()
+    ))
+    .await
+    .unwrap();
+    outbox::migrate(&pool).await.unwrap();
+    (pool, dir)
+}
+
 async fn effects(pool: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM effects")
         .fetch_one(pool)
@@ -737,14 +751,7 @@ async fn a_header_too_long_to_keep_is_refused_and_nothing_is_enqueued() {
     tx.rollback().await.unwrap();
     assert_eq!(outbox::stats(&pool).await.unwrap().pending, 0);
 
-    let dir = tempfile::tempdir().unwrap();
-    let lite = sqlx::SqlitePool::connect(&format!(
-        "sqlite:{}?mode=rwc",
-        dir.path().join("o.db").display()
-    ))
-    .await
-    .unwrap();
-    outbox::migrate(&lite).await.unwrap();
+    let (lite, _dir) = lite().await;
     let mut tx = lite.begin().await.unwrap();
     let err = outbox::enqueue(&mut tx, &oversized).await.unwrap_err();
     assert!(matches!(err, sqlx::Error::Encode(_)), "{err}");
@@ -933,14 +940,7 @@ async fn an_outage_grows_its_backoff_with_time_not_with_batches() {
 /// the other tests' outboxes in the same database share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_batch_that_failed_waits_for_the_poll() {
-    let dir = tempfile::tempdir().unwrap();
-    let pool = sqlx::SqlitePool::connect(&format!(
-        "sqlite:{}?mode=rwc",
-        dir.path().join("o.db").display()
-    ))
-    .await
-    .unwrap();
-    outbox::migrate(&pool).await.unwrap();
+    let (pool, _dir) = lite().await;
     let mut tx = pool.begin().await.unwrap();
     for i in 0..10 {
         outbox::enqueue(&mut tx, &message(&format!("d-{i}"), "down", None))
@@ -981,14 +981,7 @@ async fn a_full_batch_that_failed_waits_for_the_poll() {
 /// again after every first wait (about every 200 ms: a dozen times).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_destination_backs_off_while_the_others_flow() {
-    let dir = tempfile::tempdir().unwrap();
-    let pool = sqlx::SqlitePool::connect(&format!(
-        "sqlite:{}?mode=rwc",
-        dir.path().join("o.db").display()
-    ))
-    .await
-    .unwrap();
-    outbox::migrate(&pool).await.unwrap();
+    let (pool, _dir) = lite().await;
     let mut tx = pool.begin().await.unwrap();
     outbox::enqueue(&mut tx, &message("stuck-1", "down", None))
         .await

@@ -10,6 +10,16 @@ use idem_core::{ClaimOutcome, RecordState, Store, StoredResponse};
 use idem_postgres::{PostgresStore, TableName};
 use idem_test_support::postgres::{database_url, TestSchema};
 
+/// A store in a schema of the test's own.
+async fn fresh() -> (PostgresStore, TestSchema) {
+    let schema = TestSchema::create("idem_deciding").await;
+    let table = TableName::new(Some(schema.name()), "idem_records").unwrap();
+    let store = PostgresStore::connect_with(&database_url(), table)
+        .await
+        .expect("connect");
+    (store, schema)
+}
+
 fn request(body: &str) -> idem_core::ClaimRequest {
     idem_store_suite::request(
         "s",
@@ -28,11 +38,7 @@ fn request(body: &str) -> idem_core::ClaimRequest {
 /// of its snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loser_is_never_answered_with_the_version_its_winner_replaced() {
-    let schema = TestSchema::create("idem_deciding").await;
-    let table = TableName::new(Some(schema.name()), "idem_records").unwrap();
-    let store = PostgresStore::connect_with(&database_url(), table)
-        .await
-        .expect("connect");
+    let (store, _schema) = fresh().await;
     let qualified = store.table().qualified();
     let ClaimOutcome::Acquired(claim) = store.claim(&request(r#"{"n":1}"#)).await.unwrap() else {
         panic!("a new key is claimed")
@@ -112,11 +118,7 @@ async fn a_loser_is_never_answered_with_the_version_its_winner_replaced() {
 /// that transaction lasts. Before, it waited for the transaction's end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_waits_on_a_held_row_a_bounded_time() {
-    let schema = TestSchema::create("idem_deciding").await;
-    let table = TableName::new(Some(schema.name()), "idem_records").unwrap();
-    let store = PostgresStore::connect_with(&database_url(), table)
-        .await
-        .expect("connect");
+    let (store, _schema) = fresh().await;
     let qualified = store.table().qualified();
     let short = idem_store_suite::request(
         "s",
