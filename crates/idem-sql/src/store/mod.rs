@@ -228,7 +228,12 @@ impl<D: RecordDialect> SqlStore<D> {
         })
     }
 
-    /// The pool, for the application's own queries and transactions.
+    /// The pool, for the application's own reads, and on PostgreSQL and
+    /// MySQL its transactions too. On SQLite begin write transactions on
+    /// [`writers`](Self::writers) (`BEGIN IMMEDIATE`): one begun here that
+    /// reads, then writes while the writers' connection commits, fails at
+    /// its write with `SQLITE_BUSY_SNAPSHOT` (its read went stale), which
+    /// no busy timeout mends.
     pub fn pool(&self) -> &Pool<D> {
         &self.pool
     }

@@ -16,7 +16,9 @@ pub trait SqlRecords: Store {
     /// The database.
     type Dialect: Dialect;
 
-    /// The pool, for the application's own queries and transactions.
+    /// The pool, for the application's own reads (and, on PostgreSQL and
+    /// MySQL, transactions; on SQLite begin write transactions on the
+    /// store's writers' pool, [`SqlStore::writers`]).
     fn records_pool(&self) -> &Pool<Self::Dialect>;
 
     /// Applies the migrations of the records' table that have not run yet
