@@ -232,11 +232,7 @@ impl Command {
     /// The secrets of the URLs the command was given, for [`scrub`].
     fn secrets(&self) -> Vec<String> {
         match self {
-            Command::Once(args) => {
-                let mut found = secrets(&args.database_url);
-                found.extend(args.redis_url.iter().flat_map(|u| secrets(u)));
-                found
-            }
+            Command::Once(args) => args.secrets(),
             Command::Proxy(args) => args.secrets(),
             other => other.target().map(Target::secrets).unwrap_or_default(),
         }

@@ -172,8 +172,7 @@ pub(crate) async fn once(args: OnceArgs) -> Result<ExitCode, crate::Failure> {
         .try_init();
     // Every message goes out with the URLs' secrets masked: a store's
     // error may quote what it was given.
-    let mut secrets = crate::secrets(&args.database_url);
-    secrets.extend(args.redis_url.iter().flat_map(|u| crate::secrets(u)));
+    let secrets = args.secrets();
     let say = |message: String| eprintln!("idem once: {}", crate::scrub(&message, &secrets));
     // What is wrong with the command line is said before any connection,
     // whether or not the store answers.
@@ -856,6 +855,15 @@ fn kill_group(group: Option<u32>, status: u8) {
             );
             std::process::exit(i32::from(status));
         }
+    }
+}
+
+impl OnceArgs {
+    /// The secrets of its URLs, for [`crate::scrub`].
+    pub(crate) fn secrets(&self) -> Vec<String> {
+        let mut found = crate::secrets(&self.database_url);
+        found.extend(self.redis_url.iter().flat_map(|u| crate::secrets(u)));
+        found
     }
 }
 

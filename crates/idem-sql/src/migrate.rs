@@ -214,24 +214,35 @@ pub(crate) async fn is_current<D: Dialect>(
         return false;
     };
     let sql = VersionSql::<D>::new(versions, "NULL");
-    let Ok(rows) = D::fetch_all(&mut conn, &sql.applied, &[Arg::Text(table.table())]).await else {
+    let Ok(applied) = applied::<D>(&mut conn, &sql, table.table()).await else {
         return false;
     };
-    let mut applied = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let version = D::get(row, "version").and_then(|v| v.int("version"));
-        let checksum = D::get(row, "checksum").and_then(|v| v.text("checksum"));
-        match (version, checksum) {
-            (Ok(v), Ok(c)) => applied.push((v, c)),
-            _ => return false,
-        }
-    }
     applied.len() == migrations.len()
         && migrations.iter().all(|m| {
             applied
                 .iter()
-                .any(|(v, c)| *v == m.version && *c == m.checksum())
+                .any(|(v, c)| *v == m.version && c.as_deref() == Some(m.checksum().as_str()))
         })
+}
+
+/// The versions applied to the table `name`, each with its checksum (none:
+/// recorded by idem before checksums).
+async fn applied<D: Dialect>(
+    conn: &mut Conn<D>,
+    sql: &VersionSql<D>,
+    name: &str,
+) -> Result<Vec<(i64, Option<String>)>, sqlx::Error> {
+    let rows = D::fetch_all(conn, &sql.applied, &[Arg::Text(name)]).await?;
+    let mut applied = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let version = D::get(row, "version").and_then(|v| v.int("version"))?;
+        let checksum = D::get(row, "checksum").and_then(|v| match v {
+            crate::dialect::Value::Null => Ok(None),
+            v => v.text("checksum").map(Some),
+        })?;
+        applied.push((version, checksum));
+    }
+    Ok(applied)
 }
 
 /// Applies what is missing of `migrations` to `table` on `conn`, which
@@ -248,18 +259,7 @@ pub(crate) async fn apply<D: Dialect>(
 ) -> Result<(), MigrateError> {
     let db = MigrateError::database(table);
     let name = table.table();
-    let rows = D::fetch_all(conn, &sql.applied, &[Arg::Text(name)])
-        .await
-        .map_err(&db)?;
-    let mut applied = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let version = D::get(row, "version").and_then(|v| v.int("version"));
-        let checksum = D::get(row, "checksum").and_then(|v| match v {
-            crate::dialect::Value::Null => Ok(None),
-            v => v.text("checksum").map(Some),
-        });
-        applied.push((version.map_err(&db)?, checksum.map_err(&db)?));
-    }
+    let applied = applied::<D>(conn, sql, name).await.map_err(&db)?;
     let mut ordered: Vec<&Migration> = migrations.iter().collect();
     ordered.sort_by_key(|m| m.version);
     for m in &ordered {
