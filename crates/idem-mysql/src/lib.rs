@@ -49,9 +49,21 @@
 //!   write lock the row (`FOR UPDATE`).
 //! - **Gap locks.** A `SELECT … FOR UPDATE` of a missing row locks the gap
 //!   and deadlocks racing inserts: the claim inserts first.
-//! - **Deadlocks and lock wait time-outs** (1213, 1205) mean "retry the
-//!   transaction": the claim does, a few times, then reports the store
-//!   unavailable (`503` with `Retry-After`).
+//! - **Deadlocks** (1213) mean "retry the transaction": the claim does, a
+//!   few times, then reports the store unavailable (`503` with
+//!   `Retry-After`).
+//! - **Lock waits.** A row another transaction holds (a handler past its
+//!   lease that completed the record and has not committed) is waited for
+//!   at most 2 s by the claim's transaction, or the session's
+//!   `innodb_lock_wait_timeout` if lower, where InnoDB waits 50 s by
+//!   default, with a connection taken. Past it (1205) the claim reports the
+//!   store unavailable at once: the next turn would wait for the same
+//!   transaction. The bound is the session's setting, set with the
+//!   transaction's `START TRANSACTION` and put back with its `COMMIT`
+//!   (kept meanwhile in the session variable `@idem_lock_wait`): neither
+//!   MySQL's `SET_VAR` hint nor MariaDB's `SET STATEMENT` bounds one
+//!   statement on both. A claim that stops half-way closes its connection
+//!   rather than hand it on with the bound still set.
 //! - **Collations and index limits.** Scope and key are kept as their
 //!   UTF-8 bytes and compared byte for byte (no collation folds `Key` into
 //!   `key` or pads `a ` to `a`: two keys, as on every other store), and fit

@@ -310,3 +310,253 @@ async fn inspect_reads_a_row_a_transaction_holds() {
     assert_eq!(seen.record.key, "held");
     holder.rollback().await.unwrap();
 }
+
+/// A claim meets a record's row held by another transaction, still open (a
+/// handler past its lease that completed the record in it, and has not
+/// committed): the claim gives up on the lock after 2 s, once (`503` for
+/// now), instead of waiting InnoDB's 50 s, again for each of its retries,
+/// with its connection. The session's own setting is left as it was for
+/// the pool's next user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_waits_on_a_held_row_a_bounded_time() {
+    use idem_core::{ClaimOutcome, Store, StoreError};
+    use std::time::{Duration, Instant};
+    let (store, db) = fresh().await;
+    // One connection: the one the claim used is the one read after it.
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url())
+        .await
+        .unwrap();
+    let single = MySqlStore::new(pool.clone(), TableName::default()).unwrap();
+    let short = idem_store_suite::request(
+        "s",
+        "k",
+        "{}",
+        Duration::from_millis(200),
+        Duration::from_secs(3600),
+    );
+    let ClaimOutcome::Acquired(_claim) = single.claim(&short).await.unwrap() else {
+        panic!("a new key is claimed")
+    };
+    let table = store.table().table().to_owned();
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM `{table}` WHERE `key` = 'k' FOR UPDATE"
+    ))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let session_wait = async || -> u64 {
+        sqlx::query_scalar("SELECT @@SESSION.innodb_lock_wait_timeout")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let global: u64 = sqlx::query_scalar("SELECT @@GLOBAL.innodb_lock_wait_timeout")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let inserts = async || -> u64 {
+        let (_, n): (String, String) = sqlx::query_as("SHOW SESSION STATUS LIKE 'Com_insert'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        n.parse().unwrap()
+    };
+    let before = inserts().await;
+    let started = Instant::now();
+    let retry = tokio::time::timeout(Duration::from_secs(30), single.claim(&short))
+        .await
+        .expect("the claim gave up on the lock within 30 s");
+    let waited = started.elapsed();
+    assert_eq!(
+        inserts().await - before,
+        1,
+        "one upsert: a lock wait timed out is not waited again"
+    );
+    assert!(
+        matches!(retry, Err(StoreError::Unavailable(_))),
+        "{retry:?}"
+    );
+    assert!(
+        waited >= Duration::from_millis(1900),
+        "it waited for the lock first: {waited:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(20),
+        "it gave up after one bounded wait: {waited:?}"
+    );
+    assert_eq!(
+        session_wait().await,
+        global,
+        "the session's lock wait is as it was"
+    );
+    holder.rollback().await.unwrap();
+    // Once the row is free, the retry takes the lease over.
+    let again = single.claim(&short).await.unwrap();
+    assert!(
+        matches!(&again, ClaimOutcome::Acquired(c) if c.takeover),
+        "{again:?}"
+    );
+}
+
+/// A record past its retention whose row a transaction holds: the claim
+/// goes straight to its transaction, whose lock wait is bounded, rather
+/// than first trying a new key's insert, which waited InnoDB's whole lock
+/// wait (50 s) on the row before failing on the primary key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_record_past_its_retention_is_waited_for_a_bounded_time() {
+    use idem_core::{ClaimOutcome, Store, StoreError};
+    use std::time::{Duration, Instant};
+    let (store, _db) = fresh().await;
+    let brief = idem_store_suite::request(
+        "s",
+        "old",
+        "{}",
+        Duration::from_millis(1),
+        Duration::from_millis(1),
+    );
+    let ClaimOutcome::Acquired(_claim) = store.claim(&brief).await.unwrap() else {
+        panic!("a new key is claimed")
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let table = store.table().table().to_owned();
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM `{table}` WHERE `key` = 'old' FOR UPDATE"
+    ))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let retry = tokio::time::timeout(Duration::from_secs(40), store.claim(&request("old")))
+        .await
+        .expect("the claim gave up on the lock within 40 s");
+    assert!(
+        matches!(retry, Err(StoreError::Unavailable(_))),
+        "{retry:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "one bounded wait: {:?}",
+        started.elapsed()
+    );
+    holder.rollback().await.unwrap();
+    assert!(matches!(
+        store.claim(&request("old")).await.unwrap(),
+        ClaimOutcome::Acquired(c) if !c.takeover
+    ));
+}
+
+/// A claim whose caller stops waiting while its transaction waits for a
+/// row, which is then let go: its connection is closed, never handed on
+/// inside the claim's transaction (its upsert ran once the row was free)
+/// or with the claim's lock wait still set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_dropped_while_it_waits_hands_on_no_session_state() {
+    use idem_core::{ClaimOutcome, Store};
+    use std::time::Duration;
+    let (store, db) = fresh().await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url())
+        .await
+        .unwrap();
+    let single = MySqlStore::new(pool.clone(), TableName::default()).unwrap();
+    let short = idem_store_suite::request(
+        "s",
+        "k",
+        "{}",
+        Duration::from_millis(200),
+        Duration::from_secs(3600),
+    );
+    let ClaimOutcome::Acquired(_claim) = single.claim(&short).await.unwrap() else {
+        panic!("a new key is claimed")
+    };
+    let table = store.table().table().to_owned();
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM `{table}` WHERE `key` = 'k' FOR UPDATE"
+    ))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let dropped = tokio::time::timeout(Duration::from_millis(300), single.claim(&short)).await;
+    assert!(dropped.is_err(), "{dropped:?}");
+    holder.rollback().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let (session, global, open): (u64, u64, i64) = sqlx::query_as(
+        "SELECT @@SESSION.innodb_lock_wait_timeout, @@GLOBAL.innodb_lock_wait_timeout,
+                (SELECT COUNT(*) FROM information_schema.innodb_trx
+                  WHERE trx_mysql_thread_id = CONNECTION_ID())",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(open, 0, "the pool's connection is inside a transaction");
+    assert_eq!(session, global, "the session's lock wait is as it was");
+    drop(conn);
+    // The row is free: nothing holds it in a transaction left open.
+    let mut other = store.pool().begin().await.unwrap();
+    let free = tokio::time::timeout(
+        Duration::from_secs(10),
+        sqlx::query(&format!(
+            "SELECT 1 FROM `{table}` WHERE `key` = 'k' FOR UPDATE"
+        ))
+        .execute(&mut *other),
+    )
+    .await;
+    assert!(matches!(free, Ok(Ok(_))), "{free:?}");
+    other.rollback().await.unwrap();
+}
+
+/// A record past its retention is replaced by the claim's transaction
+/// straight away: the first look says so, and no new key's insert is
+/// tried first (one statement that could only fail on the primary key,
+/// after waiting for any transaction holding the row).
+#[tokio::test]
+async fn a_record_past_its_retention_is_not_first_inserted_over() {
+    use idem_core::{ClaimOutcome, Store};
+    use std::time::Duration;
+    let (_store, db) = fresh().await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url())
+        .await
+        .unwrap();
+    let single = MySqlStore::new(pool.clone(), TableName::default()).unwrap();
+    let inserts = async || -> u64 {
+        let (_, n): (String, String) = sqlx::query_as("SHOW SESSION STATUS LIKE 'Com_insert'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        n.parse().unwrap()
+    };
+    let brief = idem_store_suite::request(
+        "s",
+        "old",
+        "{}",
+        Duration::from_millis(1),
+        Duration::from_millis(1),
+    );
+    let before = inserts().await;
+    assert!(matches!(
+        single.claim(&brief).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+    assert_eq!(inserts().await - before, 1, "a new key: one insert");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let before = inserts().await;
+    assert!(matches!(
+        single.claim(&request("old")).await.unwrap(),
+        ClaimOutcome::Acquired(c) if !c.takeover
+    ));
+    assert_eq!(
+        inserts().await - before,
+        1,
+        "past its retention: the upsert alone"
+    );
+}

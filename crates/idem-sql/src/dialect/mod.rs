@@ -251,6 +251,15 @@ pub trait Dialect:
         args: &'e [Arg<'e>],
     ) -> BoxFuture<'e, Result<Vec<Row<Self>>, sqlx::Error>>;
 
+    /// Whether `e` is a lock not had in time (MySQL's 1205, PostgreSQL's
+    /// `55P03`): a transaction holds the row for longer than the wait
+    /// allowed, and waiting again at once would most likely end the same
+    /// way. A deadlock is not: retried, it goes through.
+    fn is_lock_timeout(e: &sqlx::Error) -> bool {
+        let _ = e;
+        false
+    }
+
     /// Runs a script of several statements, without arguments (a
     /// migration).
     fn run_script<'e>(

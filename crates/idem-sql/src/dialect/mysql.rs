@@ -134,6 +134,15 @@ impl Dialect for MySql {
         }
     }
 
+    /// 1205, `innodb_lock_wait_timeout` run out.
+    fn is_lock_timeout(e: &sqlx::Error) -> bool {
+        let sqlx::Error::Database(d) = e else {
+            return false;
+        };
+        d.try_downcast_ref::<MySqlDatabaseError>()
+            .is_some_and(|my| my.number() == 1205)
+    }
+
     /// 1061, a duplicate index name, or 1060, a duplicate column name: a
     /// migration of one `CREATE INDEX`, or of one `ALTER TABLE … ADD
     /// COLUMN`, that ran before.

@@ -64,6 +64,11 @@ impl Dialect for Postgres {
         }
     }
 
+    /// `55P03`, `lock_timeout` run out.
+    fn is_lock_timeout(e: &sqlx::Error) -> bool {
+        matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("55P03"))
+    }
+
     fn begin_write(
         pool: &sqlx::PgPool,
     ) -> BoxFuture<'_, Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error>> {

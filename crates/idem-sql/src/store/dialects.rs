@@ -29,7 +29,41 @@ pub struct RecordTemplates {
     /// every claim the first look did not answer runs the claim's
     /// transaction.
     pub(super) new_key: Option<NewKeyTemplates>,
+    /// The claim's transaction begun and ended by these scripts instead of
+    /// [`Dialect::begin_write`] and a plain `COMMIT`/`ROLLBACK`, or `None`.
+    pub(super) claim_bound: Option<BoundedClaim>,
 }
+
+/// A claim transaction whose lock waits a session setting bounds: set by
+/// the script that begins it, put back by the one that ends it, each sent
+/// as one text, so the bound costs no round trip. A connection that does
+/// not reach its end cleanly (an error there, a caller who stopped
+/// waiting) is closed, never handed back with the bound still set.
+#[derive(Debug)]
+#[doc(hidden)]
+pub(super) struct BoundedClaim {
+    pub(super) begin: &'static str,
+    pub(super) commit: &'static str,
+    pub(super) rollback: &'static str,
+}
+
+/// MySQL's claim transaction. A record's row held by another transaction
+/// (a handler past its lease that completed the record, not yet
+/// committed) is waited for at most 2 s (`innodb_lock_wait_timeout`, or
+/// the session's own if lower), where InnoDB's default waits 50 s with a
+/// connection taken. Neither MySQL 8's `SET_VAR` hint (InnoDB's variables
+/// are not among those it sets) nor MariaDB's `SET STATEMENT` (MariaDB's
+/// alone) bounds one statement on both, hence the session's setting, kept
+/// in `@idem_lock_wait` meanwhile.
+#[cfg(feature = "mysql")]
+const MYSQL_BOUNDED_CLAIM: BoundedClaim = BoundedClaim {
+    begin: "SET @idem_lock_wait = @@SESSION.innodb_lock_wait_timeout; \
+            SET SESSION innodb_lock_wait_timeout = LEAST(@idem_lock_wait, 2); \
+            SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+            START TRANSACTION",
+    commit: "COMMIT; SET SESSION innodb_lock_wait_timeout = @idem_lock_wait",
+    rollback: "ROLLBACK; SET SESSION innodb_lock_wait_timeout = @idem_lock_wait",
+};
 
 /// A new key's claim in one statement that commits by itself, tried when
 /// the first look found no record; a row holding the key (a claim that
@@ -136,6 +170,7 @@ impl RecordDialect for crate::Sqlite {
         new_key: Some(NewKeyTemplates::Returning {
             insert: include_str!("../../sql/sqlite/insert.sql"),
         }),
+        claim_bound: None,
     };
     type Extra = ();
 
@@ -175,6 +210,7 @@ impl RecordDialect for crate::MySql {
             first: include_str!("../../sql/mysql/first.sql"),
             insert: include_str!("../../sql/mysql/insert.sql"),
         }),
+        claim_bound: Some(MYSQL_BOUNDED_CLAIM),
     };
     type Extra = ();
 

@@ -14,9 +14,12 @@
 //! transaction holds the whole database; MySQL's upsert locked the row, and
 //! the read is a locking read): the caller won exactly when the token there
 //! is the one it proposed. So two racing claims cannot both win, and a
-//! loser sees the winner's record as committed. A deadlock or lock wait
-//! time-out ([`ErrorClass::RetryTransaction`]) runs the transaction again,
-//! a few times.
+//! loser sees the winner's record as committed. A deadlock
+//! ([`ErrorClass::RetryTransaction`]) runs the transaction again, a few
+//! times; a lock wait timed out ([`Dialect::is_lock_timeout`]: a
+//! transaction holds the row for long) ends the claim as unavailable. On
+//! MySQL the transaction's lock waits are bounded (2 s; see
+//! `idem_mysql`).
 //!
 //! A key the first look found no record of is first claimed by one plain
 //! insert that commits by itself (`sql/<dialect>/insert.sql`): the primary
@@ -45,7 +48,9 @@
 //!   on the first look's connection. It is tried only in a session that
 //!   commits each statement by itself (the first look reads
 //!   `@@autocommit`), and a key longer than the table holds is refused
-//!   before (never cut short to fit).
+//!   before (never cut short to fit). A record past its retention goes to
+//!   the transaction straight away (the first look marks it `stale`): an
+//!   insert could only fail on it.
 
 use std::sync::Arc;
 
@@ -343,6 +348,9 @@ impl<D: RecordDialect> SqlStore<D> {
             match self.claim_turn(&proposal.args(req, lease, retention)).await {
                 Ok(Some(record)) => return decide(record, proposal.token, proposal.operation_id),
                 Ok(None) => {}
+                // A row held past the lock wait: held by a transaction that
+                // is taking long, which the next turn would wait for again.
+                Err(e) if D::is_lock_timeout(&e) => return Err(store_error(e)),
                 Err(e) if D::classify(&e) == ErrorClass::RetryTransaction => last = Some(e),
                 Err(e) => return Err(store_error(e)),
             }
@@ -367,9 +375,9 @@ impl<D: RecordDialect> SqlStore<D> {
         req: &ClaimRequest,
     ) -> Result<Look, StoreError> {
         let args = [Arg::Text(&req.scope), Arg::Text(&req.key)];
-        let statement = match &self.sql.new_key {
-            Some(NewKeySql::Clocked { first, .. }) => first,
-            _ => &self.sql.get,
+        let (statement, clocked) = match &self.sql.new_key {
+            Some(NewKeySql::Clocked { first, .. }) => (first, true),
+            _ => (&self.sql.get, false),
         };
         let Some(row) = D::fetch_optional(conn, statement, &args)
             .await
@@ -392,6 +400,10 @@ impl<D: RecordDialect> SqlStore<D> {
                 Value::Int(1) => Look::Absent(Some(now)),
                 _ => Look::Undecided,
             });
+        }
+        if clocked && matches!(column("stale")?, Value::Int(1)) {
+            // Past its retention: replaced by the claim's transaction.
+            return Ok(Look::Undecided);
         }
         let record = D::decode_record(&row)?;
         let answers = record.fingerprint != req.fingerprint
@@ -486,6 +498,9 @@ impl<D: RecordDialect> SqlStore<D> {
 
     /// One claim transaction: the upsert, then the row read back.
     async fn claim_turn(&self, args: &[Arg<'_>]) -> Result<Option<Record>, sqlx::Error> {
+        if let Some(bound) = &D::RECORDS.claim_bound {
+            return self.bounded_claim_turn(bound, args).await;
+        }
         let mut tx: Transaction<D> = D::begin_write(&self.writers).await?;
         let staged = async {
             D::execute(&mut tx, &self.sql.claim, args).await?;
@@ -496,6 +511,77 @@ impl<D: RecordDialect> SqlStore<D> {
         row.map(|r| D::decode_record(&r))
             .transpose()
             .map_err(|e| sqlx::Error::Decode(Box::new(e)))
+    }
+}
+
+impl<D: RecordDialect> SqlStore<D> {
+    /// [`claim_turn`](Self::claim_turn) in a transaction begun and ended by
+    /// `bound`'s scripts (see [`dialects::BoundedClaim`]). The connection
+    /// goes back to the pool only once an end script ran; anything else
+    /// (an error there, a caller who stopped waiting) closes it, so no
+    /// session is handed on inside the transaction or with the bound set.
+    async fn bounded_claim_turn(
+        &self,
+        bound: &dialects::BoundedClaim,
+        args: &[Arg<'_>],
+    ) -> Result<Option<Record>, sqlx::Error> {
+        let mut conn = ClosedUnlessKept::new(self.writers.acquire().await?);
+        D::run_script(conn.get(), bound.begin).await?;
+        let staged = async {
+            D::execute(conn.get(), &self.sql.claim, args).await?;
+            D::fetch_optional(conn.get(), &self.sql.select, &args[..2]).await
+        }
+        .await;
+        let row = match staged {
+            Ok(row) => {
+                D::run_script(conn.get(), bound.commit).await?;
+                row
+            }
+            Err(e) => {
+                // A failed rollback leaves the connection to be closed; the
+                // error that matters is `e`.
+                if D::run_script(conn.get(), bound.rollback).await.is_ok() {
+                    conn.keep();
+                }
+                return Err(e);
+            }
+        };
+        conn.keep();
+        row.map(|r| D::decode_record(&r))
+            .transpose()
+            .map_err(|e| sqlx::Error::Decode(Box::new(e)))
+    }
+}
+
+/// A pooled connection that is closed when dropped, unless [`keep`]
+/// (Self::keep) hands it back to the pool: for a session left in a state
+/// the pool's next user must not inherit until a statement puts it back.
+struct ClosedUnlessKept<DB: sqlx::Database> {
+    conn: sqlx::pool::PoolConnection<DB>,
+    kept: bool,
+}
+
+impl<DB: sqlx::Database> ClosedUnlessKept<DB> {
+    fn new(conn: sqlx::pool::PoolConnection<DB>) -> Self {
+        Self { conn, kept: false }
+    }
+
+    /// The connection.
+    fn get(&mut self) -> &mut DB::Connection {
+        &mut self.conn
+    }
+
+    /// Hands the connection back to the pool: its session is clean.
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl<DB: sqlx::Database> Drop for ClosedUnlessKept<DB> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.conn.close_on_drop();
+        }
     }
 }
 

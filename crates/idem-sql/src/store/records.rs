@@ -105,7 +105,7 @@ impl<D: RecordDialect> SqlRecords for SqlStore<D> {
         match probed {
             Ok(_) => Ok(false),
             // lock_not_available: a transaction holds the row.
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => Ok(true),
+            Err(e) if D::is_lock_timeout(&e) => Ok(true),
             Err(e) => Err(store_error(e)),
         }
     }

@@ -116,7 +116,7 @@ impl SqlStore<Postgres> {
             }
             // Locked by another transaction (NOWAIT): a takeover got in
             // between and holds it; the key is busy.
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+            Err(e) if <Postgres as crate::Dialect>::is_lock_timeout(&e) => {
                 tx.rollback().await.map_err(store_error)?;
                 Ok(None)
             }

@@ -82,6 +82,7 @@ impl RecordDialect for Postgres {
         max_scope: None,
         max_key: None,
         new_key: None,
+        claim_bound: None,
     };
     const COLUMNS: &'static str = COLUMNS;
     const EXPIRED: &'static str = EXPIRED;
