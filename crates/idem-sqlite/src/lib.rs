@@ -262,6 +262,65 @@ mod tests {
         assert_eq!(claim.locked_until.0, record.created_at.0 + 60_000);
     }
 
+    /// A store made outside a Tokio runtime, from a pool opened in one (a
+    /// synchronous `main`), is made, and works in that runtime: before,
+    /// making its writers' pool panicked.
+    #[test]
+    fn a_store_made_outside_a_runtime_works_inside_it() {
+        use idem_core::{ClaimOutcome, Store};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite:{}", dir.path().join("idem.db").display());
+        let pool = runtime.block_on(open_pool(&url)).expect("pool");
+        let store = SqliteStore::from_pool(pool);
+        runtime.block_on(async {
+            store.migrate().await.expect("migrate");
+            let fresh = idem_store_suite::request(
+                "s",
+                "k",
+                "{}",
+                idem_store_suite::LONG,
+                idem_store_suite::LONG,
+            );
+            assert!(matches!(
+                store.claim(&fresh).await.expect("claim"),
+                ClaimOutcome::Acquired(_)
+            ));
+        });
+    }
+
+    /// The writers' connection is opened with the pool's own hooks: an
+    /// application's `after_connect` (a pragma, a function it registers)
+    /// holds on the connection its writes run on too.
+    #[tokio::test]
+    async fn the_writers_connection_runs_the_pools_hooks() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite:{}", dir.path().join("idem.db").display());
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(4)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    // A setting of the connection, not of the file.
+                    sqlx::query("PRAGMA cache_size = -4321")
+                        .execute(conn)
+                        .await?;
+                    Ok(())
+                })
+            })
+            .connect_with(connect_options(&url).expect("options"))
+            .await
+            .expect("pool");
+        let store = SqliteStore::from_pool(pool);
+        let cache: i64 = sqlx::query_scalar("PRAGMA cache_size")
+            .fetch_one(store.writers())
+            .await
+            .expect("pragma");
+        assert_eq!(cache, -4321);
+    }
+
     #[tokio::test]
     async fn a_schema_is_refused_with_a_clear_error() {
         let pool = open_pool("sqlite::memory:").await.unwrap();

@@ -185,7 +185,7 @@ pub trait Dialect:
     /// The pool that the writers of `pool`'s database in this process take
     /// their connection from: `pool` itself, but on SQLite (one writer at a
     /// time) a pool of one connection of its own to the same file, with
-    /// `pool`'s settings. There writers queue for that connection in the
+    /// `pool`'s settings and connection hooks. There writers queue for that connection in the
     /// order they came, each woken when the one before it is done; rather
     /// than each finding the file locked and sleeping in SQLite's busy
     /// handler (1, 2, 5, 10 … ms), past the moment the lock is free. A

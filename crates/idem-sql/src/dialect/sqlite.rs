@@ -77,20 +77,25 @@ impl Dialect for Sqlite {
         }
     }
 
+    /// A pool of one connection made from `pool`'s options, its hooks
+    /// (`after_connect` and the rest) included. Outside a Tokio runtime
+    /// (a store made in a synchronous `main` from a pool opened in a
+    /// runtime), where sqlx could not start the new pool's upkeep, `pool`
+    /// itself: writers then meet SQLite's busy handler as other processes'
+    /// do.
     fn writers(pool: &sqlx::SqlitePool) -> sqlx::SqlitePool {
         let options = pool.options();
-        if options.get_max_connections() <= 1 {
+        if options.get_max_connections() <= 1 || tokio::runtime::Handle::try_current().is_err() {
             return pool.clone();
         }
-        sqlx::sqlite::SqlitePoolOptions::new()
+        options
+            .clone()
             .max_connections(1)
+            .min_connections(0)
             // Every write waits its turn for this connection: a ping
             // before each would lengthen every turn. A broken connection
             // still fails its statement, and is replaced.
             .test_before_acquire(false)
-            .acquire_timeout(options.get_acquire_timeout())
-            .idle_timeout(options.get_idle_timeout())
-            .max_lifetime(options.get_max_lifetime())
             .connect_lazy_with(pool.connect_options().as_ref().clone())
     }
 
