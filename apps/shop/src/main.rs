@@ -157,6 +157,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         messaging: messaging.clone(),
         transactional,
         records: store.clone(),
+        retention: policy.retention(),
         claim_in_transaction: config.claim_in_transaction,
         claim_tx_slots: Arc::new(tokio::sync::Semaphore::new(
             usize::try_from(config.claim_tx_limit).unwrap_or(8),
@@ -303,6 +304,8 @@ async fn sweep_forever(store: Arc<dyn Store>, retention: Duration, db: db::Datab
         }
         let swept = sweep_batches("outbox", || db.sweep_outbox(OUTBOX_KEEP_SENT)).await;
         metrics::counter!("shop_outbox_swept_total").increment(swept);
+        // Payment keys bound with Redis alone, once their records are gone.
+        sweep_batches("payment keys", || db::sweep_payment_keys(&*db, retention)).await;
     }
 }
 

@@ -449,3 +449,47 @@ in_every_mode!(
     grpc_crash_after_bank,
     grpc_sigterm_waits_for_a_handler_whose_caller_went_away
 );
+
+/// Redis alone over gRPC, as over HTTP: a record Redis lost lets the key
+/// run again, and it resumes under the operation the key was bound to
+/// before the bank was called: the same payment, charged once. Another
+/// payment under the key is refused (`FAILED_PRECONDITION`, as the layer
+/// refuses a key reused), and so is the key over HTTP: another route is
+/// another request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_redis_alone_a_lost_record_resumes_under_the_bound_operation() {
+    let mode = Mode::RedisAlone;
+    let db = mode.db().await;
+    let prefix = RedisPrefix::new("grpc-lost");
+    let shop = start(mode, &db, &prefix, &[]).await;
+    let mut c = client(&shop).await;
+    let lose = || idem_test_support::redis::clear_prefix(&common::redis_url(), &prefix.0);
+    let first = create(&mut c, Some("k"), new_payment("acc_lost", 700), &[])
+        .await
+        .unwrap();
+    lose();
+    let again = create(&mut c, Some("k"), new_payment("acc_lost", 700), &[])
+        .await
+        .unwrap();
+    assert!(!replayed(&again), "the record was lost");
+    assert_eq!(again.get_ref(), first.get_ref(), "the payment made first");
+    let acc = account(&signed_in(), &shop, "acc_lost").await;
+    assert_eq!(acc["bank_charges"], 1, "{acc}");
+    lose();
+    let other = create(&mut c, Some("k"), new_payment("acc_lost", 5), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(other.code(), Code::FailedPrecondition, "{other:?}");
+    lose();
+    let http = common::read(
+        signed_in()
+            .post(shop.url("/payments"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", "k")
+            .body(r#"{"account_id":"acc_lost","amount":700,"currency":"EUR"}"#),
+    )
+    .await;
+    assert_eq!(http.status, 422, "{http:?}");
+    let acc = account(&signed_in(), &shop, "acc_lost").await;
+    assert_eq!(acc["bank_charges"], 1, "{acc}");
+}

@@ -245,3 +245,68 @@ async fn redis_alone_converges_on_the_payment_a_superseded_attempt_recorded() {
         "{acc}"
     );
 }
+
+/// Redis alone: a record Redis lost (a failover without `WAIT`, an emptied
+/// shard; here its keys deleted) lets the key run again under a new
+/// operation id. The key was bound to its first operation in the database
+/// before the bank was called, so the retry resumes under that one: the
+/// bank answers with the charge it made, and the answer is the payment
+/// recorded then, byte for byte. Another payment under the key is `422`,
+/// as its record would have answered. Before, the retry charged again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_alone_a_lost_record_resumes_under_the_bound_operation() {
+    let mode = Mode::RedisAlone;
+    let db = mode.db().await;
+    let prefix = RedisPrefix::new("lost-record");
+    let client = reqwest::Client::new();
+    let shop = start_in(mode, &db, &prefix.0, &[]).await;
+    let first = read(pay(&client, &shop, Some("k"), BODY)).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let lose = || idem_test_support::redis::clear_prefix(&common::redis_url(), &prefix.0);
+    lose();
+    let again = read(pay(&client, &shop, Some("k"), BODY)).await;
+    assert_eq!(again.status, 201, "{again:?}");
+    assert!(!again.replayed, "the record was lost: {again:?}");
+    assert_eq!(again.body, first.body, "the payment made first");
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(
+        (acc["payments"].as_i64(), acc["bank_charges"].as_i64()),
+        (Some(1), Some(1)),
+        "charged once: {acc}"
+    );
+    lose();
+    let other = read(pay(&client, &shop, Some("k"), OTHER)).await;
+    assert_eq!(other.status, 422, "{other:?}");
+    assert!(other.problem_type().ends_with("idempotency-key-reused"));
+    let acc = account(&client, &shop, "acc_1").await;
+    assert_eq!(acc["bank_charges"].as_i64(), Some(1), "{acc}");
+    // Another key is another payment.
+    let fresh = read(pay(&client, &shop, Some("k2"), BODY)).await;
+    assert_eq!(fresh.status, 201, "{fresh:?}");
+    assert_ne!(fresh.json()["id"], first.json()["id"]);
+}
+
+/// Redis alone, on each database: a payment key's binding is kept for the
+/// records' retention, then swept (it would only grow otherwise), and the
+/// key is new again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_alone_key_bindings_are_swept_after_the_retention() {
+    for db in [Db::sqlite(), Db::postgres().await, Db::mysql().await] {
+        let prefix = RedisPrefix::new("bindings-swept");
+        let client = reqwest::Client::new();
+        let flags = ["--ttl-secs", "1", "--lease-ms", "500"];
+        let shop = start_in(Mode::RedisAlone, &db, &prefix.0, &flags).await;
+        let first = read(pay(&client, &shop, Some("k"), BODY)).await;
+        assert_eq!(first.status, 201, "{}: {first:?}", db.url());
+        const BOUND: &str = "SELECT count(*) FROM shop_payment_keys";
+        assert_eq!(db.scalar(BOUND).await, 1, "{}: bound", db.url());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while db.scalar(BOUND).await != 0 {
+            assert!(Instant::now() < deadline, "{}: never swept", db.url());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let again = read(pay(&client, &shop, Some("k"), BODY)).await;
+        assert_eq!(again.status, 201, "{}: {again:?}", db.url());
+        assert_ne!(again.json()["id"], first.json()["id"], "{}", db.url());
+    }
+}

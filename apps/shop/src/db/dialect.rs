@@ -29,6 +29,11 @@ pub(crate) struct ShopSql {
     /// $1 order, $2 client, $3 operation id, $4 created at, $5 the
     /// Idempotency-Key, $6 what it pays with; unique on the order.
     pub(crate) insert_checkout: &'static str,
+    /// $1 client, $2 the Idempotency-Key, $3 operation id, $4 what it
+    /// pays with, $5 bound at; unique on client and key.
+    pub(crate) insert_payment_key: &'static str,
+    /// Deletes at most 500 key bindings bound before $1.
+    pub(crate) sweep_payment_keys: &'static str,
     /// $1 sku, $2 name, $3 price; unique on the sku.
     pub(crate) insert_product: &'static str,
     /// $1 event id, $2 type, $3 payment, $4 received at; unique on the id.
@@ -45,6 +50,7 @@ pub(crate) const PAYMENT_KEY: &str = "shop_payments_operation_id_key";
 pub(crate) const ORDER_KEY: &str = "shop_orders_natural_key";
 pub(crate) const PRODUCT_KEY: &str = "PRIMARY";
 pub(crate) const CHECKOUT_KEY: &str = "PRIMARY";
+pub(crate) const PAYMENT_KEY_BINDING: &str = "PRIMARY";
 pub(crate) const BANK_EVENT_KEY: &str = "PRIMARY";
 
 /// A database the shop runs on; idem's store of records on it is
@@ -104,6 +110,11 @@ const ANSI: ShopSql = ShopSql {
                    ON CONFLICT (client_id, customer_id, client_reference) DO NOTHING",
     insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at, idempotency_key, intent)
                       VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING",
+    insert_payment_key: "INSERT INTO shop_payment_keys (client_id, idempotency_key, operation_id, intent, bound_at)
+                         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (client_id, idempotency_key) DO NOTHING",
+    sweep_payment_keys: "DELETE FROM shop_payment_keys WHERE (client_id, idempotency_key) IN
+                         (SELECT client_id, idempotency_key FROM shop_payment_keys
+                          WHERE bound_at < $1 ORDER BY bound_at LIMIT 500)",
     insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)
                      ON CONFLICT (sku) DO NOTHING",
     insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
@@ -323,6 +334,9 @@ impl ShopDialect for idem_sql::MySql {
                        VALUES ($1, $2, $3, $4, $5, 'placed', $6)",
         insert_checkout: "INSERT INTO shop_checkouts (order_id, client_id, operation_id, created_at, idempotency_key, intent)
                           VALUES ($1, $2, $3, $4, $5, $6)",
+        insert_payment_key: "INSERT INTO shop_payment_keys (client_id, idempotency_key, operation_id, intent, bound_at)
+                             VALUES ($1, $2, $3, $4, $5)",
+        sweep_payment_keys: "DELETE FROM shop_payment_keys WHERE bound_at < $1 ORDER BY bound_at LIMIT 500",
         insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)",
         insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)
                             VALUES ($1, $2, $3, $4)",
@@ -428,6 +442,8 @@ mod tests {
             "bank_charges_account",
             "shop_orders",
             "shop_checkouts",
+            "shop_payment_keys",
+            "shop_payment_keys_bound_at",
             "shop_products",
             "shop_bank_events",
             "shop_bank_events_payment",

@@ -366,6 +366,22 @@ impl TryFrom<&Row> for Payment {
 /// Rows deleted per statement by the sweeps of the inbox and the outbox.
 pub(crate) const SWEEP_BATCH: i64 = 500;
 
+/// Forgets payment keys bound (with Redis alone) more than `retention`
+/// ago, when their records are gone too: at most [`SWEEP_BATCH`].
+pub(crate) fn sweep_payment_keys(
+    db: &dyn ShopDb,
+    retention: std::time::Duration,
+) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
+    Box::pin(async move {
+        let retention = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+        let cutoff = idem_core::UnixMillis::now().0.saturating_sub(retention);
+        db.write_conn()
+            .await?
+            .execute(db.sql().sweep_payment_keys, &[cutoff.into()])
+            .await
+    })
+}
+
 pub(crate) const PAYMENT_COLUMNS: &str = "id, account_id, amount, currency, status, bank_charge_id";
 
 /// What an account has been charged.

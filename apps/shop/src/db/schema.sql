@@ -59,6 +59,22 @@ CREATE TABLE IF NOT EXISTS shop_checkouts (
     intent          TEXT   NOT NULL DEFAULT ''
 );
 
+-- With the records in Redis alone (`--idem-store redis`), a payment's
+-- Idempotency-Key is bound here to the operation that charges for it,
+-- before the bank is called: the key back with a new operation id (Redis
+-- lost its record) resumes under the bound one, which the bank knows, and
+-- is never charged again. Kept for the records' retention.
+CREATE TABLE IF NOT EXISTS shop_payment_keys (
+    client_id       TEXT   NOT NULL,
+    idempotency_key TEXT   NOT NULL,
+    operation_id    TEXT   NOT NULL,
+    -- what it pays with, and by which route
+    intent          TEXT   NOT NULL,
+    bound_at        BIGINT NOT NULL,
+    PRIMARY KEY (client_id, idempotency_key)
+);
+CREATE INDEX IF NOT EXISTS shop_payment_keys_bound_at ON shop_payment_keys (bound_at);
+
 -- Products are written with optimistic concurrency (ETag / If-Match).
 CREATE TABLE IF NOT EXISTS shop_products (
     sku     TEXT   PRIMARY KEY,

@@ -61,6 +61,22 @@ CREATE TABLE IF NOT EXISTS shop_checkouts (
     intent          VARBINARY(255)  NOT NULL DEFAULT ''
 ) ENGINE = InnoDB;
 
+-- With the records in Redis alone (`--idem-store redis`), a payment's
+-- Idempotency-Key is bound here to the operation that charges for it,
+-- before the bank is called: the key back with a new operation id (Redis
+-- lost its record) resumes under the bound one, which the bank knows, and
+-- is never charged again. Kept for the records' retention.
+CREATE TABLE IF NOT EXISTS shop_payment_keys (
+    client_id       VARBINARY(1020) NOT NULL,
+    idempotency_key VARBINARY(255)  NOT NULL,
+    operation_id    VARBINARY(64)   NOT NULL,
+    -- what it pays with, and by which route
+    intent          VARBINARY(255)  NOT NULL,
+    bound_at        BIGINT          NOT NULL,
+    PRIMARY KEY (client_id, idempotency_key),
+    INDEX shop_payment_keys_bound_at (bound_at)
+) ENGINE = InnoDB;
+
 -- Products are written with optimistic concurrency (ETag / If-Match).
 CREATE TABLE IF NOT EXISTS shop_products (
     sku     VARBINARY(255)  NOT NULL PRIMARY KEY,

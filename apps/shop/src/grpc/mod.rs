@@ -19,7 +19,7 @@ use tracing::info;
 
 use crate::db::{self, Payment, PAYMENT_COLUMNS};
 use crate::http::auth::client_id;
-use crate::http::payments::{self, NewPayment, Simulate, SimulateOn};
+use crate::http::payments::{self, KeyOf, NewPayment, Route, Simulate, SimulateOn};
 use crate::http::{input, AppState};
 
 mod limits;
@@ -40,6 +40,21 @@ const CREATE_PAYMENT: &str = "/shop.v1.Payments/CreatePayment";
 /// The tenant of a call: `authorization: Bearer <client>`, as over HTTP.
 fn tenant(parts: &Parts) -> Result<String, Status> {
     client_id(&parts.headers).map_err(crate::http::error::Error::into_status)
+}
+
+impl KeyOf for Idempotency {
+    fn operation(&self) -> idem_core::OperationId {
+        self.operation_id()
+    }
+    fn client(&self) -> &str {
+        self.scope()
+    }
+    fn idempotency_key(&self) -> &str {
+        self.key()
+    }
+    fn release(&self) {
+        self.release_claim();
+    }
 }
 
 /// `shop.v1.Payments`.
@@ -66,7 +81,9 @@ impl Payments for PaymentsApi {
             .map_err(|e| e.into_status())?;
         let new = new_payment(message);
         new.check().map_err(|e| e.into_status())?;
-        let operation_id = idem.operation_id();
+        let operation_id = payments::bound_operation(&self.state, idem, Route::Grpc, &new)
+            .await
+            .map_err(|e| e.into_status())?;
         let charged = payments::charge_new(&self.state, &client, operation_id, &simulate, new)
             .await
             .map_err(|e| e.into_status())?;

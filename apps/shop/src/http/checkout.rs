@@ -286,7 +286,7 @@ async fn bind(
 
 /// What a checkout pays with, as kept and compared: the account, the
 /// amount, and the currency in upper case (`eur` is `EUR`).
-fn intent_of(account_id: &str, amount: i64, currency: &str) -> String {
+pub(super) fn intent_of(account_id: &str, amount: i64, currency: &str) -> String {
     format!("{account_id}\n{amount}\n{}", currency.to_ascii_uppercase())
 }
 

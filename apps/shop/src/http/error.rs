@@ -296,7 +296,7 @@ impl Error {
                     401 => tonic::Code::Unauthenticated,
                     403 => tonic::Code::PermissionDenied,
                     404 => tonic::Code::NotFound,
-                    409 | 412 => tonic::Code::FailedPrecondition,
+                    409 | 412 | 422 => tonic::Code::FailedPrecondition,
                     429 | 503 | 502 => tonic::Code::Unavailable,
                     _ => tonic::Code::Internal,
                 };

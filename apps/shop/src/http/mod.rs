@@ -73,6 +73,9 @@ pub(crate) struct Shared {
     pub(crate) transactional: bool,
     /// idem's records (the layer's store), where checkout steps are kept.
     pub(crate) records: Arc<dyn Store>,
+    /// How long a record is kept: a payment key bound to its operation
+    /// (with Redis alone) is bound for as long.
+    pub(crate) retention: std::time::Duration,
     /// Whether `POST /payments` claims inside its own transaction.
     pub(crate) claim_in_transaction: bool,
     /// The payments that may hold their claiming transaction at once

@@ -22,7 +22,7 @@ use super::auth::Client;
 use super::error::{Error, Result};
 use super::{input, AppState, ProblemDoc};
 use crate::bank::{BankError, ChargeRequest};
-use crate::db::dialect::PAYMENT_KEY;
+use crate::db::dialect::{PAYMENT_KEY, PAYMENT_KEY_BINDING};
 use crate::db::{self, Account, Email, Payment, ShopTx, PAYMENT_COLUMNS};
 
 /// The payment routes. `POST /payments` needs an `Idempotency-Key`
@@ -211,8 +211,10 @@ async fn create_payment(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response> {
-    let operation_id = idem.operation_id();
-    let payment = charge(&state, idem.scope(), operation_id, &headers, &body).await?;
+    let simulate = Simulate::parse(&headers, state.fault_injection, SimulateOn::Payment)?;
+    let new = NewPayment::parse(&body)?;
+    let operation_id = bound_operation(&state, &idem, Route::Http, &new).await?;
+    let payment = charge_new(&state, idem.scope(), operation_id, &simulate, new).await?;
     record_payment(
         &state,
         Some(&idem),
@@ -223,6 +225,193 @@ async fn create_payment(
     )
     .await
 }
+}
+
+/// The route a payment came by: a key bound over one is another request
+/// over the other, as the layer's fingerprint (which covers the path) has
+/// it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// `POST /payments`.
+    Http,
+    /// `shop.v1.Payments/CreatePayment`.
+    Grpc,
+}
+
+/// The operation a payment charges under: the claim's, unless the records
+/// live outside the database (`--idem-store redis`) and this key is bound
+/// to another one already.
+///
+/// There, a record Redis lost (a failover without `WAIT`, an emptied
+/// shard) would let the key run again under a new operation id, which the
+/// bank has never seen: a second charge. So before the bank is called the
+/// key is bound to the operation in the database (committed, as
+/// checkout's binding is), and the same key back with a new operation id
+/// resumes under the bound one: the bank answers with the charge it made,
+/// and the payment recorded under it is the answer. The same key with
+/// another payment (or by the other route) within the retention is `422`,
+/// as its record would have answered; past the retention the key is new
+/// again, and bound afresh.
+pub(crate) async fn bound_operation(
+    state: &AppState,
+    idem: &impl KeyOf,
+    route: Route,
+    new: &NewPayment,
+) -> Result<OperationId> {
+    let operation_id = idem.operation();
+    if state.transactional {
+        // The records are in this database: a record is never lost, and
+        // its claim binds the key already.
+        return Ok(operation_id);
+    }
+    let (client, key) = (idem.client(), idem.idempotency_key());
+    let via = match route {
+        Route::Http => "POST /payments",
+        Route::Grpc => "shop.v1.Payments/CreatePayment",
+    };
+    let intent = format!(
+        "{via}\n{}",
+        super::checkout::intent_of(&new.account_id, new.amount, &new.currency)
+    );
+    let op = operation_id.to_string();
+    let now = UnixMillis::now().0;
+    let retention = i64::try_from(state.retention.as_millis()).unwrap_or(i64::MAX);
+    let mut tx = state.db.begin().await.map_err(Error::Recording)?;
+    let staged: Result<Binding, sqlx::Error> = async {
+        let created = db::create_once(
+            &mut *tx,
+            (state.db.sql().insert_payment_key, PAYMENT_KEY_BINDING),
+            &[
+                client.into(),
+                key.into(),
+                (&op).into(),
+                (&intent).into(),
+                now.into(),
+            ],
+            "SELECT operation_id, intent, bound_at FROM shop_payment_keys
+             WHERE client_id = $1 AND idempotency_key = $2",
+            &[client.into(), key.into()],
+        )
+        .await?;
+        let row = match created {
+            Created::Created(_) => return Ok(Binding::This),
+            Created::Existing(row) => row,
+        };
+        let bound = row.text("operation_id")?;
+        if bound == op {
+            return Ok(Binding::This);
+        }
+        if row.int("bound_at")?.saturating_add(retention) <= now {
+            // Past the retention the key is new again.
+            let moved = tx
+                .execute(
+                    "UPDATE shop_payment_keys SET operation_id = $3, intent = $4, bound_at = $5
+                     WHERE client_id = $1 AND idempotency_key = $2 AND operation_id = $6",
+                    &[
+                        client.into(),
+                        key.into(),
+                        (&op).into(),
+                        (&intent).into(),
+                        now.into(),
+                        (&bound).into(),
+                    ],
+                )
+                .await?;
+            return Ok(if moved == 1 {
+                Binding::This
+            } else {
+                Binding::Moved
+            });
+        }
+        Ok(Binding::Earlier {
+            operation_id: bound,
+            intent: row.text("intent")?,
+        })
+    }
+    .await;
+    let binding = match staged {
+        Ok(binding) => {
+            tx.commit().await.map_err(Error::Recording)?;
+            binding
+        }
+        Err(e) => {
+            rollback(tx).await;
+            return Err(Error::Recording(e));
+        }
+    };
+    match binding {
+        Binding::This => Ok(operation_id),
+        Binding::Earlier {
+            operation_id: bound,
+            intent: earlier,
+        } if earlier == intent => {
+            let bound = uuid::Uuid::parse_str(&bound)
+                .map(OperationId)
+                .map_err(|e| Error::Recording(sqlx::Error::Decode(Box::new(e))))?;
+            warn!(key, operation_id = %bound, "a payment key back with a new operation id (its record was lost): resuming under the bound one");
+            metrics::counter!("shop_payment_keys_resumed_total").increment(1);
+            Ok(bound)
+        }
+        // Refusals that say nothing ran: neither stored nor replayed (the
+        // layer's own `422` and `409` are not), the claim let go.
+        Binding::Earlier { .. } => {
+            idem.release();
+            Err(Error::Answered(
+                idem_axum::IdempotencyRejection::KeyReused.into_response(),
+            ))
+        }
+        Binding::Moved => {
+            idem.release();
+            Err(Problem::new(
+                StatusCode::CONFLICT,
+                "idempotency-key-in-use",
+                "Another request with this Idempotency-Key is in progress",
+            )
+            .retry_after(1)
+            .into())
+        }
+    }
+}
+
+/// What a payment key was bound to.
+enum Binding {
+    /// This attempt's operation.
+    This,
+    /// Another operation, within the retention.
+    Earlier {
+        operation_id: String,
+        intent: String,
+    },
+    /// Another attempt bound it afresh meanwhile (past the retention).
+    Moved,
+}
+
+/// The claim a payment runs under, over HTTP or gRPC.
+pub(crate) trait KeyOf {
+    /// The claim's operation id.
+    fn operation(&self) -> OperationId;
+    /// The client (the records' scope).
+    fn client(&self) -> &str;
+    /// The `Idempotency-Key`.
+    fn idempotency_key(&self) -> &str;
+    /// Lets the claim go whatever the answer: it is not the request's
+    /// outcome, and is not stored.
+    fn release(&self);
+}
+
+impl KeyOf for Idempotency {
+    fn operation(&self) -> OperationId {
+        self.operation_id()
+    }
+    fn client(&self) -> &str {
+        self.scope()
+    }
+    fn idempotency_key(&self) -> &str {
+        self.key()
+    }
+    fn release(&self) {
+        self.release_claim();
+    }
 }
 
 create_payment_doc! {

@@ -72,6 +72,11 @@ impl Fleet {
         Some(bases[(pick % bases.len() as u64) as usize].clone())
     }
 
+    /// The base URLs of the live processes.
+    pub fn bases(&self) -> Vec<String> {
+        self.bases.lock().unwrap().clone()
+    }
+
     /// Restarts every process that died; `kill` one first, if asked.
     pub async fn tend(&self, kill: Option<usize>) {
         let mut slots = self.slots.lock().await;

@@ -201,6 +201,30 @@ impl Db {
         }
     }
 
+    /// Runs one query of one integer (a count) on the test's database.
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        match self {
+            Db::Sqlite(..) => {
+                let pool = sqlx::SqlitePool::connect(&self.url()).await.unwrap();
+                let n = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
+                pool.close().await;
+                n
+            }
+            Db::Postgres(_) | Db::PostgresAt(_) => {
+                let pool = sqlx::PgPool::connect(&self.url()).await.unwrap();
+                let n = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
+                pool.close().await;
+                n
+            }
+            Db::Mysql(_) => {
+                let pool = sqlx::MySqlPool::connect(&self.url()).await.unwrap();
+                let n = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
+                pool.close().await;
+                n
+            }
+        }
+    }
+
     pub fn url(&self) -> String {
         match self {
             Db::Sqlite(_, path) => format!("sqlite:{}", path.display()),
