@@ -40,9 +40,14 @@
 //!   caller won when the token there is its own. See [`idem_sql::store`].
 //!   The insert commits once sent, as PostgreSQL's first look does: a
 //!   caller that stops waiting for it (a client gone, a store time-out)
-//!   leaves a claim nobody holds, freed when its lease runs out. It is tried
-//!   only in sessions that commit each statement by themselves
-//!   (`autocommit = 1`, the server's default).
+//!   leaves a claim nobody holds, freed when its lease runs out.
+//! - **Sessions must commit each statement by themselves** (`autocommit =
+//!   1`, the server's default). In one that does not (a pool's hook, or a
+//!   server whose default is 0) the store's one-statement writes (a new
+//!   key's insert, a completion the layer stores after the handler, a
+//!   release, a sweep) would stay open on their connection, and a
+//!   completion never committed lets a retry run the request again once
+//!   the lease is over: every claim there is refused with the reason.
 //! - **Stale snapshots.** REPEATABLE READ (InnoDB's default) would let a
 //!   plain `SELECT` after a wait read a snapshot from before it: the store's
 //!   write transactions run under READ COMMITTED, and its reads after a

@@ -1,9 +1,10 @@
 -- The first look: the record under a key, unless it is past its retention,
 -- and the database's clock, in one row even when there is no record (its
 -- columns then NULL). Knowing the clock lets a new key be claimed by a
--- plain insert (insert.sql) whose lease is known without reading it back;
--- the insert is a claim only in a session that commits each statement by
--- itself (autocommit = 1). A record past its retention and not held under
+-- plain insert (insert.sql) whose lease is known without reading it back.
+-- `autocommit`: a session that does not commit each statement by itself
+-- is refused (none of the store's one-statement writes would commit). A
+-- record past its retention and not held under
 -- a live lease comes with `stale` = 1: the claim's transaction replaces it
 -- (an insert would fail on it, after waiting for any transaction holding
 -- its row). $1 scope, $2 key.

@@ -45,9 +45,10 @@
 //!   the database's clock even when it finds nothing, and the insert's
 //!   lease is counted from it, so the claim knows its lease without reading
 //!   it back: two statements for a new key instead of five. The insert runs
-//!   on the first look's connection. It is tried only in a session that
-//!   commits each statement by itself (the first look reads
-//!   `@@autocommit`), and a key longer than the table holds is refused
+//!   on the first look's connection. A session that does not commit each
+//!   statement by itself (the first look reads `@@autocommit`) is refused:
+//!   there none of the store's one-statement writes would commit. A key
+//!   longer than the table holds is refused
 //!   before (never cut short to fit). A record past its retention goes to
 //!   the transaction straight away (the first look marks it `stale`): an
 //!   insert could only fail on it.
@@ -391,15 +392,25 @@ impl<D: RecordDialect> SqlStore<D> {
                 .map(Value::into_owned)
                 .map_err(|e| StoreError::Corrupt(format!("the first look's {name}: {e}")))
         };
+        // The first look with the clock (MySQL's) says whether the session
+        // commits each statement by itself. One that does not would never
+        // commit the store's one-statement writes (a new key's insert, a
+        // completion the layer stores after the handler, a release): a
+        // completion left open on its connection lets a retry run the
+        // request again once the lease is over. Refused, with the reason.
+        if clocked && !matches!(column("autocommit")?, Value::Int(1)) {
+            return Err(StoreError::Backend(
+                "this MySQL session does not commit each statement by itself \
+                 (autocommit = 0, by a pool's hook or the server's default): \
+                 idem's completions and releases would never commit; give \
+                 the store a pool whose sessions run with autocommit = 1"
+                    .into(),
+            ));
+        }
         if matches!(column("scope")?, Value::Null) {
             // Only the first look with the clock returns a row without a
-            // record. Its insert is a claim only if it commits by itself:
-            // in a session that does not (`autocommit = 0`) the claim's
-            // transaction decides, and fails as it always did there.
-            return Ok(match column("autocommit")? {
-                Value::Int(1) => Look::Absent(Some(now)),
-                _ => Look::Undecided,
-            });
+            // record.
+            return Ok(Look::Absent(Some(now)));
         }
         if clocked && matches!(column("stale")?, Value::Int(1)) {
             // Past its retention: replaced by the claim's transaction.
