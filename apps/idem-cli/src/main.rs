@@ -180,7 +180,12 @@ impl Target {
 
     /// The secrets of `--database-url` and `--redis-url`, for [`scrub`].
     fn secrets(&self) -> Vec<String> {
-        let mut found = secrets(&self.database_url);
+        // A Redis Cluster's nodes, comma-separated, each with its own.
+        let mut found: Vec<String> = if self.database_url.starts_with("redis") {
+            self.database_url.split(',').flat_map(secrets).collect()
+        } else {
+            secrets(&self.database_url)
+        };
         for url in self.redis_url.iter().flat_map(|u| u.split(',')) {
             found.extend(secrets(url));
         }
@@ -350,6 +355,9 @@ fn target_problem(target: &Target) -> Option<String> {
     let url = &target.database_url;
     if url.starts_with("redis://") || url.starts_with("rediss://") {
         return None;
+    }
+    if target.wait_replicas.is_some() {
+        return Some("--redis-wait-replicas applies to Redis alone (--database-url redis://…): with the records in a database, the database is the guard and Redis only a cache".to_owned());
     }
     match DialectKind::of_url(url) {
         None => Some(unsupported_url(url)),

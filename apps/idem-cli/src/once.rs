@@ -66,6 +66,19 @@ pub(crate) struct OnceArgs {
     /// The prefix of idem's keys in Redis.
     #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem")]
     pub(crate) redis_prefix: String,
+    /// The Redis URLs name a Redis Cluster (nodes comma-separated).
+    #[arg(long, env = "IDEM_REDIS_CLUSTER")]
+    pub(crate) redis_cluster: bool,
+    /// Redis alone (`--database-url redis://…`): a claim counts only once
+    /// this many replicas have it (`WAIT`), so that a failover does not
+    /// forget a run and let another host start it again; fewer within
+    /// `--redis-wait-timeout-ms` and nothing runs (exit 69). 0: do not
+    /// wait.
+    #[arg(long, env = "IDEM_REDIS_WAIT_REPLICAS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub(crate) redis_wait_replicas: u32,
+    /// How long a claim waits for `--redis-wait-replicas`, in milliseconds.
+    #[arg(long, env = "IDEM_REDIS_WAIT_TIMEOUT_MS", default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..=450))]
+    pub(crate) redis_wait_timeout_ms: u64,
     /// The scope the key belongs to (a job family, a team).
     #[arg(long)]
     pub(crate) scope: String,
@@ -861,9 +874,7 @@ fn kill_group(group: Option<u32>, status: u8) {
 impl OnceArgs {
     /// The secrets of its URLs, for [`crate::scrub`].
     pub(crate) fn secrets(&self) -> Vec<String> {
-        let mut found = crate::secrets(&self.database_url);
-        found.extend(self.redis_url.iter().flat_map(|u| crate::secrets(u)));
-        found
+        target(self).secrets()
     }
 }
 
@@ -874,10 +885,13 @@ fn target(args: &OnceArgs) -> crate::Target {
         schema: args.schema.clone(),
         table: args.table.clone(),
         redis_url: args.redis_url.clone(),
-        redis_cluster: false,
+        redis_cluster: args.redis_cluster,
         redis_prefix: args.redis_prefix.clone(),
         connections: 2,
-        wait_replicas: None,
+        wait_replicas: (args.redis_wait_replicas > 0).then(|| idem_redis::WaitReplicas {
+            replicas: args.redis_wait_replicas,
+            timeout: Duration::from_millis(args.redis_wait_timeout_ms),
+        }),
         sqlite_synchronous_normal: false,
     }
 }

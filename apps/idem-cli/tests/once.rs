@@ -16,6 +16,12 @@ fn idem(url: &str, args: &[&str]) -> Command {
         .env("DATABASE_URL", url)
         .env_remove("REDIS_URL")
         .env("IDEM_REDIS_PREFIX", prefix_for(url));
+    // A Redis Cluster's nodes, comma-separated (`redis_cluster` below).
+    if url.split('#').next().unwrap_or_default().contains(',') {
+        c.env("IDEM_REDIS_CLUSTER", "true");
+    } else {
+        c.env_remove("IDEM_REDIS_CLUSTER");
+    }
     c
 }
 
@@ -1166,6 +1172,86 @@ mod redis {
         let url = Prefixed::new();
         super::killed_run_is_taken_over(&url.url);
     }
+}
+
+/// `idem once` on a Redis Cluster (`--redis-cluster`, here from
+/// `IDEM_REDIS_CLUSTER`): the whole contract, as on one server.
+mod redis_cluster {
+    /// The cluster `bash scripts/test` starts (three primaries, no
+    /// replicas).
+    fn nodes() -> String {
+        std::env::var("IDEM_TEST_REDIS_CLUSTER").unwrap_or_else(|_| {
+            "redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002".to_owned()
+        })
+    }
+
+    /// The test's prefix, in the URL's fragment; its keys deleted from
+    /// every node when dropped.
+    struct Prefixed {
+        url: String,
+        prefix: String,
+    }
+
+    impl Prefixed {
+        fn new() -> Self {
+            let prefix = format!("idem-once-cluster-{}", uuid::Uuid::new_v4().simple());
+            Self {
+                url: format!("{}#{prefix}", nodes()),
+                prefix,
+            }
+        }
+    }
+
+    impl Drop for Prefixed {
+        fn drop(&mut self) {
+            for node in nodes().split(',') {
+                idem_test_support::redis::clear_prefix(node, &self.prefix);
+            }
+        }
+    }
+
+    #[test]
+    fn once() {
+        let url = Prefixed::new();
+        super::exercise(&url.url);
+    }
+
+    /// `--redis-wait-replicas 1` on a cluster whose primaries have no
+    /// replica: no claim counts, so nothing runs (69), and the next run
+    /// without the flag finds the key free.
+    #[test]
+    fn a_claim_no_replica_acknowledged_runs_nothing() {
+        let url = Prefixed::new();
+        let dir = tempfile::tempdir().unwrap();
+        let cmd = super::counting(dir.path(), "ran");
+        let cmd: Vec<&str> = cmd.iter().map(String::as_str).collect();
+        let waited = super::once(&url.url, "acked", &["--redis-wait-replicas", "1"], &cmd);
+        assert_eq!(
+            waited.status.code(),
+            Some(69),
+            "{}",
+            super::text(&waited.stderr)
+        );
+        assert!(super::runs(dir.path()).is_empty(), "the command ran");
+        let plain = super::once(&url.url, "acked", &[], &cmd);
+        assert!(plain.status.success(), "{}", super::text(&plain.stderr));
+        assert_eq!(super::runs(dir.path()).len(), 1);
+    }
+}
+
+/// `--redis-wait-replicas` names Redis alone: with a SQL database it is a
+/// usage error (64), before anything connects or runs.
+#[test]
+fn redis_wait_replicas_needs_redis_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("once.db").display());
+    let refused = once(&url, "k", &["--redis-wait-replicas", "1"], &["true"]);
+    assert_eq!(refused.status.code(), Some(64), "{}", text(&refused.stderr));
+    assert!(
+        text(&refused.stderr).contains("applies to Redis alone"),
+        "{}",
+        text(&refused.stderr)
+    );
 }
 
 /// `idem inspect` lists a run's steps (idem-once), in order, by name.

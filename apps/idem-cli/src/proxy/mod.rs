@@ -330,10 +330,8 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
     if args.sqlite_synchronous.is_some() && !url.starts_with("sqlite:") {
         return Err("--sqlite-synchronous applies to a SQLite --database-url (sqlite:FILE)".into());
     }
-    if args.redis_wait_replicas > 0
-        && !(url.starts_with("redis://") || url.starts_with("rediss://"))
-    {
-        return Err("--redis-wait-replicas applies to Redis alone (--database-url redis://…): with the records in a database, the database is the guard and Redis only a cache".into());
+    if let Some(problem) = crate::target_problem(&args.target()) {
+        return Err(problem.into());
     }
     if Duration::from_secs(args.shutdown_grace_secs) < timeout {
         warn!(
