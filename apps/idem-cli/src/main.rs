@@ -1128,6 +1128,29 @@ mod tests {
         }
     }
 
+    /// Every node of a Redis Cluster's `--database-url` has its password
+    /// scrubbed, not the first alone.
+    #[test]
+    fn each_cluster_nodes_secret_is_found() {
+        let target = Target {
+            database_url: "redis://:first-pw@a:7000,redis://:second-pw@b:7001".to_owned(),
+            schema: None,
+            table: "idem_records".to_owned(),
+            redis_url: None,
+            redis_cluster: true,
+            redis_prefix: "idem".to_owned(),
+            connections: 2,
+            wait_replicas: None,
+            sqlite_synchronous_normal: false,
+        };
+        let found = target.secrets();
+        let said = scrub("a: first-pw, b: second-pw", &found);
+        assert!(
+            !said.contains("first-pw") && !said.contains("second-pw"),
+            "{said}"
+        );
+    }
+
     /// A stored body or header that carries a terminal escape sequence is
     /// printed with it escaped.
     #[test]
