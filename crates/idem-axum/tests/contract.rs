@@ -92,6 +92,13 @@ async fn handler(
         ),
     )
         .into_response();
+    if behave.split(',').any(|part| part == "encoded") {
+        // A layer inside idem's compressed the body.
+        response.headers_mut().insert(
+            "content-encoding",
+            http::HeaderValue::from_static("gzip"),
+        );
+    }
     if behave.split(',').any(|part| part == "in-use-header") {
         // The layer's "in flight" marker on an answer of another status
         // (as an upstream behind `idem proxy` may write it).
@@ -268,6 +275,28 @@ async fn allow_listed_headers_are_replayed() {
     let (_, h1, _) = send(&h.app, req("k-hdr", "{}")).await;
     let (_, h2, _) = send(&h.app, req("k-hdr", "{}")).await;
     assert_eq!(h2["x-run"], h1["x-run"]);
+}
+
+/// A body a layer inside idem's encoded (compressed) is replayed with its
+/// `Content-Encoding`, on every allow-list: without it the replayed bytes
+/// cannot be read.
+#[tokio::test]
+async fn an_encoded_body_is_replayed_with_its_encoding() {
+    for policy in [
+        Policy::default(),
+        Policy::builder()
+            .never_replay_header("content-encoding")
+            .build()
+            .unwrap(),
+    ] {
+        let h = harness(policy);
+        let (_, h1, b1) = send(&h.app, req_with("k-enc", "{}", "encoded")).await;
+        assert_eq!(h1["content-encoding"], "gzip");
+        let (_, h2, b2) = send(&h.app, req_with("k-enc", "{}", "encoded")).await;
+        assert_eq!(h2["idempotent-replayed"], "true");
+        assert_eq!(b2, b1);
+        assert_eq!(h2["content-encoding"], "gzip", "{h2:?}");
+    }
 }
 
 #[tokio::test]

@@ -3,6 +3,8 @@
 use std::time::Duration;
 
 /// Headers replayed by default: they describe the response, not the session.
+/// (`Content-Encoding` is kept whatever the lists say: see
+/// [`Policy::replays_header`].)
 pub const DEFAULT_REPLAYED_HEADERS: &[&str] = &["location", "content-type", "etag", "retry-after"];
 
 /// Headers that are never stored or replayed, whatever the allow-list says:
@@ -197,7 +199,18 @@ impl Policy {
     }
 
     /// Whether a response header is kept for replay (case-insensitive).
+    /// `Content-Encoding` always is: the body is kept as the handler sent
+    /// it (compressed by a layer inside idem's, say), and replayed without
+    /// the header that says how to read it, it would be garbage.
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().never_replay_header("content-encoding").build().unwrap();
+    /// assert!(p.replays_header("Content-Encoding"));
+    /// ```
     pub fn replays_header(&self, name: &str) -> bool {
+        if name.eq_ignore_ascii_case("content-encoding") {
+            return true;
+        }
         // Every list holds lowercase names (the builder lowercases them):
         // `name` is compared with each case-insensitively, not copied.
         let named = |n: &str| n.eq_ignore_ascii_case(name);
@@ -383,7 +396,8 @@ impl PolicyBuilder {
     }
 
     /// Never keeps the header `name` for replay, whatever else says so
-    /// (a per-answer id, a trace header).
+    /// (a per-answer id, a trace header); `Content-Encoding` excepted,
+    /// which describes the stored body.
     ///
     /// ```
     /// let p = idem_core::Policy::builder().replay_header("x-trace")
