@@ -94,10 +94,9 @@ async fn handler(
         .into_response();
     if behave.split(',').any(|part| part == "encoded") {
         // A layer inside idem's compressed the body.
-        response.headers_mut().insert(
-            "content-encoding",
-            http::HeaderValue::from_static("gzip"),
-        );
+        response
+            .headers_mut()
+            .insert("content-encoding", http::HeaderValue::from_static("gzip"));
     }
     if behave.split(',').any(|part| part == "in-use-header") {
         // The layer's "in flight" marker on an answer of another status

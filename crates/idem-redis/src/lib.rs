@@ -179,14 +179,34 @@ pub struct NotReplicated {
     pub timeout: Duration,
 }
 
+/// What a server answers while it cannot take a write for now: loading its
+/// data, its cluster or primary down, a replica (as the address of a
+/// primary that failed over), out of memory under `noeviction`, a snapshot
+/// it cannot save, too few replicas for `min-replicas-to-write`, a script
+/// past its time limit.
+const NOT_NOW: &[&str] = &[
+    "LOADING",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "READONLY",
+    "OOM",
+    "MISCONF",
+    "NOREPLICAS",
+    "BUSY",
+];
+
 /// Turns a Redis error into a store error: unreachable, timed out, dropped
-/// or refused is [`StoreError::Unavailable`]; the rest [`StoreError::Backend`].
+/// or refused, or a server that cannot take a write for now (`LOADING`,
+/// `READONLY`, `OOM`, `CLUSTERDOWN` and their kind), is
+/// [`StoreError::Unavailable`]; the rest [`StoreError::Backend`].
 pub fn store_error(e: redis::RedisError) -> StoreError {
     if e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_unrecoverable_error()
+        || e.code().is_some_and(|code| NOT_NOW.contains(&code))
     {
         StoreError::Unavailable(Box::new(e))
     } else {

@@ -69,7 +69,12 @@ if r and r.err then
 end
 if r and r[7] == 'p' and r[6] == ARGV[5] then
   -- This very claim, sent again (a retried command whose reply was lost):
-  -- the same answer, not a conflict with itself.
+  -- the same answer, not a conflict with itself. Written again,
+  -- unchanged: a WAIT after it (on a connection that may be a new one,
+  -- with no write of its own yet; from Redis 7.2 a script that writes
+  -- nothing leaves the connection's offset where it was) then counts the
+  -- replicas that have the claim, never ones that had nothing to receive.
+  redis.call('SET', KEYS[1], cmsgpack.pack(r), 'KEEPTTL')
   return {'won', r[5], tostring(r[8]), r[5] == ARGV[4] and '0' or '1'}
 end
 local lease_until = now + tonumber(ARGV[6])
