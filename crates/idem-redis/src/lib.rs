@@ -217,7 +217,20 @@ pub fn store_error(e: redis::RedisError) -> StoreError {
 impl RedisStore {
     /// Connects: to one server, with a connection manager that reconnects
     /// by itself; or to a cluster.
+    ///
+    /// On a cluster a prefix with `{` or `}` is refused: a record's key is
+    /// `prefix:{hash}`, and Redis would hash a `{…}` in the prefix instead,
+    /// putting every record in one slot, on one primary.
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
+        if config.cluster.is_some() && config.prefix.contains(['{', '}']) {
+            return Err(StoreError::Backend(
+                format!(
+                    "the key prefix {:?} has a brace: on a Redis Cluster every record would hash to one slot (the prefix's {{…}}); choose one without",
+                    config.prefix
+                )
+                .into(),
+            ));
+        }
         let conn = connection(&config).await?;
         let waiting = match config.wait_replicas {
             Some(wait) => Some(Waiting {

@@ -78,7 +78,10 @@ async fn a_redis_refusing_writes_for_now_is_unavailable() {
     assert!(store.claim(&request("before")).await.is_ok());
 
     // Out of memory, nothing to evict: `-OOM`.
-    assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]), "OK");
+    assert_eq!(
+        redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]),
+        "OK"
+    );
     assert_eq!(redis.cli(&["CONFIG", "SET", "maxmemory", "1"]), "OK");
     let full = store.claim(&request("full")).await;
     assert!(matches!(full, Err(StoreError::Unavailable(_))), "{full:?}");

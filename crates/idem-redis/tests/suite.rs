@@ -348,3 +348,21 @@ async fn clearing_a_prefix_leaves_a_longer_prefix_that_starts_with_it() {
     assert!(inner.get("s", "b").await.unwrap().is_some());
     assert_eq!(inner.clear().await.unwrap(), 1);
 }
+
+/// On a cluster a prefix with a brace is refused with the reason: Redis
+/// would hash the prefix's `{…}`, not the record's, and every record would
+/// land in one slot, on one primary.
+#[tokio::test]
+async fn a_cluster_prefix_with_a_brace_is_refused() {
+    for prefix in ["app{eu}", "app}", "{"] {
+        let refused =
+            RedisStore::connect(RedisConfig::cluster(cluster_nodes()).prefix(prefix)).await;
+        let Err(StoreError::Backend(reason)) = &refused else {
+            panic!("{prefix}: {:?}", refused.map(|_| ()));
+        };
+        assert!(reason.to_string().contains("one slot"), "{reason}");
+    }
+    // One server has no slots: the prefix is its own business.
+    let one = RedisStore::connect(RedisConfig::new(redis_url()).prefix("app{eu}")).await;
+    assert!(one.is_ok(), "{:?}", one.map(|_| ()));
+}
