@@ -146,7 +146,8 @@ impl DeferredClaim {
         S: Store + ?Sized,
     {
         let request = &self.inner.request;
-        let record = match store.get(&request.scope, &request.key).await {
+        let read = store.get(&request.scope, &request.key);
+        let record = match within_store_timeout(&self.inner.policy, read).await {
             Ok(Some(record)) => record,
             Ok(None) => return None,
             Err(e) => {
@@ -200,13 +201,16 @@ impl DeferredClaim {
             store.kind(),
             || async {
                 let sent = std::time::Instant::now();
-                Ok(match store.claim_and_begin(request).await? {
-                    TxClaimOutcome::Acquired { claim, transaction } => {
-                        Found::Acquired((claim, transaction, sent))
-                    }
-                    TxClaimOutcome::Existing(record) => Found::Existing(record),
-                    TxClaimOutcome::Busy => Found::Busy,
-                })
+                let claimed = store.claim_and_begin(request);
+                Ok(
+                    match within_store_timeout(&self.inner.policy, claimed).await? {
+                        TxClaimOutcome::Acquired { claim, transaction } => {
+                            Found::Acquired((claim, transaction, sent))
+                        }
+                        TxClaimOutcome::Existing(record) => Found::Existing(record),
+                        TxClaimOutcome::Busy => Found::Busy,
+                    },
+                )
             },
         )
         .await
@@ -216,6 +220,23 @@ impl DeferredClaim {
         *self.inner.claimed.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle.clone());
         Ok((transaction, handle))
     }
+}
+
+/// `call`'s answer, or the store unavailable once the policy's store
+/// timeout passed without one (a network partition): the handler answers
+/// `503` rather than wait, as the layer's own store calls do. A claim the
+/// call may have committed meanwhile is held by no transaction, so its
+/// lease (none, for a claim held by a transaction) frees it.
+async fn within_store_timeout<T>(
+    policy: &Policy,
+    call: impl std::future::Future<Output = Result<T, idem_core::StoreError>>,
+) -> Result<T, idem_core::StoreError> {
+    let limit = policy.store_timeout();
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(idem_core::StoreError::Unavailable(Box::new(
+            idem_once::StoreTimedOut(limit),
+        )))
+    })
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for DeferredClaim {
