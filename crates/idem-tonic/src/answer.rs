@@ -81,13 +81,20 @@ pub(crate) fn code_of(
 }
 
 /// Whether an answer with `code` is stored for replay (otherwise the claim
-/// is released for a retry): every status but those a retry may get past.
-/// With `store_errors` false (the policy does not store client errors),
-/// only `OK` is stored.
+/// is released for a retry): every status but those a retry may get past,
+/// and the server's faults (`UNIMPLEMENTED`, `DATA_LOSS`: HTTP's `501` and
+/// `500`, released as every `5xx` is over HTTP). With `store_errors` false
+/// (the policy does not store client errors), only `OK` is stored.
+/// (`CANCELLED` keeps the claim: see `finish`.)
 pub(crate) fn is_stored(code: Code, store_errors: bool) -> bool {
     match code {
         Code::Ok => true,
-        Code::Unavailable | Code::Internal | Code::Unknown | Code::DeadlineExceeded => false,
+        Code::Unavailable
+        | Code::Internal
+        | Code::Unknown
+        | Code::DeadlineExceeded
+        | Code::Unimplemented
+        | Code::DataLoss => false,
         _ => store_errors,
     }
 }
@@ -209,6 +216,8 @@ mod tests {
             Code::Internal,
             Code::Unknown,
             Code::DeadlineExceeded,
+            Code::Unimplemented,
+            Code::DataLoss,
         ] {
             assert!(!is_stored(code, true), "{code:?}");
             assert!(!is_stored(code, false), "{code:?}");
@@ -221,8 +230,6 @@ mod tests {
             Code::PermissionDenied,
             Code::Cancelled,
             Code::ResourceExhausted,
-            Code::Unimplemented,
-            Code::DataLoss,
         ] {
             assert!(is_stored(code, true), "{code:?}");
             assert!(!is_stored(code, false), "{code:?}");

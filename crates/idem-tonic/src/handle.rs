@@ -522,7 +522,26 @@ where
     let trailers = collected.trailers().cloned();
     let data = collected.to_bytes();
     let code = answer::code_of(parts.status, &parts.headers, trailers.as_ref());
+    // A refusal of idem's own that the handler passed on (a service it
+    // called, guarded by idem too, said "in flight" or "unavailable"):
+    // nothing happened that a replay should give. And `CANCELLED` passed on
+    // (a call it made was cut off): the outcome is unknown.
+    let passed_on = passed_on_refusal(&parts.headers, trailers.as_ref());
     match handle.settle() {
+        Settle::ByAnswer if passed_on => {
+            count(Outcome::Released);
+            info!(
+                ?code,
+                "the handler passed on an idem refusal (nothing ran that a replay should give); releasing the claim"
+            );
+            release(&*config.store, claim).await;
+        }
+        Settle::ByAnswer if code == Code::Cancelled => {
+            count(Outcome::Kept);
+            info!(
+                "the handler answered CANCELLED (a call it made was cut off, its outcome unknown); the claim stays until its lease runs out"
+            );
+        }
         Settle::Kept => {
             count(Outcome::Kept);
             info!(
@@ -575,6 +594,29 @@ where
         parts,
         Body::new(Buffered::new(data, trailers)),
     ))
+}
+
+/// Whether an answer's status (its trailers, or its headers for a
+/// trailers-only answer) is one of idem's own refusals that say nothing
+/// final happened: in flight, the store unavailable, a handler that failed
+/// or a message that could not be read, passed on by a handler from a call
+/// it made to a service guarded by idem.
+fn passed_on_refusal(headers: &http::HeaderMap, trailers: Option<&http::HeaderMap>) -> bool {
+    let Some(status) = trailers
+        .and_then(tonic::Status::from_header_map)
+        .or_else(|| tonic::Status::from_header_map(headers))
+    else {
+        return false;
+    };
+    matches!(
+        LayerRefusal::of(&status),
+        Some(
+            LayerRefusal::InFlight
+                | LayerRefusal::StoreUnavailable
+                | LayerRefusal::HandlerFailed
+                | LayerRefusal::MessageUnreadable
+        )
+    )
 }
 
 /// Releases its claim when dropped armed: the handler's task panicked or

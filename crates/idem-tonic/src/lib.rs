@@ -86,10 +86,16 @@
 //!   and trailers named by [`IdempotencyLayer::replay_metadata`], marked
 //!   `idempotent-replayed: true`. Answers are stored uncompressed, so that
 //!   a replay reads for any client.
-//! - `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED` and a panic
-//!   release the claim: the retry runs again, under the same operation id.
-//!   Every other status is stored and replayed (with a policy that does not
-//!   store client errors, only `OK` is).
+//! - `UNAVAILABLE`, `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED`, the
+//!   server's faults `UNIMPLEMENTED` and `DATA_LOSS` (as every `5xx` over
+//!   HTTP) and a panic release the claim: the retry runs again, under the
+//!   same operation id. So does one of idem's own refusals that a handler
+//!   passes on from a service it called (in flight, store unavailable,
+//!   handler failed, message unreadable: nothing a replay should give).
+//!   `CANCELLED` (a call the handler made was cut off, its outcome
+//!   unknown) keeps the claim until its lease runs out. Every other status
+//!   is stored and replayed (with a policy that does not store client
+//!   errors, only `OK` is).
 //! - An answer whose body fails after the handler answered keeps the claim
 //!   until its lease runs out (the caller gets `UNAVAILABLE`): a gRPC
 //!   status comes after the message, so the handler's outcome is unknown,

@@ -161,6 +161,18 @@ impl tonic::server::UnaryService<Charge> for ChargeCall {
                         idem.abandon();
                         return Err(Status::aborted("this attempt's lease ran out"));
                     }
+                    // Statuses a handler passes on from calls it made.
+                    "passes-in-flight-once" => {
+                        return Err(idem_tonic::LayerRefusal::InFlight
+                            .status(Code::Aborted, "the service it called is running this"));
+                    }
+                    "unimplemented-once" => {
+                        return Err(Status::unimplemented("not served here yet"))
+                    }
+                    "data-loss-once" => return Err(Status::data_loss("a page went missing")),
+                    "cancelled-once" => {
+                        return Err(Status::cancelled("the call it made was cut off"))
+                    }
                     _ => {}
                 }
             }
@@ -650,6 +662,63 @@ async fn unavailable_and_a_panic_release_the_key_and_not_found_is_stored() {
     assert_eq!(again.message(), "no such account");
     assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
     assert_eq!(ledger.runs("not-found").len(), 1);
+}
+
+/// What a handler passes on from calls it made: one of idem's own
+/// refusals from a guarded service (in flight), or a server fault
+/// (`UNIMPLEMENTED`, `DATA_LOSS`), says nothing final happened and releases
+/// the key (over HTTP every `5xx` does); `CANCELLED` (a call cut off, its
+/// outcome unknown) keeps it until its lease runs out. None is stored.
+#[tokio::test]
+async fn statuses_passed_on_release_or_keep_and_are_not_stored() {
+    let policy = Policy::builder()
+        .lease(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let (addr, ledger) = serve(memory(), policy).await;
+    let ch = channel(addr).await;
+    for (account, first_code) in [
+        ("passes-in-flight-once", Code::Aborted),
+        ("unimplemented-once", Code::Unimplemented),
+        ("data-loss-once", Code::DataLoss),
+    ] {
+        let failed = call(ch.clone(), CHARGE, "c1", Some(account), charge(account, 1))
+            .await
+            .unwrap_err();
+        assert_eq!(failed.code(), first_code, "{account}");
+        let retried = call(ch.clone(), CHARGE, "c1", Some(account), charge(account, 1))
+            .await
+            .unwrap_or_else(|e| panic!("{account}: {e:?}"));
+        assert!(!replayed(&retried), "{account}: released, the retry ran");
+        let runs = ledger.runs(account);
+        assert_eq!(runs.len(), 2, "{account}");
+        assert_eq!(runs[0].0, runs[1].0, "{account}: one operation id");
+    }
+    let cancelled = call(
+        ch.clone(),
+        CHARGE,
+        "c1",
+        Some("cancelled"),
+        charge("cancelled-once", 1),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(cancelled.code(), Code::Cancelled);
+    let held = call(
+        ch.clone(),
+        CHARGE,
+        "c1",
+        Some("cancelled"),
+        charge("cancelled-once", 1),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(held.code(), Code::Aborted, "kept: in flight, {held:?}");
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&held),
+        Some(idem_tonic::LayerRefusal::InFlight)
+    );
+    assert_eq!(ledger.runs("cancelled-once").len(), 1);
 }
 
 /// A handler that cannot know its outcome (`keep_claim`) leaves the key
