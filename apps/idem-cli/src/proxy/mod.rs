@@ -482,7 +482,7 @@ async fn unforwardable(
             StatusCode::BAD_REQUEST,
             "bad-request-target",
             "The request target cannot be forwarded",
-            "its path holds a dot segment (. or ..), which the upstream would resolve: send the path it stands for",
+            "its path holds a dot segment (. or ..), which the upstream would resolve, or a % encoded more than 4 times over: send the path it stands for",
         );
     }
     let method = request.method().as_str();
@@ -515,15 +515,28 @@ async fn unforwardable(
     next.run(request).await
 }
 
+/// How many times over a `%` may be percent-encoded in a path (`%25`,
+/// `%2525`, …) before the path is refused.
+const PERCENT_LAYERS: usize = 4;
+
 /// Whether `path` holds a segment `.` or `..`, also spelled with `%2e`
 /// (or `%252e`, for a server that decodes twice), between backslashes or
 /// encoded slashes (`%2f`, `%5c`), which some servers take for `/`, or
 /// followed by parameters (`..;x`, which Tomcat, Jetty and Spring drop
-/// before they resolve the path).
+/// before they resolve the path). A percent sign encoded more than
+/// [`PERCENT_LAYERS`] times over counts as one too: no server decodes that
+/// deep, and peeling every layer of a long path would cost time
+/// quadratic in its length.
 fn has_dot_segment(path: &str) -> bool {
     let mut path = path.to_ascii_lowercase();
-    while path.contains("%25") {
+    for _ in 0..PERCENT_LAYERS {
+        if !path.contains("%25") {
+            break;
+        }
         path = path.replace("%25", "%");
+    }
+    if path.contains("%25") {
+        return true;
     }
     path.replace("%2e", ".")
         .replace("%2f", "/")
@@ -684,9 +697,14 @@ mod tests {
             "/%252e%252e/admin",
             "/%25252e./admin",
             "..",
+            "/%2525252525",
         ] {
             assert!(has_dot_segment(path), "{path}");
         }
+        // A long path of `%` encoded layer on layer is refused after a
+        // few layers, not peeled layer by layer (quadratic in its length).
+        let deep = format!("/%{}", "25".repeat(30_000));
+        assert!(has_dot_segment(&deep));
         for path in [
             "/",
             "/a/b",
@@ -698,6 +716,7 @@ mod tests {
             "/a;..",
             "/x;/b",
             "/%2525",
+            "/%25252525",
         ] {
             assert!(!has_dot_segment(path), "{path}");
         }
