@@ -112,7 +112,11 @@ pub(crate) struct ProxyArgs {
     pub(crate) redis_wait_timeout_ms: u64,
     /// The request header that says who the caller is; keys are kept apart
     /// per value (hashed, never stored in clear). A guarded request without
-    /// it is answered `401`.
+    /// it is answered `401`. Its value must stay the same across a
+    /// caller's retries: a retry under another value (a token refreshed
+    /// between them, a signature per request) is another caller's key, run
+    /// again under a new operation id. With such credentials, name a header
+    /// your gateway sets to the caller's stable id.
     #[arg(long, env = "IDEM_SCOPE_HEADER", default_value = "Authorization")]
     pub(crate) scope_header: String,
     /// A secret that keys the scope's hash (HMAC-SHA-256), so that a
