@@ -337,8 +337,14 @@ impl RedisStore {
         // nothing is claimed by it; a replay, or a duplicate of a live
         // claim, is answered by it; the claim script runs only for what it
         // alone can decide (a takeover, a record past its retention).
-        let look = self.first_look(&key, req, op, token, lease, retention);
-        let (record, now) = match look.await? {
+        let look = match self
+            .first_look(&key, req, op, token, lease, retention)
+            .await
+        {
+            Ok(look) => look,
+            Err(e) => return Err(self.let_go(req, token, proposed, e).await),
+        };
+        let (record, now) = match look {
             FirstLook::Claimed(claim) => return Ok(ClaimOutcome::Acquired(claim)),
             FirstLook::Read(record, now) => (record, now),
             FirstLook::Hash => self.fetch_key(&key).await?,
@@ -367,7 +373,10 @@ impl RedisStore {
             lease.as_bytes(),
             retention.as_bytes(),
         ];
-        let (reply, replicated) = self.write(&self.claim, scripts::CLAIM, &key, &args).await?;
+        let (reply, replicated) = match self.write(&self.claim, scripts::CLAIM, &key, &args).await {
+            Ok(written) => written,
+            Err(e) => return Err(self.let_go(req, token, proposed, e).await),
+        };
         let Value::Array(reply) = reply else {
             return Err(StoreError::Corrupt(
                 "unexpected reply from the claim script".into(),
@@ -408,6 +417,36 @@ impl RedisStore {
             return Err(e);
         }
         Ok(outcome)
+    }
+
+    /// `e`, after letting go of the claim `token` may have made: a claim
+    /// whose answer did not come back in time (a server slow for a moment,
+    /// the answer lost) may still have been written, and would hold the
+    /// key for its whole lease while the caller was told the store was
+    /// unavailable and retries. The release is fenced by the token (it
+    /// frees nothing else) and sent after the claim, on the same connection
+    /// unless replicas are waited for (the claim then ran before its
+    /// `WAIT`, which is what takes long); best effort: the lease frees the
+    /// key otherwise.
+    async fn let_go(
+        &self,
+        req: &ClaimRequest,
+        token: FencingToken,
+        proposed: OperationId,
+        e: StoreError,
+    ) -> StoreError {
+        if matches!(e, StoreError::Unavailable(_)) {
+            let claim = Claim {
+                scope: req.scope.clone(),
+                key: req.key.clone(),
+                token,
+                operation_id: proposed,
+                locked_until: UnixMillis(0),
+                takeover: false,
+            };
+            let _ = Store::release(self, &claim).await;
+        }
+        e
     }
 
     /// Reads a record and Redis's clock, expired records included.

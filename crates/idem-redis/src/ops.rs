@@ -21,6 +21,30 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Withdraws `claim`, which did nothing (its request turned out not to
+    /// be the key's: the application bound the key to another request
+    /// where its effects live): the record is deleted if it is still in
+    /// progress under the claim's token, so the key is free for any
+    /// request, as if never claimed. A release would keep the record, and
+    /// with it this request's fingerprint, refusing the key's own request
+    /// (`422`) until the retention ends. Whether it was withdrawn.
+    pub async fn withdraw(&self, claim: &Claim) -> Result<bool, StoreError> {
+        let script = redis::Script::new(crate::scripts::WITHDRAW);
+        let mut conn = self.conn.clone();
+        let mut tok = itoa::Buffer::new();
+        let key = self.record_key(&claim.scope, &claim.key);
+        let args: [&[u8]; 1] = [tok.format(claim.token.0).as_bytes()];
+        let done = crate::eval_sha(&mut conn, &script, crate::scripts::WITHDRAW, &key, &args)
+            .await
+            .map_err(store_error)?;
+        match done {
+            redis::Value::Int(n) => Ok(n == 1),
+            _ => Err(StoreError::Corrupt(
+                "unexpected reply from the withdraw script".into(),
+            )),
+        }
+    }
+
     /// Writes an in-flight marker for a claim decided elsewhere (tiered
     /// mode), expiring with its lease: one plain `SET`, which replaces
     /// whatever the key held.

@@ -160,6 +160,23 @@ return 1
 "
 );
 
+/// Withdraws a claim that did nothing: deletes the record if it is in
+/// progress under the caller's token, so the key is free for any request,
+/// as if never claimed. KEYS[1]: the record. ARGV: token. Returns 1 or 0.
+pub(crate) const WITHDRAW: &str = with_load!(
+    r"
+local r = load()
+if r and r.err then
+  return r
+end
+if not r or r[7] ~= 'p' or r[6] ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+return 1
+"
+);
+
 /// Caches a completed record for replay (tiered mode): written only if the
 /// key holds nothing or an in-flight marker, so a newer record is never
 /// overwritten by an older one. KEYS[1]: the record. ARGV: the record as

@@ -25,6 +25,7 @@ impl OwnRedis {
             .port();
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--enable-debug-command", "yes"])
             .args(["--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .spawn()
@@ -99,4 +100,43 @@ async fn a_redis_refusing_writes_for_now_is_unavailable() {
         matches!(replica, Err(StoreError::Unavailable(_))),
         "{replica:?}"
     );
+}
+
+/// A claim whose answer came too late (the server stalled for a moment)
+/// was still written; the caller was told the store was unavailable, so
+/// the claim is let go (fenced by its token), and the retry runs rather
+/// than meet `409` for the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_answered_too_late_is_let_go() {
+    use idem_core::ClaimOutcome;
+    let redis = OwnRedis::start();
+    let store = RedisStore::connect(RedisConfig::new(redis.url()).prefix("late"))
+        .await
+        .unwrap();
+    // Loaded first, so that the stall is all the claim meets.
+    assert!(store.claim(&request("warm")).await.is_ok());
+    let port = redis.port.to_string();
+    let stall = std::thread::spawn(move || {
+        Command::new("redis-cli")
+            .args(["-p", &port, "DEBUG", "SLEEP", "1.5"])
+            .output()
+            .unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let late = store.claim(&request("k")).await;
+    assert!(matches!(late, Err(StoreError::Unavailable(_))), "{late:?}");
+    stall.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match store.claim(&request("k")).await {
+            Ok(ClaimOutcome::Acquired(_)) => break,
+            other => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the late claim still holds the key: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
 }

@@ -366,3 +366,45 @@ async fn a_cluster_prefix_with_a_brace_is_refused() {
     let one = RedisStore::connect(RedisConfig::new(redis_url()).prefix("app{eu}")).await;
     assert!(one.is_ok(), "{:?}", one.map(|_| ()));
 }
+
+/// `withdraw` deletes a claim that did nothing, by its token only: the key
+/// is then free for a request with another body (a release would have
+/// kept the record and refused it with `422`). Another token, or a
+/// completed record, is left as it is.
+#[tokio::test]
+async fn a_withdrawn_claim_frees_the_key_for_any_request() {
+    let (store, _prefix) = redis().await;
+    let first = idem_store_suite::request(
+        "s",
+        "k",
+        r#"{"a":1}"#,
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    );
+    let other = idem_store_suite::request(
+        "s",
+        "k",
+        r#"{"a":2}"#,
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    );
+    let ClaimOutcome::Acquired(claim) = store.claim(&first).await.unwrap() else {
+        panic!("a new key is claimed")
+    };
+    let mut stranger = claim.clone();
+    stranger.token = idem_core::FencingToken(claim.token.0.wrapping_add(1));
+    assert!(!store.withdraw(&stranger).await.unwrap(), "another token");
+    assert!(store.withdraw(&claim).await.unwrap());
+    assert!(store.get("s", "k").await.unwrap().is_none());
+    let ClaimOutcome::Acquired(taken) = store.claim(&other).await.unwrap() else {
+        panic!("the key is free for another body")
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: "{}".into(),
+    };
+    store.complete(&taken, &response).await.unwrap();
+    assert!(!store.withdraw(&taken).await.unwrap(), "completed: kept");
+    assert!(store.get("s", "k").await.unwrap().is_some());
+}
