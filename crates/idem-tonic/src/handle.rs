@@ -10,8 +10,8 @@ use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Full};
 use idem_core::{
-    on_missing_key, Claim, ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyKey, KeyError,
-    MissingKey, OperationId, RecordState, Store, StoreError,
+    on_missing_key, Claim, ClaimOutcome, ClaimRequest, FencingToken, Fingerprint, IdempotencyKey,
+    KeyError, MissingKey, OperationId, RecordState, Store, StoreError,
 };
 use idem_once::{Found, Refusal};
 use tonic::{body::Body, Code};
@@ -26,6 +26,9 @@ use crate::refusal::LayerRefusal;
 /// The request metadata carrying the key.
 pub const IDEMPOTENCY_KEY: &str = idem_core::IDEMPOTENCY_KEY_HEADER;
 
+/// The key as binary metadata, which is refused (`INVALID_ARGUMENT`).
+const IDEMPOTENCY_KEY_BIN: &str = "idempotency-key-bin";
+
 /// What the handler of a guarded call finds in its request's extensions
 /// (`request.extensions().get::<Idempotency>()`): the claim it runs under,
 /// and how the layer is to settle it once the handler answers.
@@ -34,6 +37,7 @@ pub struct Idempotency {
     scope: String,
     key: String,
     operation_id: OperationId,
+    token: FencingToken,
     takeover: bool,
     /// When the winning claim was sent: its lease counts from then.
     claimed_at: Instant,
@@ -76,6 +80,12 @@ impl Idempotency {
     /// The scope the key belongs to.
     pub fn scope(&self) -> &str {
         &self.scope
+    }
+
+    /// The claim's fencing token: what the store checks before it takes
+    /// this call's answer, or lets its claim go.
+    pub fn token(&self) -> FencingToken {
+        self.token
     }
 
     /// Whether this attempt took the key over from one that crashed, was
@@ -201,6 +211,15 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (parts, body) = request.into_parts();
+    // The key as binary metadata is not read: refused, rather than let
+    // the call through unguarded as if it had none.
+    if parts.headers.contains_key(IDEMPOTENCY_KEY_BIN) {
+        count(Outcome::InvalidKey);
+        return Ok(answer::refuse(LayerRefusal::KeyInvalid.status(
+            Code::InvalidArgument,
+            "the key goes in idempotency-key (text metadata, 1 to 255 visible ASCII characters), not idempotency-key-bin",
+        )));
+    }
     let values = parts
         .headers
         .get_all(IDEMPOTENCY_KEY)
@@ -408,6 +427,7 @@ where
             scope: call.scope,
             key: call.key.into_string(),
             operation_id: claim.operation_id,
+            token: claim.token,
             takeover: claim.takeover,
             claimed_at,
             lease: config.policy.lease(),

@@ -220,8 +220,17 @@ impl IdempotencyLayer {
             check(parts, &message)?;
             Ok(message.encode_to_vec())
         };
+        // As gRPC sends it, `/package.Service/Method`: one written without
+        // its leading slash is taken as meant (it would never match, and
+        // every call would pass through unguarded).
+        let path = path.into();
+        let path = if path.starts_with('/') {
+            path
+        } else {
+            format!("/{path}")
+        };
         Arc::make_mut(&mut self.config).methods.insert(
-            path.into(),
+            path,
             Guarded {
                 read: Arc::new(read),
             },

@@ -66,7 +66,8 @@
 //!
 //! - The key is the `idempotency-key` metadata, with the HTTP header's
 //!   rules (1 to 255 visible ASCII characters, sent once). Missing where the
-//!   policy requires it, or invalid: `INVALID_ARGUMENT`.
+//!   policy requires it, or invalid: `INVALID_ARGUMENT`; so is a key sent
+//!   as binary metadata (`idempotency-key-bin`), which is not read.
 //! - The scope comes from a [`ScopeExtractor`] (metadata set by your
 //!   authentication, the authenticated peer); keys of one scope are never
 //!   seen by another.

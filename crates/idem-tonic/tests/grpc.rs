@@ -210,7 +210,6 @@ async fn serve_with_limit(
     policy: Policy,
     limit: Option<Duration>,
 ) -> (SocketAddr, Arc<Ledger>) {
-    let ledger = Arc::new(Ledger::default());
     let layer = IdempotencyLayer::new(store, policy, MetadataScope::new("x-client-id"))
         .unary_checked(CHARGE, |_, charge: &Charge| {
             if charge.amount > 0 {
@@ -220,6 +219,15 @@ async fn serve_with_limit(
             }
         })
         .replay_metadata("x-cost");
+    serve_layer(layer, limit).await
+}
+
+/// A server on a port of its own, behind `layer`.
+async fn serve_layer(
+    layer: IdempotencyLayer,
+    limit: Option<Duration>,
+) -> (SocketAddr, Arc<Ledger>) {
+    let ledger = Arc::new(Ledger::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let bank = Bank(ledger.clone());
@@ -662,6 +670,62 @@ async fn unavailable_and_a_panic_release_the_key_and_not_found_is_stored() {
     assert_eq!(again.message(), "no such account");
     assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
     assert_eq!(ledger.runs("not-found").len(), 1);
+}
+
+/// A method named without its leading slash (`pkg.Svc/Method`) is guarded
+/// all the same: before, it never matched, and every call passed through
+/// unguarded.
+#[tokio::test]
+async fn a_method_named_without_its_leading_slash_is_guarded() {
+    let layer = IdempotencyLayer::new(
+        memory(),
+        Policy::default(),
+        MetadataScope::new("x-client-id"),
+    )
+    .unary::<Charge>(CHARGE.trim_start_matches('/'));
+    let (addr, ledger) = serve_layer(layer, None).await;
+    let ch = channel(addr).await;
+    let first = call(ch.clone(), CHARGE, "c1", Some("s"), charge("slashless", 1))
+        .await
+        .unwrap();
+    let again = call(ch.clone(), CHARGE, "c1", Some("s"), charge("slashless", 1))
+        .await
+        .unwrap();
+    assert!(!replayed(&first));
+    assert!(replayed(&again), "guarded: the repeat is replayed");
+    assert_eq!(ledger.runs("slashless").len(), 1);
+}
+
+/// The key sent as binary metadata (`idempotency-key-bin`) is refused
+/// (`INVALID_ARGUMENT`), never let through unguarded as a call without a
+/// key.
+#[tokio::test]
+async fn a_key_sent_as_binary_metadata_is_refused() {
+    let (addr, ledger) = serve(memory(), Policy::default()).await;
+    let mut grpc = tonic::client::Grpc::new(channel(addr).await);
+    grpc.ready().await.unwrap();
+    let mut request = Request::new(charge("binary-key", 1));
+    request
+        .metadata_mut()
+        .insert("x-client-id", "c1".parse().unwrap());
+    request.metadata_mut().insert_bin(
+        "idempotency-key-bin",
+        tonic::metadata::MetadataValue::from_bytes(b"k"),
+    );
+    let refused = grpc
+        .unary(
+            request,
+            PathAndQuery::from_static(CHARGE),
+            ProstCodec::<Charge, Receipt>::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&refused),
+        Some(idem_tonic::LayerRefusal::KeyInvalid)
+    );
+    assert!(ledger.runs("binary-key").is_empty());
 }
 
 /// What a handler passes on from calls it made: one of idem's own
