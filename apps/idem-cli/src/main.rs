@@ -180,12 +180,12 @@ impl Target {
 
     /// The secrets of `--database-url` and `--redis-url`, for [`scrub`].
     fn secrets(&self) -> Vec<String> {
-        // A Redis Cluster's nodes, comma-separated, each with its own.
-        let mut found: Vec<String> = if self.database_url.starts_with("redis") {
-            self.database_url.split(',').flat_map(secrets).collect()
-        } else {
-            secrets(&self.database_url)
-        };
+        // And a Redis Cluster's nodes', comma-separated, each with its own
+        // (a password may hold a comma: the whole URL is read too).
+        let mut found = secrets(&self.database_url);
+        if self.redis_cluster {
+            found.extend(self.database_url.split(',').flat_map(secrets));
+        }
         for url in self.redis_url.iter().flat_map(|u| u.split(',')) {
             found.extend(secrets(url));
         }
@@ -1126,6 +1126,24 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(setting, expected, "normal: {normal}");
         }
+    }
+
+    /// A password with a comma in one server's URL is scrubbed whole.
+    #[test]
+    fn a_password_with_a_comma_is_found() {
+        let target = Target {
+            database_url: "redis://:s3cr,et@h:6379".to_owned(),
+            schema: None,
+            table: "idem_records".to_owned(),
+            redis_url: None,
+            redis_cluster: false,
+            redis_prefix: "idem".to_owned(),
+            connections: 2,
+            wait_replicas: None,
+            sqlite_synchronous_normal: false,
+        };
+        let said = scrub("cannot connect with s3cr,et", &target.secrets());
+        assert!(!said.contains("s3cr,et"), "{said}");
     }
 
     /// Every node of a Redis Cluster's `--database-url` has its password

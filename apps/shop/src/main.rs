@@ -111,6 +111,7 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
     let transactional = config.idem_store == IdemStore::Database;
+    let redis_alone = redis.clone().filter(|_| !transactional);
     match (transactional, redis) {
         (true, Some(redis)) => {
             info!(prefix = %config.redis_prefix, "Redis in front of the database");
@@ -158,6 +159,8 @@ async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         transactional,
         records: store.clone(),
         retention: policy.retention(),
+        lease: policy.lease(),
+        redis_alone,
         claim_in_transaction: config.claim_in_transaction,
         claim_tx_slots: Arc::new(tokio::sync::Semaphore::new(
             usize::try_from(config.claim_tx_limit).unwrap_or(8),

@@ -480,6 +480,11 @@ async fn grpc_redis_alone_a_lost_record_resumes_under_the_bound_operation() {
         .await
         .unwrap_err();
     assert_eq!(other.code(), Code::FailedPrecondition, "{other:?}");
+    assert_eq!(
+        idem_tonic::LayerRefusal::of(&other),
+        Some(idem_tonic::LayerRefusal::KeyReused),
+        "said as the layer says it"
+    );
     lose();
     let http = common::read(
         signed_in()

@@ -280,6 +280,12 @@ async fn redis_alone_a_lost_record_resumes_under_the_bound_operation() {
     assert!(other.problem_type().ends_with("idempotency-key-reused"));
     let acc = account(&client, &shop, "acc_1").await;
     assert_eq!(acc["bank_charges"].as_i64(), Some(1), "{acc}");
+    // That refused request's claim is withdrawn, not left on the key with
+    // its body: the key's own request still gets its payment (before, it
+    // was refused too, until the retention ended).
+    let own = read(pay(&client, &shop, Some("k"), BODY)).await;
+    assert_eq!(own.status, 201, "{own:?}");
+    assert_eq!(own.body, first.body);
     // Another key is another payment.
     let fresh = read(pay(&client, &shop, Some("k2"), BODY)).await;
     assert_eq!(fresh.status, 201, "{fresh:?}");

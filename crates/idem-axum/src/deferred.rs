@@ -139,8 +139,8 @@ impl DeferredClaim {
     /// record, or none past its retention; one in flight, whose lease only
     /// the store's clock and, on PostgreSQL, the holding transaction's lock
     /// decide; or a store that could not be read): go on to `begin`, which
-    /// decides. Bound the wait yourself: this read has no time limit of its
-    /// own beyond the store's.
+    /// decides. The read is bounded by the policy's store timeout (an
+    /// answer then: `None`); bound the wait for a turn yourself.
     pub async fn answered_by_record<S>(&self, store: &S) -> Option<ClaimRefused>
     where
         S: Store + ?Sized,

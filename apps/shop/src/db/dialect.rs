@@ -112,9 +112,14 @@ const ANSI: ShopSql = ShopSql {
                       VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING",
     insert_payment_key: "INSERT INTO shop_payment_keys (client_id, idempotency_key, operation_id, intent, bound_at)
                          VALUES ($1, $2, $3, $4, $5) ON CONFLICT (client_id, idempotency_key) DO NOTHING",
-    sweep_payment_keys: "DELETE FROM shop_payment_keys WHERE (client_id, idempotency_key) IN
-                         (SELECT client_id, idempotency_key FROM shop_payment_keys
-                          WHERE bound_at < $1 ORDER BY bound_at LIMIT 500)",
+    // The outer `bound_at < $1` too: a row bound afresh after the inner
+    // SELECT read it (a DELETE that waited re-checks only its own WHERE)
+    // is kept.
+    sweep_payment_keys: "DELETE FROM shop_payment_keys
+                         WHERE (client_id, idempotency_key) IN
+                               (SELECT client_id, idempotency_key FROM shop_payment_keys
+                                WHERE bound_at < $1 ORDER BY bound_at LIMIT 500)
+                           AND bound_at < $1",
     insert_product: "INSERT INTO shop_products (sku, name, price, version) VALUES ($1, $2, $3, 1)
                      ON CONFLICT (sku) DO NOTHING",
     insert_bank_event: "INSERT INTO shop_bank_events (event_id, type, payment_id, received_at)

@@ -55,6 +55,9 @@ impl KeyOf for Idempotency {
     fn release(&self) {
         self.release_claim();
     }
+    fn token(&self) -> idem_core::FencingToken {
+        Idempotency::token(self)
+    }
 }
 
 /// `shop.v1.Payments`.

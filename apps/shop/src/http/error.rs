@@ -70,6 +70,15 @@ pub(crate) enum Error {
     /// fault is mended.
     #[error("recording the payment: {0}")]
     Recording(sqlx::Error),
+    /// A payment's key could not be bound to its operation (with Redis
+    /// alone), before anything was charged: `503` when a retry may get
+    /// past it, else `500`; never a `4xx`, which would be stored.
+    #[error("binding the payment key: {0}")]
+    Binding(sqlx::Error),
+    /// The key refused as the idempotency layer refuses it, over HTTP and
+    /// gRPC alike (its problem type, its `ErrorInfo`); not stored.
+    #[error("{0:?}")]
+    Refused(KeyRefusal),
     /// The bank could not be reached, or refused.
     #[error("bank: {0:?}")]
     Bank(#[from] BankError),
@@ -80,6 +89,16 @@ pub(crate) enum Error {
     /// An answer a library already made (a replay, `409`, `412`, `428`).
     #[error("answered {}", .0.status())]
     Answered(Response),
+}
+
+/// How a key is refused, as the idempotency layer says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KeyRefusal {
+    /// Used before for another request: `422` (gRPC `FAILED_PRECONDITION`).
+    Reused,
+    /// Held by another request for now: `409` with `Retry-After` (gRPC
+    /// `ABORTED`).
+    InUse,
 }
 
 /// What handlers return.
@@ -150,6 +169,34 @@ impl IntoResponse for Error {
                 .into_response()
             }
             Self::Database(e) => database(&e),
+            Self::Binding(e) if is_unavailable(&e) => {
+                error!(error = %e, "could not bind the payment key; nothing was charged");
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "database-unavailable",
+                    "The database is unavailable",
+                )
+                .detail("nothing was charged; retry with the same Idempotency-Key")
+                .retry_after(1)
+                .into_response()
+            }
+            Self::Binding(e) => {
+                error!(error = %e, "could not bind the payment key; nothing was charged");
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "The payment could not be started",
+                )
+                .detail("nothing was charged")
+                .into_response()
+            }
+            Self::Refused(KeyRefusal::Reused) => {
+                idem_axum::IdempotencyRejection::KeyReused.into_response()
+            }
+            Self::Refused(KeyRefusal::InUse) => idem_axum::IdempotencyRejection::KeyInUse {
+                retry_after: std::time::Duration::from_secs(1),
+            }
+            .into_response(),
             Self::Bank(e) => {
                 warn!(error = ?e, "bank call failed");
                 match e {
@@ -273,6 +320,22 @@ impl Error {
             Self::Validation(detail) => Status::invalid_argument(detail),
             Self::Unauthorized(detail) => Status::unauthenticated(detail),
             Self::NotFound { what, id } => Status::not_found(format!("no {what} {id:?}")),
+            Self::Refused(KeyRefusal::Reused) => idem_tonic::LayerRefusal::KeyReused.status(
+                tonic::Code::FailedPrecondition,
+                "the idempotency-key was used with another message or method",
+            ),
+            Self::Refused(KeyRefusal::InUse) => idem_tonic::LayerRefusal::InFlight.status(
+                tonic::Code::Aborted,
+                "a call with this idempotency-key is running; retry with the same key",
+            ),
+            Self::Binding(e) if is_unavailable(&e) => {
+                error!(error = %e, "could not bind the payment key; nothing was charged");
+                Status::unavailable("the database is unavailable; nothing was charged: retry with the same idempotency-key")
+            }
+            Self::Binding(e) => {
+                error!(error = %e, "could not bind the payment key; nothing was charged");
+                Status::internal("the payment could not be started")
+            }
             Self::Database(e) | Self::Recording(e) if is_unavailable(&e) => {
                 error!(error = %e, "database unavailable");
                 Status::unavailable("the database is unavailable; retry with the same idempotency-key: the bank will not charge twice")

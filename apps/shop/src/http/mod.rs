@@ -76,6 +76,11 @@ pub(crate) struct Shared {
     /// How long a record is kept: a payment key bound to its operation
     /// (with Redis alone) is bound for as long.
     pub(crate) retention: std::time::Duration,
+    /// How long a claim's lease lasts.
+    pub(crate) lease: std::time::Duration,
+    /// With the records in Redis alone, that store: a claim made by a
+    /// request its key is not bound to is withdrawn from it.
+    pub(crate) redis_alone: Option<idem_redis::RedisStore>,
     /// Whether `POST /payments` claims inside its own transaction.
     pub(crate) claim_in_transaction: bool,
     /// The payments that may hold their claiming transaction at once

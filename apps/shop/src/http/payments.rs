@@ -19,7 +19,7 @@ use utoipa_axum::router::UtoipaMethodRouterExt;
 use utoipa_axum::routes;
 
 use super::auth::Client;
-use super::error::{Error, Result};
+use super::error::{Error, KeyRefusal, Result};
 use super::{input, AppState, ProblemDoc};
 use crate::bank::{BankError, ChargeRequest};
 use crate::db::dialect::{PAYMENT_KEY, PAYMENT_KEY_BINDING};
@@ -275,17 +275,111 @@ pub(crate) async fn bound_operation(
     );
     let op = operation_id.to_string();
     let now = UnixMillis::now().0;
-    let retention = i64::try_from(state.retention.as_millis()).unwrap_or(i64::MAX);
-    let mut tx = state.db.begin().await.map_err(Error::Recording)?;
-    let staged: Result<Binding, sqlx::Error> = async {
+    // A binding is taken for past its retention a lease before the record
+    // is: it was made after the claim (within its lease), so it never
+    // outlives the record it stands for (which a reuse of the key just past
+    // the retention would meet as an old payment).
+    let kept = state.retention.saturating_sub(state.lease);
+    let kept = i64::try_from(kept.as_millis()).unwrap_or(i64::MAX);
+    let binding = KeyBinding {
+        client,
+        key,
+        operation: &op,
+        intent: &intent,
+        now,
+        kept,
+    };
+    // Twice: a binding past its retention that the sweep deleted between
+    // the read and the update is bound afresh on the second turn.
+    let mut outcome = binding.bind(state).await?;
+    if matches!(outcome, Binding::Moved) {
+        outcome = binding.bind(state).await?;
+    }
+    let binding = outcome;
+    match binding {
+        Binding::This => Ok(operation_id),
+        Binding::Earlier {
+            operation_id: bound,
+            intent: earlier,
+        } if earlier == intent => {
+            let bound = uuid::Uuid::parse_str(&bound)
+                .map(OperationId)
+                .map_err(|e| Error::Binding(sqlx::Error::Decode(Box::new(e))))?;
+            warn!(key, operation_id = %bound, "a payment key back with a new operation id (its record was lost): resuming under the bound one");
+            metrics::counter!("shop_payment_keys_resumed_total").increment(1);
+            Ok(bound)
+        }
+        // Refusals that say nothing ran: neither stored nor replayed (the
+        // layer's own `422` and `409` are not), the claim let go.
+        Binding::Earlier { .. } => {
+            // This claim (Redis lost the key's record, and this request
+            // came first) would keep this request's fingerprint on the key
+            // and refuse the key's own request until the retention ends:
+            // withdrawn, as if never made. (Best effort: failing, the
+            // release below keeps it, refused, for the retention.)
+            if let Some(redis) = &state.redis_alone {
+                let claim = idem_core::Claim {
+                    scope: client.to_owned(),
+                    key: key.to_owned(),
+                    token: idem.token(),
+                    operation_id,
+                    locked_until: UnixMillis(0),
+                    takeover: false,
+                };
+                if let Err(e) = redis.withdraw(&claim).await {
+                    warn!(error = %e, "could not withdraw the claim of a request its key is not bound to");
+                }
+            }
+            idem.release();
+            Err(Error::Refused(KeyRefusal::Reused))
+        }
+        Binding::Moved => {
+            idem.release();
+            Err(Error::Refused(KeyRefusal::InUse))
+        }
+    }
+}
+
+/// A payment key to bind to an operation, in the database.
+struct KeyBinding<'a> {
+    client: &'a str,
+    key: &'a str,
+    operation: &'a str,
+    intent: &'a str,
+    /// The shop's clock (ms).
+    now: i64,
+    /// How long a binding counts (ms): the records' retention, less a lease.
+    kept: i64,
+}
+
+impl KeyBinding<'_> {
+    /// One transaction: the key bound to this operation, or what it was
+    /// bound to before.
+    async fn bind(&self, state: &AppState) -> Result<Binding> {
+        let mut tx = state.db.begin().await.map_err(Error::Binding)?;
+        match self.bind_in(state, &mut *tx).await {
+            Ok(binding) => {
+                tx.commit().await.map_err(Error::Binding)?;
+                Ok(binding)
+            }
+            Err(e) => {
+                rollback(tx).await;
+                Err(Error::Binding(e))
+            }
+        }
+    }
+
+    async fn bind_in(&self, state: &AppState, tx: &mut dyn ShopTx) -> Result<Binding, sqlx::Error> {
+        let (client, key, op, intent, now) =
+            (self.client, self.key, self.operation, self.intent, self.now);
         let created = db::create_once(
             &mut *tx,
             (state.db.sql().insert_payment_key, PAYMENT_KEY_BINDING),
             &[
                 client.into(),
                 key.into(),
-                (&op).into(),
-                (&intent).into(),
+                op.into(),
+                intent.into(),
                 now.into(),
             ],
             "SELECT operation_id, intent, bound_at FROM shop_payment_keys
@@ -298,11 +392,11 @@ pub(crate) async fn bound_operation(
             Created::Existing(row) => row,
         };
         let bound = row.text("operation_id")?;
-        if bound == op {
-            return Ok(Binding::This);
-        }
-        if row.int("bound_at")?.saturating_add(retention) <= now {
-            // Past the retention the key is new again.
+        // This operation's own (a retry that took its lease over, which
+        // keeps its record for another retention): kept as long too.
+        // Another past its retention: the key is new again.
+        let fresh = bound == op;
+        if fresh || row.int("bound_at")?.saturating_add(self.kept) <= now {
             let moved = tx
                 .execute(
                     "UPDATE shop_payment_keys SET operation_id = $3, intent = $4, bound_at = $5
@@ -310,14 +404,14 @@ pub(crate) async fn bound_operation(
                     &[
                         client.into(),
                         key.into(),
-                        (&op).into(),
-                        (&intent).into(),
+                        op.into(),
+                        intent.into(),
                         now.into(),
                         (&bound).into(),
                     ],
                 )
                 .await?;
-            return Ok(if moved == 1 {
+            return Ok(if fresh || moved == 1 {
                 Binding::This
             } else {
                 Binding::Moved
@@ -327,49 +421,6 @@ pub(crate) async fn bound_operation(
             operation_id: bound,
             intent: row.text("intent")?,
         })
-    }
-    .await;
-    let binding = match staged {
-        Ok(binding) => {
-            tx.commit().await.map_err(Error::Recording)?;
-            binding
-        }
-        Err(e) => {
-            rollback(tx).await;
-            return Err(Error::Recording(e));
-        }
-    };
-    match binding {
-        Binding::This => Ok(operation_id),
-        Binding::Earlier {
-            operation_id: bound,
-            intent: earlier,
-        } if earlier == intent => {
-            let bound = uuid::Uuid::parse_str(&bound)
-                .map(OperationId)
-                .map_err(|e| Error::Recording(sqlx::Error::Decode(Box::new(e))))?;
-            warn!(key, operation_id = %bound, "a payment key back with a new operation id (its record was lost): resuming under the bound one");
-            metrics::counter!("shop_payment_keys_resumed_total").increment(1);
-            Ok(bound)
-        }
-        // Refusals that say nothing ran: neither stored nor replayed (the
-        // layer's own `422` and `409` are not), the claim let go.
-        Binding::Earlier { .. } => {
-            idem.release();
-            Err(Error::Answered(
-                idem_axum::IdempotencyRejection::KeyReused.into_response(),
-            ))
-        }
-        Binding::Moved => {
-            idem.release();
-            Err(Problem::new(
-                StatusCode::CONFLICT,
-                "idempotency-key-in-use",
-                "Another request with this Idempotency-Key is in progress",
-            )
-            .retry_after(1)
-            .into())
-        }
     }
 }
 
@@ -397,6 +448,8 @@ pub(crate) trait KeyOf {
     /// Lets the claim go whatever the answer: it is not the request's
     /// outcome, and is not stored.
     fn release(&self);
+    /// The claim's fencing token.
+    fn token(&self) -> idem_core::FencingToken;
 }
 
 impl KeyOf for Idempotency {
@@ -411,6 +464,9 @@ impl KeyOf for Idempotency {
     }
     fn release(&self) {
         self.release_claim();
+    }
+    fn token(&self) -> idem_core::FencingToken {
+        Idempotency::token(self)
     }
 }
 
