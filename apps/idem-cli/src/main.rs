@@ -1101,6 +1101,21 @@ fn main() -> ExitCode {
 mod tests {
     use super::*;
 
+    /// The target of `url` with every other setting at its default.
+    fn target_of(url: &str) -> Target {
+        Target {
+            database_url: url.to_owned(),
+            schema: None,
+            table: "idem_records".to_owned(),
+            redis_url: None,
+            redis_cluster: false,
+            redis_prefix: "idem".to_owned(),
+            connections: 2,
+            wait_replicas: None,
+            sqlite_synchronous_normal: false,
+        }
+    }
+
     /// `idem proxy --sqlite-synchronous normal` reaches the store's
     /// connections (`PRAGMA synchronous`: 2 is FULL, 1 NORMAL); the other
     /// verbs keep FULL.
@@ -1109,15 +1124,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         for (normal, expected) in [(false, 2i64), (true, 1)] {
             let target = Target {
-                database_url: format!("sqlite:{}/{normal}.db", dir.path().display()),
-                schema: None,
-                table: "idem_records".to_owned(),
-                redis_url: None,
-                redis_cluster: false,
-                redis_prefix: "idem".to_owned(),
-                connections: 2,
-                wait_replicas: None,
                 sqlite_synchronous_normal: normal,
+                ..target_of(&format!("sqlite:{}/{normal}.db", dir.path().display()))
             };
             let store = target.sqlite(true).await.unwrap_or_else(|e| panic!("{e}"));
             let setting: i64 = sqlx::query_scalar("PRAGMA synchronous")
@@ -1131,17 +1139,7 @@ mod tests {
     /// A password with a comma in one server's URL is scrubbed whole.
     #[test]
     fn a_password_with_a_comma_is_found() {
-        let target = Target {
-            database_url: "redis://:s3cr,et@h:6379".to_owned(),
-            schema: None,
-            table: "idem_records".to_owned(),
-            redis_url: None,
-            redis_cluster: false,
-            redis_prefix: "idem".to_owned(),
-            connections: 2,
-            wait_replicas: None,
-            sqlite_synchronous_normal: false,
-        };
+        let target = target_of("redis://:s3cr,et@h:6379");
         let said = scrub("cannot connect with s3cr,et", &target.secrets());
         assert!(!said.contains("s3cr,et"), "{said}");
     }
@@ -1151,15 +1149,8 @@ mod tests {
     #[test]
     fn each_cluster_nodes_secret_is_found() {
         let target = Target {
-            database_url: "redis://:first-pw@a:7000,redis://:second-pw@b:7001".to_owned(),
-            schema: None,
-            table: "idem_records".to_owned(),
-            redis_url: None,
             redis_cluster: true,
-            redis_prefix: "idem".to_owned(),
-            connections: 2,
-            wait_replicas: None,
-            sqlite_synchronous_normal: false,
+            ..target_of("redis://:first-pw@a:7000,redis://:second-pw@b:7001")
         };
         let found = target.secrets();
         let said = scrub("a: first-pw, b: second-pw", &found);

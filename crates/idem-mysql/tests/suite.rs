@@ -313,18 +313,23 @@ async fn inspect_reads_a_row_a_transaction_holds() {
     holder.rollback().await.unwrap();
 }
 
-/// A claim meets a record's row held by another transaction, still open (a
-/// handler past its lease that completed the record in it, and has not
-/// committed): the claim gives up on the lock after 2 s, once (`503` for
-/// now), instead of waiting InnoDB's 50 s, again for each of its retries,
-/// with its connection. The session's own setting is left as it was for
-/// the pool's next user.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_waits_on_a_held_row_a_bounded_time() {
-    use idem_core::{ClaimOutcome, Store, StoreError};
-    use std::time::{Duration, Instant};
+/// A claim on a pool of one connection (the one the claim used is the one
+/// read after it), its short lease run out, while another transaction
+/// holds its row: a handler past its lease that completed the record and
+/// has not committed.
+struct Held {
+    store: MySqlStore,
+    pool: sqlx::MySqlPool,
+    single: MySqlStore,
+    short: idem_core::ClaimRequest,
+    holder: sqlx::Transaction<'static, sqlx::MySql>,
+    _db: TestDatabase,
+}
+
+async fn held_after_its_lease() -> Held {
+    use idem_core::{ClaimOutcome, Store};
+    use std::time::Duration;
     let (store, db) = fresh().await;
-    // One connection: the one the claim used is the one read after it.
     let pool = sqlx::mysql::MySqlPoolOptions::new()
         .max_connections(1)
         .connect(&db.url())
@@ -350,6 +355,36 @@ async fn a_claim_waits_on_a_held_row_a_bounded_time() {
     .await
     .unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
+    Held {
+        store,
+        pool,
+        single,
+        short,
+        holder,
+        _db: db,
+    }
+}
+
+/// A claim meets a record's row held by another transaction, still open (a
+/// handler past its lease that completed the record in it, and has not
+/// committed): the claim gives up on the lock after 2 s, once (`503` for
+/// now), instead of waiting InnoDB's 50 s, again for each of its retries,
+/// with its connection. The session's own setting is left as it was for
+/// the pool's next user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_waits_on_a_held_row_a_bounded_time() {
+    use idem_core::{ClaimOutcome, Store, StoreError};
+    use std::time::{Duration, Instant};
+    // Every field bound (`..` would drop the store and the database at
+    // once).
+    let Held {
+        store: _store,
+        pool,
+        single,
+        short,
+        holder,
+        _db,
+    } = held_after_its_lease().await;
     let session_wait = async || -> u64 {
         sqlx::query_scalar("SELECT @@SESSION.innodb_lock_wait_timeout")
             .fetch_one(&pool)
@@ -458,34 +493,17 @@ async fn a_held_record_past_its_retention_is_waited_for_a_bounded_time() {
 /// or with the claim's lock wait still set.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_dropped_while_it_waits_hands_on_no_session_state() {
-    use idem_core::{ClaimOutcome, Store};
+    use idem_core::Store;
     use std::time::Duration;
-    let (store, db) = fresh().await;
-    let pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(1)
-        .connect(&db.url())
-        .await
-        .unwrap();
-    let single = MySqlStore::new(pool.clone(), TableName::default()).unwrap();
-    let short = idem_store_suite::request(
-        "s",
-        "k",
-        "{}",
-        Duration::from_millis(200),
-        Duration::from_secs(3600),
-    );
-    let ClaimOutcome::Acquired(_claim) = single.claim(&short).await.unwrap() else {
-        panic!("a new key is claimed")
-    };
+    let Held {
+        store,
+        pool,
+        single,
+        short,
+        holder,
+        _db,
+    } = held_after_its_lease().await;
     let table = store.table().table().to_owned();
-    let mut holder = store.pool().begin().await.unwrap();
-    sqlx::query(&format!(
-        "SELECT 1 FROM `{table}` WHERE `key` = 'k' FOR UPDATE"
-    ))
-    .execute(&mut *holder)
-    .await
-    .unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
     let dropped = tokio::time::timeout(Duration::from_millis(300), single.claim(&short)).await;
     assert!(dropped.is_err(), "{dropped:?}");
     holder.rollback().await.unwrap();
