@@ -284,6 +284,21 @@ async fn a_session_without_autocommit_is_refused_with_the_reason() {
     }
 }
 
+/// A transaction of the test's own holding the row of `key` (scope `s`):
+/// a handler that completed the record and has not committed.
+async fn hold_row(store: &MySqlStore, key: &str) -> sqlx::Transaction<'static, sqlx::MySql> {
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM `{}` WHERE scope = 's' AND `key` = ? FOR UPDATE",
+        store.table().table()
+    ))
+    .bind(key)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    holder
+}
+
 /// An operator's `inspect` is a plain read: it answers while a transaction
 /// holds the record's row (a claim's, a handler's completing it), where a
 /// locking read waited for that transaction (InnoDB's lock wait: 50 s by
@@ -296,14 +311,7 @@ async fn inspect_reads_a_row_a_transaction_holds() {
     let ClaimOutcome::Acquired(_claim) = store.claim(&request("held")).await.unwrap() else {
         panic!("a new key is claimed")
     };
-    let table = store.table().table().to_owned();
-    let mut holder = store.pool().begin().await.unwrap();
-    sqlx::query(&format!(
-        "SELECT 1 FROM `{table}` WHERE `key` = 'held' FOR UPDATE"
-    ))
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = hold_row(&store, "held").await;
     let seen = tokio::time::timeout(Duration::from_secs(10), store.inspect("s", "held"))
         .await
         .expect("inspect answered while the row is held")
@@ -346,14 +354,7 @@ async fn held_after_its_lease() -> Held {
     let ClaimOutcome::Acquired(_claim) = single.claim(&short).await.unwrap() else {
         panic!("a new key is claimed")
     };
-    let table = store.table().table().to_owned();
-    let mut holder = store.pool().begin().await.unwrap();
-    sqlx::query(&format!(
-        "SELECT 1 FROM `{table}` WHERE `key` = 'k' FOR UPDATE"
-    ))
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = hold_row(&store, "k").await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     Held {
         store,
@@ -459,14 +460,7 @@ async fn a_held_record_past_its_retention_is_waited_for_a_bounded_time() {
         panic!("a new key is claimed")
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let table = store.table().table().to_owned();
-    let mut holder = store.pool().begin().await.unwrap();
-    sqlx::query(&format!(
-        "SELECT 1 FROM `{table}` WHERE `key` = 'old' FOR UPDATE"
-    ))
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = hold_row(&store, "old").await;
     let started = Instant::now();
     let retry = tokio::time::timeout(Duration::from_secs(40), store.claim(&request("old")))
         .await
