@@ -43,7 +43,7 @@
 //! | same key, different request | `422` |
 //! | key missing (where required) or malformed | `400` |
 //! | body over the limit | `413`, nothing stored |
-//! | handler answered `4xx` | stored and replayed |
+//! | handler answered `4xx` | stored and replayed; but a "try again later" (`408`, `425`, `429`: a timeout or rate limiter inside the layer, say) releases the claim, so the retry runs (same operation id). [`PolicyBuilder::store_client_error`](idem_core::PolicyBuilder::store_client_error) and [`release_client_error`](idem_core::PolicyBuilder::release_client_error) change the list |
 //! | handler answered `5xx` or panicked before answering (`500`) | claim released: the next retry runs (same operation id) |
 //! | the handler's answer could not be read or stored (its body failed or panicked, the store failed) | the claim is held until its lease ends, then the retry runs (same operation id) |
 //! | client disconnected mid-request | the handler runs to the end on its own task; its answer is stored for the retry |

@@ -752,6 +752,100 @@ async fn client_errors_are_stored_and_replayed() {
     assert_eq!(h.runs.get(), 1);
 }
 
+/// A rate limiter inside the layer: refuses the first `refusals` requests
+/// with `429` (the handler never runs), then lets requests through.
+async fn limiter(
+    State(left): State<Arc<AtomicUsize>>,
+    request: Request<Body>,
+    next: axum::middleware::Next,
+) -> Response {
+    let refused = left
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok();
+    if refused {
+        return (
+            StatusCode::TOO_MANY_REQUESTS,
+            [("retry-after", "1")],
+            "slow down",
+        )
+            .into_response();
+    }
+    next.run(request).await
+}
+
+fn rate_limited(policy: Policy, refusals: usize) -> Harness {
+    let store = Arc::new(MemoryStore::new());
+    let runs = Runs::default();
+    let layer = IdempotencyLayer::new(store.clone(), policy, by_client_header());
+    let app = Router::new()
+        .route("/things", post(handler))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::new(AtomicUsize::new(refusals)),
+            limiter,
+        ))
+        .layer(layer)
+        .with_state(runs.clone());
+    Harness { app, runs, store }
+}
+
+#[tokio::test]
+async fn a_rate_limit_inside_the_layer_releases_the_claim_and_the_retry_runs() {
+    let h = rate_limited(Policy::default(), 2);
+    for _ in 0..2 {
+        let (status, headers, _) = send(&h.app, req("k-429", "{}")).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(headers.get("idempotent-replayed").is_none());
+    }
+    assert_eq!(h.runs.get(), 0);
+    let (status, headers, first) = send(&h.app, req("k-429", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED, "the retry past the limit runs");
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert_eq!(h.runs.get(), 1);
+    // The key kept its operation id across the released attempts, and the
+    // answer that ran is the one replayed from now on.
+    let (status, headers, again) = send(&h.app, req("k-429", "{}")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(first, again);
+    assert_eq!(h.runs.get(), 1);
+    assert_eq!(json(&first)["takeover"], true, "claimed before, released");
+}
+
+#[tokio::test]
+async fn try_again_later_answers_release_and_the_policy_can_store_them() {
+    let h = harness(Policy::default());
+    for status in ["408", "425", "429"] {
+        let key = format!("k-later-{status}");
+        let (s1, _, _) = send(&h.app, req_with(&key, "{}", &format!("status={status}"))).await;
+        assert_eq!(s1.as_str(), status);
+        let (s2, h2, _) = send(&h.app, req(&key, "{}")).await;
+        assert_eq!(s2, StatusCode::CREATED, "{status} was released");
+        assert!(h2.get("idempotent-replayed").is_none());
+    }
+    assert_eq!(h.runs.get(), 6);
+
+    // A service whose 429 is its final answer stores it; one that says
+    // "later" with 423 releases that.
+    let h = harness(
+        Policy::builder()
+            .store_client_error(429)
+            .release_client_error(423)
+            .build()
+            .unwrap(),
+    );
+    let (s1, _, _) = send(&h.app, req_with("k-quota", "{}", "status=429")).await;
+    let (s2, h2, _) = send(&h.app, req("k-quota", "{}")).await;
+    assert_eq!(
+        (s1, s2),
+        (StatusCode::TOO_MANY_REQUESTS, StatusCode::TOO_MANY_REQUESTS)
+    );
+    assert_eq!(h2["idempotent-replayed"], "true");
+    let (s1, _, _) = send(&h.app, req_with("k-locked", "{}", "status=423")).await;
+    let (s2, _, _) = send(&h.app, req("k-locked", "{}")).await;
+    assert_eq!((s1, s2), (StatusCode::LOCKED, StatusCode::CREATED));
+    assert_eq!(h.runs.get(), 3);
+}
+
 #[tokio::test]
 async fn server_errors_release_the_claim_and_keep_the_operation_id() {
     let h = harness(Policy::default());

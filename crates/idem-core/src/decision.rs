@@ -122,7 +122,7 @@ pub enum Settlement {
 pub fn on_handler_end(policy: &Policy, end: HandlerEnd) -> Settlement {
     match end {
         HandlerEnd::Answered { status: 500..=599 } => Settlement::Release,
-        HandlerEnd::Answered { status: 400..=499 } if !policy.store_client_errors() => {
+        HandlerEnd::Answered { status } if policy.releases_client_error(status) => {
             Settlement::Release
         }
         HandlerEnd::Answered { .. } => Settlement::Store,
@@ -290,7 +290,16 @@ mod tests {
             (303, Settlement::Store),
             (400, Settlement::Store),
             (404, Settlement::Store),
+            (407, Settlement::Store),
+            (408, Settlement::Release),
+            (409, Settlement::Store),
             (422, Settlement::Store),
+            (424, Settlement::Store),
+            (425, Settlement::Release),
+            (426, Settlement::Store),
+            (428, Settlement::Store),
+            (429, Settlement::Release),
+            (430, Settlement::Store),
             (499, Settlement::Store),
             (500, Settlement::Release),
             (502, Settlement::Release),
@@ -321,6 +330,45 @@ mod tests {
                 "{status}"
             );
         }
+    }
+
+    #[test]
+    fn row_handler_answers_try_again_later_as_configured() {
+        let p = Policy::builder()
+            .store_client_error(429)
+            .release_client_error(423)
+            .build()
+            .unwrap();
+        for (status, want) in [
+            (408, Settlement::Release),
+            (422, Settlement::Store),
+            (423, Settlement::Release),
+            (425, Settlement::Release),
+            (429, Settlement::Store),
+            (503, Settlement::Release),
+        ] {
+            assert_eq!(
+                on_handler_end(&p, HandlerEnd::Answered { status }),
+                want,
+                "{status}"
+            );
+        }
+        // Stored again once released, and the other way round: the last
+        // word counts.
+        let back = p
+            .to_builder()
+            .release_client_error(429)
+            .store_client_error(423)
+            .build()
+            .unwrap();
+        assert_eq!(
+            on_handler_end(&back, HandlerEnd::Answered { status: 429 }),
+            Settlement::Release
+        );
+        assert_eq!(
+            on_handler_end(&back, HandlerEnd::Answered { status: 423 }),
+            Settlement::Store
+        );
     }
 
     #[test]

@@ -45,7 +45,8 @@ pub use key::{
 };
 pub use ops::{Inspection, StoreStats};
 pub use policy::{
-    capped_millis, Policy, PolicyBuilder, PolicyError, DEFAULT_STORE_TIMEOUT, LONGEST,
+    capped_millis, Policy, PolicyBuilder, PolicyError, DEFAULT_RELEASED_CLIENT_ERRORS,
+    DEFAULT_STORE_TIMEOUT, LONGEST,
 };
 pub use record::{
     Claim, CorruptRecord, FencingToken, OperationId, Record, RecordParts, RecordRow, RecordState,

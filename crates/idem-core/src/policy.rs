@@ -78,6 +78,7 @@ pub struct Policy {
     replay_all: bool,
     not_replayed: Vec<String>,
     store_client_errors: bool,
+    released_client_errors: Vec<u16>,
     require_key: bool,
     store_timeout: Duration,
 }
@@ -97,11 +98,21 @@ impl Default for Policy {
             replay_all: false,
             not_replayed: Vec::new(),
             store_client_errors: true,
+            released_client_errors: DEFAULT_RELEASED_CLIENT_ERRORS.to_vec(),
             require_key: true,
             store_timeout: DEFAULT_STORE_TIMEOUT,
         }
     }
 }
+
+/// The `4xx` answers a default policy releases rather than stores:
+/// `408 Request Timeout`, `425 Too Early` and `429 Too Many Requests`. Each
+/// says "try again later", not what became of the request: a rate limiter
+/// or a timeout inside the layer answered instead of the handler (or the
+/// handler was cut off mid-way), so storing it would answer every retry
+/// with it for the whole retention, and the request would never run. The
+/// retry runs afresh under the same operation id.
+pub const DEFAULT_RELEASED_CLIENT_ERRORS: [u16; 3] = [408, 425, 429];
 
 /// The default [`Policy::store_timeout`]: 5 s.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -126,6 +137,7 @@ impl Policy {
     pub fn builder() -> PolicyBuilder {
         PolicyBuilder {
             policy: Self::default(),
+            not_a_client_error: None,
         }
     }
 
@@ -140,6 +152,7 @@ impl Policy {
     pub fn to_builder(&self) -> PolicyBuilder {
         PolicyBuilder {
             policy: self.clone(),
+            not_a_client_error: None,
         }
     }
 
@@ -230,6 +243,25 @@ impl Policy {
         self.store_client_errors
     }
 
+    /// Whether a `4xx` answer of `status` releases the claim rather than
+    /// being stored: every `4xx` when [`store_client_errors`](Self::store_client_errors)
+    /// is `false`; otherwise those of
+    /// [`DEFAULT_RELEASED_CLIENT_ERRORS`], as changed by
+    /// [`PolicyBuilder::release_client_error`] and
+    /// [`PolicyBuilder::store_client_error`]. Any other status: `false`
+    /// (a `5xx` always releases; see [`on_handler_end`](crate::on_handler_end)).
+    ///
+    /// ```
+    /// let p = idem_core::Policy::default();
+    /// assert!(p.releases_client_error(429));
+    /// assert!(!p.releases_client_error(404));
+    /// assert!(!p.releases_client_error(503));
+    /// ```
+    pub fn releases_client_error(&self, status: u16) -> bool {
+        (400..=499).contains(&status)
+            && (!self.store_client_errors || self.released_client_errors.contains(&status))
+    }
+
     /// Whether a guarded request without a key is refused with `400`
     /// (default yes) or passed through unguarded.
     pub fn require_key(&self) -> bool {
@@ -241,6 +273,8 @@ impl Policy {
 #[derive(Debug, Clone)]
 pub struct PolicyBuilder {
     policy: Policy,
+    /// The first status given as a client error that is not one.
+    not_a_client_error: Option<u16>,
 }
 
 /// A policy that cannot work.
@@ -281,6 +315,11 @@ pub enum PolicyError {
     /// A header on the allow-list is one that must never be replayed.
     #[error("{0:?} is tied to a session or a connection and is never replayed")]
     ForbiddenHeader(String),
+    /// A status given to [`PolicyBuilder::release_client_error`] or
+    /// [`PolicyBuilder::store_client_error`] is not a `4xx` (a `5xx`
+    /// always releases, anything below `400` is always stored).
+    #[error("{0} is not a client error (4xx): only those can be told to be stored or released")]
+    NotAClientError(u16),
 }
 
 impl PolicyBuilder {
@@ -425,6 +464,47 @@ impl PolicyBuilder {
         self
     }
 
+    /// Releases the claim on a `4xx` answer of `status` instead of storing
+    /// it: the answer says "try again later", not what became of the
+    /// request, as [`DEFAULT_RELEASED_CLIENT_ERRORS`] (`408`, `425`, `429`)
+    /// do. A status outside `400..=499` is refused at
+    /// [`build`](Self::build) ([`PolicyError::NotAClientError`]).
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().release_client_error(423).build().unwrap();
+    /// assert!(p.releases_client_error(423));
+    /// assert!(p.releases_client_error(429));
+    /// ```
+    pub fn release_client_error(mut self, status: u16) -> Self {
+        if (400..=499).contains(&status) {
+            self.policy.released_client_errors.retain(|s| *s != status);
+            self.policy.released_client_errors.push(status);
+        } else {
+            self.not_a_client_error.get_or_insert(status);
+        }
+        self
+    }
+
+    /// Stores a `4xx` answer of `status` like any other, one of
+    /// [`DEFAULT_RELEASED_CLIENT_ERRORS`] too: for a service whose `429`
+    /// is its answer (a quota spent for the day, say) rather than "come
+    /// back in a moment". A status outside `400..=499` is refused at
+    /// [`build`](Self::build) ([`PolicyError::NotAClientError`]).
+    ///
+    /// ```
+    /// let p = idem_core::Policy::builder().store_client_error(429).build().unwrap();
+    /// assert!(!p.releases_client_error(429));
+    /// assert!(p.releases_client_error(408));
+    /// ```
+    pub fn store_client_error(mut self, status: u16) -> Self {
+        if (400..=499).contains(&status) {
+            self.policy.released_client_errors.retain(|s| *s != status);
+        } else {
+            self.not_a_client_error.get_or_insert(status);
+        }
+        self
+    }
+
     /// Whether a guarded request must carry a key (default `true`: `400`
     /// without one). With `false`, requests without a key pass through
     /// unguarded.
@@ -440,6 +520,9 @@ impl PolicyBuilder {
 
     /// Checks the settings and returns the policy.
     pub fn build(self) -> Result<Policy, PolicyError> {
+        if let Some(status) = self.not_a_client_error {
+            return Err(PolicyError::NotAClientError(status));
+        }
         let p = self.policy;
         let durations = [
             ("lease", Some(p.lease)),
@@ -635,6 +718,25 @@ mod tests {
             Policy::builder().replay_header("bad header").build(),
             Err(PolicyError::InvalidHeaderName("bad header".into()))
         );
+        for status in [0, 200, 399, 500, 503, 600] {
+            assert_eq!(
+                Policy::builder().release_client_error(status).build(),
+                Err(PolicyError::NotAClientError(status)),
+                "{status}"
+            );
+            assert_eq!(
+                Policy::builder().store_client_error(status).build(),
+                Err(PolicyError::NotAClientError(status)),
+                "{status}"
+            );
+        }
+        for status in [400, 499] {
+            assert!(Policy::builder()
+                .release_client_error(status)
+                .build()
+                .is_ok());
+            assert!(Policy::builder().store_client_error(status).build().is_ok());
+        }
         assert_eq!(
             Policy::builder()
                 .wait_for_in_flight(Duration::ZERO)

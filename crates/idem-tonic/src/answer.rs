@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use idem_core::StoredResponse;
+use idem_core::{Policy, StoredResponse};
 use tonic::{body::Body, Code, Status};
 use tracing::warn;
 
@@ -83,10 +83,12 @@ pub(crate) fn code_of(
 /// Whether an answer with `code` is stored for replay (otherwise the claim
 /// is released for a retry): every status but those a retry may get past,
 /// and the server's faults (`UNIMPLEMENTED`, `DATA_LOSS`: HTTP's `501` and
-/// `500`, released as every `5xx` is over HTTP). With `store_errors` false
-/// (the policy does not store client errors), only `OK` is stored.
+/// `500`, released as every `5xx` is over HTTP). `RESOURCE_EXHAUSTED` is
+/// HTTP's `429` (a rate limit, a quota): released where the policy
+/// releases a `429` ([`Policy::releases_client_error`], the default). When
+/// the policy does not store client errors, only `OK` is stored.
 /// (`CANCELLED` keeps the claim: see `finish`.)
-pub(crate) fn is_stored(code: Code, store_errors: bool) -> bool {
+pub(crate) fn is_stored(code: Code, policy: &Policy) -> bool {
     match code {
         Code::Ok => true,
         Code::Unavailable
@@ -95,7 +97,8 @@ pub(crate) fn is_stored(code: Code, store_errors: bool) -> bool {
         | Code::DeadlineExceeded
         | Code::Unimplemented
         | Code::DataLoss => false,
-        _ => store_errors,
+        Code::ResourceExhausted => !policy.releases_client_error(429),
+        _ => policy.store_client_errors(),
     }
 }
 
@@ -211,6 +214,11 @@ mod tests {
 
     #[test]
     fn which_codes_are_stored() {
+        let stores = Policy::default();
+        let releases = Policy::builder()
+            .store_client_errors(false)
+            .build()
+            .unwrap();
         for code in [
             Code::Unavailable,
             Code::Internal,
@@ -219,8 +227,8 @@ mod tests {
             Code::Unimplemented,
             Code::DataLoss,
         ] {
-            assert!(!is_stored(code, true), "{code:?}");
-            assert!(!is_stored(code, false), "{code:?}");
+            assert!(!is_stored(code, &stores), "{code:?}");
+            assert!(!is_stored(code, &releases), "{code:?}");
         }
         for code in [
             Code::InvalidArgument,
@@ -229,12 +237,16 @@ mod tests {
             Code::FailedPrecondition,
             Code::PermissionDenied,
             Code::Cancelled,
-            Code::ResourceExhausted,
         ] {
-            assert!(is_stored(code, true), "{code:?}");
-            assert!(!is_stored(code, false), "{code:?}");
+            assert!(is_stored(code, &stores), "{code:?}");
+            assert!(!is_stored(code, &releases), "{code:?}");
         }
-        assert!(is_stored(Code::Ok, false));
+        // A rate limit says "come back later" unless the policy stores 429.
+        assert!(!is_stored(Code::ResourceExhausted, &stores));
+        assert!(!is_stored(Code::ResourceExhausted, &releases));
+        let keeps_429 = Policy::builder().store_client_error(429).build().unwrap();
+        assert!(is_stored(Code::ResourceExhausted, &keeps_429));
+        assert!(is_stored(Code::Ok, &releases));
     }
 
     #[test]

@@ -584,7 +584,7 @@ where
             );
             release(&*config.store, claim).await;
         }
-        Settle::ByAnswer if answer::is_stored(code, config.policy.store_client_errors()) => {
+        Settle::ByAnswer if answer::is_stored(code, &config.policy) => {
             let stored = answer::stored(&parts.headers, trailers.as_ref(), data.clone(), |name| {
                 config.replays(name)
             });
@@ -680,7 +680,7 @@ fn releases_a_broken_answer(
             named
                 && !answer::is_stored(
                     answer::code_of(head.status, &head.headers, None),
-                    config.policy.store_client_errors(),
+                    &config.policy,
                 )
         }
     }

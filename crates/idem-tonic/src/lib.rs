@@ -93,6 +93,9 @@
 //!   same operation id. So does one of idem's own refusals that a handler
 //!   passes on from a service it called (in flight, store unavailable,
 //!   handler failed, message unreadable: nothing a replay should give).
+//!   `RESOURCE_EXHAUSTED` (HTTP's `429`: a rate limit, a quota) releases
+//!   too, unless the policy stores `429`
+//!   ([`PolicyBuilder::store_client_error`](idem_core::PolicyBuilder::store_client_error)).
 //!   `CANCELLED` (a call the handler made was cut off, its outcome
 //!   unknown) keeps the claim until its lease runs out. Every other status
 //!   is stored and replayed (with a policy that does not store client

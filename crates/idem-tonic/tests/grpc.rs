@@ -170,6 +170,10 @@ impl tonic::server::UnaryService<Charge> for ChargeCall {
                         return Err(Status::unimplemented("not served here yet"))
                     }
                     "data-loss-once" => return Err(Status::data_loss("a page went missing")),
+                    // A rate limit answered without a word to the layer.
+                    "exhausted-once" => {
+                        return Err(Status::resource_exhausted("over the rate limit"))
+                    }
                     "cancelled-once" => {
                         return Err(Status::cancelled("the call it made was cut off"))
                     }
@@ -745,6 +749,7 @@ async fn statuses_passed_on_release_or_keep_and_are_not_stored() {
         ("passes-in-flight-once", Code::Aborted),
         ("unimplemented-once", Code::Unimplemented),
         ("data-loss-once", Code::DataLoss),
+        ("exhausted-once", Code::ResourceExhausted),
     ] {
         let failed = call(ch.clone(), CHARGE, "c1", Some(account), charge(account, 1))
             .await
@@ -783,6 +788,26 @@ async fn statuses_passed_on_release_or_keep_and_are_not_stored() {
         Some(idem_tonic::LayerRefusal::InFlight)
     );
     assert_eq!(ledger.runs("cancelled-once").len(), 1);
+}
+
+/// A service whose `RESOURCE_EXHAUSTED` is the call's final answer (a
+/// quota spent) tells the policy to store `429`: it is replayed.
+#[tokio::test]
+async fn a_policy_that_stores_429_stores_resource_exhausted() {
+    let policy = Policy::builder().store_client_error(429).build().unwrap();
+    let (addr, ledger) = serve(memory(), policy).await;
+    let ch = channel(addr).await;
+    let account = "exhausted-once";
+    let first = call(ch.clone(), CHARGE, "c1", Some("q"), charge(account, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(first.code(), Code::ResourceExhausted);
+    let again = call(ch.clone(), CHARGE, "c1", Some("q"), charge(account, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(again.code(), Code::ResourceExhausted);
+    assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(ledger.runs(account).len(), 1);
 }
 
 /// A handler that cannot know its outcome (`keep_claim`) leaves the key

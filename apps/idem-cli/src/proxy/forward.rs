@@ -468,19 +468,17 @@ pub(crate) fn problem(
 /// The shortest wait for the upstream worth sending a guarded request for.
 const MIN_ATTEMPT: Duration = Duration::from_millis(10);
 
-/// Upstream answers that release the key instead of being stored: they say
-/// "try again later", not what became of the request.
-const RELEASED: &[u16] = &[408, 425, 429];
-
 /// Whether an upstream answer of `status` with `headers` releases the key
-/// instead of being stored: one of [`RELEASED`], or a `409` that says when
+/// instead of being stored: a "try again later" (`408`, `425`, `429`:
+/// [`idem_core::DEFAULT_RELEASED_CLIENT_ERRORS`], which the layer's policy
+/// releases too), or a `409` that says when
 /// to come back (`Retry-After`): the upstream's own "this operation is
 /// still in flight", as after a takeover that reached it while the first
 /// delivery still ran. Stored, it would answer every retry with `409` for
 /// the whole retention, although the operation completes upstream. A `409`
 /// without `Retry-After` is a conflict, the request's outcome: stored.
 fn releases(status: StatusCode, headers: &HeaderMap) -> bool {
-    RELEASED.contains(&status.as_u16())
+    idem_core::DEFAULT_RELEASED_CLIENT_ERRORS.contains(&status.as_u16())
         || (status == StatusCode::CONFLICT && headers.contains_key(header::RETRY_AFTER))
 }
 
