@@ -35,7 +35,26 @@ where
     let (parts, body) = request.into_parts();
     let (scope, key) = match request::identify(&config, &parts) {
         Identified::Guarded { scope, key } => (scope, key),
-        Identified::PassThrough => return inner.call(Request::from_parts(parts, body)).await,
+        Identified::PassThrough => {
+            let Some(check) = &config.validate else {
+                return inner.call(Request::from_parts(parts, body)).await;
+            };
+            // Unguarded (no key, none required) but still validated: a
+            // handler may count on the check having passed, whether or
+            // not the client sent a key.
+            let bytes = match request::read_bounded(&config.policy, &parts, body).await {
+                Ok(bytes) => bytes,
+                Err(refused) => return Ok(refused),
+            };
+            if let Err(refused) = check(&parts, &bytes) {
+                count(Outcome::Invalid);
+                debug!(status = %refused.status(), "a request without a key refused by validation");
+                return Ok(refused);
+            }
+            return inner
+                .call(Request::from_parts(parts, Body::from(bytes)))
+                .await;
+        }
         Identified::Refused(refused) => return Ok(refused),
     };
     // Scope and key come from the client: `?` (Debug) quotes and escapes

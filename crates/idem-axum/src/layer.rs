@@ -119,6 +119,11 @@ impl IdempotencyLayer {
     /// depends on the state (a missing account, a declined card), whose
     /// answer is stored.
     ///
+    /// Where keys are optional ([`require_key(false)`](idem_core::PolicyBuilder::require_key)),
+    /// a guarded route's request without a key is checked too (its body
+    /// read whole, within the policy's `max_body`, `413` past it), so a
+    /// handler may count on the check having passed either way.
+    ///
     /// ```
     /// # use std::sync::Arc;
     /// use axum::{http::StatusCode, response::IntoResponse};

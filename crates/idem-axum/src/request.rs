@@ -88,35 +88,7 @@ pub(crate) async fn read_guarded(
     key: IdempotencyKey,
 ) -> Result<(ClaimRequest, Bytes), Response> {
     let policy = &config.policy;
-    let too_large = || {
-        count(Outcome::TooLarge);
-        IdempotencyRejection::PayloadTooLarge {
-            max: policy.max_body(),
-        }
-        .into_response()
-    };
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    // A client that asked to be told before sending (`Expect:
-    // 100-continue`) a body declared too large gets `413` at once: the body
-    // is never polled, so hyper never sends `100 Continue`.
-    let expects_continue = parts
-        .headers
-        .get(header::EXPECT)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    if expects_continue && declared.is_some_and(|n| n > policy.max_body() as u64) {
-        return Err(too_large());
-    }
-    let bytes = match read_body(body, policy.max_body(), declared).await {
-        Ok(bytes) => bytes,
-        Err(BodyError::TooLarge) => return Err(too_large()),
-        Err(BodyError::Unreadable(e)) => {
-            return Err(IdempotencyRejection::BodyUnreadable(e).into_response())
-        }
-    };
+    let bytes = read_bounded(policy, parts, body).await?;
     // The path the client sent: inside a router nested under a prefix,
     // axum has stripped the prefix from `parts.uri`, and two nested
     // endpoints would share a fingerprint (one's answer replayed for the
@@ -141,6 +113,45 @@ pub(crate) async fn read_guarded(
         retention: policy.retention(),
     };
     Ok((request, bytes))
+}
+
+/// A request's whole body, at most the policy's `max_body` (`413` past it,
+/// at once for a body declared too large with `Expect: 100-continue`; a
+/// body that fails is refused as unreadable).
+pub(crate) async fn read_bounded(
+    policy: &idem_core::Policy,
+    parts: &Parts,
+    body: Body,
+) -> Result<Bytes, Response> {
+    let too_large = || {
+        count(Outcome::TooLarge);
+        IdempotencyRejection::PayloadTooLarge {
+            max: policy.max_body(),
+        }
+        .into_response()
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    // A client that asked to be told before sending (`Expect:
+    // 100-continue`) a body declared too large gets `413` at once: the body
+    // is never polled, so hyper never sends `100 Continue`.
+    let expects_continue = parts
+        .headers
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if expects_continue && declared.is_some_and(|n| n > policy.max_body() as u64) {
+        return Err(too_large());
+    }
+    match read_body(body, policy.max_body(), declared).await {
+        Ok(bytes) => Ok(bytes),
+        Err(BodyError::TooLarge) => Err(too_large()),
+        Err(BodyError::Unreadable(e)) => {
+            Err(IdempotencyRejection::BodyUnreadable(e).into_response())
+        }
+    }
 }
 
 enum BodyError {

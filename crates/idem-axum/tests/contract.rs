@@ -1117,3 +1117,62 @@ async fn a_request_refused_by_validation_is_not_stored_and_the_corrected_retry_r
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(runs.get(), 2);
 }
+
+/// Where keys are optional, a request without one is still validated: a
+/// handler that counts on the check (a positive amount) never sees one that
+/// fails it, key or no key; one that passes runs unguarded with its body
+/// whole, and one over the body limit is `413`.
+#[tokio::test]
+async fn a_request_without_a_key_is_validated_where_keys_are_optional() {
+    let store = Arc::new(MemoryStore::new());
+    let runs = Runs::default();
+    let policy = Policy::builder()
+        .require_key(false)
+        .max_body(64)
+        .build()
+        .unwrap();
+    let layer = IdempotencyLayer::new(store.clone(), policy, by_client_header()).validate(
+        |_parts, body| {
+            let value: serde_json::Value = serde_json::from_slice(body)
+                .map_err(|_| (StatusCode::BAD_REQUEST, "not JSON").into_response())?;
+            if value["amount"].as_i64().is_some_and(|a| a > 0) {
+                Ok(())
+            } else {
+                Err((StatusCode::BAD_REQUEST, "amount must be positive").into_response())
+            }
+        },
+    );
+    let app = Router::new()
+        .route("/things", post(handler))
+        .layer(layer)
+        .with_state(runs.clone());
+    let keyless = |body: &str| {
+        post_req(None, body)
+            .body(Body::from(body.to_owned()))
+            .unwrap()
+    };
+    let (status, _, _) = send(&app, keyless(r#"{"amount": -5}"#)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(runs.get(), 0, "the handler never saw it");
+    let (status, _, _) = send(
+        &app,
+        keyless(&format!(r#"{{"amount": 5, "pad": "{}"}}"#, "x".repeat(80))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(runs.get(), 0);
+    let (status, headers, body) = send(&app, keyless(r#"{"amount": 5}"#)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert_eq!(
+        json(&body)["echo"],
+        r#"{"amount": 5}"#.len(),
+        "the body reached it whole"
+    );
+    assert_eq!(json(&body)["key"], "", "unguarded");
+    assert_eq!(runs.get(), 1);
+    // Keyed requests as before.
+    let (status, _, _) = send(&app, req("k1", r#"{"amount": 0}"#)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(runs.get(), 1);
+}
