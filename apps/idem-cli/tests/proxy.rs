@@ -1440,3 +1440,43 @@ async fn a_path_that_climbs_out_of_the_upstream_base_is_refused() {
         "the key was claimed by a refused request, or one got through"
     );
 }
+
+/// `/_idem/healthz` answers anyone: when the store is away it says so
+/// without the driver's message (hosts, ports, users); the log has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_says_the_store_is_away_without_saying_where() {
+    let server = idem_test_support::redis::OwnServer::start();
+    let port = server.url().rsplit(':').next().unwrap().to_owned();
+    let records = Records {
+        args: vec!["--database-url".to_owned(), server.url()],
+        _dir: None,
+        _schema: None,
+        _db: None,
+        _prefix: None,
+    };
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(&records, &upstream.url, &[]);
+    let health = format!("{}/_idem/healthz", proxy.url);
+    assert_eq!(client().get(&health).send().await.unwrap().status(), 200);
+    drop(server);
+    let away = client().get(&health).send().await.unwrap();
+    assert_problem(&away, 503);
+    let body: Value = away.json().await.unwrap();
+    assert!(
+        body["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("store-unavailable"),
+        "{body}"
+    );
+    // Whatever the driver said (here Redis's "broken pipe"; elsewhere a
+    // host name, a user, a database), the answer says only this.
+    assert_eq!(
+        body["detail"], "the store's read failed; the proxy's log says why",
+        "{body}"
+    );
+    let text = body.to_string();
+    for secret in [port.as_str(), "127.0.0.1", "refused", "os error", "pipe"] {
+        assert!(!text.contains(secret), "{secret:?} in {text}");
+    }
+}

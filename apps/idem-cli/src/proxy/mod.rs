@@ -313,6 +313,8 @@ impl ProxyArgs {
 struct Shared {
     store: Arc<dyn Store>,
     metrics: PrometheusHandle,
+    /// The URLs' secrets, scrubbed from what the log says of the store.
+    secrets: Arc<[String]>,
 }
 
 /// Runs `idem proxy` until SIGTERM or SIGINT, then drains.
@@ -406,6 +408,7 @@ pub(crate) async fn proxy(args: ProxyArgs) -> Result<std::process::ExitCode, cra
         .with_state(Shared {
             store: store.clone(),
             metrics: metrics.clone(),
+            secrets: args.secrets().into(),
         })
         .fallback_service(guarded);
 
@@ -605,12 +608,20 @@ async fn healthz(State(shared): State<Shared>) -> Response {
     .await;
     match read {
         Ok(Ok(_)) => "ok".into_response(),
-        Ok(Err(e)) => problem(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "The store cannot be reached",
-            crate::chain(&e),
-        ),
+        Ok(Err(e)) => {
+            // Unauthenticated: the answer names no host, user or driver
+            // message; the log has them (its secrets scrubbed).
+            warn!(
+                error = %crate::scrub(&crate::chain(&e), &shared.secrets),
+                "healthz: the store's read failed"
+            );
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "The store cannot be reached",
+                "the store's read failed; the proxy's log says why",
+            )
+        }
         Err(_) => problem(
             StatusCode::SERVICE_UNAVAILABLE,
             "store-unavailable",
