@@ -1176,3 +1176,65 @@ async fn a_request_without_a_key_is_validated_where_keys_are_optional() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(runs.get(), 1);
 }
+
+/// A request the validator refuses that already ran under its key (the
+/// check was made stricter since, a signed header went stale) gets the
+/// answer it had, not the refusal: its replay, or `409` while it runs.
+/// Another request under the key, or a new key, still gets the refusal.
+#[tokio::test]
+async fn a_retry_refused_by_a_stricter_check_still_gets_its_answer() {
+    use std::sync::atomic::AtomicBool;
+    let store = Arc::new(MemoryStore::new());
+    let runs = Runs::default();
+    let strict = Arc::new(AtomicBool::new(false));
+    let check = strict.clone();
+    let layer = IdempotencyLayer::new(store.clone(), Policy::default(), by_client_header())
+        .validate(move |_parts, body| {
+            let value: serde_json::Value = serde_json::from_slice(body)
+                .map_err(|_| (StatusCode::BAD_REQUEST, "not JSON").into_response())?;
+            let limit = if check.load(Ordering::SeqCst) { 5 } else { 100 };
+            if value["amount"].as_i64().is_some_and(|a| a <= limit) {
+                Ok(())
+            } else {
+                Err((StatusCode::BAD_REQUEST, "amount over the limit").into_response())
+            }
+        });
+    let app = Router::new()
+        .route("/things", post(handler))
+        .layer(layer)
+        .with_state(runs.clone());
+    let (status, _, first) = send(&app, req("k-ran", r#"{"amount": 10}"#)).await;
+    assert_eq!(status, StatusCode::CREATED);
+    // One still running when the check changes.
+    let running = tokio::spawn({
+        let app = app.clone();
+        async move {
+            send(
+                &app,
+                req_with("k-running", r#"{"amount": 10}"#, "sleep=500"),
+            )
+            .await
+        }
+    });
+    while runs.get() < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    strict.store(true, Ordering::SeqCst);
+
+    let (status, headers, again) = send(&app, req("k-ran", r#"{"amount": 10}"#)).await;
+    assert_eq!(status, StatusCode::CREATED, "the replay, not the refusal");
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(first, again);
+    let (status, headers, _) = send(&app, req("k-running", r#"{"amount": 10}"#)).await;
+    assert_eq!(status, StatusCode::CONFLICT, "in flight, not refused");
+    assert!(headers.contains_key("retry-after"));
+    // Another body under the key, and the same body under a new key: the
+    // refusal, nothing stored.
+    let (status, _, _) = send(&app, req("k-ran", r#"{"amount": 11}"#)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _, _) = send(&app, req("k-new", r#"{"amount": 10}"#)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(store.get("client-a", "k-new").await.unwrap().is_none());
+    assert_eq!(running.await.unwrap().0, StatusCode::CREATED);
+    assert_eq!(runs.get(), 2);
+}
