@@ -23,4 +23,7 @@ pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
     pub(crate) claim_in_handler: bool,
     pub(crate) validate: Option<Arc<Validator>>,
+    /// Guarded handlers running in this process past which a new guarded
+    /// request is refused.
+    pub(crate) max_running: Option<usize>,
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::Request;
 use idem_core::{on_arrival, Arrival, ClaimOutcome, ClaimRequest, UnixMillis};
@@ -58,6 +58,20 @@ where
         }
         Identified::Refused(refused) => return Ok(refused),
     };
+    if let Some(max) = config.max_running {
+        let running = idem_once::detached::running();
+        if running >= max {
+            count(Outcome::Overloaded);
+            debug!(
+                running,
+                max, "too many guarded handlers running; refused before the claim"
+            );
+            return Ok(crate::IdempotencyRejection::Overloaded {
+                retry_after: config.policy.retry_after(),
+            }
+            .into_response());
+        }
+    }
     // Scope and key come from the client: `?` (Debug) quotes and escapes
     // them, so a newline or a `" level=error` cannot forge a log field.
     let span = tracing::info_span!("idempotency", scope = ?scope, key = ?key.as_str());

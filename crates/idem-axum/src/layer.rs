@@ -43,6 +43,7 @@ impl IdempotencyLayer {
                 methods: vec![Method::POST, Method::PATCH],
                 claim_in_handler: false,
                 validate: None,
+                max_running: None,
             }),
         }
     }
@@ -150,6 +151,31 @@ impl IdempotencyLayer {
             + 'static,
     {
         Arc::make_mut(&mut self.config).validate = Some(Arc::new(check));
+        self
+    }
+
+    /// Refuses a new guarded request while `n` guarded handlers run in
+    /// this process (`503 overloaded` with `Retry-After`; nothing read or
+    /// claimed). The count is the process's (`idem_once::detached`, gRPC's
+    /// guarded handlers too) and includes handlers whose clients went away:
+    /// a request cut off mid-way runs on to store its answer, so without a
+    /// bound a client that sends a request and hangs up, again and again
+    /// (over HTTP/2, by resetting streams on one connection), starts
+    /// handlers without end. Unbounded by default; [`serve`](crate::serve)
+    /// also stops accepting connections while as many handlers run as it
+    /// allows connections.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// use idem_axum::{IdempotencyLayer, SingleScope};
+    ///
+    /// let layer = IdempotencyLayer::new(Arc::new(idem_memory::MemoryStore::new()),
+    ///     Default::default(), SingleScope("app".into()))
+    ///     .max_running(1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn max_running(mut self, n: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_running = Some(n);
         self
     }
 

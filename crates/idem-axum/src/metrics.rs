@@ -31,11 +31,12 @@ pub(crate) enum Outcome {
     ClaimLost,
     Kept,
     CompletedOutsideTransaction,
+    Overloaded,
 }
 
 impl Outcome {
     /// Every outcome, in the order of [`Outcome::index`].
-    const ALL: [Self; 14] = [
+    const ALL: [Self; 15] = [
         Self::Fresh,
         Self::Takeover,
         Self::MissingKey,
@@ -50,6 +51,7 @@ impl Outcome {
         Self::ClaimLost,
         Self::Kept,
         Self::CompletedOutsideTransaction,
+        Self::Overloaded,
     ];
 
     /// Where this outcome stands in [`Outcome::ALL`].
@@ -73,6 +75,7 @@ impl Outcome {
             Self::ClaimLost => "claim_lost",
             Self::Kept => "kept",
             Self::CompletedOutsideTransaction => "completed_outside_transaction",
+            Self::Overloaded => "overloaded",
         }
     }
 }
@@ -110,8 +113,8 @@ pub(crate) fn count(outcome: Outcome) {
 }
 
 /// The keys of `idem_requests_total{outcome}`, by [`Outcome::index`].
-fn outcome_keys() -> &'static [Key; 14] {
-    static KEYS: OnceLock<[Key; 14]> = OnceLock::new();
+fn outcome_keys() -> &'static [Key; Outcome::ALL.len()] {
+    static KEYS: OnceLock<[Key; Outcome::ALL.len()]> = OnceLock::new();
     KEYS.get_or_init(|| {
         Outcome::ALL.map(|o| {
             Key::from_parts(

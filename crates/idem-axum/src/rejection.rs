@@ -59,6 +59,13 @@ pub enum IdempotencyRejection {
     KeyReused,
     /// `503`: the idempotency store failed; the request did not run.
     StoreUnavailable,
+    /// `503`: as many guarded handlers run in this process as the layer
+    /// allows ([`IdempotencyLayer::max_running`](crate::IdempotencyLayer::max_running)),
+    /// those whose clients went away included; nothing was read or claimed.
+    Overloaded {
+        /// When to retry (the `Retry-After`, at least one second).
+        retry_after: Duration,
+    },
     /// `500`: the handler panicked or was dropped; its claim was released
     /// (or kept until its lease runs out, when its outcome was unknown or
     /// its answer was being stored).
@@ -97,6 +104,7 @@ impl IdempotencyRejection {
         "idempotency-key-in-use",
         "idempotency-key-reused",
         "store-unavailable",
+        "overloaded",
         "handler-failed",
         "response-unreadable",
         "claimed-twice",
@@ -116,7 +124,7 @@ impl IdempotencyRejection {
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::KeyInUse { .. } | Self::TakenOver => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable | Self::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::HandlerFailed
             | Self::ResponseUnreadable
             | Self::ClaimedTwice
@@ -136,6 +144,7 @@ impl IdempotencyRejection {
             Self::KeyInUse { .. } | Self::TakenOver => "idempotency-key-in-use",
             Self::KeyReused => "idempotency-key-reused",
             Self::StoreUnavailable => "store-unavailable",
+            Self::Overloaded { .. } => "overloaded",
             Self::HandlerFailed => "handler-failed",
             Self::ResponseUnreadable => "response-unreadable",
             Self::ClaimedTwice => "claimed-twice",
@@ -156,6 +165,7 @@ impl IdempotencyRejection {
             Self::TakenOver => "Another attempt took this request over",
             Self::KeyReused => "This Idempotency-Key was used for a different request",
             Self::StoreUnavailable => "The idempotency store is unavailable",
+            Self::Overloaded { .. } => "The server runs as many requests as it takes",
             Self::HandlerFailed => "The request failed",
             Self::ResponseUnreadable => "The response could not be read",
             Self::ClaimedTwice => "The request was claimed twice",
@@ -176,6 +186,7 @@ impl IdempotencyRejection {
             Self::TakenOver => "this attempt ran past its lease and was rolled back; retry to get the answer of the attempt that took over".into(),
             Self::KeyReused => "the method, path or body differs from the first request sent with this key; use a new key for a new request".into(),
             Self::StoreUnavailable => "the request was not run; retry it with the same Idempotency-Key".into(),
+            Self::Overloaded { .. } => "the request was not run; retry it after the time given in Retry-After with the same Idempotency-Key".into(),
             Self::HandlerFailed => "retry with the same Idempotency-Key".into(),
             Self::ClaimedTwice => "DeferredClaim::begin was called again after it succeeded".into(),
             Self::PreconditionRequired => "read the resource, then send its ETag in If-Match".into(),
@@ -201,6 +212,7 @@ impl IdempotencyRejection {
             Self::PreconditionRequired => 9,
             Self::PreconditionFailed { current: Some(_) } => 10,
             Self::PreconditionFailed { current: None } => 11,
+            Self::Overloaded { .. } => 12,
             Self::InvalidKey(_)
             | Self::PayloadTooLarge { .. }
             | Self::BodyUnreadable(_)
@@ -211,7 +223,9 @@ impl IdempotencyRejection {
     /// The `Retry-After`, in seconds, where retrying helps.
     fn retry_after(&self) -> Option<u64> {
         match self {
-            Self::KeyInUse { retry_after } => Some(retry_after.as_secs().max(1)),
+            Self::KeyInUse { retry_after } | Self::Overloaded { retry_after } => {
+                Some(retry_after.as_secs().max(1))
+            }
             Self::TakenOver | Self::StoreUnavailable => Some(1),
             _ => None,
         }
@@ -220,7 +234,7 @@ impl IdempotencyRejection {
 
 /// How many rejections have a body that never varies
 /// ([`IdempotencyRejection::fixed_body`]).
-const FIXED: usize = 12;
+const FIXED: usize = 13;
 
 /// The bodies of the rejections that never vary, rendered the first time
 /// each is answered: with the default problem type base, and with the one
@@ -282,6 +296,9 @@ mod tests {
             IdempotencyRejection::TakenOver,
             IdempotencyRejection::KeyReused,
             IdempotencyRejection::StoreUnavailable,
+            IdempotencyRejection::Overloaded {
+                retry_after: Duration::from_secs(3),
+            },
             IdempotencyRejection::HandlerFailed,
             IdempotencyRejection::ResponseUnreadable,
             IdempotencyRejection::ClaimedTwice,

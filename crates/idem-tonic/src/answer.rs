@@ -63,6 +63,28 @@ pub(crate) fn in_flight(retry_after: Duration) -> http::Response<Body> {
     response
 }
 
+/// `UNAVAILABLE` with a retry hint: too many guarded handlers run in this
+/// process; nothing was read or claimed.
+pub(crate) fn overloaded(running: usize, retry_after: Duration) -> http::Response<Body> {
+    let mut response = refuse(crate::LayerRefusal::Overloaded.status(
+        Code::Unavailable,
+        format!(
+            "{running} guarded calls are running, as many as this server takes; nothing ran: retry after {} ms with the same key",
+            retry_after.as_millis()
+        ),
+    ));
+    let headers = response.headers_mut();
+    headers.insert(
+        RETRY_PUSHBACK,
+        HeaderValue::from(retry_after.as_millis() as u64),
+    );
+    headers.insert(
+        RETRY_AFTER,
+        HeaderValue::from(retry_after.as_secs_f64().ceil().max(1.0) as u64),
+    );
+    response
+}
+
 /// The gRPC status code of an answer: from its trailers, or its headers
 /// for a trailers-only answer. An answer with no status, or not `200`, is
 /// `UNKNOWN`, as a client would read it.

@@ -176,6 +176,7 @@ enum Outcome {
     Released,
     ClaimLost,
     Kept,
+    Overloaded,
 }
 
 fn count(outcome: Outcome) {
@@ -192,6 +193,7 @@ fn count(outcome: Outcome) {
         Outcome::Released => "released",
         Outcome::ClaimLost => "claim_lost",
         Outcome::Kept => "kept",
+        Outcome::Overloaded => "overloaded",
     };
     metrics::counter!("idem_grpc_calls_total", "outcome" => label).increment(1);
 }
@@ -274,6 +276,17 @@ where
             )));
         }
     };
+    if let Some(max) = config.max_running {
+        let running = idem_once::detached::running();
+        if running >= max {
+            count(Outcome::Overloaded);
+            debug!(
+                running,
+                max, "too many guarded handlers running; refused before the claim"
+            );
+            return Ok(answer::overloaded(running, config.policy.retry_after()));
+        }
+    }
     let span = tracing::info_span!("idempotency", method = parts.uri.path(), scope = ?scope, key = ?key.as_str());
     async move {
         let max = config.policy.max_body();
@@ -635,6 +648,7 @@ fn passed_on_refusal(headers: &http::HeaderMap, trailers: Option<&http::HeaderMa
                 | LayerRefusal::StoreUnavailable
                 | LayerRefusal::HandlerFailed
                 | LayerRefusal::MessageUnreadable
+                | LayerRefusal::Overloaded
         )
     )
 }

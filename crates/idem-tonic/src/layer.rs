@@ -122,6 +122,9 @@ pub(crate) struct Config {
     pub(crate) scope: Arc<dyn ScopeExtractor>,
     pub(crate) methods: HashMap<String, Guarded>,
     pub(crate) replayed_metadata: Vec<String>,
+    /// Guarded handlers running in this process past which a new guarded
+    /// call is refused.
+    pub(crate) max_running: Option<usize>,
 }
 
 impl Config {
@@ -158,6 +161,7 @@ impl IdempotencyLayer {
                 scope: Arc::new(scope),
                 methods: HashMap::new(),
                 replayed_metadata: Vec::new(),
+                max_running: None,
             }),
         }
     }
@@ -250,6 +254,31 @@ impl IdempotencyLayer {
         if !idem_core::policy::NEVER_REPLAYED.contains(&name.as_str()) {
             Arc::make_mut(&mut self.config).replayed_metadata.push(name);
         }
+        self
+    }
+
+    /// Refuses a new guarded call while `n` guarded handlers run in this
+    /// process (`UNAVAILABLE` with a retry hint, reason
+    /// `IDEMPOTENCY_OVERLOADED`; nothing read or claimed). The count is
+    /// the process's (`idem_once::detached`, HTTP's guarded handlers too)
+    /// and includes handlers whose callers went away: a call cancelled
+    /// mid-way runs on to store its answer, so without a bound a client
+    /// that opens a call and cancels it, again and again on one
+    /// connection, starts handlers without end (the connection's stream
+    /// limit counts only calls still open). Unbounded by default.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// let layer = idem_tonic::IdempotencyLayer::new(
+    ///     Arc::new(idem_memory::MemoryStore::new()),
+    ///     Default::default(),
+    ///     idem_tonic::MetadataScope::new("x-client-id"),
+    /// )
+    /// .max_running(1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn max_running(mut self, n: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_running = Some(n);
         self
     }
 

@@ -61,10 +61,15 @@ pub enum LayerRefusal {
     /// when its outcome is unknown and the key stays held); reason
     /// `IDEMPOTENCY_HANDLER_FAILED`.
     HandlerFailed,
+    /// As many guarded handlers run in this process as the layer allows
+    /// ([`IdempotencyLayer::max_running`](crate::IdempotencyLayer::max_running)),
+    /// those whose callers went away included; nothing was read or claimed
+    /// (`UNAVAILABLE`, with a retry hint); reason `IDEMPOTENCY_OVERLOADED`.
+    Overloaded,
 }
 
 impl LayerRefusal {
-    const ALL: [LayerRefusal; 9] = [
+    const ALL: [LayerRefusal; 10] = [
         LayerRefusal::KeyMissing,
         LayerRefusal::KeyInvalid,
         LayerRefusal::KeyReused,
@@ -74,6 +79,7 @@ impl LayerRefusal {
         LayerRefusal::ScopeMissing,
         LayerRefusal::MessageUnreadable,
         LayerRefusal::HandlerFailed,
+        LayerRefusal::Overloaded,
     ];
 
     /// The `reason` of its `google.rpc.ErrorInfo`.
@@ -88,6 +94,7 @@ impl LayerRefusal {
             LayerRefusal::ScopeMissing => "IDEMPOTENCY_SCOPE_MISSING",
             LayerRefusal::MessageUnreadable => "IDEMPOTENCY_MESSAGE_UNREADABLE",
             LayerRefusal::HandlerFailed => "IDEMPOTENCY_HANDLER_FAILED",
+            LayerRefusal::Overloaded => "IDEMPOTENCY_OVERLOADED",
         }
     }
 

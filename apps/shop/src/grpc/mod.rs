@@ -147,16 +147,27 @@ fn to_message(payment: Payment, operation_id: String) -> pb::Payment {
 /// The payments service behind idem's gRPC layer over `store`: what a
 /// call cannot run with (a bad tenant, bounds, `x-simulate` past what
 /// `--fault-injection` allows) is refused before the claim.
-fn layer(state: &AppState, store: Arc<dyn Store>, policy: Policy) -> IdempotencyLayer {
+/// Calls cancelled mid-way leave their handlers running (to store their
+/// answers); with at most `max_running` of them (the connection cap, as
+/// over HTTP), a client cannot pile them up by opening and cancelling
+/// calls on one connection.
+fn layer(
+    state: &AppState,
+    store: Arc<dyn Store>,
+    policy: Policy,
+    max_running: usize,
+) -> IdempotencyLayer {
     let allowed = state.fault_injection;
-    IdempotencyLayer::new(store, policy, tenant).unary_checked(
-        CREATE_PAYMENT,
-        move |parts: &Parts, message: &pb::CreatePaymentRequest| {
-            Simulate::parse(&parts.headers, allowed, SimulateOn::Payment)
-                .and_then(|_| new_payment(message.clone()).check())
-                .map_err(|e| e.into_status())
-        },
-    )
+    IdempotencyLayer::new(store, policy, tenant)
+        .unary_checked(
+            CREATE_PAYMENT,
+            move |parts: &Parts, message: &pb::CreatePaymentRequest| {
+                Simulate::parse(&parts.headers, allowed, SimulateOn::Payment)
+                    .and_then(|_| new_payment(message.clone()).check())
+                    .map_err(|e| e.into_status())
+            },
+        )
+        .max_running(max_running)
 }
 
 /// The most calls one gRPC connection may have open at once (HTTP/2's
@@ -180,7 +191,7 @@ pub(crate) async fn serve(
     // A message is read whole before it is decoded: no larger than an HTTP
     // body may be, on every method (tonic's own default is 4 MiB).
     let max_message = policy.max_body();
-    let layer = layer(&state, store, policy);
+    let layer = layer(&state, store, policy, limits.max_connections);
     // A body that stalls between two chunks, or trickles in below the
     // minimum rate, fails its call (as over HTTP), before the idempotency
     // layer has claimed anything.
