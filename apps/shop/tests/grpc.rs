@@ -498,3 +498,41 @@ async fn grpc_redis_alone_a_lost_record_resumes_under_the_bound_operation() {
     let acc = account(&signed_in(), &shop, "acc_lost").await;
     assert_eq!(acc["bank_charges"], 1, "{acc}");
 }
+
+/// Calls whose callers gave up leave their handlers running (to store
+/// their answers); shop counts them against its connection cap, so one
+/// HTTP/2 connection cannot pile them up by opening and cancelling calls:
+/// past the cap a new call is refused before anything is claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_given_up_count_against_the_cap_until_their_handlers_end() {
+    let db = Db::sqlite();
+    let prefix = RedisPrefix::new("grpc-cap");
+    let shop = start(Mode::Sqlite, &db, &prefix, &["--max-connections", "2"]).await;
+    let mut c = client(&shop).await;
+    // Each gives up three seconds in (its handler started by then, even on
+    // a busy machine); the bank takes a minute.
+    for key in ["cap-1", "cap-2"] {
+        let mut call = with(
+            new_payment("acc_cap", 7),
+            &[
+                ("authorization", "Bearer client-1"),
+                ("idempotency-key", key),
+                ("x-simulate", "bank-delay=60000"),
+            ],
+        );
+        call.set_timeout(Duration::from_secs(3));
+        let gave_up = c.create_payment(call).await;
+        assert!(gave_up.is_err(), "the caller gave up: {gave_up:?}");
+    }
+    let refused = create(&mut c, Some("cap-3"), new_payment("acc_cap", 7), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert!(
+        refused.metadata().contains_key("grpc-retry-pushback-ms"),
+        "{refused:?}"
+    );
+    // (The count is the process's: HTTP takes no new connection meanwhile
+    // either, so nothing more is asked of this shop.)
+    drop(shop);
+}
