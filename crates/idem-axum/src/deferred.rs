@@ -227,7 +227,7 @@ impl DeferredClaim {
 /// `503` rather than wait, as the layer's own store calls do. A claim the
 /// call may have committed meanwhile is held by no transaction, so its
 /// lease (none, for a claim held by a transaction) frees it.
-pub(crate) async fn within_store_timeout<T>(
+async fn within_store_timeout<T>(
     policy: &Policy,
     call: impl std::future::Future<Output = Result<T, idem_core::StoreError>>,
 ) -> Result<T, idem_core::StoreError> {

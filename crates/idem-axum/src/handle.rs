@@ -9,8 +9,7 @@ use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::Request;
-use idem_core::{on_arrival, Arrival, ClaimOutcome, ClaimRequest, UnixMillis};
-use idem_once::Refusal;
+use idem_core::{ClaimOutcome, ClaimRequest};
 use tower::Service;
 use tracing::{debug, warn, Instrument};
 
@@ -83,9 +82,6 @@ where
             };
         if let Some(check) = &config.validate {
             if let Err(refused) = check(&parts, &bytes) {
-                if let Some(answer) = answered_before(&config, &claim_request).await {
-                    return Ok(answer);
-                }
                 count(Outcome::Invalid);
                 debug!(status = %refused.status(), "refused by validation before the claim; nothing stored");
                 return Ok(refused);
@@ -99,43 +95,6 @@ where
     }
     .instrument(span)
     .await
-}
-
-/// The answer a request the validator refused already has: the same
-/// request under the same key passed the check before (the check was made
-/// stricter since, a signed header has gone stale) and ran, so its retry
-/// gets that answer, the replay, not the refusal; or, still running,
-/// `409`. `None` when the key holds no such record (or it cannot be read
-/// within the store timeout): the refusal stands, and nothing is claimed.
-async fn answered_before(config: &Config, request: &ClaimRequest) -> Option<Response> {
-    let read = crate::deferred::within_store_timeout(
-        &config.policy,
-        config.store.get(&request.scope, &request.key),
-    )
-    .await;
-    let record = match read {
-        Ok(record) => record?,
-        Err(e) => {
-            debug!(error = %e, "the refused request's record could not be read; refusing it");
-            return None;
-        }
-    };
-    let refusal = match on_arrival(
-        &config.policy,
-        Some(&record),
-        &request.fingerprint,
-        UnixMillis::now(),
-    ) {
-        Arrival::Replay => Refusal::Replay(record),
-        Arrival::Conflict { retry_after } => Refusal::InFlight { retry_after },
-        Arrival::Wait { .. } => Refusal::InFlight {
-            retry_after: config.policy.retry_after(),
-        },
-        // Another request's key, or one free to run: the refusal stands.
-        Arrival::Mismatch | Arrival::Run | Arrival::TakeOver => return None,
-    };
-    debug!("refused by validation, but the same request ran before under this key");
-    Some(crate::claim::refused(refusal, &config.policy))
 }
 
 /// Claims the key, then runs the handler holding the claim and finishes.

@@ -120,12 +120,6 @@ impl IdempotencyLayer {
     /// depends on the state (a missing account, a declined card), whose
     /// answer is stored.
     ///
-    /// A refused request that already ran under its key, the same request
-    /// (it passed the check before a deploy made it stricter, or a signed
-    /// header in it has gone stale since), gets the answer it had instead:
-    /// its replay, or `409` while it still runs. One read of the store, on
-    /// refusals only.
-    ///
     /// Where keys are optional ([`require_key(false)`](idem_core::PolicyBuilder::require_key)),
     /// a guarded route's request without a key is checked too (its body
     /// read whole, within the policy's `max_body`, `413` past it), so a
