@@ -176,7 +176,7 @@ pub(crate) struct Config {
     #[arg(long, env = "SHOP_BODY_MIN_RATE", default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=1 << 30))]
     pub(crate) body_min_rate: u64,
 
-    /// How many connections are served at once; more are closed at once, as is a new one while as many guarded handlers run (those whose clients went away included; over gRPC a new guarded call is refused UNAVAILABLE).
+    /// How many connections are served at once; more are closed at once, as is a new one while as many guarded handlers run on whose clients went away (over gRPC a new guarded call is refused UNAVAILABLE while as many guarded calls and requests run).
     #[arg(long, env = "SHOP_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub(crate) max_connections: u64,
 

@@ -78,8 +78,9 @@ pub enum CompleteError {
     /// The handler's response body could not be read.
     #[error("the response body could not be read")]
     Body(#[source] axum::Error),
-    /// The answer is one the policy does not store (a `5xx`, or a `4xx`
-    /// under `store_client_errors(false)`): the layer releases the claim
+    /// The answer is one the policy does not store (a `5xx`, a "try again
+    /// later" `408`, `425` or `429`, or any `4xx` under
+    /// `store_client_errors(false)`): the layer releases the claim
     /// and a retry runs again, so the transaction must not commit either.
     /// Roll it back and send the answer (this error's response is it).
     #[error("an answer that is not stored ({}): roll the transaction back", .0.status())]
@@ -344,7 +345,8 @@ impl Idempotency {
     /// (it is [`IntoResponse`]): the effect must not commit. If the commit
     /// itself fails afterwards, answer `5xx` and the layer releases the claim.
     ///
-    /// An answer the policy does not store (a `5xx`, or a `4xx` under
+    /// An answer the policy does not store (a `5xx`, a "try again later"
+    /// `408`, `425` or `429`, or any `4xx` under
     /// `store_client_errors(false)`) is not written, and comes back as
     /// [`CompleteError::NotStored`]: the layer releases the claim, the
     /// retry runs again, so the transaction's effect must roll back with

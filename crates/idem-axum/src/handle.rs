@@ -20,6 +20,7 @@ use crate::extract::{Completion, Idempotency};
 use crate::finish::{finish_result, handler_failed, release, ReleaseGuard};
 use crate::metrics::{count, Outcome};
 use crate::request::{self, Identified};
+use idem_once::detached::Running;
 
 /// Serves one request the layer guards.
 pub(crate) async fn handle<S>(
@@ -57,20 +58,26 @@ where
         }
         Identified::Refused(refused) => return Ok(refused),
     };
-    if let Some(max) = config.max_running {
-        let running = idem_once::detached::running();
-        if running >= max {
-            count(Outcome::Overloaded);
-            debug!(
-                running,
-                max, "too many guarded handlers running; refused before the claim"
-            );
-            return Ok(crate::IdempotencyRejection::Overloaded {
-                retry_after: config.policy.retry_after(),
+    // Counted from here (its body still to read) until its handler's task
+    // ends, even once the client has gone: taken and checked in one step,
+    // so requests arriving together cannot all pass one count.
+    let counted = match config.max_running {
+        None => Running::enter(),
+        Some(max) => match Running::try_enter(max) {
+            Some(counted) => counted,
+            None => {
+                count(Outcome::Overloaded);
+                debug!(
+                    max,
+                    "too many guarded requests running; refused before the claim"
+                );
+                return Ok(crate::IdempotencyRejection::Overloaded {
+                    retry_after: config.policy.retry_after(),
+                }
+                .into_response());
             }
-            .into_response());
-        }
-    }
+        },
+    };
     // Scope and key come from the client: `?` (Debug) quotes and escapes
     // them, so a newline or a `" level=error` cannot forge a log field.
     let span = tracing::info_span!("idempotency", scope = ?scope, key = ?key.as_str());
@@ -88,9 +95,9 @@ where
             }
         }
         if config.claim_in_handler {
-            run_deferred(config, inner, parts, bytes, claim_request).await
+            run_deferred(config, inner, parts, bytes, claim_request, counted).await
         } else {
-            run_claimed(config, inner, parts, bytes, claim_request).await
+            run_claimed(config, inner, parts, bytes, claim_request, counted).await
         }
     }
     .instrument(span)
@@ -104,6 +111,7 @@ async fn run_claimed<S>(
     mut parts: http::request::Parts,
     bytes: Bytes,
     request: ClaimRequest,
+    counted: Running,
 ) -> Result<Response, S::Error>
 where
     S: Service<Request<Body>, Response = Response> + Send + 'static,
@@ -117,7 +125,6 @@ where
     // back: dropped then, it would leave the key held for a lease by a
     // handler that never runs. If the task itself is dropped or panics,
     // the guard releases the claim.
-    let counted = idem_once::detached::Running::enter();
     // The handle, for the answer if the task fails.
     let claimed_handle = Arc::new(std::sync::OnceLock::<Idempotency>::new());
     let watched = claimed_handle.clone();
@@ -151,7 +158,7 @@ where
             .await;
         finish_result(&config, &handle, guard, result).await
     };
-    match tokio::spawn(run.in_current_span()).await {
+    match idem_once::detached::join(tokio::spawn(run.in_current_span())).await {
         Ok(result) => result,
         Err(e) => {
             let kept = watched.get().is_some_and(Idempotency::kept_if_unfinished);
@@ -168,6 +175,7 @@ async fn run_deferred<S>(
     mut parts: http::request::Parts,
     bytes: Bytes,
     request: ClaimRequest,
+    counted: Running,
 ) -> Result<Response, S::Error>
 where
     S: Service<Request<Body>, Response = Response> + Send + 'static,
@@ -178,7 +186,6 @@ where
     parts.extensions.insert(deferred.clone());
     let watched = deferred.clone();
     let finish_config = config.clone();
-    let counted = idem_once::detached::Running::enter();
     let run = async move {
         let _counted = counted;
         let result = inner
@@ -214,7 +221,7 @@ where
         }
         finished
     };
-    match tokio::spawn(run.in_current_span()).await {
+    match idem_once::detached::join(tokio::spawn(run.in_current_span())).await {
         Ok(result) => result,
         Err(e) => {
             // The handler's transaction rolled back with it; a claim it had

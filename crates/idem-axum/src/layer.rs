@@ -148,16 +148,19 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Refuses a new guarded request while `n` guarded handlers run in
+    /// Refuses a new guarded request while `n` guarded requests run in
     /// this process (`503 overloaded` with `Retry-After`; nothing read or
-    /// claimed). The count is the process's (`idem_once::detached`, gRPC's
-    /// guarded handlers too) and includes handlers whose clients went away:
-    /// a request cut off mid-way runs on to store its answer, so without a
-    /// bound a client that sends a request and hangs up, again and again
-    /// (over HTTP/2, by resetting streams on one connection), starts
-    /// handlers without end. Unbounded by default; [`serve`](crate::serve)
-    /// also stops accepting connections while as many handlers run as it
-    /// allows connections.
+    /// claimed; `n` is at least 1). A request counts from the moment it is
+    /// let in (its body still to read) until its handler's task ends, even
+    /// after its client went away: a request cut off mid-way runs on to
+    /// store its answer, so without a bound a client that sends a request
+    /// and hangs up, again and again (over HTTP/2, by resetting streams on
+    /// one connection), starts handlers without end. The count is the
+    /// process's (`idem_once::detached::running`, gRPC's guarded calls
+    /// too); replays, `409`s and waits for a request in flight count while
+    /// they are served. Unbounded by default; [`serve`](crate::serve) also
+    /// stops accepting connections while as many handlers run on whose
+    /// clients went away as it allows connections.
     ///
     /// ```
     /// # use std::sync::Arc;

@@ -223,9 +223,13 @@ impl IdempotencyRejection {
     /// The `Retry-After`, in seconds, where retrying helps.
     fn retry_after(&self) -> Option<u64> {
         match self {
-            Self::KeyInUse { retry_after } | Self::Overloaded { retry_after } => {
-                Some(retry_after.as_secs().max(1))
-            }
+            // Whole seconds, rounded up: a client that waits that long
+            // has waited the policy's hint.
+            Self::KeyInUse { retry_after } | Self::Overloaded { retry_after } => Some(
+                u64::try_from(retry_after.as_millis().div_ceil(1000))
+                    .unwrap_or(u64::MAX)
+                    .max(1),
+            ),
             Self::TakenOver | Self::StoreUnavailable => Some(1),
             _ => None,
         }
@@ -344,6 +348,17 @@ mod tests {
         let distinct: std::collections::BTreeSet<_> = slots.iter().collect();
         assert_eq!(distinct.len(), slots.len());
         assert!(slots.iter().all(|&slot| slot < FIXED));
+    }
+
+    #[test]
+    fn retry_after_is_rounded_up_to_whole_seconds() {
+        for (millis, secs) in [(1, "1"), (1000, "1"), (1001, "2"), (1500, "2"), (3000, "3")] {
+            let answer = IdempotencyRejection::Overloaded {
+                retry_after: Duration::from_millis(millis),
+            }
+            .into_response();
+            assert_eq!(answer.headers()[header::RETRY_AFTER], secs, "{millis} ms");
+        }
     }
 
     #[test]

@@ -14,12 +14,13 @@
 //! - at most `max_connections` connections are served; beyond that, a new
 //!   connection is closed at once, so stalled sockets cannot starve the
 //!   rest for long (each is cut after its own timeouts). Nor is one
-//!   accepted while `max_connections` guarded handlers run
-//!   (`idem_once::detached`): a handler whose client went away runs on
-//!   to store its answer, and without this a client that sends a guarded
-//!   request and hangs up, again and again, would start handlers without
-//!   end, each holding its database connection or upstream call. So the
-//!   handlers running at once stay under about twice `max_connections`;
+//!   accepted while `max_connections` guarded handlers run on whose
+//!   clients went away (`idem_once::detached::abandoned`): such a handler
+//!   runs on to store its answer, and without this a client that sends a
+//!   guarded request and hangs up, again and again, would start handlers
+//!   without end, each holding its database connection or upstream call.
+//!   So the handlers running at once stay under about twice
+//!   `max_connections`;
 //! - on shutdown the listener closes, in-flight requests finish within
 //!   `grace` (the handlers the idempotency layers run on tasks of their
 //!   own included, when their clients went away: their answers are still
@@ -61,8 +62,8 @@ pub struct Limits {
     /// `mod_reqtimeout`; 0: no minimum). See [`MinRateLayer`].
     pub body_min_rate: u64,
     /// Connections served at once (default 1024); more are closed at once,
-    /// as is any new one while as many guarded handlers run (those whose
-    /// clients went away included).
+    /// as is any new one while as many guarded handlers run on whose
+    /// clients went away.
     pub max_connections: usize,
     /// How long in-flight requests may finish after shutdown (default 30 s).
     pub grace: Duration,
@@ -113,13 +114,13 @@ pub async fn serve(
             drop(stream);
             continue;
         };
-        if idem_once::detached::running() >= limits.max_connections {
+        if idem_once::detached::abandoned() >= limits.max_connections {
             // Handlers whose clients went away still run: a client that
             // hangs up on every request must not start them without end.
             debug!(
                 %peer,
-                handlers = idem_once::detached::running(),
-                "as many guarded handlers run as connections are allowed; closing a new connection"
+                abandoned = idem_once::detached::abandoned(),
+                "as many guarded handlers run on for clients gone as connections are allowed; closing a new connection"
             );
             drop(stream);
             continue;

@@ -238,7 +238,9 @@ impl Policy {
         }
     }
 
-    /// Whether `4xx` answers are stored and replayed (default yes).
+    /// Whether `4xx` answers are stored and replayed (default yes), but
+    /// those [`releases_client_error`](Self::releases_client_error) names
+    /// (`408`, `425` and `429` by default).
     pub fn store_client_errors(&self) -> bool {
         self.store_client_errors
     }
@@ -451,9 +453,11 @@ impl PolicyBuilder {
         self
     }
 
-    /// Whether `4xx` answers are stored and replayed (default `true`). With
-    /// `false`, a `4xx` releases the claim like a `5xx` does. `5xx` answers
-    /// always release.
+    /// Whether `4xx` answers are stored and replayed (default `true`), but
+    /// the "try again later" ones ([`DEFAULT_RELEASED_CLIENT_ERRORS`]; see
+    /// [`release_client_error`](Self::release_client_error)). With
+    /// `false`, every `4xx` releases the claim like a `5xx` does. `5xx`
+    /// answers always release.
     ///
     /// ```
     /// let p = idem_core::Policy::builder().store_client_errors(false).build().unwrap();
@@ -477,8 +481,12 @@ impl PolicyBuilder {
     /// ```
     pub fn release_client_error(mut self, status: u16) -> Self {
         if (400..=499).contains(&status) {
-            self.policy.released_client_errors.retain(|s| *s != status);
-            self.policy.released_client_errors.push(status);
+            let released = &mut self.policy.released_client_errors;
+            if let Err(at) = released.binary_search(&status) {
+                // Kept in order: two policies that release the same
+                // statuses are equal.
+                released.insert(at, status);
+            }
         } else {
             self.not_a_client_error.get_or_insert(status);
         }
@@ -507,6 +515,7 @@ impl PolicyBuilder {
 
     /// Whether a guarded request must carry a key (default `true`: `400`
     /// without one). With `false`, requests without a key pass through
+    /// (checked by the route's validator, where the edge has one)
     /// unguarded.
     ///
     /// ```
@@ -730,6 +739,18 @@ mod tests {
                 "{status}"
             );
         }
+        // The same statuses released, in whatever order: the same policy.
+        assert_eq!(
+            Policy::builder()
+                .release_client_error(423)
+                .release_client_error(408)
+                .build(),
+            Policy::builder().release_client_error(423).build()
+        );
+        assert_ne!(
+            Policy::builder().release_client_error(423).build(),
+            Policy::builder().build()
+        );
         for status in [400, 499] {
             assert!(Policy::builder()
                 .release_client_error(status)

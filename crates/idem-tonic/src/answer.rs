@@ -65,11 +65,11 @@ pub(crate) fn in_flight(retry_after: Duration) -> http::Response<Body> {
 
 /// `UNAVAILABLE` with a retry hint: too many guarded handlers run in this
 /// process; nothing was read or claimed.
-pub(crate) fn overloaded(running: usize, retry_after: Duration) -> http::Response<Body> {
+pub(crate) fn overloaded(retry_after: Duration) -> http::Response<Body> {
     let mut response = refuse(crate::LayerRefusal::Overloaded.status(
         Code::Unavailable,
         format!(
-            "{running} guarded calls are running, as many as this server takes; nothing ran: retry after {} ms with the same key",
+            "this server runs as many guarded calls as it takes; nothing ran: retry after {} ms with the same key",
             retry_after.as_millis()
         ),
     ));

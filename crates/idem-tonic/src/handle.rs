@@ -22,6 +22,7 @@ use crate::answer::{self, Buffered};
 use crate::frame;
 use crate::layer::{Config, Guarded};
 use crate::refusal::LayerRefusal;
+use idem_once::detached::Running;
 
 /// The request metadata carrying the key.
 pub const IDEMPOTENCY_KEY: &str = idem_core::IDEMPOTENCY_KEY_HEADER;
@@ -276,17 +277,25 @@ where
             )));
         }
     };
-    if let Some(max) = config.max_running {
-        let running = idem_once::detached::running();
-        if running >= max {
-            count(Outcome::Overloaded);
-            debug!(
-                running,
-                max, "too many guarded handlers running; refused before the claim"
-            );
-            return Ok(answer::overloaded(running, config.policy.retry_after()));
-        }
-    }
+    // Counted from here (its message still to read) until its handler's
+    // task ends, even once the caller has gone, so that a graceful
+    // shutdown waits for it (`idem_once::detached::idle`): taken and
+    // checked in one step, so calls arriving together cannot all pass one
+    // count.
+    let counted = match config.max_running {
+        None => Running::enter(),
+        Some(max) => match Running::try_enter(max) {
+            Some(counted) => counted,
+            None => {
+                count(Outcome::Overloaded);
+                debug!(
+                    max,
+                    "too many guarded calls running; refused before the claim"
+                );
+                return Ok(answer::overloaded(config.policy.retry_after()));
+            }
+        },
+    };
     let span = tracing::info_span!("idempotency", method = parts.uri.path(), scope = ?scope, key = ?key.as_str());
     async move {
         let max = config.policy.max_body();
@@ -332,7 +341,7 @@ where
             retention: config.policy.retention(),
         };
         let call = Call { scope, key };
-        run_claimed(config, inner, parts, bytes, claim_request, call).await
+        run_claimed(config, inner, parts, bytes, claim_request, call, counted).await
     }
     .instrument(span)
     .await
@@ -409,6 +418,7 @@ async fn run_claimed<S, B>(
     bytes: Bytes,
     request: ClaimRequest,
     call: Call,
+    counted: Running,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<B>> + Send + 'static,
@@ -421,9 +431,6 @@ where
     // The claim and its handle, once won: what a task that panicked held.
     let won: Arc<OnceLock<(Claim, Idempotency)>> = Arc::default();
     let watched = won.clone();
-    // Counted while it runs, so that a graceful shutdown waits for it
-    // (`idem_once::detached::idle`) even once its caller has gone.
-    let counted = idem_once::detached::Running::enter();
     let run = async move {
         let _counted = counted;
         let (claim, claimed_at) = match claim(&config, &request).await {
@@ -461,7 +468,7 @@ where
         guard.0 = None;
         finished
     };
-    match tokio::spawn(run.in_current_span()).await {
+    match idem_once::detached::join(tokio::spawn(run.in_current_span())).await {
         Ok(result) => result,
         Err(e) => match watched.get() {
             Some((_, handle)) if handle.holds_on_failure() => {

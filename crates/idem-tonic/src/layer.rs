@@ -257,15 +257,18 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Refuses a new guarded call while `n` guarded handlers run in this
+    /// Refuses a new guarded call while `n` guarded calls run in this
     /// process (`UNAVAILABLE` with a retry hint, reason
-    /// `IDEMPOTENCY_OVERLOADED`; nothing read or claimed). The count is
-    /// the process's (`idem_once::detached`, HTTP's guarded handlers too)
-    /// and includes handlers whose callers went away: a call cancelled
-    /// mid-way runs on to store its answer, so without a bound a client
-    /// that opens a call and cancels it, again and again on one
-    /// connection, starts handlers without end (the connection's stream
-    /// limit counts only calls still open). Unbounded by default.
+    /// `IDEMPOTENCY_OVERLOADED`; nothing read or claimed; `n` is at least
+    /// 1). A call counts from the moment it is let in (its message still
+    /// to read) until its handler's task ends, even after its caller went
+    /// away: a call cancelled mid-way runs on to store its answer, so
+    /// without a bound a client that opens a call and cancels it, again
+    /// and again on one connection, starts handlers without end (the
+    /// connection's stream limit counts only calls still open). The count
+    /// is the process's (`idem_once::detached::running`, HTTP's guarded
+    /// requests too); replays and refusals count while they are served.
+    /// Unbounded by default.
     ///
     /// ```
     /// # use std::sync::Arc;

@@ -201,7 +201,7 @@ pub(crate) struct ProxyArgs {
     /// `--body-timeout-secs` are over, in bytes a second (0: no minimum).
     #[arg(long, env = "IDEM_BODY_MIN_RATE", default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=1 << 30))]
     pub(crate) body_min_rate: u64,
-    /// Client connections served at once; more are closed at once.
+    /// Client connections served at once; more are closed at once, as is a new one while as many guarded requests run on whose clients went away.
     #[arg(long, env = "IDEM_MAX_CONNECTIONS", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub(crate) max_connections: u64,
     /// On SIGTERM, requests in flight may finish within this (keep it above
@@ -611,7 +611,7 @@ async fn healthz(State(shared): State<Shared>) -> Response {
         Ok(Err(e)) => {
             // Unauthenticated: the answer names no host, user or driver
             // message; the log has them (its secrets scrubbed).
-            warn!(
+            info!(
                 error = %crate::scrub(&crate::chain(&e), &shared.secrets),
                 "healthz: the store's read failed"
             );

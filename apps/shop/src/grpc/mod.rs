@@ -148,9 +148,9 @@ fn to_message(payment: Payment, operation_id: String) -> pb::Payment {
 /// call cannot run with (a bad tenant, bounds, `x-simulate` past what
 /// `--fault-injection` allows) is refused before the claim.
 /// Calls cancelled mid-way leave their handlers running (to store their
-/// answers); with at most `max_running` of them (the connection cap, as
-/// over HTTP), a client cannot pile them up by opening and cancelling
-/// calls on one connection.
+/// answers); with at most `max_running` guarded calls and requests running
+/// at once (the connection cap), a client cannot pile them up by opening
+/// and cancelling calls on one connection.
 fn layer(
     state: &AppState,
     store: Arc<dyn Store>,
