@@ -61,22 +61,13 @@ where
     // Counted from here (its body still to read) until its handler's task
     // ends, even once the client has gone: taken and checked in one step,
     // so requests arriving together cannot all pass one count.
-    let counted = match config.max_running {
-        None => Running::enter(),
-        Some(max) => match Running::try_enter(max) {
-            Some(counted) => counted,
-            None => {
-                count(Outcome::Overloaded);
-                debug!(
-                    max,
-                    "too many guarded requests running; refused before the claim"
-                );
-                return Ok(crate::IdempotencyRejection::Overloaded {
-                    retry_after: config.policy.retry_after(),
-                }
-                .into_response());
-            }
-        },
+    let Some(counted) = Running::admit(config.max_running) else {
+        count(Outcome::Overloaded);
+        debug!(max = ?config.max_running, "too many guarded requests running; refused before the claim");
+        return Ok(crate::IdempotencyRejection::Overloaded {
+            retry_after: config.policy.retry_after(),
+        }
+        .into_response());
     };
     // Scope and key come from the client: `?` (Debug) quotes and escapes
     // them, so a newline or a `" level=error` cannot forge a log field.

@@ -3,12 +3,12 @@
 //! of its own: the count of running handlers is the process's.)
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod gate;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
@@ -16,40 +16,21 @@ use http_body_util::BodyExt;
 use idem_axum::{IdempotencyLayer, SingleScope};
 use idem_core::Policy;
 use idem_memory::MemoryStore;
-use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
-#[derive(Clone)]
-struct Gate {
-    open: Arc<Semaphore>,
-    started: Arc<AtomicUsize>,
-}
+use gate::{handler, until, until_idle, Gate};
 
-async fn handler(State(gate): State<Gate>) -> &'static str {
-    gate.started.fetch_add(1, Ordering::SeqCst);
-    gate.open.acquire().await.unwrap().forget();
-    "done"
-}
-
-fn request(key: &str) -> Request<Body> {
+fn request(key: &str, body: Body) -> Request<Body> {
     Request::post("/p")
         .header("idempotency-key", key)
         .header("content-type", "application/json")
-        .body(Body::from("{}"))
+        .body(body)
         .unwrap()
 }
 
-/// The count is the process's: this binary's tests take turns.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_cut_off_count_until_their_handlers_end() {
-    let _turn = ONE_AT_A_TIME.lock().await;
-    let gate = Gate {
-        open: Arc::new(Semaphore::new(0)),
-        started: Arc::new(AtomicUsize::new(0)),
-    };
-    let app = Router::new()
+/// The gated handler behind the layer, at most two guarded requests at once.
+fn app(gate: &Gate) -> Router {
+    Router::new()
         .route("/p", post(handler))
         .layer(
             IdempotencyLayer::new(
@@ -59,28 +40,40 @@ async fn requests_cut_off_count_until_their_handlers_end() {
             )
             .max_running(2),
         )
-        .with_state(gate.clone());
+        .with_state(gate.clone())
+}
+
+/// The count is the process's: this binary's tests take turns.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_cut_off_count_until_their_handlers_end() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    until_idle().await;
+    let gate = Gate::closed();
+    let app = app(&gate);
 
     // Two requests, each cut off once its handler has started (a client
     // gone, a stream reset): the handlers run on.
     for n in 0..2 {
-        let cut = tokio::spawn(app.clone().oneshot(request(&format!("k{n}"))));
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while gate.started.load(Ordering::SeqCst) == n {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "handler {n} never started"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let cut = tokio::spawn(
+            app.clone()
+                .oneshot(request(&format!("k{n}"), Body::from("{}"))),
+        );
+        gate.until_started_past(n).await;
         cut.abort();
         let _ = cut.await;
     }
     assert_eq!(idem_once::detached::running(), 2);
+    until(
+        || idem_once::detached::abandoned() == 2,
+        "the handlers cut off never counted as abandoned",
+    )
+    .await;
 
     let refused = tokio::time::timeout(
         Duration::from_secs(30),
-        app.clone().oneshot(request("k-next")),
+        app.clone().oneshot(request("k-next", Body::from("{}"))),
     )
     .await
     .expect("refused at once, not run")
@@ -88,19 +81,15 @@ async fn requests_cut_off_count_until_their_handlers_end() {
     assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(refused.headers()["idempotency-rejection"], "overloaded");
     assert_eq!(refused.headers()["retry-after"], "1");
-    assert_eq!(gate.started.load(Ordering::SeqCst), 2, "no handler more");
+    assert_eq!(gate.started(), 2, "no handler more");
 
     // Once they end, the same key runs (nothing was claimed for it).
     gate.open.add_permits(3);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while idem_once::detached::running() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the handlers never ended"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let ran = app.oneshot(request("k-next")).await.unwrap();
+    until_idle().await;
+    let ran = app
+        .oneshot(request("k-next", Body::from("{}")))
+        .await
+        .unwrap();
     assert_eq!(ran.status(), StatusCode::OK);
     assert!(ran.headers().get("idempotent-replayed").is_none());
     assert_eq!(ran.into_body().collect().await.unwrap().to_bytes(), "done");
@@ -112,49 +101,26 @@ async fn requests_cut_off_count_until_their_handlers_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_arriving_together_are_let_in_up_to_the_limit() {
     let _turn = ONE_AT_A_TIME.lock().await;
-    while idem_once::detached::running() > 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let gate = Gate {
-        open: Arc::new(Semaphore::new(0)),
-        started: Arc::new(AtomicUsize::new(0)),
-    };
-    let app = Router::new()
-        .route("/p", post(handler))
-        .layer(
-            IdempotencyLayer::new(
-                Arc::new(MemoryStore::new()),
-                Policy::default(),
-                SingleScope("together".into()),
-            )
-            .max_running(2),
-        )
-        .with_state(gate.clone());
+    until_idle().await;
+    let gate = Gate::closed();
+    let app = app(&gate);
     let mut senders = Vec::new();
     let mut answers = Vec::new();
     for n in 0..10 {
         let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(1);
         senders.push(tx);
         let body = Body::new(Fed(rx));
-        let request = Request::post("/p")
-            .header("idempotency-key", format!("t{n}"))
-            .header("content-type", "application/json")
-            .body(body)
-            .unwrap();
-        answers.push(tokio::spawn(app.clone().oneshot(request)));
+        answers.push(tokio::spawn(
+            app.clone().oneshot(request(&format!("t{n}"), body)),
+        ));
     }
     // Every request is in the layer (each past its check, or refused),
     // none has its body yet.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while answers.iter().filter(|a| a.is_finished()).count() < 8 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} of 10 answered, running {}",
-            answers.iter().filter(|a| a.is_finished()).count(),
-            idem_once::detached::running()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until(
+        || answers.iter().filter(|a| a.is_finished()).count() >= 8,
+        "the requests over the limit were not refused at once",
+    )
+    .await;
     assert_eq!(idem_once::detached::running(), 2);
     for tx in &senders {
         let _ = tx.send(bytes::Bytes::from_static(b"{}")).await;
@@ -171,7 +137,7 @@ async fn requests_arriving_together_are_let_in_up_to_the_limit() {
         .filter(|s| **s == StatusCode::SERVICE_UNAVAILABLE)
         .count();
     assert_eq!((ran, refused), (2, 8), "{statuses:?}");
-    assert_eq!(gate.started.load(Ordering::SeqCst), 2);
+    assert_eq!(gate.started(), 2);
 }
 
 /// A body fed chunk by chunk by the test.

@@ -5,12 +5,12 @@
 #![cfg(feature = "serve")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod gate;
+
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
 use idem_axum::serve::{serve, Limits};
@@ -19,20 +19,8 @@ use idem_core::Policy;
 use idem_memory::MemoryStore;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 
-#[derive(Clone)]
-struct Gate {
-    /// Handlers wait for a permit here before they answer.
-    open: Arc<Semaphore>,
-    started: Arc<AtomicUsize>,
-}
-
-async fn handler(State(gate): State<Gate>) -> &'static str {
-    gate.started.fetch_add(1, Ordering::SeqCst);
-    gate.open.acquire().await.unwrap().forget();
-    "done"
-}
+use gate::{handler, until, until_idle, Gate};
 
 fn guarded(key: &str) -> String {
     format!(
@@ -46,9 +34,7 @@ fn guarded(key: &str) -> String {
 async fn send_and_hang_up(addr: SocketAddr, key: &str, gate: &Gate, started_before: usize) {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(guarded(key).as_bytes()).await.unwrap();
-    while gate.started.load(Ordering::SeqCst) == started_before {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    gate.until_started_past(started_before).await;
     drop(s);
 }
 
@@ -71,10 +57,7 @@ async fn answers(addr: SocketAddr) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handlers_whose_clients_hung_up_count_against_the_connection_cap() {
-    let gate = Gate {
-        open: Arc::new(Semaphore::new(0)),
-        started: Arc::new(AtomicUsize::new(0)),
-    };
+    let gate = Gate::closed();
     let scope = |parts: &http::request::Parts| {
         parts
             .headers
@@ -111,15 +94,11 @@ async fn handlers_whose_clients_hung_up_count_against_the_connection_cap() {
     assert_eq!(idem_once::detached::running(), 3);
     // The server sees each client gone (the connection closed) in its own
     // time, and drops that request: its handler then counts as abandoned.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while idem_once::detached::abandoned() < 3 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "only {} handlers counted as abandoned",
-            idem_once::detached::abandoned()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until(
+        || idem_once::detached::abandoned() == 3,
+        "not every handler counted as abandoned",
+    )
+    .await;
     // Now a new connection is closed unanswered, however often it is tried.
     for _ in 0..5 {
         assert!(
@@ -127,16 +106,9 @@ async fn handlers_whose_clients_hung_up_count_against_the_connection_cap() {
             "a connection served beside 3 handlers"
         );
     }
-    assert_eq!(gate.started.load(Ordering::SeqCst), 3, "no handler more");
+    assert_eq!(gate.started(), 3, "no handler more");
     // Once the handlers finish, connections are served again.
     gate.open.add_permits(3);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while idem_once::detached::running() > 0 || idem_once::detached::abandoned() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the handlers never ended"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_idle().await;
     assert!(answers(addr).await, "served again once the handlers ended");
 }

@@ -38,6 +38,16 @@ impl Running {
         Running(())
     }
 
+    /// Counts a handler about to run detached: always with no `max`, and
+    /// with one as [`try_enter`](Self::try_enter) does (`None` when `max`
+    /// already run).
+    pub fn admit(max: Option<usize>) -> Option<Self> {
+        match max {
+            None => Some(Self::enter()),
+            Some(max) => Self::try_enter(max),
+        }
+    }
+
     /// Counts a handler about to run detached if fewer than `max` run
     /// (at least one always may): the check and the count are one step,
     /// so requests arriving together cannot all pass a check of the same

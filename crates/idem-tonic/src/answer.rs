@@ -44,43 +44,50 @@ pub(crate) fn refuse(status: Status) -> http::Response<Body> {
 /// `ABORTED`: the key is in flight; retry after `retry_after`, which the
 /// metadata says twice, as gRPC's pushback and as seconds.
 pub(crate) fn in_flight(retry_after: Duration) -> http::Response<Body> {
-    let mut response = refuse(crate::LayerRefusal::InFlight.status(
-        Code::Aborted,
-        format!(
-            "a call with this idempotency-key is in flight; retry after {} ms with the same key",
-            retry_after.as_millis()
+    hinted(
+        crate::LayerRefusal::InFlight.status(
+            Code::Aborted,
+            format!(
+                "a call with this idempotency-key is in flight; retry after {} ms with the same key",
+                retry_after.as_millis()
+            ),
         ),
-    ));
-    let headers = response.headers_mut();
-    headers.insert(
-        RETRY_PUSHBACK,
-        HeaderValue::from(retry_after.as_millis() as u64),
-    );
-    headers.insert(
-        RETRY_AFTER,
-        HeaderValue::from(retry_after.as_secs_f64().ceil().max(1.0) as u64),
-    );
-    response
+        retry_after,
+    )
 }
 
-/// `UNAVAILABLE` with a retry hint: too many guarded handlers run in this
+/// `UNAVAILABLE` with a retry hint: too many guarded calls run in this
 /// process; nothing was read or claimed.
 pub(crate) fn overloaded(retry_after: Duration) -> http::Response<Body> {
-    let mut response = refuse(crate::LayerRefusal::Overloaded.status(
-        Code::Unavailable,
-        format!(
-            "this server runs as many guarded calls as it takes; nothing ran: retry after {} ms with the same key",
-            retry_after.as_millis()
+    hinted(
+        crate::LayerRefusal::Overloaded.status(
+            Code::Unavailable,
+            format!(
+                "this server runs as many guarded calls as it takes; nothing ran: retry after {} ms with the same key",
+                retry_after.as_millis()
+            ),
         ),
-    ));
+        retry_after,
+    )
+}
+
+/// `status` with a retry hint, said twice in its metadata: as gRPC's
+/// pushback (milliseconds) and as `retry-after` (whole seconds, rounded
+/// up).
+fn hinted(status: Status, retry_after: Duration) -> http::Response<Body> {
+    let mut response = refuse(status);
     let headers = response.headers_mut();
     headers.insert(
         RETRY_PUSHBACK,
-        HeaderValue::from(retry_after.as_millis() as u64),
+        HeaderValue::from(u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX)),
     );
     headers.insert(
         RETRY_AFTER,
-        HeaderValue::from(retry_after.as_secs_f64().ceil().max(1.0) as u64),
+        HeaderValue::from(
+            u64::try_from(retry_after.as_millis().div_ceil(1000))
+                .unwrap_or(u64::MAX)
+                .max(1),
+        ),
     );
     response
 }

@@ -282,19 +282,10 @@ where
     // shutdown waits for it (`idem_once::detached::idle`): taken and
     // checked in one step, so calls arriving together cannot all pass one
     // count.
-    let counted = match config.max_running {
-        None => Running::enter(),
-        Some(max) => match Running::try_enter(max) {
-            Some(counted) => counted,
-            None => {
-                count(Outcome::Overloaded);
-                debug!(
-                    max,
-                    "too many guarded calls running; refused before the claim"
-                );
-                return Ok(answer::overloaded(config.policy.retry_after()));
-            }
-        },
+    let Some(counted) = Running::admit(config.max_running) else {
+        count(Outcome::Overloaded);
+        debug!(max = ?config.max_running, "too many guarded calls running; refused before the claim");
+        return Ok(answer::overloaded(config.policy.retry_after()));
     };
     let span = tracing::info_span!("idempotency", method = parts.uri.path(), scope = ?scope, key = ?key.as_str());
     async move {

@@ -153,14 +153,9 @@ async fn cancelled_calls_count_until_their_handlers_end() {
 
     // Once the handlers end, the same key runs.
     gate.open.add_permits(4);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while idem_once::detached::running() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the handlers never ended"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    tokio::time::timeout(Duration::from_secs(30), idem_once::detached::idle())
+        .await
+        .expect("the handlers never ended");
     let ran = pay(channel.clone(), "k-next".to_owned()).await.unwrap();
     assert_eq!(ran.into_inner().amount, 1);
     assert_eq!(gate.started.load(Ordering::SeqCst), 4);
