@@ -47,9 +47,7 @@ where
                 Ok(bytes) => bytes,
                 Err(refused) => return Ok(refused),
             };
-            if let Err(refused) = check(&parts, &bytes) {
-                count(Outcome::Invalid);
-                debug!(status = %refused.status(), "a request without a key refused by validation");
+            if let Err(refused) = validated(check.as_ref(), &parts, &bytes) {
                 return Ok(refused);
             }
             return inner
@@ -79,9 +77,7 @@ where
                 Err(refused) => return Ok(refused),
             };
         if let Some(check) = &config.validate {
-            if let Err(refused) = check(&parts, &bytes) {
-                count(Outcome::Invalid);
-                debug!(status = %refused.status(), "refused by validation before the claim; nothing stored");
+            if let Err(refused) = validated(check.as_ref(), &parts, &bytes) {
                 return Ok(refused);
             }
         }
@@ -93,6 +89,19 @@ where
     }
     .instrument(span)
     .await
+}
+
+/// The route's validator on a request read whole: its refusal, counted
+/// and answered as it is (nothing claimed, nothing stored).
+fn validated(
+    check: &crate::config::Validator,
+    parts: &http::request::Parts,
+    bytes: &Bytes,
+) -> Result<(), Response> {
+    check(parts, bytes).inspect_err(|refused| {
+        count(Outcome::Invalid);
+        debug!(status = %refused.status(), "refused by validation before the claim; nothing stored");
+    })
 }
 
 /// Claims the key, then runs the handler holding the claim and finishes.
